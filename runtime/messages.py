@@ -1,0 +1,86 @@
+"""The messages that travel between the API/frontend side and the EngineCore (msgspec/msgpack).
+
+These types are the only thing the two sides share.
+"""
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from rankserve.runtime.sampling_params import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+    priority: int = 0  # lower value is served first (vLLM semantics)
+    cache_salt: str | None = None
+    eos_token_id: int | None = None
+
+
+class LogprobsEntry(msgspec.Struct, array_like=True):
+    """Logprobs at one position: index 0 is the chosen token, then the top-k alternatives."""
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]  # 1-based rank of each token in the distribution
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[LogprobsEntry] | None = None
+    # one entry per prompt position after the first; delivered with the first output
+    prompt_logprobs: list[LogprobsEntry] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True):
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0  # fraction of KV blocks in use
+    num_blocks_used: int = 0
+    num_blocks_total: int = 0
+    prefix_queries: int = 0  # tokens looked up in the prefix cache (cumulative)
+    prefix_hits: int = 0  # of which were hits (cumulative)
+    num_preemptions: int = 0  # cumulative
+    num_prompt_tokens: int = 0  # computed this step
+    num_generation_tokens: int = 0  # generated this step
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    outputs: list[EngineCoreOutput] = []
+    stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+    # reply to a utility call: (call_id, result or None, error or None)
+    utility_result: tuple[int, object, str | None] | None = None
+    engine_dead: str | None = None
+
+
+class EngineCoreRequestType(bytes, enum.Enum):
+    """First frame of a message sent to the EngineCore."""
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    UTILITY = b"\x02"
+    SHUTDOWN = b"\x03"
+
+
+encoder = msgspec.msgpack.Encoder()
+request_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
+outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)

@@ -1,0 +1,74 @@
+"""Per-request sampling and stopping parameters (vLLM / OpenAI semantics)."""
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True):
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to the context length
+    min_tokens: int = 0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # number of top logprobs per generated token (0: only the sampled one)
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    detokenize: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.top_k == -1:
+            self.top_k = 0
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field and the allowed range."""
+        def bad(name, rule):
+            raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+        if self.n < 1:
+            bad("n", ">= 1")
+        if self.temperature < 0:
+            bad("temperature", ">= 0")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", "in (0, 1]")
+        if self.top_k < 0:
+            bad("top_k", ">= 0 (or -1 to disable)")
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", "in [0, 1]")
+        if not -2 <= self.presence_penalty <= 2:
+            bad("presence_penalty", "in [-2, 2]")
+        if not -2 <= self.frequency_penalty <= 2:
+            bad("frequency_penalty", "in [-2, 2]")
+        if self.repetition_penalty <= 0:
+            bad("repetition_penalty", "> 0")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad("max_tokens", ">= 1")
+        if self.min_tokens < 0:
+            bad("min_tokens", ">= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"<= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            bad("logprobs", "in [0, 20]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            bad("prompt_logprobs", "in [0, 20]")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1.0)
