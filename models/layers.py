@@ -1,0 +1,298 @@
+"""Parallel-ready building blocks: column/row/vocab-parallel linear layers (fused QKV and
+gate-up), RMSNorm, RoPE, and the paged-attention block.
+
+Each parameter carries a `weight_loader(param, tensor, shard_id)` that copies in only this rank's
+slice; `tensor` may be a safetensors slice (`safe_open(...).get_slice(name)`), so a rank reads
+only the bytes it needs. At tensor-parallel size 1 every layer is a plain dense layer and the
+collectives are no-ops.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from rankserve.kernels.attention import paged_attention
+
+
+@dataclass
+class ParallelInfo:
+    """What a model needs to know about its place in the job (built by runtime/parallel.py)."""
+    tp_rank: int = 0
+    tp_size: int = 1
+    tp_group: Any = None  # torch.distributed ProcessGroup of the TP ranks
+    pp_rank: int = 0
+    pp_size: int = 1
+    enable_expert_parallel: bool = False
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+def tp_all_reduce(x: torch.Tensor, pi: ParallelInfo) -> torch.Tensor:
+    if pi.tp_size == 1:
+        return x
+    # functional collectives trace under torch.compile and capture in CUDA graphs
+    from torch.distributed import _functional_collectives as fc
+    return fc.all_reduce(x, "sum", pi.tp_group)
+
+
+def tp_all_gather_last(x: torch.Tensor, pi: ParallelInfo) -> torch.Tensor:
+    """Concatenate the ranks' shards along the last dimension."""
+    if pi.tp_size == 1:
+        return x
+    from torch.distributed import _functional_collectives as fc
+    gathered = fc.all_gather_tensor(x.contiguous(), 0, pi.tp_group)  # [tp * N, ...]
+    return torch.cat(gathered.chunk(pi.tp_size, 0), dim=-1)
+
+
+def _read(t, index=None) -> torch.Tensor:
+    """Materialise a tensor or a safetensors slice (only the indexed part is read)."""
+    if index is None:
+        return t[:] if not isinstance(t, torch.Tensor) else t
+    return t[index]
+
+
+def _shape(t) -> list[int]:
+    return list(t.shape) if isinstance(t, torch.Tensor) else t.get_shape()
+
+
+def divide(a: int, b: int, what: str) -> int:
+    if a % b:
+        raise ValueError(f"{what} ({a}) is not divisible by the tensor-parallel size ({b})")
+    return a // b
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W's output rows split across TP ranks; output stays sharded.
+
+    `output_sizes` lists the fused sub-matrices (e.g. gate and up); each is split separately so
+    that every rank holds matching pieces of each.
+    """
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, pi: ParallelInfo,
+                 dtype: torch.dtype | None = None):
+        super().__init__()
+        self.pi = pi
+        self.output_sizes = [divide(s, pi.tp_size, "output size") for s in output_sizes]
+        out = sum(self.output_sizes)
+        self.weight = nn.Parameter(torch.empty(out, in_features, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out, dtype=dtype), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+
+    def shard_rows(self, shard_id: int) -> tuple[int, int, int]:
+        """(offset in this rank's param, first source row, number of rows) of a sub-matrix."""
+        size = self.output_sizes[shard_id]
+        return sum(self.output_sizes[:shard_id]), self.pi.tp_rank * size, size
+
+    def weight_loader(self, param: nn.Parameter, src, shard_id: int | None = None):
+        off, start, n = self.shard_rows(shard_id or 0)
+        param.data[off:off + n].copy_(_read(src, slice(start, start + n)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection split by heads; KV heads are replicated when TP > num_kv_heads."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
+                 pi: ParallelInfo, dtype=None):
+        self.num_heads = divide(num_heads, pi.tp_size, "num_attention_heads")
+        if num_kv_heads >= pi.tp_size:
+            self.num_kv_heads = divide(num_kv_heads, pi.tp_size, "num_key_value_heads")
+            self.kv_rank = pi.tp_rank
+        else:  # each kv head is shared by tp/num_kv_heads ranks
+            divide(pi.tp_size, num_kv_heads, "tensor-parallel size vs num_key_value_heads")
+            self.num_kv_heads = 1
+            self.kv_rank = pi.tp_rank * num_kv_heads // pi.tp_size
+        self.head_dim = head_dim
+        sizes = [self.num_heads * head_dim, self.num_kv_heads * head_dim, self.num_kv_heads * head_dim]
+        super().__init__(hidden, [s * pi.tp_size for s in sizes], bias, pi, dtype)
+        self.output_sizes = sizes
+
+    def shard_rows(self, shard_id: int):
+        size = self.output_sizes[shard_id]
+        rank = self.pi.tp_rank if shard_id == 0 else self.kv_rank
+        return sum(self.output_sizes[:shard_id]), rank * size, size
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W's input columns split across TP ranks; the partial sums are all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, pi: ParallelInfo,
+                 dtype=None, reduce: bool = True):
+        super().__init__()
+        self.pi = pi
+        self.reduce = reduce
+        self.in_per_rank = divide(in_features, pi.tp_size, "input size")
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank, dtype=dtype),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:  # added once, after the reduction
+            self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
+            self.bias.weight_loader = lambda p, src, shard_id=None: p.data.copy_(_read(src))
+
+    def weight_loader(self, param, src, shard_id=None):
+        start = self.pi.tp_rank * self.in_per_rank
+        param.data.copy_(_read(src, (slice(None), slice(start, start + self.in_per_rank))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.reduce:
+            y = tp_all_reduce(y, self.pi)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding with the vocabulary split across TP ranks (padded to a multiple of TP size)."""
+
+    def __init__(self, vocab_size: int, dim: int, pi: ParallelInfo, dtype=None):
+        super().__init__()
+        self.pi = pi
+        self.vocab_size = vocab_size
+        self.per_rank = math.ceil(vocab_size / pi.tp_size)
+        self.start = pi.tp_rank * self.per_rank
+        self.weight = nn.Parameter(torch.zeros(self.per_rank, dim, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param, src, shard_id=None):
+        end = min(self.start + self.per_rank, _shape(src)[0])
+        if end > self.start:
+            param.data[:end - self.start].copy_(_read(src, slice(self.start, end)))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.pi.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        mask = (local >= 0) & (local < self.per_rank)
+        out = F.embedding(local.clamp(0, self.per_rank - 1), self.weight) * mask.unsqueeze(-1)
+        return tp_all_reduce(out, self.pi)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Vocab-parallel output projection; logits are gathered to the full vocabulary."""
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        out = F.linear(h, self.weight)
+        return tp_all_gather_last(out, self.pi)[..., :self.vocab_size]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)  # HF casts before the weight; parity needs the same
+
+
+def rope_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
+    """Inverse frequencies for the RoPE variants in HF configs (default, linear, llama3)."""
+    theta = float(params.get("rope_theta", 10000.0))
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind == "linear":
+        inv = inv / float(params["factor"])
+    elif kind == "llama3":
+        factor, lo, hi = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+        old_len = params["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = ((old_len / wavelen) - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old_len / lo, inv / factor, inv)
+        mid = (wavelen <= old_len / lo) & (wavelen >= old_len / hi)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    elif kind != "default":
+        raise ValueError(f"unsupported rope_type {kind!r} (supported: default, linear, llama3)")
+    return inv.float()
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE (HF layout) from a precomputed cos/sin table indexed by position."""
+
+    def __init__(self, head_dim: int, max_pos: int, params: dict):
+        super().__init__()
+        inv = rope_inv_freq(head_dim, params)
+        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv)
+        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], -1), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
+
+
+@dataclass
+class AttnMeta:
+    """Per-step attention metadata built by the model runner (see kernels/attention.py)."""
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 max_pos: int, rope_params: dict, pi: ParallelInfo, qkv_bias: bool = False,
+                 qk_norm_eps: float | None = None, dtype=None):
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads, qkv_bias, pi, dtype)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, False, pi, dtype)
+        self.q_size = self.qkv_proj.num_heads * head_dim
+        self.kv_size = self.qkv_proj.num_kv_heads * head_dim
+        self.head_dim = head_dim
+        self.scale = head_dim ** -0.5
+        self.rotary = RotaryEmbedding(head_dim, max_pos, rope_params)
+        self.q_norm = self.k_norm = None
+        if qk_norm_eps is not None:  # Qwen3: per-head RMSNorm on q and k before RoPE
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps, dtype)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps, dtype)
+        # bound by the model runner once the KV cache is allocated
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttnMeta) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, -1, self.head_dim)
+        k = k.view(T, -1, self.head_dim)
+        v = v.view(T, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = paged_attention(q, k, v, self.k_cache, self.v_cache, attn.slot_mapping,
+                            attn.query_start_loc, attn.seq_lens, attn.block_table, self.scale)
+        return self.o_proj(o.reshape(T, -1))
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU MLP with a fused gate-up projection."""
+
+    def __init__(self, hidden: int, intermediate: int, pi: ParallelInfo, dtype=None, bias=False):
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(hidden, [intermediate, intermediate], bias, pi, dtype)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias, pi, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

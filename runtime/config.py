@@ -1,0 +1,182 @@
+"""EngineConfig: dataclass sub-configs with defaults and one-line docs.
+
+The CLI flags are generated from these fields (`launch/cli.py`): field `max_num_seqs` becomes
+`--max-num-seqs`, the `doc` metadata becomes the help, `flag`/`alias` metadata override the name
+(vLLM's names where the meaning is the same). Validation errors name the flag.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "models" / "default" / "stories260K")
+
+
+def opt(default, doc: str, alias: str | None = None, choices: tuple | None = None, **kw):
+    return field(default=default, metadata={"doc": doc, "alias": alias, "choices": choices, **kw})
+
+
+def _default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "rankserve")
+
+
+class ConfigError(ValueError):
+    """Invalid configuration; the message names the flag."""
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _check(cond: bool, name: str, rule: str, value) -> None:
+    if not cond:
+        raise ConfigError(f"{_flag(name)} must be {rule}, got {value!r}")
+
+
+@dataclass
+class ModelConfig:
+    model: str = opt(DEFAULT_MODEL, "HF checkpoint directory (default: the embedded stories260K)",
+                     positional=True)
+    tokenizer: str | None = opt(None, "tokenizer directory (default: the model directory)")
+    dtype: str = opt("auto", "weight and activation dtype",
+                     choices=("auto", "float32", "bfloat16", "float16"))
+    max_model_len: int | None = opt(None, "context length (default: from the model config)")
+    seed: int = opt(0, "seed for dummy weights and unseeded sampling")
+    served_model_name: str | None = opt(None, "model name reported by the API")
+
+    def validate(self):
+        _check(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "> 0",
+               self.max_model_len)
+
+
+@dataclass
+class LoadConfig:
+    load_format: str = opt("auto", "weights: safetensors from the checkpoint, or random (dummy)",
+                           choices=("auto", "safetensors", "dummy"))
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = opt(16, "tokens per KV-cache block", choices=(8, 16, 32, 64, 128))
+    gpu_memory_utilization: float = opt(0.9, "fraction of device memory for weights, activations and KV cache")
+    num_gpu_blocks_override: int | None = opt(None, "use exactly this many KV blocks (skip profiling)")
+    kv_cache_memory_gb: float = opt(1.0, "KV-cache size on CPU (GiB)")
+    enable_prefix_caching: bool = opt(True, "reuse KV blocks of shared prompt prefixes")
+    prefix_caching_hash_algo: str = opt("sha256", "block hash for prefix caching",
+                                        choices=("sha256", "xxhash"))
+
+    def validate(self):
+        _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "in (0, 1]",
+               self.gpu_memory_utilization)
+        _check(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override > 0,
+               "num_gpu_blocks_override", "> 0", self.num_gpu_blocks_override)
+        _check(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", "> 0", self.kv_cache_memory_gb)
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = opt(256, "most requests in one step")
+    max_num_batched_tokens: int = opt(8192, "token budget of one step")
+    enable_chunked_prefill: bool = opt(True, "split long prompts over several steps")
+    policy: str = opt("fcfs", "scheduling policy", alias="scheduling_policy",
+                      choices=("fcfs", "priority"))
+
+    def validate(self):
+        _check(self.max_num_seqs >= 1, "max_num_seqs", ">= 1", self.max_num_seqs)
+        _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1",
+               self.max_num_batched_tokens)
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = opt(1, "tensor-parallel ranks", alias="tp")
+    pipeline_parallel_size: int = opt(1, "pipeline stages", alias="pp")
+    enable_expert_parallel: bool = opt(False, "shard MoE experts across the TP group (EP = TP)")
+
+    def validate(self):
+        _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", ">= 1",
+               self.tensor_parallel_size)
+        _check(self.pipeline_parallel_size >= 1, "pipeline_parallel_size", ">= 1",
+               self.pipeline_parallel_size)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass
+class CompilationConfig:
+    enforce_eager: bool = opt(False, "no torch.compile and no CUDA graphs")
+    compilation_level: int = opt(-1, "0: eager, 1: torch.compile, 2: compile + CUDA graphs "
+                                 "(-1: 2 on CUDA, 0 on CPU)")
+    cuda_graph_max_bs: int | None = opt(None, "largest captured batch (default: max_num_seqs, at most 512)")
+    cache_dir: str = opt(_default_cache_dir(), "compile and autotune caches")
+
+    def validate(self):
+        _check(self.compilation_level in (-1, 0, 1, 2), "compilation_level", "one of -1, 0, 1, 2",
+               self.compilation_level)
+
+    def level(self, device_type: str) -> int:
+        if self.enforce_eager:
+            return 0
+        if self.compilation_level >= 0:
+            return self.compilation_level
+        return 2 if device_type == "cuda" else 0
+
+
+@dataclass
+class DeviceConfig:
+    device: str = opt("auto", "cpu, cuda, or auto", choices=("auto", "cpu", "cuda"))
+    device_ids: str | None = opt(None, "physical device per local rank, e.g. 4,5,6,7")
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    load: LoadConfig = field(default_factory=LoadConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    compilation: CompilationConfig = field(default_factory=CompilationConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+
+    SECTIONS = ("model", "load", "cache", "scheduler", "parallel", "compilation", "device")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        """Build from flat keyword arguments (`max_num_seqs=8`, `tp=2` ...)."""
+        cfg = cls()
+        for key, value in kwargs.items():
+            section, name = cfg._locate(key)
+            setattr(getattr(cfg, section), name, value)
+        cfg.validate()
+        return cfg
+
+    def _locate(self, key: str) -> tuple[str, str]:
+        for section in self.SECTIONS:
+            for f in dataclasses.fields(getattr(self, section)):
+                if key in (f.name, f.metadata.get("alias")):
+                    return section, f.name
+        raise ConfigError(f"unknown engine option {key!r}")
+
+    def validate(self) -> "EngineConfig":
+        for section in self.SECTIONS:
+            sub = getattr(self, section)
+            for f in dataclasses.fields(sub):
+                choices = f.metadata.get("choices")
+                value = getattr(sub, f.name)
+                if choices and value not in choices:
+                    raise ConfigError(f"{_flag(f.name)} must be one of "
+                                      f"{', '.join(map(str, choices))}; got {value!r}")
+            if hasattr(sub, "validate"):
+                sub.validate()
+        return self
+
+    def flat_fields(self):
+        """(section, dataclasses.Field) for every option, in CLI order."""
+        for section in self.SECTIONS:
+            for f in dataclasses.fields(getattr(self, section)):
+                yield section, f

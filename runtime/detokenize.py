@@ -1,0 +1,46 @@
+"""Incremental detokenization (tokenizers' DecodeStream) and stop-string matching."""
+from __future__ import annotations
+
+from tokenizers.decoders import DecodeStream
+
+
+class IncrementalDetokenizer:
+    """Turns generated token ids into text deltas, with the prompt as left context so the first
+    token's leading space and multi-byte characters come out as in a full decode."""
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
+                 stop: list[str] | None = None, include_stop_str_in_output: bool = False):
+        self.backend = tokenizer._tokenizer if hasattr(tokenizer, "_tokenizer") else tokenizer
+        # a few prompt tokens are enough context for the decoder's prefix-space handling
+        self.stream = DecodeStream(ids=list(prompt_token_ids[-8:]),
+                                   skip_special_tokens=skip_special_tokens)
+        self.text = ""
+        self.stop = stop or []
+        self.include_stop = include_stop_str_in_output
+        self.max_stop_len = max((len(s) for s in self.stop), default=0)
+
+    def push(self, token_ids: list[int]) -> tuple[str, str | None]:
+        """Add tokens; returns (new text, matched stop string or None). After a match the text
+        is cut at the stop string (kept when include_stop_str_in_output)."""
+        before = len(self.text)
+        for tok in token_ids:
+            piece = self.stream.step(self.backend, tok)
+            if piece:
+                self.text += piece
+        matched = self._check_stop(before)
+        return self.text[before:], matched
+
+    def _check_stop(self, before: int) -> str | None:
+        if not self.stop:
+            return None
+        search_from = max(0, before - self.max_stop_len + 1)
+        best = None
+        for s in self.stop:
+            i = self.text.find(s, search_from)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return None
+        i, s = best
+        self.text = self.text[:i + len(s)] if self.include_stop else self.text[:i]
+        return s

@@ -1,0 +1,78 @@
+"""EngineCore: the loop that drains inputs, schedules, executes and updates.
+
+The same object serves the offline `LLM` (in-process) and the server (driven by
+`runtime/serve/engine_proc.py` over ZMQ).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from rankserve.runtime.config import EngineConfig
+from rankserve.runtime.messages import EngineCoreOutputs, EngineCoreRequest, FinishReason
+from rankserve.runtime.request import Request
+from rankserve.runtime.scheduler import Scheduler
+
+log = logging.getLogger("rankserve.engine")
+
+
+class EngineCore:
+    def __init__(self, cfg: EngineConfig, executor, eos_token_id: int | None = None):
+        self.cfg = cfg
+        self.executor = executor
+        t0 = time.perf_counter()
+        num_blocks = executor.determine_num_blocks()
+        executor.initialize(num_blocks, eos_token_id)
+        self.timings = dict(executor.timings)
+        self.timings["kv_alloc+compile"] = time.perf_counter() - t0
+        self.max_model_len = executor.max_model_len
+        self.vocab_size = executor.vocab_size
+        self.num_blocks = num_blocks
+        self.scheduler = Scheduler(cfg.scheduler, cfg.cache, num_blocks, self.max_model_len)
+        bs = cfg.cache.block_size
+        log.info("KV cache: %d blocks of %d tokens (%d tokens, %.1fx max_model_len %d)",
+                 num_blocks, bs, num_blocks * bs, num_blocks * bs / self.max_model_len,
+                 self.max_model_len)
+
+    # ---- input ------------------------------------------------------------------------------
+    def validate(self, req: EngineCoreRequest) -> None:
+        """Raise ValueError with a client-facing message for requests the engine cannot serve."""
+        n = len(req.prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n >= self.max_model_len:
+            raise ValueError(f"the prompt has {n} tokens, but the context length (max_model_len) "
+                             f"is {self.max_model_len}; it must leave room for at least one new token")
+        if min(req.prompt_token_ids) < 0 or max(req.prompt_token_ids) >= self.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        req.sampling_params.validate()
+        capacity = self.num_blocks * self.cfg.cache.block_size
+        if n + 1 > capacity:
+            raise ValueError(f"the prompt has {n} tokens, more than the KV cache holds ({capacity})")
+        if not self.cfg.scheduler.enable_chunked_prefill and n > self.cfg.scheduler.max_num_batched_tokens:
+            raise ValueError(f"the prompt has {n} tokens, more than --max-num-batched-tokens "
+                             f"({self.cfg.scheduler.max_num_batched_tokens}) with chunked prefill off")
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        self.validate(req)
+        if req.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.scheduler.add_request(Request(req, self.max_model_len))
+
+    def abort_requests(self, request_ids) -> None:
+        self.scheduler.finish_requests(request_ids, FinishReason.ABORT)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---- the step ---------------------------------------------------------------------------
+    def step(self) -> EngineCoreOutputs:
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return EngineCoreOutputs(stats=self.scheduler.stats(), timestamp=time.time())
+        result = self.executor.execute(plan)
+        return self.scheduler.update(plan, result)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,177 @@
+"""Paged KV-cache bookkeeping: block pool with an LRU free list, prefix caching by chained block
+hashes, ref-counted sharing. The device tensors themselves live in the model runner; this module
+only hands out block ids.
+
+A block's hash is H(parent_hash, its token ids, extra keys); the first block's extra keys hold the
+cache salt, so tenants with different salts never share. A free block keeps its hash (and stays
+findable) until it is reused, so the free list doubles as the prefix cache's LRU eviction order.
+"""
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections import OrderedDict
+
+from rankserve.runtime.request import Request
+
+
+def make_hasher(algo: str):
+    if algo == "sha256":
+        return lambda obj: hashlib.sha256(pickle.dumps(obj, protocol=5)).digest()
+    if algo == "xxhash":
+        import xxhash
+        return lambda obj: xxhash.xxh3_128_digest(pickle.dumps(obj, protocol=5))
+    raise ValueError(f"unknown prefix-caching hash {algo!r} (sha256 or xxhash)")
+
+
+class Block:
+    __slots__ = ("block_id", "ref_cnt", "block_hash")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: bytes | None = None
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool):
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[bytes, Block] = {}
+        self.enable_caching = enable_caching
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def take(self, n: int) -> list[Block]:
+        out = []
+        for _ in range(n):
+            _, block = self.free.popitem(last=False)  # least recently used first
+            if block.block_hash is not None:  # evict it from the prefix cache
+                if self.cached.get(block.block_hash) is block:
+                    del self.cached[block.block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: list[Block]) -> None:
+        for b in blocks:
+            if b.ref_cnt == 0:
+                del self.free[b.block_id]
+            b.ref_cnt += 1
+
+    def release(self, blocks: list[Block]) -> None:
+        # callers pass tail blocks first so a request's last blocks are evicted first
+        for b in blocks:
+            b.ref_cnt -= 1
+            assert b.ref_cnt >= 0, f"block {b.block_id} freed twice"
+            if b.ref_cnt == 0:
+                self.free[b.block_id] = b
+
+    def lookup(self, block_hash: bytes) -> Block | None:
+        return self.cached.get(block_hash)
+
+    def register(self, block: Block, block_hash: bytes) -> None:
+        if self.enable_caching and block.block_hash is None and block_hash not in self.cached:
+            block.block_hash = block_hash
+            self.cached[block_hash] = block
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 hash_algo: str = "sha256"):
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.hash = make_hasher(hash_algo)
+        self.req_blocks: dict[str, list[Block]] = {}
+        self.num_registered: dict[str, int] = {}  # blocks of a request already in the cache
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free / self.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    def update_hashes(self, req: Request) -> None:
+        """Extend the request's chain of full-block hashes to cover its known tokens."""
+        bs = self.block_size
+        while (len(req.block_hashes) + 1) * bs <= req.num_tokens:
+            i = len(req.block_hashes)
+            parent = req.block_hashes[-1] if i else None
+            extra = (req.cache_salt,) if i == 0 and req.cache_salt else ()
+            req.block_hashes.append(
+                self.hash((parent, tuple(req.all_token_ids[i * bs:(i + 1) * bs]), extra)))
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[Block], int]:
+        """Longest cached prefix of full blocks. The last token is always recomputed, so a full
+        hit never yields a zero-length query."""
+        if not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
+            return [], 0
+        self.update_hashes(req)
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        hits = []
+        for h in req.block_hashes[:max_blocks]:
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_queries += req.num_tokens
+        self.prefix_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def blocks_needed(self, req: Request, num_new_tokens: int, computed: list[Block]) -> int:
+        have = len(self.req_blocks.get(req.request_id, ())) + len(computed)
+        total = req.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        return max(0, -(-total // self.block_size) - have)
+
+    def allocate_slots(self, req: Request, num_new_tokens: int,
+                       computed: list[Block] | None = None) -> list[int] | None:
+        """Reserve blocks for `num_new_tokens` more tokens (after the cached prefix `computed`).
+        Returns the ids of newly added blocks, or None if the pool cannot supply them."""
+        computed = computed or []
+        need = self.blocks_needed(req, num_new_tokens, computed)
+        # cached blocks that sit in the free list are taken out of it by touch()
+        evictable_hits = sum(1 for b in computed if b.ref_cnt == 0)
+        if need > self.pool.num_free - evictable_hits:
+            return None
+        blocks = self.req_blocks.setdefault(req.request_id, [])
+        self.pool.touch(computed)
+        new = computed + self.pool.take(need)
+        blocks.extend(new)
+        if self.enable_caching:
+            self._register_full_blocks(req, req.num_computed_tokens
+                                       + len(computed) * self.block_size + num_new_tokens)
+        return [b.block_id for b in new]
+
+    def _register_full_blocks(self, req: Request, num_tokens: int) -> None:
+        self.update_hashes(req)
+        blocks = self.req_blocks[req.request_id]
+        start = self.num_registered.get(req.request_id, 0)
+        end = min(num_tokens // self.block_size, len(req.block_hashes), len(blocks))
+        for i in range(start, end):
+            self.pool.register(blocks[i], req.block_hashes[i])
+        self.num_registered[req.request_id] = max(start, end)
+
+    def free(self, req: Request) -> None:
+        blocks = self.req_blocks.pop(req.request_id, [])
+        self.num_registered.pop(req.request_id, None)
+        self.pool.release(list(reversed(blocks)))
+
+    def block_ids(self, req: Request) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(req.request_id, ())]
+
+    def reset_prefix_cache(self) -> bool:
+        if self.pool.num_free != self.num_blocks:
+            return False
+        for b in self.pool.blocks:
+            b.block_hash = None
+        self.pool.cached.clear()
+        return True

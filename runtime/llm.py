@@ -1,0 +1,99 @@
+"""Offline inference: `LLM(model, **config).generate(prompts, SamplingParams)`.
+
+Drives the same EngineCore loop (schedule → execute → update) that the server drives.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+
+from tqdm import tqdm
+
+from rankserve.runtime.config import DEFAULT_MODEL, EngineConfig
+from rankserve.runtime.engine_core import EngineCore
+from rankserve.runtime.messages import EngineCoreRequest
+from rankserve.runtime.outputs import OutputProcessor, RequestOutput, child_request_id
+from rankserve.runtime.sampling_params import SamplingParams
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+def eos_token_id_of(tokenizer, model_dir: str) -> int | None:
+    try:
+        from transformers import GenerationConfig
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        if eos is not None:
+            return eos
+    except (OSError, ValueError):
+        pass
+    return getattr(tokenizer, "eos_token_id", None)
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, executor=None, **kwargs):
+        self.config = EngineConfig.from_kwargs(model=model or DEFAULT_MODEL, **kwargs)
+        m = self.config.model
+        self.tokenizer = load_tokenizer(m.tokenizer or m.model)
+        self.eos_token_id = eos_token_id_of(self.tokenizer, m.model)
+        if executor is None:
+            from rankserve.runtime.executor import UniprocExecutor
+            executor = UniprocExecutor(self.config)
+        self.engine = EngineCore(self.config, executor, self.eos_token_id)
+        self.processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def _to_token_ids(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer(prompt).input_ids
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            return prompt["prompt"], self.tokenizer(prompt["prompt"]).input_ids
+        return None, list(prompt)
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False, priority: list[int] | None = None) -> list[RequestOutput]:
+        """Generate for one prompt or a batch (strings, token-id lists, or dicts with
+        `prompt`/`prompt_token_ids`). Invalid requests raise ValueError before any is queued."""
+        single = isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        if single or (isinstance(prompts, list) and not prompts):
+            prompts = [prompts] if single else prompts
+        params = sampling_params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        reqs = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            text, ids = self._to_token_ids(p)
+            rid = str(next(self._ids))
+            for cid in range(sp.n):
+                reqs.append((rid, text, ids, sp, EngineCoreRequest(
+                    child_request_id(rid, cid, sp.n), ids, sp, time.monotonic(),
+                    priority[i] if priority else 0, eos_token_id=self.eos_token_id)))
+        for *_, r in reqs:
+            self.engine.validate(r)
+        order, results = [], {}
+        for rid, text, ids, sp, r in reqs:
+            if rid not in results:
+                self.processor.add_request(rid, text, ids, sp)
+                order.append(rid)
+                results[rid] = None
+            self.engine.add_request(r)
+        bar = tqdm(total=len(order), desc="Generating", disable=not use_tqdm)
+        pending = set(order)
+        while pending:
+            outs = self.engine.step()
+            for o in outs.outputs:
+                ro, abort = self.processor.process(o)
+                if abort:
+                    self.engine.abort_requests([o.request_id])
+                if ro is not None and ro.finished and ro.request_id in pending:
+                    pending.discard(ro.request_id)
+                    results[ro.request_id] = ro
+                    bar.update(1)
+        bar.close()
+        return [results[r] for r in order]

@@ -1,0 +1,286 @@
+"""ModelRunner: owns the model, its paged KV cache and per-request state on one rank; turns a
+step plan (`SchedulerOutput`) into model inputs, runs the forward and samples.
+
+Per-request token ids and block tables live in persistent numpy arrays (one row per running
+request) updated by the plan's deltas, so building a step's inputs is a handful of vectorised
+gathers rather than Python loops over tokens.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from rankserve.models.layers import AttnMeta, ParallelInfo
+from rankserve.models.loader import build_model, init_dummy_weights, load_hf_config, load_weights, resolve_dtype
+from rankserve.runtime.config import EngineConfig
+from rankserve.runtime.sampler import SamplingMetadata, gather_logprobs, sample
+from rankserve.runtime.sampling_params import SamplingParams
+from rankserve.runtime.scheduler import ModelRunnerOutput, SchedulerOutput
+
+log = logging.getLogger("rankserve.runner")
+
+
+@dataclass
+class ReqState:
+    row: int
+    num_tokens: int
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    num_blocks: int
+    generator: torch.Generator | None
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn: AttnMeta
+    logits_indices: torch.Tensor  # rows of the hidden states to sample from
+    sample_req_ids: list[str]
+    prompt_lp: list[tuple[str, int, int, int]]  # (req id, first hidden row, count, first target pos)
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, pi: ParallelInfo, device: torch.device):
+        self.cfg = cfg
+        self.pi = pi
+        self.device = device
+        t0 = time.perf_counter()
+        self.hf_config = load_hf_config(cfg.model.model)
+        self.dtype = resolve_dtype(cfg.model.dtype, self.hf_config, device.type)
+        self.max_model_len = min(cfg.model.max_model_len or self.hf_config.max_position_embeddings,
+                                 self.hf_config.max_position_embeddings)
+        if cfg.model.max_model_len and cfg.model.max_model_len > self.hf_config.max_position_embeddings:
+            raise ValueError(f"--max-model-len {cfg.model.max_model_len} exceeds the model's "
+                             f"max_position_embeddings ({self.hf_config.max_position_embeddings})")
+        torch.manual_seed(cfg.model.seed)
+        self.model = build_model(self.hf_config, pi, self.dtype, device)
+        if cfg.load.load_format == "dummy":
+            init_dummy_weights(self.model, cfg.model.seed)
+        else:
+            load_weights(self.model, cfg.model.model, progress=pi.tp_rank == 0 and pi.is_first_stage)
+        self.timings = {"load": time.perf_counter() - t0}
+        self.vocab_size = self.hf_config.vocab_size
+        self.block_size = cfg.cache.block_size
+        self.max_blocks_per_req = -(-self.max_model_len // self.block_size)
+        n = cfg.scheduler.max_num_seqs
+        self.token_ids = np.zeros((n, self.max_model_len), dtype=np.int64)
+        self.block_table = np.zeros((n, self.max_blocks_per_req), dtype=np.int32)
+        self.free_rows = list(range(n - 1, -1, -1))
+        self.reqs: dict[str, ReqState] = {}
+        self.num_blocks = 0
+        self.forward = self.model.forward
+
+    # ---- KV cache ---------------------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        layers = self.model.attention_layers()
+        a = layers[0]
+        per_layer = 2 * self.block_size * a.qkv_proj.num_kv_heads * a.head_dim * self.dtype.itemsize
+        return per_layer * len(layers)
+
+    def determine_num_blocks(self) -> int:
+        c = self.cfg.cache
+        if c.num_gpu_blocks_override:
+            return c.num_gpu_blocks_override
+        if self.device.type == "cuda":
+            return self._profile_num_blocks()
+        return max(1, int(c.kv_cache_memory_gb * 2**30) // self.kv_bytes_per_block())
+
+    def _profile_num_blocks(self) -> int:
+        """Run the largest step once; give `utilization × total − peak` to the KV cache."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        self.allocate_kv_cache(1)
+        n = min(self.cfg.scheduler.max_num_batched_tokens, self.max_model_len * self.cfg.scheduler.max_num_seqs)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        attn = AttnMeta(torch.full((n,), -1, dtype=torch.long, device=self.device),
+                        torch.tensor([0, n], dtype=torch.int32, device=self.device),
+                        torch.tensor([n], dtype=torch.int32, device=self.device),
+                        torch.zeros((1, 1), dtype=torch.int32, device=self.device))
+        with torch.inference_mode():
+            h = self.model(ids, torch.zeros(n, dtype=torch.long, device=self.device), attn,
+                           None if self.pi.is_first_stage else
+                           torch.zeros(n, self.hf_config.hidden_size, dtype=self.dtype, device=self.device))
+            if self.pi.is_last_stage:
+                self.model.compute_logits(h[-self.cfg.scheduler.max_num_seqs:])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        free, total = torch.cuda.mem_get_info()
+        used_by_others = total - free - torch.cuda.memory_reserved()
+        budget = self.cfg.cache.gpu_memory_utilization * total - peak - used_by_others
+        num = int(budget // self.kv_bytes_per_block())
+        if num <= 0:
+            raise RuntimeError(f"no memory left for the KV cache (peak {peak / 2**30:.1f} GiB of "
+                               f"{total / 2**30:.1f} GiB); raise --gpu-memory-utilization")
+        return num
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        for a in self.model.attention_layers():
+            shape = (num_blocks, self.block_size, a.qkv_proj.num_kv_heads, a.head_dim)
+            a.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            a.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def compile(self) -> None:
+        level = self.cfg.compilation.level(self.device.type)
+        if level >= 1:
+            t0 = time.perf_counter()
+            self.forward = torch.compile(self.model.forward, fullgraph=True, dynamic=True)
+            self.timings["compile"] = time.perf_counter() - t0
+
+    # ---- per-request state from the plan ----------------------------------------------------
+    def _update_states(self, plan: SchedulerOutput) -> None:
+        for rid in plan.finished_req_ids:
+            st = self.reqs.pop(rid, None)
+            if st is not None:
+                self.free_rows.append(st.row)
+        for r in plan.new_reqs:
+            row = self.free_rows.pop()
+            n = len(r.token_ids)
+            self.token_ids[row, :n] = r.token_ids
+            self.block_table[row, :len(r.block_ids)] = r.block_ids
+            sp = r.sampling_params
+            gen = None
+            if sp.seed is not None:
+                gen = torch.Generator(device=self.device).manual_seed(sp.seed)
+            self.reqs[r.req_id] = ReqState(row, n, r.num_prompt_tokens, sp, len(r.block_ids), gen)
+        for r in plan.cached_reqs:
+            st = self.reqs[r.req_id]
+            if r.new_token_ids:
+                self.token_ids[st.row, st.num_tokens:st.num_tokens + len(r.new_token_ids)] = r.new_token_ids
+                st.num_tokens += len(r.new_token_ids)
+            if r.new_block_ids:
+                self.block_table[st.row, st.num_blocks:st.num_blocks + len(r.new_block_ids)] = r.new_block_ids
+                st.num_blocks += len(r.new_block_ids)
+
+    def prepare_inputs(self, plan: SchedulerOutput) -> StepInputs:
+        self._update_states(plan)
+        req_ids = list(plan.num_scheduled_tokens)
+        states = [self.reqs[rid] for rid in req_ids]
+        counts = np.fromiter(plan.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+        # tokens computed before this step
+        done = {r.req_id: r.num_computed_tokens for r in plan.new_reqs}
+        done.update({r.req_id: r.num_computed_tokens for r in plan.cached_reqs})
+        start = np.array([done[rid] for rid in req_ids], dtype=np.int64)
+        rows = np.array([s.row for s in states], dtype=np.int64)
+        cu = np.concatenate([[0], np.cumsum(counts)])
+        T = int(cu[-1])
+        req_of_tok = np.repeat(np.arange(len(req_ids)), counts)
+        positions = np.arange(T) - cu[:-1][req_of_tok] + start[req_of_tok]
+        tok_rows = rows[req_of_tok]
+        input_ids = self.token_ids[tok_rows, positions]
+        slots = (self.block_table[tok_rows, positions // self.block_size].astype(np.int64)
+                 * self.block_size + positions % self.block_size)
+        seq_lens = start + counts
+        max_blocks = int(-(-seq_lens.max() // self.block_size)) if len(seq_lens) else 1
+        block_table = self.block_table[rows, :max_blocks]
+
+        # sample where the step reaches the request's last known token
+        sample_mask = seq_lens == np.array([s.num_tokens for s in states])
+        logits_indices = (cu[1:] - 1)[sample_mask]
+        sample_ids = [rid for rid, m in zip(req_ids, sample_mask) if m]
+        prompt_lp = []
+        for i, (rid, st) in enumerate(zip(req_ids, states)):
+            if st.sampling_params.prompt_logprobs is None:
+                continue
+            # positions p in this chunk with p + 1 < num_prompt predict prompt token p + 1
+            first, last = start[i], min(seq_lens[i], st.num_prompt_tokens - 1)
+            if last > first:
+                prompt_lp.append((rid, int(cu[i]), int(last - first), int(first + 1)))
+
+        dev = self.device
+        t = lambda a, dt: torch.from_numpy(np.ascontiguousarray(a)).to(dev, dt, non_blocking=True)
+        attn = AttnMeta(t(slots, torch.long), t(cu, torch.int32), t(seq_lens, torch.int32),
+                        t(block_table, torch.int32))
+        return StepInputs(t(input_ids, torch.long), t(positions, torch.long), attn,
+                          t(logits_indices, torch.long), sample_ids, prompt_lp)
+
+    # ---- sampling ---------------------------------------------------------------------------
+    def sampling_metadata(self, req_ids: list[str]) -> SamplingMetadata:
+        states = [self.reqs[r] for r in req_ids]
+        sps = [s.sampling_params for s in states]
+        dev = self.device
+        temp = torch.tensor([sp.temperature if not sp.greedy else 0.0 for sp in sps],
+                            dtype=torch.float32, device=dev)
+        md = SamplingMetadata(temperature=temp, all_greedy=all(sp.greedy for sp in sps))
+        if not md.all_greedy:
+            if any(sp.top_k > 0 for sp in sps):
+                md.top_k = torch.tensor([sp.top_k for sp in sps], device=dev)
+            if any(sp.top_p < 1 for sp in sps):
+                md.top_p = torch.tensor([sp.top_p for sp in sps], dtype=torch.float32, device=dev)
+            if any(sp.min_p > 0 for sp in sps):
+                md.min_p = torch.tensor([sp.min_p for sp in sps], dtype=torch.float32, device=dev)
+            gens = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
+            md.generators = gens or None
+        if any(sp.needs_penalties for sp in sps):
+            self._penalty_tensors(md, states)
+        banned_rows, banned_toks = [], []
+        for i, (s, sp) in enumerate(zip(states, sps)):
+            if s.num_tokens - s.num_prompt_tokens < sp.min_tokens:
+                eos = [] if sp.ignore_eos else [self.eos_token_id]
+                for tok in eos + list(sp.stop_token_ids):
+                    if tok is not None:
+                        banned_rows.append(i)
+                        banned_toks.append(tok)
+        if banned_rows:
+            md.banned = (torch.tensor(banned_rows, device=dev), torch.tensor(banned_toks, device=dev))
+        lps = [sp.logprobs for sp in sps if sp.logprobs is not None]
+        md.max_num_logprobs = max(lps) if lps else None
+        return md
+
+    eos_token_id: int | None = None  # set by the engine from the tokenizer/generation config
+
+    def _penalty_tensors(self, md: SamplingMetadata, states: list[ReqState]) -> None:
+        dev, V = self.device, self.vocab_size
+        B = len(states)
+        sps = [s.sampling_params for s in states]
+        md.presence_penalty = torch.tensor([sp.presence_penalty for sp in sps], dtype=torch.float32, device=dev)
+        md.frequency_penalty = torch.tensor([sp.frequency_penalty for sp in sps], dtype=torch.float32, device=dev)
+        md.repetition_penalty = torch.tensor([sp.repetition_penalty for sp in sps], dtype=torch.float32, device=dev)
+        max_out = max(s.num_tokens - s.num_prompt_tokens for s in states)
+        max_prompt = max(s.num_prompt_tokens for s in states)
+        out_ids = np.full((B, max(max_out, 1)), V, dtype=np.int64)  # V: a padding column
+        prompt_ids = np.full((B, max_prompt), V, dtype=np.int64)
+        for i, s in enumerate(states):
+            out_ids[i, :s.num_tokens - s.num_prompt_tokens] = self.token_ids[s.row, s.num_prompt_tokens:s.num_tokens]
+            prompt_ids[i, :s.num_prompt_tokens] = self.token_ids[s.row, :s.num_prompt_tokens]
+        counts = torch.zeros(B, V + 1, dtype=torch.int32, device=dev)
+        counts.scatter_add_(1, torch.from_numpy(out_ids).to(dev), torch.ones(out_ids.shape, dtype=torch.int32, device=dev))
+        md.output_counts = counts[:, :V]
+        mask = torch.zeros(B, V + 1, dtype=torch.bool, device=dev)
+        mask.scatter_(1, torch.from_numpy(prompt_ids).to(dev), True)
+        md.prompt_mask = mask[:, :V]
+
+    # ---- the step ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput,
+                hidden_in: torch.Tensor | None = None) -> ModelRunnerOutput | torch.Tensor:
+        """Run one step. Non-last pipeline stages return the hidden states to send on."""
+        inp = self.prepare_inputs(plan)
+        hidden = self.forward(inp.input_ids, inp.positions, inp.attn, hidden_in)
+        if not self.pi.is_last_stage:
+            return hidden
+        return self.sample(inp, hidden)
+
+    def sample(self, inp: StepInputs, hidden: torch.Tensor) -> ModelRunnerOutput:
+        out = ModelRunnerOutput(inp.sample_req_ids, [])
+        if inp.sample_req_ids:
+            logits = self.model.compute_logits(hidden[inp.logits_indices])
+            md = self.sampling_metadata(inp.sample_req_ids)
+            ids, raw_lp = sample(logits, md)
+            out.sampled_token_ids = ids.tolist()
+            if raw_lp is not None:
+                nums = [self.reqs[r].sampling_params.logprobs for r in inp.sample_req_ids]
+                entries = gather_logprobs(raw_lp, ids, [n or 0 for n in nums])
+                out.logprobs = [e if n is not None else None for e, n in zip(entries, nums)]
+        for rid, first_row, count, first_pos in inp.prompt_lp:
+            st = self.reqs[rid]
+            logits = self.model.compute_logits(hidden[first_row:first_row + count]).float()
+            targets = torch.from_numpy(self.token_ids[st.row, first_pos:first_pos + count]).to(self.device)
+            out.prompt_logprobs[rid] = gather_logprobs(
+                logits.log_softmax(-1), targets, [st.sampling_params.prompt_logprobs] * count)
+        return out

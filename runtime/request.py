@@ -1,0 +1,64 @@
+"""Engine-side request state."""
+from __future__ import annotations
+
+import enum
+
+from rankserve.runtime.messages import EngineCoreRequest, FinishReason
+from rankserve.runtime.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED = 3
+
+
+class Request:
+    def __init__(self, req: EngineCoreRequest, max_model_len: int):
+        self.request_id = req.request_id
+        self.prompt_token_ids = list(req.prompt_token_ids)
+        self.sampling_params: SamplingParams = req.sampling_params
+        self.arrival_time = req.arrival_time
+        self.priority = req.priority
+        self.cache_salt = req.cache_salt
+        self.eos_token_id = req.eos_token_id
+        self.all_token_ids = list(req.prompt_token_ids)
+        self.num_prompt_tokens = len(req.prompt_token_ids)
+        sp = req.sampling_params
+        room = max_model_len - self.num_prompt_tokens
+        self.max_tokens = room if sp.max_tokens is None else min(sp.max_tokens, room)
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first schedule; -1 until then
+        self.block_hashes: list[bytes] = []
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        # prompt logprobs are gathered chunk by chunk and sent with the first output
+        self.prompt_logprobs: list = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def sort_key(self, policy: str):
+        """Order in which requests are served (and the reverse: preemption victims)."""
+        if policy == "priority":
+            return (self.priority, self.arrival_time)
+        return (self.arrival_time,)

@@ -1,0 +1,107 @@
+"""Vectorised sampling over the batch: penalties, temperature, top-k, top-p, min-p, greedy,
+per-request seeds, logprobs. Python loops only run over seeded requests (one generator each),
+never over tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rankserve.runtime.messages import LogprobsEntry
+
+
+@dataclass
+class SamplingMetadata:
+    temperature: torch.Tensor  # [B] float; 0 means greedy
+    all_greedy: bool
+    top_k: torch.Tensor | None = None  # [B] int, 0 = off
+    top_p: torch.Tensor | None = None  # [B] float, 1 = off
+    min_p: torch.Tensor | None = None  # [B] float, 0 = off
+    presence_penalty: torch.Tensor | None = None  # [B]
+    frequency_penalty: torch.Tensor | None = None  # [B]
+    repetition_penalty: torch.Tensor | None = None  # [B]
+    output_counts: torch.Tensor | None = None  # [B, V] counts of generated tokens
+    prompt_mask: torch.Tensor | None = None  # [B, V] bool, token occurs in the prompt
+    # rows still under min_tokens: (row index tensor, token id tensor) pairs to mask
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None
+    generators: dict[int, torch.Generator] | None = None  # row → per-request generator
+    max_num_logprobs: int | None = None  # None: nobody asked
+
+
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    if md.repetition_penalty is not None:
+        seen = (md.output_counts > 0) | md.prompt_mask
+        rp = md.repetition_penalty[:, None]
+        penalised = torch.where(logits > 0, logits / rp, logits * rp)
+        logits = torch.where(seen, penalised, logits)
+    if md.frequency_penalty is not None:
+        counts = md.output_counts.to(logits.dtype)
+        logits = logits - md.frequency_penalty[:, None] * counts
+        logits = logits - md.presence_penalty[:, None] * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    if md.min_p is not None:
+        probs = logits.softmax(-1)
+        thresh = probs.amax(-1, keepdim=True) * md.min_p[:, None]
+        logits = logits.masked_fill(probs < thresh, float("-inf"))
+    if md.top_k is None and md.top_p is None:
+        return logits
+    sorted_logits, idx = logits.sort(-1, descending=True)
+    V = logits.shape[-1]
+    if md.top_k is not None:
+        k = torch.where(md.top_k > 0, md.top_k, V).clamp(max=V)
+        ranks = torch.arange(V, device=logits.device)[None, :]
+        sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None], float("-inf"))
+    if md.top_p is not None:
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the mass before it already reaches p (the top token always stays)
+        before = probs.cumsum(-1) - probs
+        sorted_logits = sorted_logits.masked_fill(before >= md.top_p[:, None], float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
+
+
+def sample(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Returns (sampled token ids [B], raw logprobs [B, V] or None)."""
+    logits = logits.float()
+    raw_logprobs = logits.log_softmax(-1) if md.max_num_logprobs is not None else None
+    if md.banned is not None:
+        logits = logits.index_put(md.banned, torch.tensor(float("-inf"), device=logits.device))
+    if md.output_counts is not None:
+        logits = apply_penalties(logits, md)
+    greedy = logits.argmax(-1)
+    if md.all_greedy:
+        return greedy, raw_logprobs
+    temp = torch.where(md.temperature > 0, md.temperature, 1.0)
+    logits = apply_top_k_top_p_min_p(logits / temp[:, None], md)
+    probs = logits.softmax(-1)
+    # exponential race (Gumbel-max): argmax(p / q) with q ~ Exp(1) samples from p
+    q = torch.empty_like(probs).exponential_()
+    for row, gen in (md.generators or {}).items():
+        q[row].exponential_(generator=gen)
+    sampled = (probs / q).argmax(-1)
+    return torch.where(md.temperature > 0, sampled, greedy), raw_logprobs
+
+
+def gather_logprobs(raw_logprobs: torch.Tensor, token_ids: torch.Tensor,
+                    num: list[int]) -> list[LogprobsEntry]:
+    """Sampled/target token logprob + rank, then the top-`num[i]` alternatives, per row."""
+    k = max(num)
+    chosen = raw_logprobs.gather(-1, token_ids[:, None])
+    ranks = (raw_logprobs > chosen).sum(-1) + 1
+    top_lp, top_ids = raw_logprobs.topk(k, -1) if k > 0 else (None, None)
+    chosen, ranks = chosen[:, 0].tolist(), ranks.tolist()
+    ids = token_ids.tolist()
+    top_lp = top_lp.tolist() if k > 0 else None
+    top_ids = top_ids.tolist() if k > 0 else None
+    out = []
+    for i, n in enumerate(num):
+        e = LogprobsEntry([ids[i]], [chosen[i]], [ranks[i]])
+        if n:
+            e.token_ids += top_ids[i][:n]
+            e.logprobs += top_lp[i][:n]
+            e.ranks += list(range(1, n + 1))
+        out.append(e)
+    return out

@@ -1,0 +1,246 @@
+"""One token-budget scheduler (vLLM V1 semantics).
+
+Every step gives tokens to requests so that `num_computed_tokens` catches up with `num_tokens`,
+within `max_num_batched_tokens` and `max_num_seqs`. Prefill, chunked prefill, prefix-cache
+extension and decode are the same rule and mix freely in one batch. When blocks run out the
+lowest-priority (then latest) running request is preempted and later recomputed.
+
+The step plan (`SchedulerOutput`) is what every rank's model runner receives: new requests in
+full, running ones as deltas (new block ids, tokens appended since they were last scheduled).
+"""
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+
+from rankserve.runtime.config import CacheConfig, SchedulerConfig
+from rankserve.runtime.kv_cache import KVCacheManager
+from rankserve.runtime.messages import (
+    EngineCoreOutput, EngineCoreOutputs, FinishReason, LogprobsEntry, SchedulerStats)
+from rankserve.runtime.request import Request, RequestStatus
+from rankserve.runtime.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    token_ids: list[int]  # prompt, plus outputs so far when resumed after preemption
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    num_prompt_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    req_id: str
+    new_token_ids: list[int]  # appended since the runner last saw this request
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # in batch order
+    total_num_scheduled_tokens: int = 0
+    finished_req_ids: list[str] = field(default_factory=list)  # runner may drop their state
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the last pipeline stage returns for one step."""
+    req_ids: list[str]  # requests that produced a token (their prefill is complete)
+    sampled_token_ids: list[int]
+    logprobs: list[LogprobsEntry] | None = None  # aligned with req_ids, for requests that asked
+    prompt_logprobs: dict[str, list[LogprobsEntry]] = field(default_factory=dict)
+
+
+class Scheduler:
+    def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int,
+                 max_model_len: int):
+        self.cfg = sched
+        self.max_model_len = max_model_len
+        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
+                                 cache.prefix_caching_hash_algo)
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []  # sorted by policy key
+        self.running: list[Request] = []
+        self.num_sent: dict[str, int] = {}  # tokens of each request the runners know
+        self.finished_ids: list[str] = []
+        self.num_preemptions = 0
+        self._step_prompt_tokens = 0
+        self._step_gen_tokens = 0
+
+    # ---- requests in and out --------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self._enqueue(req)
+
+    def _enqueue(self, req: Request) -> None:
+        key = lambda r: r.sort_key(self.cfg.policy)
+        bisect.insort(self.waiting, req, key=key)
+
+    def finish_requests(self, req_ids, reason: FinishReason) -> list[Request]:
+        done = []
+        for rid in req_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            self._finish(req, reason)
+            done.append(req)
+        return done
+
+    def _finish(self, req: Request, reason: FinishReason, stop_reason=None) -> None:
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.stop_reason = stop_reason
+        self.kv.free(req)
+        self.requests.pop(req.request_id, None)
+        if self.num_sent.pop(req.request_id, None) is not None:
+            self.finished_ids.append(req.request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- the step -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self.finished_ids)
+        self.finished_ids = []
+        budget = self.cfg.max_num_batched_tokens
+        preempted = False
+
+        # running requests first: decodes and unfinished prefills
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            new_blocks = self.kv.allocate_slots(req, n)
+            while new_blocks is None:
+                victim = max(self.running, key=lambda r: r.sort_key(self.cfg.policy))
+                if self.running.index(victim) < i:  # already scheduled this step: undo it
+                    budget += out.num_scheduled_tokens[victim.request_id]
+                    i -= 1
+                self._preempt(victim, out)
+                preempted = True
+                if victim is req:
+                    break
+                new_blocks = self.kv.allocate_slots(req, n)
+            if new_blocks is None:
+                continue  # req itself was preempted; running[i] is now the next one
+            self._schedule(req, n, new_blocks, out, new=False)
+            budget -= n
+            i += 1
+
+        # then waiting requests, in policy order, unless we just had to preempt
+        while (self.waiting and budget > 0 and not preempted
+               and len(self.running) < self.cfg.max_num_seqs):
+            req = self.waiting[0]
+            computed, num_cached = self.kv.get_computed_blocks(req)
+            n = req.num_tokens - num_cached
+            if n > budget and not self.cfg.enable_chunked_prefill:
+                break
+            n = min(n, budget)
+            new_blocks = self.kv.allocate_slots(req, n, computed)
+            if new_blocks is None:
+                break
+            self.waiting.pop(0)
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_cached
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_cached
+            self.running.append(req)
+            self._schedule(req, n, new_blocks, out, new=True)
+            budget -= n
+
+        out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        for rid, n in out.num_scheduled_tokens.items():
+            req = self.requests[rid]
+            self._step_prompt_tokens += max(0, min(req.num_computed_tokens, req.num_prompt_tokens)
+                                            - (req.num_computed_tokens - n))
+        return out
+
+    def _schedule(self, req: Request, n: int, new_blocks: list[int], out: SchedulerOutput,
+                  new: bool) -> None:
+        if new:
+            out.new_reqs.append(NewRequestData(
+                req.request_id, list(req.all_token_ids), req.sampling_params,
+                self.kv.block_ids(req), req.num_computed_tokens, req.num_prompt_tokens))
+        else:
+            sent = self.num_sent[req.request_id]
+            out.cached_reqs.append(CachedRequestData(
+                req.request_id, req.all_token_ids[sent:], new_blocks, req.num_computed_tokens))
+        self.num_sent[req.request_id] = req.num_tokens
+        out.num_scheduled_tokens[req.request_id] = n
+        req.num_computed_tokens += n
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        if self.num_sent.pop(req.request_id, None) is not None:
+            out.finished_req_ids.append(req.request_id)
+        if out.num_scheduled_tokens.pop(req.request_id, None) is not None:
+            out.new_reqs = [r for r in out.new_reqs if r.req_id != req.request_id]
+            out.cached_reqs = [r for r in out.cached_reqs if r.req_id != req.request_id]
+        self._enqueue(req)
+
+    def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> EngineCoreOutputs:
+        """Append sampled tokens, apply stop conditions, build the outputs for the frontend."""
+        outputs = []
+        logprobs = result.logprobs or [None] * len(result.req_ids)
+        for rid, tok, lp in zip(result.req_ids, result.sampled_token_ids, logprobs):
+            req = self.requests.get(rid)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.append_token(tok)
+            self._step_gen_tokens += 1
+            reason, stop = self._check_stop(req, tok)
+            o = EngineCoreOutput(rid, [tok], new_logprobs=[lp] if lp is not None else None,
+                                 num_cached_tokens=max(req.num_cached_tokens, 0))
+            if req.num_output_tokens == 1 and req.sampling_params.prompt_logprobs is not None:
+                o.prompt_logprobs = req.prompt_logprobs
+            if reason is not None:
+                self.running.remove(req)
+                self._finish(req, reason, stop)
+                o.finish_reason, o.stop_reason = reason, stop
+            outputs.append(o)
+        for rid, entries in result.prompt_logprobs.items():
+            if rid in self.requests:
+                self.requests[rid].prompt_logprobs.extend(entries)
+        return EngineCoreOutputs(outputs=outputs, stats=self.stats(), timestamp=time.time())
+
+    def _check_stop(self, req: Request, tok: int):
+        sp = req.sampling_params
+        if req.num_output_tokens >= sp.min_tokens:
+            if tok == req.eos_token_id and not sp.ignore_eos:
+                return FinishReason.STOP, None
+            if tok in sp.stop_token_ids:
+                return FinishReason.STOP, tok
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH, None
+        return None, None
+
+    def stats(self) -> SchedulerStats:
+        s = SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting), kv_usage=self.kv.usage,
+            num_blocks_used=self.kv.num_blocks - self.kv.num_free_blocks,
+            num_blocks_total=self.kv.num_blocks, prefix_queries=self.kv.prefix_queries,
+            prefix_hits=self.kv.prefix_hits, num_preemptions=self.num_preemptions,
+            num_prompt_tokens=self._step_prompt_tokens, num_generation_tokens=self._step_gen_tokens)
+        self._step_prompt_tokens = self._step_gen_tokens = 0
+        return s
