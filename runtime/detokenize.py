@@ -12,8 +12,10 @@ class IncrementalDetokenizer:
                  stop: list[str] | None = None, include_stop_str_in_output: bool = False):
         self.backend = tokenizer._tokenizer if hasattr(tokenizer, "_tokenizer") else tokenizer
         # a few prompt tokens are enough context for the decoder's prefix-space handling
-        self.stream = DecodeStream(ids=list(prompt_token_ids[-8:]),
-                                   skip_special_tokens=skip_special_tokens)
+        self.skip_special = skip_special_tokens
+        self.context = list(prompt_token_ids[-8:])
+        self.stream = DecodeStream(ids=self.context, skip_special_tokens=skip_special_tokens)
+        self.token_ids: list[int] = []
         self.text = ""
         self.stop = stop or []
         self.include_stop = include_stop_str_in_output
@@ -24,11 +26,26 @@ class IncrementalDetokenizer:
         is cut at the stop string (kept when include_stop_str_in_output)."""
         before = len(self.text)
         for tok in token_ids:
-            piece = self.stream.step(self.backend, tok)
+            self.token_ids.append(tok)
+            try:
+                piece = self.stream.step(self.backend, tok)
+            except Exception:  # noqa: BLE001  (invalid byte sequences from a sampled token)
+                piece = self._resync()
             if piece:
                 self.text += piece
         matched = self._check_stop(before)
         return self.text[before:], matched
+
+    def _resync(self) -> str:
+        """Decode everything so far in one go and restart the stream after it."""
+        ctx = self.context + self.token_ids
+        full = self.backend.decode(ctx, skip_special_tokens=self.skip_special)
+        prefix = self.backend.decode(self.context, skip_special_tokens=self.skip_special)
+        self.stream = DecodeStream(ids=ctx[-8:], skip_special_tokens=self.skip_special)
+        new = full[len(prefix):] if full.startswith(prefix) else full
+        if new.startswith(self.text):
+            return new[len(self.text):]
+        return ""
 
     def _check_stop(self, before: int) -> str | None:
         if not self.stop:

@@ -35,8 +35,9 @@ def eos_token_id_of(tokenizer, model_dir: str) -> int | None:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, executor=None, **kwargs):
-        self.config = EngineConfig.from_kwargs(model=model or DEFAULT_MODEL, **kwargs)
+    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None,
+                 executor=None, **kwargs):
+        self.config = config or EngineConfig.from_kwargs(model=model or DEFAULT_MODEL, **kwargs)
         m = self.config.model
         self.tokenizer = load_tokenizer(m.tokenizer or m.model)
         self.eos_token_id = eos_token_id_of(self.tokenizer, m.model)

@@ -1,0 +1,69 @@
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+STORIES_SHARED = SHARED / "models" / "stories260K"
+STORIES_EMBEDDED = REPO / "models" / "default" / "stories260K"
+STORIES_TEXT = (", there was a little girl named Lily. She loved to play outside in the park. "
+                "One day, she saw a big, red ball.")
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(2)
+
+
+def make_checkpoint(path: Path, arch: str, **overrides) -> str:
+    """Save a tiny random fp32 checkpoint of `arch` with transformers (plus stories' tokenizer,
+    whose 512-token vocabulary the configs use)."""
+    import transformers
+    torch.manual_seed(0)
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    specific = {
+        "LlamaForCausalLM": (transformers.LlamaConfig, dict(rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64})),
+        "MistralForCausalLM": (transformers.MistralConfig, dict(sliding_window=None)),
+        "Qwen2ForCausalLM": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),
+        "Qwen3ForCausalLM": (transformers.Qwen3Config, dict(head_dim=32)),
+        "Qwen3MoeForCausalLM": (transformers.Qwen3MoeConfig, dict(
+            moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+            head_dim=16)),
+        "MixtralForCausalLM": (transformers.MixtralConfig, dict(num_local_experts=4,
+                                                                num_experts_per_tok=2)),
+    }
+    cls, extra = specific[arch]
+    cfg = cls(**{**common, **extra, **overrides})
+    cfg.architectures = [arch]
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # larger weights than the default init so logits are far from flat
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.1)
+    model.save_pretrained(path)
+    import shutil
+    for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"):
+        shutil.copy(STORIES_EMBEDDED / f, path / f)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    cache = {}
+
+    def get(arch: str, **overrides) -> str:
+        key = (arch, tuple(sorted(overrides.items())))
+        if key not in cache:
+            cache[key] = make_checkpoint(tmp_path_factory.mktemp(arch), arch, **overrides)
+        return cache[key]
+    return get
+
+
+@pytest.fixture(scope="session")
+def stories_llm():
+    from rankserve import LLM
+    return LLM(str(STORIES_EMBEDDED))
