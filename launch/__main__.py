@@ -1,0 +1,3 @@
+from rankserve.launch.cli import main
+
+main()

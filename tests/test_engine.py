@@ -1,0 +1,143 @@
+"""Engine behaviour: the same greedy tokens whatever the batching, caching and preemption."""
+import subprocess
+import sys
+
+import pytest
+
+from rankserve import LLM, SamplingParams
+from rankserve.runtime.config import ConfigError
+
+from conftest import STORIES_EMBEDDED, STORIES_SHARED, STORIES_TEXT
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def prompts(llm):
+    texts = ["Once upon a time", "The little dog ran to the park and saw a big tree with many",
+             "Lily and Tom were friends. One day they", "Sam had a red ball"]
+    return [{"prompt_token_ids": llm.tokenizer(t).input_ids} for t in texts]
+
+
+@pytest.fixture(scope="module")
+def reference(stories_llm):
+    return [o.outputs[0].token_ids for o in stories_llm.generate(prompts(stories_llm), GREEDY)]
+
+
+def test_stories_known_continuation(stories_llm):
+    out = stories_llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=40))
+    assert out[0].outputs[0].text.startswith(STORIES_TEXT)
+
+
+@pytest.mark.skipif(not STORIES_SHARED.exists(), reason="../shared not present")
+def test_shared_copy_matches_embedded():
+    llm = LLM(str(STORIES_SHARED))
+    out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=40))
+    assert out[0].outputs[0].text.startswith(STORIES_TEXT)
+
+
+def test_cli_generate_default_model():
+    r = subprocess.run([sys.executable, "-m", "rankserve.launch", "generate", "--prompt",
+                        "Once upon a time", "--max-tokens", "40"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert ("Once upon a time" + STORIES_TEXT) in r.stdout
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(max_num_batched_tokens=7),  # every prompt is chunked
+    dict(enable_chunked_prefill=False),
+    dict(enable_prefix_caching=False),
+    dict(max_num_seqs=1),
+    dict(block_size=8),
+    dict(num_gpu_blocks_override=6, block_size=8),  # 48 tokens of KV for 4 requests: preemption
+])
+def test_same_greedy_tokens(reference, kwargs):
+    llm = LLM(str(STORIES_EMBEDDED), **kwargs)
+    outs = llm.generate(prompts(llm), GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    if "num_gpu_blocks_override" in kwargs:
+        assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.num_blocks
+
+
+def test_prefix_cache_hit_on_second_identical_prompt(stories_llm):
+    p = {"prompt_token_ids": list(range(3, 60))}  # 57 tokens: 3 full blocks
+    a = stories_llm.generate(p, GREEDY)[0]
+    b = stories_llm.generate(p, GREEDY)[0]
+    assert a.num_cached_tokens == 0 or a.num_cached_tokens < b.num_cached_tokens
+    assert b.num_cached_tokens == 48
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+def test_full_prefix_hit_recomputes_last_token(stories_llm):
+    p = {"prompt_token_ids": list(range(100, 132))}  # exactly 2 blocks
+    a = stories_llm.generate(p, GREEDY)[0]
+    b = stories_llm.generate(p, GREEDY)[0]
+    assert b.num_cached_tokens == 16  # the last block is not taken: its last token is recomputed
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+def test_cache_salt_isolates_tenants(stories_llm):
+    from rankserve.runtime.messages import EngineCoreRequest
+    eng = stories_llm.engine
+    ids = list(range(200, 240))
+    for salt, expect in (("a", 0), ("b", 0), ("a", 32)):
+        rid = f"salt-{salt}-{expect}"
+        eng.add_request(EngineCoreRequest(rid, ids, GREEDY, cache_salt=salt))
+        cached = None
+        while eng.has_work:
+            for o in eng.step().outputs:
+                cached = o.num_cached_tokens if cached is None else cached
+        assert cached == expect, salt
+
+
+def test_priority_policy_serves_lower_value_first():
+    llm = LLM(str(STORIES_EMBEDDED), max_num_seqs=1, scheduling_policy="priority")
+    outs = llm.generate(["a", "b"], SamplingParams(temperature=0, max_tokens=2), priority=[5, 1])
+    assert all(o.finished for o in outs)
+    sched = llm.engine.scheduler
+    assert not sched.running and not sched.waiting
+
+
+@pytest.mark.parametrize("bad, msg", [
+    ({"prompt_token_ids": []}, "empty"),
+    ({"prompt_token_ids": [5] * 600}, "context length"),
+    ({"prompt_token_ids": [1, 100000]}, "token ids"),
+])
+def test_bad_prompts_raise_and_engine_keeps_serving(stories_llm, bad, msg):
+    with pytest.raises(ValueError, match=msg):
+        stories_llm.generate([bad, "Once upon a time"], GREEDY)
+    out = stories_llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=40))
+    assert out[0].outputs[0].text.startswith(STORIES_TEXT)
+    assert stories_llm.engine.scheduler.kv.num_free_blocks == stories_llm.engine.num_blocks
+
+
+@pytest.mark.parametrize("kw, msg", [(dict(max_tokens=-1), "max_tokens"),
+                                     (dict(temperature=-0.5), "temperature"),
+                                     (dict(top_p=0), "top_p")])
+def test_bad_sampling_params(stories_llm, kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        stories_llm.generate("Once", SamplingParams(**kw))
+
+
+def test_unknown_architecture(tmp_path):
+    import json
+    import shutil
+    for f in STORIES_EMBEDDED.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["architectures"] = ["FancyNewForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unsupported model architecture 'FancyNewForCausalLM'"):
+        LLM(str(tmp_path))
+
+
+def test_config_errors_name_the_flag():
+    with pytest.raises(ConfigError, match="--gpu-memory-utilization"):
+        LLM(str(STORIES_EMBEDDED), gpu_memory_utilization=1.5)
+    r = subprocess.run([sys.executable, "-m", "rankserve.launch", "generate", "--prompt", "x",
+                        "--max-num-seqs", "0"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--max-num-seqs must be >= 1" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "rankserve.launch", "generate", "--prompt", "x",
+                        "--max-tokens", "-1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--max-tokens" in r.stderr
