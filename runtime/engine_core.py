@@ -17,12 +17,12 @@ log = logging.getLogger("rankserve.engine")
 
 
 class EngineCore:
-    def __init__(self, cfg: EngineConfig, executor, eos_token_id: int | None = None):
+    def __init__(self, cfg: EngineConfig, executor):
         self.cfg = cfg
         self.executor = executor
         t0 = time.perf_counter()
         num_blocks = executor.determine_num_blocks()
-        executor.initialize(num_blocks, eos_token_id)
+        executor.initialize(num_blocks)
         self.timings = dict(executor.timings)
         self.timings["kv_alloc+compile"] = time.perf_counter() - t0
         self.max_model_len = executor.max_model_len

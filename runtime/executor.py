@@ -44,9 +44,8 @@ class UniprocExecutor:
     def determine_num_blocks(self) -> int:
         return self.runner.determine_num_blocks()
 
-    def initialize(self, num_blocks: int, eos_token_id: int | None) -> None:
+    def initialize(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
-        self.runner.eos_token_id = eos_token_id
         self.runner.compile()
 
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:

@@ -44,7 +44,7 @@ class LLM:
         if executor is None:
             from rankserve.runtime.executor import UniprocExecutor
             executor = UniprocExecutor(self.config)
-        self.engine = EngineCore(self.config, executor, self.eos_token_id)
+        self.engine = EngineCore(self.config, executor)
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 

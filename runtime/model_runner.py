@@ -32,6 +32,7 @@ class ReqState:
     sampling_params: SamplingParams
     num_blocks: int
     generator: torch.Generator | None
+    eos_token_id: int | None
 
 
 @dataclass
@@ -147,7 +148,8 @@ class ModelRunner:
             gen = None
             if sp.seed is not None:
                 gen = torch.Generator(device=self.device).manual_seed(sp.seed)
-            self.reqs[r.req_id] = ReqState(row, n, r.num_prompt_tokens, sp, len(r.block_ids), gen)
+            self.reqs[r.req_id] = ReqState(row, n, r.num_prompt_tokens, sp, len(r.block_ids), gen,
+                                          r.eos_token_id)
         for r in plan.cached_reqs:
             st = self.reqs[r.req_id]
             if r.new_token_ids:
@@ -221,7 +223,7 @@ class ModelRunner:
         banned_rows, banned_toks = [], []
         for i, (s, sp) in enumerate(zip(states, sps)):
             if s.num_tokens - s.num_prompt_tokens < sp.min_tokens:
-                eos = [] if sp.ignore_eos else [self.eos_token_id]
+                eos = [] if sp.ignore_eos else [s.eos_token_id]
                 for tok in eos + list(sp.stop_token_ids):
                     if tok is not None:
                         banned_rows.append(i)
@@ -231,8 +233,6 @@ class ModelRunner:
         lps = [sp.logprobs for sp in sps if sp.logprobs is not None]
         md.max_num_logprobs = max(lps) if lps else None
         return md
-
-    eos_token_id: int | None = None  # set by the engine from the tokenizer/generation config
 
     def _penalty_tensors(self, md: SamplingMetadata, states: list[ReqState]) -> None:
         dev, V = self.device, self.vocab_size

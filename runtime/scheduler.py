@@ -30,6 +30,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     num_prompt_tokens: int
+    eos_token_id: int | None
 
 
 @dataclass
@@ -176,7 +177,8 @@ class Scheduler:
         if new:
             out.new_reqs.append(NewRequestData(
                 req.request_id, list(req.all_token_ids), req.sampling_params,
-                self.kv.block_ids(req), req.num_computed_tokens, req.num_prompt_tokens))
+                self.kv.block_ids(req), req.num_computed_tokens, req.num_prompt_tokens,
+                req.eos_token_id))
         else:
             sent = self.num_sent[req.request_id]
             out.cached_reqs.append(CachedRequestData(

@@ -1,0 +1,149 @@
+"""Sampler and stopping: seeds, penalties, top-k/top-p/min-p, logprobs, n, stop conditions."""
+import math
+
+import pytest
+import torch
+
+from rankserve import SamplingParams
+from rankserve.runtime.sampler import SamplingMetadata, sample
+
+
+def md(B, **kw):
+    temp = kw.pop("temperature", torch.ones(B))
+    return SamplingMetadata(temperature=temp, all_greedy=False, **kw)
+
+
+def test_seeded_sampling_is_reproducible(stories_llm):
+    sp = SamplingParams(temperature=1.0, seed=1234, max_tokens=30, ignore_eos=True)
+    a = stories_llm.generate("Once upon a time", sp)[0].outputs[0].token_ids
+    # same seed inside a different batch gives the same tokens
+    b = stories_llm.generate(["The cat", "Once upon a time"], [SamplingParams(temperature=1.0,
+                             max_tokens=30), sp])[1].outputs[0].token_ids
+    c = stories_llm.generate("Once upon a time", SamplingParams(temperature=1.0, seed=99,
+                             max_tokens=30, ignore_eos=True))[0].outputs[0].token_ids
+    assert a == b and a != c
+
+
+def test_top_k_1_is_greedy_and_top_k_limits_support():
+    logits = torch.randn(3, 50)
+    ids, _ = sample(logits, md(3, top_k=torch.tensor([1, 1, 1])))
+    assert ids.tolist() == logits.argmax(-1).tolist()
+    top3 = logits.topk(3, -1).indices
+    for _ in range(20):
+        ids, _ = sample(logits, md(3, top_k=torch.tensor([3, 3, 3])))
+        assert all(ids[i] in top3[i] for i in range(3))
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    logits = probs.log()
+    seen = set()
+    for _ in range(200):
+        ids, _ = sample(logits, md(1, top_p=torch.tensor([0.75])))
+        seen.add(ids.item())
+    assert seen == {0, 1}
+
+
+def test_min_p_drops_unlikely_tokens():
+    probs = torch.tensor([[0.6, 0.3, 0.07, 0.03]])
+    seen = set()
+    for _ in range(200):
+        ids, _ = sample(probs.log(), md(1, min_p=torch.tensor([0.2])))
+        seen.add(ids.item())
+    assert seen == {0, 1}
+
+
+def test_penalties():
+    logits = torch.tensor([[2.0, 1.9, -1.0, 0.0]])
+    counts = torch.tensor([[3, 0, 0, 0]])
+    none = torch.zeros(1, 4, dtype=torch.bool)
+    greedy = torch.zeros(1)
+    base = dict(temperature=greedy, output_counts=counts, prompt_mask=none)
+    # frequency penalty 0.1 * 3 pushes token 0 below token 1
+    ids, _ = sample(logits, md(1, frequency_penalty=torch.tensor([0.1]),
+                               presence_penalty=torch.tensor([0.0]), **base))
+    assert ids.item() == 1
+    ids, _ = sample(logits, md(1, frequency_penalty=torch.tensor([0.0]),
+                               presence_penalty=torch.tensor([0.2]), **base))
+    assert ids.item() == 1
+    # repetition penalty divides positive logits of seen tokens (prompt included)
+    ids, _ = sample(logits, md(1, repetition_penalty=torch.tensor([1.2]),
+                               frequency_penalty=torch.tensor([0.0]),
+                               presence_penalty=torch.tensor([0.0]), **base))
+    assert ids.item() == 1
+
+
+def test_penalties_end_to_end_reduce_repetition(stories_llm):
+    p = "Once upon a time"
+    plain = stories_llm.generate(p, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    pen = stories_llm.generate(p, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True,
+                                                 frequency_penalty=1.5))
+    a, b = plain[0].outputs[0].token_ids, pen[0].outputs[0].token_ids
+    assert len(set(b)) > len(set(a))
+
+
+def test_logprobs_and_prompt_logprobs(stories_llm):
+    out = stories_llm.generate("Once upon a time", SamplingParams(
+        temperature=0, max_tokens=5, logprobs=3, prompt_logprobs=2))[0]
+    c = out.outputs[0]
+    assert len(c.logprobs) == 5
+    for tok, e in zip(c.token_ids, c.logprobs):
+        assert e.token_ids[0] == tok and e.ranks[0] == 1  # greedy picks rank 1
+        assert len(e.token_ids) == 4 and e.logprobs[1] == pytest.approx(e.logprobs[0])
+        assert sum(math.exp(x) for x in e.logprobs[1:]) <= 1 + 1e-5
+    assert out.prompt_logprobs[0] is None
+    assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
+    for tok, e in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
+        assert e.token_ids[0] == tok and len(e.token_ids) == 3
+
+
+def test_n_choices(stories_llm):
+    out = stories_llm.generate("Once upon a time", SamplingParams(n=3, temperature=1.0, seed=7,
+                                                                 max_tokens=10))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 10 or c.finish_reason == "stop" for c in out.outputs)
+
+
+def test_stop_strings_and_token_ids(stories_llm):
+    p = "Once upon a time"
+    out = stories_llm.generate(p, SamplingParams(temperature=0, max_tokens=40, stop=["Lily"]))[0]
+    c = out.outputs[0]
+    assert c.text == ", there was a little girl named " and c.finish_reason == "stop"
+    assert c.stop_reason == "Lily"
+    out = stories_llm.generate(p, SamplingParams(temperature=0, max_tokens=40, stop=["Lily"],
+                                                 include_stop_str_in_output=True))[0]
+    assert out.outputs[0].text.endswith("named Lily")
+    full = stories_llm.generate(p, SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
+    tok = full.token_ids[5]
+    out = stories_llm.generate(p, SamplingParams(temperature=0, max_tokens=40,
+                                                 stop_token_ids=[tok]))[0].outputs[0]
+    assert out.token_ids == full.token_ids[:6] and out.stop_reason == tok
+    assert stories_llm.engine.scheduler.kv.num_free_blocks == stories_llm.engine.num_blocks
+
+
+def run_engine(llm, ids, sp, eos):
+    from rankserve.runtime.messages import EngineCoreRequest
+    eng = llm.engine
+    eng.add_request(EngineCoreRequest("eos-test", ids, sp, eos_token_id=eos))
+    toks, reason = [], None
+    while eng.has_work:
+        for o in eng.step().outputs:
+            toks += o.new_token_ids
+            reason = o.finish_reason or reason
+    return toks, reason.value
+
+
+def test_eos_min_tokens_ignore_eos_and_length(stories_llm):
+    ids = stories_llm.tokenizer("Once upon a time").input_ids
+    full = stories_llm.generate({"prompt_token_ids": ids},
+                                SamplingParams(temperature=0, max_tokens=40))[0].outputs[0].token_ids
+    eos = full[5]  # pretend this token ends the sequence
+    first = full.index(eos)
+    toks, reason = run_engine(stories_llm, ids, SamplingParams(temperature=0, max_tokens=40), eos)
+    assert toks == full[:first + 1] and reason == "stop"
+    toks, reason = run_engine(stories_llm, ids, SamplingParams(temperature=0, max_tokens=40,
+                                                               min_tokens=first + 3), eos)
+    assert eos not in toks[:first + 3] and len(toks) >= first + 3
+    toks, reason = run_engine(stories_llm, ids, SamplingParams(temperature=0, max_tokens=12,
+                                                               ignore_eos=True), eos)
+    assert len(toks) == 12 and reason == "length"
