@@ -36,6 +36,7 @@ def resolve_dtype(name: str, hf_config, device_type: str) -> torch.dtype:
 
 
 def model_class(hf_config):
+    import rankserve.models.moe  # noqa: F401  (registers the MoE families)
     archs = getattr(hf_config, "architectures", None) or []
     if not archs:
         raise ValueError("the model config has no 'architectures' field")
