@@ -1,0 +1,184 @@
+"""Fused mixture-of-experts MLP (Qwen3-MoE, Mixtral): out = sum_k w_k * W2_e (silu(G_e x) * U_e x).
+
+Weights: w13 [E, 2I, H] (gate rows [:I], up rows [I:]), w2 [E, H, I]. topk_ids == -1 marks an
+expert that lives on another rank (expert parallelism): it contributes nothing here.
+
+Triton path: the T*K (token, expert) pairs are sorted by expert into groups padded to BLOCK_M rows
+(all on device, shape-bounded, no host sync, so it is CUDA-graph capturable); one grouped GEMM
+computes silu(gate) * up per pair, a second multiplies by w2 and the routing weight; the K rows of
+each token are summed at the end.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """Plain torch, computed in fp32."""
+    inter = w2.shape[2]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    xf = x.float()
+    for e in torch.unique(topk_ids).tolist():
+        if e < 0:
+            continue
+        tok, slot = (topk_ids == e).nonzero(as_tuple=True)
+        h = xf[tok] @ w13[e].float().T
+        act = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+        y = (act @ w2[e].float().T) * topk_weights[tok, slot, None].float()
+        out.index_add_(0, tok, y)
+    return out.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# routing: sort (token, expert) pairs into per-expert groups padded to BLOCK_M
+# ----------------------------------------------------------------------------------------------
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (sorted_pairs [L], block_expert [L // block_m]).
+
+    sorted_pairs holds flat pair indices (token * K + k) grouped by expert, each group padded to
+    a multiple of block_m with the sentinel T*K; block_expert[b] is the expert of rows
+    [b*block_m, (b+1)*block_m), or num_experts for unused blocks. L depends on shapes only.
+    """
+    flat = topk_ids.reshape(-1).long()
+    n = flat.numel()
+    dev = flat.device
+    # at most min(E, n) groups, each padded by < block_m rows
+    cap = triton.cdiv(n + min(num_experts, n) * (block_m - 1), block_m) * block_m
+    key = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # E = dropped
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=dev)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
+    pad_end = padded.cumsum(0)
+    pad_start = pad_end - padded
+    raw_start = counts.cumsum(0) - counts
+    order = torch.argsort(key, stable=True)
+    skey = key[order]
+    rank = torch.arange(n, device=dev) - raw_start[skey]  # position inside its expert's group
+    dest = torch.where(skey < num_experts, pad_start[skey.clamp(max=num_experts - 1)] + rank, cap)
+    sorted_pairs = torch.full((cap + 1,), n, dtype=torch.int32, device=dev)  # slot cap: dropped
+    sorted_pairs.scatter_(0, dest, order.int())
+    block_starts = torch.arange(0, cap, block_m, device=dev)
+    block_expert = torch.searchsorted(pad_end, block_starts, right=True).int()
+    return sorted_pairs[:cap], block_expert
+
+
+@triton.jit
+def _moe_gate_up_kernel(x_ptr, w_ptr, act_ptr, pairs_ptr, block_expert_ptr, num_pairs,
+                        stride_xt, stride_we, stride_wn, stride_at,
+                        HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
+                        NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    # act[pair, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, INTER + n]) for one row block
+    b = tl.program_id(0)
+    e = tl.load(block_expert_ptr + b).to(tl.int64)
+    if e >= NUM_EXPERTS:
+        return
+    pair = tl.load(pairs_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_mask = pair < num_pairs
+    tok = (pair // TOP_K).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < INTER
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
+    g_ptrs = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    u_ptrs = g_ptrs + INTER * stride_wn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, HIDDEN, BLOCK_K):
+        k_mask = offs_k < HIDDEN - k0
+        a = tl.load(a_ptrs + k0, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w_mask = k_mask[:, None] & n_mask[None, :]
+        acc_g = tl.dot(a, tl.load(g_ptrs + k0, mask=w_mask, other=0.0), acc_g)
+        acc_u = tl.dot(a, tl.load(u_ptrs + k0, mask=w_mask, other=0.0), acc_u)
+    act = acc_g * tl.sigmoid(acc_g) * acc_u
+    tl.store(act_ptr + pair.to(tl.int64)[:, None] * stride_at + offs_n[None, :],
+             act.to(act_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(act_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, weights_ptr, num_pairs,
+                     stride_at, stride_we, stride_wn, stride_ot,
+                     HIDDEN: tl.constexpr, INTER: tl.constexpr, NUM_EXPERTS: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # out[pair, n] = weight[pair] * act[pair] . w2[e, n]
+    b = tl.program_id(0)
+    e = tl.load(block_expert_ptr + b).to(tl.int64)
+    if e >= NUM_EXPERTS:
+        return
+    pair = tl.load(pairs_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_mask = pair < num_pairs
+    pair64 = pair.to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < HIDDEN
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = act_ptr + pair64[:, None] * stride_at + offs_k[None, :]
+    w_ptrs = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, INTER, BLOCK_K):
+        k_mask = offs_k < INTER - k0
+        a = tl.load(a_ptrs + k0, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs + k0, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(a, w, acc)
+    acc *= tl.load(weights_ptr + pair64, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + pair64[:, None] * stride_ot + offs_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+
+
+def _moe_config(num_pairs: int, on_gpu: bool) -> dict:
+    if not on_gpu:  # interpreter
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4)
+    # few pairs per expert (decode): small row blocks waste less padding
+    block_m = 16 if num_pairs <= 256 else 64
+    return dict(BLOCK_M=block_m, BLOCK_N=64 if block_m == 16 else 128, BLOCK_K=64,
+                num_warps=4 if block_m == 16 else 8, num_stages=3)
+
+
+def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                     topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    T, H = x.shape
+    E, two_i, _ = w13.shape
+    inter = two_i // 2
+    K = topk_ids.shape[1]
+    assert w13.shape[2] == H and w2.shape == (E, H, inter), "fused_moe: weight shapes mismatch"
+    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    n = T * K
+    if n == 0:
+        return torch.zeros_like(x)
+    cfg = _moe_config(n, x.is_cuda)
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    launch = {k: v for k, v in cfg.items() if k.startswith("num_")}
+    pairs, block_expert = moe_align(topk_ids, E, bm)
+    num_blocks = block_expert.shape[0]
+    weights = topk_weights.reshape(-1).contiguous()
+
+    act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
+    _moe_gate_up_kernel[(num_blocks, triton.cdiv(inter, bn))](
+        x, w13, act, pairs, block_expert, n, x.stride(0), w13.stride(0), w13.stride(1),
+        act.stride(0), HIDDEN=H, INTER=inter, TOP_K=K, NUM_EXPERTS=E,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **launch)
+    # pairs routed off-rank (-1) are never written: start from zeros
+    y = torch.zeros(n, H, dtype=x.dtype, device=x.device)
+    _moe_down_kernel[(num_blocks, triton.cdiv(H, bn))](
+        act, w2, y, pairs, block_expert, weights, n, act.stride(0), w2.stride(0), w2.stride(1),
+        y.stride(0), HIDDEN=H, INTER=inter, NUM_EXPERTS=E,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **launch)
+    return y.view(T, K, H).sum(1, dtype=torch.float32).to(x.dtype)
+
+
+@torch.library.custom_op("rankserve::fused_moe", mutates_args=())
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, K], topk_ids [T, K] (-1: off-rank)."""
+    if x.is_cuda:
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+
+
+@fused_moe.register_fake
+def _(x, w13, w2, topk_weights, topk_ids):
+    return torch.empty_like(x)

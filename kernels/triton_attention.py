@@ -1,0 +1,350 @@
+"""Triton kernels behind `rankserve::paged_attention` (layout and semantics: kernels/attention.py).
+
+- `store_kv`: scatter this step's k/v rows into their cache slots (slot -1 = padding, skipped).
+- `paged_attention`: one unified kernel for any mix of prefill, chunked prefill, prefix extension
+  and decode; decode-only batches (`q.shape[0] == seq_lens.shape[0]`) take a split-KV
+  (flash-decoding) path instead, so that small batches with long contexts fill the GPU.
+
+Every grid size is a function of tensor shapes only and nothing is read back to the host, so both
+ops can be captured in a CUDA graph. Requests with q_len 0 / seq_len 0 (CUDA-graph padding) are
+fine; output rows past query_start_loc[-1] are written as zeros.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_MAX_SPLITS = 16
+
+
+# ----------------------------------------------------------------------------------------------
+# store_kv
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                     stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot < 0:  # padding token
+        return
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
+    k = tl.load(k_ptr + tok * stride_kt + h * stride_kh + d, mask=mask)
+    v = tl.load(v_ptr + tok * stride_vt + h * stride_vh + d, mask=mask)
+    tl.store(k_cache_ptr + blk * stride_kcb + off * stride_kcs + h * stride_kch + d,
+             k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + blk * stride_vcb + off * stride_vcs + h * stride_vch + d,
+             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v: [T, KH, D] (last dim contiguous); caches [num_blocks, block_size, KH, D]."""
+    T, KH, D = k.shape
+    if T == 0:
+        return
+    _check_last_dim(k, v, k_cache, v_cache)
+    _store_kv_kernel[(T,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NUM_KV_HEADS=KH, HEAD_DIM=D, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_H=triton.next_power_of_2(KH), BLOCK_D=triton.next_power_of_2(D), num_warps=4)
+
+
+# ----------------------------------------------------------------------------------------------
+# unified attention (prefill / chunked prefill / prefix extension / decode, mixed)
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _unified_attention_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
+        scale_log2e, num_seqs, num_tokens,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+        HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr):
+    # Program (pid, kvh) owns BLOCK_Q query tokens x the GROUP query heads of kv head kvh, as
+    # BLOCK_M = BLOCK_Q * GROUP (padded) rows, so every K/V tile is loaded once per kv head.
+    # Request i owns the tiles [S_i, S_{i+1}) with S_i = qsl[i] // BLOCK_Q + i, which is at least
+    # ceil(q_len_i / BLOCK_Q) tiles; hence T // BLOCK_Q + B + 1 programs always suffice.
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+
+    # binary search: largest i in [0, num_seqs] with S_i <= pid (i == num_seqs: padding rows)
+    lo = pid * 0
+    hi = num_seqs + 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        ok = tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= pid
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid)
+    req = lo
+    q_start = tl.load(qsl_ptr + req)
+    local = pid - (q_start // BLOCK_Q + req)
+
+    rows = tl.arange(0, BLOCK_M)
+    tok_in_tile = rows // GROUP
+    head = kvh * GROUP + rows % GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+
+    if req == num_seqs:
+        # past the last request: zero the padding rows [qsl[B], T) so they stay finite
+        tok = (q_start + local * BLOCK_Q + tok_in_tile).to(tl.int64)
+        mask = (tok_in_tile < BLOCK_Q) & (tok < num_tokens)
+        o_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, tl.zeros([BLOCK_M, BLOCK_D], out_ptr.dtype.element_ty),
+                 mask=mask[:, None] & d_mask[None, :])
+        return
+
+    q_len = tl.load(qsl_ptr + req + 1) - q_start
+    if local * BLOCK_Q >= q_len:  # spare tile of this request (or an empty request)
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    ctx_len = seq_len - q_len
+    q_local = local * BLOCK_Q + tok_in_tile
+    row_mask = (tok_in_tile < BLOCK_Q) & (q_local < q_len)
+    q_pos = ctx_len + q_local  # absolute position, for the causal mask
+    tok = (q_start + q_local).to(tl.int64)
+
+    q_ptrs = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    io_mask = row_mask[:, None] & d_mask[None, :]
+    q = tl.load(q_ptrs, mask=io_mask, other=0.0)
+
+    # finite -1e30 start: fully masked rows give p = 0 instead of NaN (inf - inf)
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # keys beyond the last query position of this tile are never needed
+    kv_end = ctx_len + tl.minimum(q_len, (local + 1) * BLOCK_Q)
+    bt_row = bt_ptr + req.to(tl.int64) * stride_bt
+    for start_n in range(0, kv_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < kv_end
+        blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        in_blk = offs_n % BLOCK_SIZE
+        k_off = blk * stride_kb + in_blk * stride_ks + kvh * stride_kh
+        v_off = blk * stride_vb + in_blk * stride_vs + kvh * stride_vh
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+
+        s = tl.dot(q, tl.trans(k)) * scale_log2e
+        causal = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        s = tl.where(causal, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_i[:, None]
+    o_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# split-KV decode (one query token per request)
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _decode_split_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr, qsl_ptr, seq_lens_ptr,
+        bt_ptr, scale_log2e,
+        stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        stride_bt,
+        NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    # Program (req, kvh, split): the GROUP heads of kv head kvh over one segment of the context.
+    # Partial results are normalised; lse (log2 domain) lets the reduce kernel reweight them.
+    req = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + req)
+    q_len = tl.load(qsl_ptr + req + 1) - q_start
+    seq_len = tl.where(q_len > 0, tl.load(seq_lens_ptr + req), 0)  # q_len 0: nothing to do
+    seg = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    n_lo = split * seg
+    n_hi = tl.minimum(n_lo + seg, seq_len)
+
+    hs = tl.arange(0, BLOCK_H)
+    h_mask = hs < GROUP
+    head = kvh * GROUP + hs
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q_ptrs = (q_ptr + q_start.to(tl.int64) * stride_qt + head[:, None] * stride_qh
+              + offs_d[None, :])
+    q_rows = hs < tl.where(q_len > 0, GROUP, 0)  # no query row for an empty request
+    q = tl.load(q_ptrs, mask=q_rows[:, None] & d_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    bt_row = bt_ptr + req.to(tl.int64) * stride_bt
+    for start_n in range(n_lo, n_hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < n_hi
+        blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        in_blk = offs_n % BLOCK_SIZE
+        k_off = blk * stride_kb + in_blk * stride_ks + kvh * stride_kh
+        v_off = blk * stride_vb + in_blk * stride_vs + kvh * stride_vh
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+
+        s = tl.dot(q, tl.trans(k)) * scale_log2e
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+
+    empty = l_i == 0.0  # empty segment: weight 0 in the reduction, partial output 0
+    lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    row = (req * NUM_HEADS + head).to(tl.int64) * NUM_SPLITS + split
+    tl.store(part_lse_ptr + row, lse, mask=h_mask)
+    tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out,
+             mask=h_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, qsl_ptr, num_seqs,
+                          stride_ot, stride_oh,
+                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                          BLOCK_D: tl.constexpr):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < HEAD_DIM
+    row = (req * NUM_HEADS + head).to(tl.int64) * NUM_SPLITS + offs_s
+    lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # 0 for empty segments
+    parts = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    w_sum = tl.sum(w, 0)
+    out = tl.sum(parts * w[:, None], 0) / tl.where(w_sum == 0.0, 1.0, w_sum)
+
+    q_start = tl.load(qsl_ptr + req)
+    q_len = tl.load(qsl_ptr + req + 1) - q_start
+    o_ptrs = out_ptr + head * stride_oh + offs_d
+    tl.store(o_ptrs + q_start.to(tl.int64) * stride_ot, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < tl.where(q_len > 0, HEAD_DIM, 0))
+    # T == B here, so row `req` is a padding row exactly when req >= qsl[B]: zero it
+    is_pad = req >= tl.load(qsl_ptr + num_seqs)
+    tl.store(o_ptrs + req.to(tl.int64) * stride_ot, tl.zeros([BLOCK_D], out_ptr.dtype.element_ty),
+             mask=offs_d < tl.where(is_pad, HEAD_DIM, 0))
+
+
+# ----------------------------------------------------------------------------------------------
+# host side
+# ----------------------------------------------------------------------------------------------
+
+def _check_last_dim(*ts: torch.Tensor) -> None:
+    for t in ts:
+        assert t.stride(-1) == 1, "attention tensors need a contiguous last (head_dim) dimension"
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _prefill_config(head_dim: int, group: int, on_gpu: bool) -> tuple[int, int, int]:
+    """(BLOCK_M rows = query tokens x group heads, BLOCK_N keys, num_warps)."""
+    if not on_gpu:  # interpreter: small tiles keep numpy fast
+        block_m, block_n, warps = 16, 16, 4
+    elif head_dim <= 64:
+        block_m, block_n, warps = 128, 64, 4
+    elif head_dim <= 128:
+        block_m, block_n, warps = 128, 64, 8
+    else:
+        block_m, block_n, warps = 64, 32, 4
+    return max(block_m, triton.next_power_of_2(group)), block_n, warps
+
+
+def _num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int,
+                device: torch.device) -> int:
+    """Enough (request, kv head, segment) programs to cover the SMs twice (shape-only)."""
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 132
+    splits = triton.cdiv(2 * sms, batch * num_kv_heads)
+    return max(1, min(splits, _MAX_SPLITS, triton.cdiv(max_context, block_n)))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                    block_table: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [T, H, D]; caches [num_blocks, block_size, KH, D] (already holding this step's k/v).
+
+    Decode-only batches are detected by shape (T == B); the caller then guarantees that every
+    request has at most one query token (padding requests have none).
+    """
+    T, H, D = q.shape
+    B = seq_lens.shape[0]
+    num_blocks, block_size, KH, Dk = k_cache.shape
+    assert Dk == D and v_cache.shape == k_cache.shape, "k/v cache shape mismatch"
+    assert H % KH == 0, f"num_heads {H} not a multiple of num_kv_heads {KH}"
+    _check_last_dim(q, k_cache, v_cache)
+    group = H // KH
+    out = torch.empty_like(q)
+    if T == 0:
+        return out
+    on_gpu = q.is_cuda
+    block_d = max(16, triton.next_power_of_2(D))  # tl.dot needs K >= 16; masked beyond D
+    scale_log2e = scale * _LOG2E
+    common = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+              v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0))
+
+    if T == B:
+        block_n = 64 if on_gpu else 16
+        max_context = block_table.shape[1] * block_size
+        splits = _num_splits(B, KH, max_context, block_n, q.device)
+        part_out = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
+        _decode_split_kernel[(B, KH, splits)](
+            q, k_cache, v_cache, part_out, part_lse, query_start_loc, seq_lens, block_table,
+            scale_log2e, q.stride(0), q.stride(1), *common,
+            NUM_HEADS=H, HEAD_DIM=D, GROUP=group, BLOCK_SIZE=block_size,
+            BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
+            NUM_SPLITS=splits, num_warps=4, num_stages=2)
+        _decode_reduce_kernel[(B, H)](
+            part_out, part_lse, out, query_start_loc, B, out.stride(0), out.stride(1),
+            NUM_HEADS=H, HEAD_DIM=D, NUM_SPLITS=splits,
+            BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=triton.next_power_of_2(D),
+            num_warps=1 if D <= 64 else 2)
+        return out
+
+    block_m, block_n, warps = _prefill_config(D, group, on_gpu)
+    block_q = block_m // group
+    grid = (T // block_q + B + 1, KH)
+    _unified_attention_kernel[grid](
+        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
+        scale_log2e, B, T, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common,
+        HEAD_DIM=D, GROUP=group, BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps, num_stages=2)
+    return out

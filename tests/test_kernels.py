@@ -1,0 +1,303 @@
+"""Triton kernels vs the plain-torch references.
+
+CPU: the kernels run in Triton's interpreter (numpy; fp32 / fp16, since the interpreter's bf16 dot
+is broken). TRITON_INTERPRET must be set before triton is imported, so those test bodies run in
+one spawned worker process that gets the variable; this pytest process never sees it.
+GPU (`-m gpu`): the compiled kernels in bf16 at real model sizes, plus CUDA-graph capture.
+"""
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+import torch
+import triton
+
+from rankserve.kernels import moe, triton_attention as ta
+from rankserve.kernels.attention import paged_attention_ref, store_kv_ref
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _interpreting() -> bool:
+    return isinstance(ta._unified_attention_kernel, triton.runtime.interpreter.InterpretedFunction)
+
+
+@pytest.fixture(scope="module")
+def interp():
+    """Runs fn(*args) in a worker that imported triton with TRITON_INTERPRET=1."""
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"  # inherited by the worker started just below
+    try:
+        pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        assert pool.submit(_interpreting).result(), "worker is not using the Triton interpreter"
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+    yield lambda fn, *args: pool.submit(fn, *args).result()
+    pool.shutdown()
+
+
+@contextlib.contextmanager
+def poisoned_empty_like():
+    """torch.empty_like returns NaN-filled tensors, so unwritten output rows are caught."""
+    real = torch.empty_like
+    torch.empty_like = lambda t, **kw: real(t, **kw).fill_(float("nan"))
+    try:
+        yield
+    finally:
+        torch.empty_like = real
+
+
+# ----------------------------------------------------------------------------------------------
+# attention helpers
+# ----------------------------------------------------------------------------------------------
+
+def make_batch(q_lens, seq_lens, *, kv_heads, group, head_dim, block_size, pad_tokens=0,
+               dtype=torch.float32, device="cpu", seed=0):
+    """Random paged caches (shuffled block ids, spare columns) + metadata for one step."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    B = len(q_lens)
+    max_blocks = max(triton.cdiv(s, block_size) for s in seq_lens) + 2
+    num_blocks = B * max_blocks + 5
+    block_table = torch.randperm(num_blocks, generator=g)[:B * max_blocks].view(B, max_blocks)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=g).to(dtype)
+    v_cache = torch.randn(shape, generator=g).to(dtype)
+    T = sum(q_lens) + pad_tokens
+    q = torch.randn(T, kv_heads * group, head_dim, generator=g).to(dtype)
+    qsl = torch.zeros(B + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor(q_lens).cumsum(0)
+    to = dict(device=device)
+    return (q.to(**to), k_cache.to(**to), v_cache.to(**to), qsl.to(**to),
+            torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_table.int().to(**to))
+
+
+def check_attention(batch, atol, rtol):
+    q, k_cache, v_cache, qsl, seq_lens, block_table = batch
+    scale = q.shape[-1] ** -0.5
+    with poisoned_empty_like():
+        out = ta.paged_attention(q, k_cache, v_cache, qsl, seq_lens, block_table, scale)
+    ref = paged_attention_ref(q, k_cache, v_cache, qsl, seq_lens, block_table, scale)
+    n = int(qsl[-1])
+    torch.testing.assert_close(out[:n].float(), ref[:n].float(), atol=atol, rtol=rtol)
+    assert torch.all(out[n:] == 0), "padding rows must be zero"
+
+
+def attention_case(q_lens, seq_lens, kw, atol=1e-5, rtol=1e-5):
+    check_attention(make_batch(q_lens, seq_lens, **kw), atol, rtol)
+
+
+# A mixed step: prefills (1, 17, 37 tokens), a chunked prefill (24 new after 40 cached), a prefix
+# extension (5 new after 60), decodes (contexts 1, 33, 70), a padding request (0/0).
+MIXED_Q = [1, 17, 37, 24, 5, 1, 1, 1, 0]
+MIXED_S = [1, 17, 37, 64, 65, 1, 33, 70, 0]
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("block_size", [16, 8])
+def test_paged_attention_mixed(interp, group, block_size):
+    interp(attention_case, MIXED_Q, MIXED_S,
+           dict(kv_heads=2, group=group, head_dim=16, block_size=block_size, pad_tokens=3,
+                seed=group * 100 + block_size))
+
+
+@pytest.mark.parametrize("head_dim", [8, 32, 24])  # 8: stories260K; 24: masked non-power-of-two
+def test_paged_attention_head_dims(interp, head_dim):
+    interp(attention_case, [3, 20, 1], [3, 45, 9],
+           dict(kv_heads=1, group=2, head_dim=head_dim, block_size=16, pad_tokens=1,
+                seed=head_dim))
+
+
+def test_paged_attention_fp16(interp):
+    interp(attention_case, [9, 1, 30], [20, 50, 30],
+           dict(kv_heads=2, group=2, head_dim=16, block_size=16, pad_tokens=2,
+                dtype=torch.float16, seed=7), 2e-3, 2e-3)
+
+
+def decode_split_case(group, head_dim):
+    # T == B -> split path; the last request is CUDA-graph padding (no token, empty context) and
+    # row T-1 is a padding row that must come back zero.
+    seq_lens = [1, 150, 37, 300, 16, 0]
+    q_lens = [1, 1, 1, 1, 1, 0]
+    batch = make_batch(q_lens, seq_lens, kv_heads=2, group=group, head_dim=head_dim,
+                       block_size=16, pad_tokens=1, seed=group + head_dim)
+    assert batch[0].shape[0] == len(seq_lens)
+    max_ctx = batch[5].shape[1] * 16
+    assert ta._num_splits(len(seq_lens), 2, max_ctx, 16, torch.device("cpu")) > 1
+    check_attention(batch, 1e-5, 1e-5)
+
+
+@pytest.mark.parametrize("group,head_dim", [(1, 16), (4, 8), (2, 32)])
+def test_decode_split_kv(interp, group, head_dim):
+    interp(decode_split_case, group, head_dim)
+
+
+def store_kv_case():
+    g = torch.Generator().manual_seed(1)
+    T, KH, D, nb, bs = 11, 2, 16, 6, 16
+    qkv = torch.randn(T, 3 * KH, D, generator=g)  # k, v as strided views, like a fused qkv
+    k, v = qkv[:, KH:2 * KH], qkv[:, 2 * KH:]
+    slots = torch.randperm(nb * bs, generator=g)[:T]
+    slots[[2, 7, 10]] = -1
+    poison = 1234.5
+    k_cache = torch.full((nb, bs, KH, D), poison)
+    v_cache = torch.full((nb, bs, KH, D), poison)
+    ta.store_kv(k, v, k_cache, v_cache, slots)
+    k_ref, v_ref = torch.full_like(k_cache, poison), torch.full_like(v_cache, poison)
+    store_kv_ref(k, v, k_ref, v_ref, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    written = (k_cache.view(-1, KH, D) != poison).all(-1).all(-1)
+    assert written.sum() == T - 3  # nothing but the valid slots
+
+
+def test_store_kv_exact_slots(interp):
+    interp(store_kv_case)
+
+
+# ----------------------------------------------------------------------------------------------
+# fused MoE
+# ----------------------------------------------------------------------------------------------
+
+def make_moe(T, E, K, H, inter, *, drop=0.0, dtype=torch.float32, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g)
+    w13 = torch.randn(E, 2 * inter, H, generator=g) * H ** -0.5
+    w2 = torch.randn(E, H, inter, generator=g) * inter ** -0.5
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else \
+        torch.zeros(0, K, dtype=torch.long)
+    ids[torch.rand(ids.shape, generator=g) < drop] = -1  # experts on other ranks
+    weights = torch.softmax(torch.randn(T, K, generator=g), -1)
+    to = dict(device=device)
+    return (x.to(dtype).to(**to), w13.to(dtype).to(**to), w2.to(dtype).to(**to),
+            weights.to(**to), ids.to(torch.int32).to(**to))
+
+
+def moe_case(T, E, K, H, inter, drop, seed):
+    args = make_moe(T, E, K, H, inter, drop=drop, seed=seed)
+    torch.testing.assert_close(moe.fused_moe_triton(*args), moe.fused_moe_ref(*args),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("T,E,K,H,inter,drop", [
+    (1, 4, 2, 32, 16, 0.0), (19, 8, 2, 48, 40, 0.3), (40, 6, 3, 64, 32, 0.5)])
+def test_fused_moe_matches_ref(interp, T, E, K, H, inter, drop):
+    interp(moe_case, T, E, K, H, inter, drop, T)
+
+
+def moe_off_rank_case():
+    x, w13, w2, weights, ids = make_moe(5, 4, 2, 32, 16, seed=3)
+    out = moe.fused_moe_triton(x, w13, w2, weights, torch.full_like(ids, -1))
+    assert torch.equal(out, torch.zeros_like(x))
+
+
+def test_fused_moe_all_off_rank_is_zero(interp):
+    interp(moe_off_rank_case)
+
+
+def test_moe_align_groups():
+    ids = torch.tensor([[3, 0], [3, -1], [1, 3], [-1, -1], [0, 3]])
+    pairs, block_expert = moe.moe_align(ids, num_experts=5, block_m=4)
+    n = ids.numel()
+    flat = ids.flatten()
+    rows = pairs.view(-1, 4)
+    assert rows.shape[0] == block_expert.shape[0]
+    seen = []
+    for b, e in enumerate(block_expert.tolist()):
+        real = [p for p in rows[b].tolist() if p < n]
+        if e >= 5:
+            assert not real
+        assert all(flat[p] == e for p in real)
+        seen += real
+    assert sorted(seen) == [i for i in range(n) if flat[i] >= 0]  # each valid pair once
+
+
+def test_fused_moe_op_cpu():
+    args = make_moe(6, 4, 2, 16, 8, drop=0.25, seed=5)
+    out = torch.ops.rankserve.fused_moe(*args)
+    assert torch.equal(out, moe.fused_moe_ref(*args))
+    torch.library.opcheck(torch.ops.rankserve.fused_moe.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU, bf16, real sizes (run on the H200 with `pytest -m gpu`)
+# ----------------------------------------------------------------------------------------------
+
+REAL = dict(kv_heads=8, group=4, head_dim=128, block_size=16, dtype=torch.bfloat16, device="cuda")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("batch", [1, 7, 64])
+def test_gpu_decode_bf16(batch):
+    g = torch.Generator().manual_seed(batch)
+    seq = torch.randint(1, 4097, (batch,), generator=g).tolist()
+    b = make_batch([1] * batch + [0], seq + [0], pad_tokens=1, seed=batch, **REAL)
+    check_attention(b, atol=2e-2, rtol=2e-2)
+
+
+@gpu
+@needs_cuda
+def test_gpu_mixed_bf16():
+    q_lens = [1000, 1, 300, 1, 77, 513, 0]
+    seq_lens = [1000, 4000, 2348, 17, 77, 4096, 0]
+    check_attention(make_batch(q_lens, seq_lens, pad_tokens=13, **REAL), atol=2e-2, rtol=2e-2)
+
+
+@gpu
+@needs_cuda
+def test_gpu_store_kv():
+    T, KH, D = 300, 8, 128
+    k = torch.randn(T, KH, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    slots = torch.randperm(1000 * 16, device="cuda")[:T]
+    slots[::7] = -1
+    caches = [torch.full((1000, 16, KH, D), 7.0, device="cuda", dtype=torch.bfloat16)
+              for _ in range(4)]
+    ta.store_kv(k, v, caches[0], caches[1], slots)
+    store_kv_ref(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("decode", [True, False])
+def test_gpu_cuda_graph_capture(decode):
+    """The op captures (no host sync) and replays correctly on new metadata of the same shape."""
+    B = 8
+    q_lens = [1] * B if decode else [1, 40, 1, 200, 3, 1, 0, 1]
+    seq = [100, 900, 5, 2000, 64, 1, 0, 3000] if not decode else [100, 900, 5, 2000, 64, 1, 7, 3]
+    q, kc, vc, qsl, sl, bt = make_batch(q_lens, seq, pad_tokens=2, **REAL)
+    T = q.shape[0]
+    k = torch.randn(T, 8, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    slots = torch.full((T,), -1, dtype=torch.int64, device="cuda")
+    op = lambda: torch.ops.rankserve.paged_attention(q, k, v, kc, vc, slots, qsl, sl, bt, 0.1)
+    op()  # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = op()
+    sl.copy_(torch.flip(sl, [0]) if decode else sl)  # new context lengths, same shapes
+    q.normal_()
+    graph.replay()
+    ref = paged_attention_ref(q, kc, vc, qsl, sl, bt, 0.1)
+    n = int(qsl[-1])
+    torch.testing.assert_close(out[:n].float(), ref[:n].float(), atol=2e-2, rtol=2e-2)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("T", [1, 64, 1024])
+def test_gpu_fused_moe_bf16(T):
+    args = make_moe(T, 128, 8, 2048, 768, drop=0.2, dtype=torch.bfloat16, device="cuda", seed=T)
+    out = torch.ops.rankserve.fused_moe(*args).float()
+    ref = moe.fused_moe_ref(*args).float()
+    assert (out - ref).norm() / ref.norm() < 1e-2
