@@ -7,6 +7,8 @@ from __future__ import annotations
 import itertools
 import time
 
+import msgspec
+
 from tqdm import tqdm
 
 from rankserve.runtime.config import DEFAULT_MODEL, EngineConfig
@@ -21,17 +23,31 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def eos_token_id_of(tokenizer, model_dir: str) -> int | None:
+def eos_token_ids_of(tokenizer, model_dir: str) -> list[int]:
+    """All end-of-sequence ids (generation_config may list several, e.g. Llama 3's eot/eom)."""
+    ids: list[int] = []
     try:
         from transformers import GenerationConfig
         eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
-        if eos is not None:
-            return eos
+        ids = list(eos) if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else [])
     except (OSError, ValueError):
         pass
-    return getattr(tokenizer, "eos_token_id", None)
+    tok_eos = getattr(tokenizer, "eos_token_id", None)
+    if tok_eos is not None and tok_eos not in ids:
+        ids.append(tok_eos)
+    return ids
+
+
+def engine_request(request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                   eos_token_ids: list[int], priority: int = 0,
+                   cache_salt: str | None = None) -> EngineCoreRequest:
+    """The EngineCoreRequest for one choice; extra EOS ids become stop tokens."""
+    if len(eos_token_ids) > 1 and not params.ignore_eos:
+        extra = [t for t in eos_token_ids[1:] if t not in params.stop_token_ids]
+        if extra:
+            params = msgspec.structs.replace(params, stop_token_ids=params.stop_token_ids + extra)
+    return EngineCoreRequest(request_id, prompt_token_ids, params, time.monotonic(), priority,
+                             cache_salt, eos_token_ids[0] if eos_token_ids else None)
 
 
 class LLM:
@@ -40,7 +56,8 @@ class LLM:
         self.config = config or EngineConfig.from_kwargs(model=model or DEFAULT_MODEL, **kwargs)
         m = self.config.model
         self.tokenizer = load_tokenizer(m.tokenizer or m.model)
-        self.eos_token_id = eos_token_id_of(self.tokenizer, m.model)
+        self.eos_token_ids = eos_token_ids_of(self.tokenizer, m.model)
+        self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
         if executor is None:
             from rankserve.runtime.executor import UniprocExecutor
             executor = UniprocExecutor(self.config)
@@ -72,9 +89,9 @@ class LLM:
             text, ids = self._to_token_ids(p)
             rid = str(next(self._ids))
             for cid in range(sp.n):
-                reqs.append((rid, text, ids, sp, EngineCoreRequest(
-                    child_request_id(rid, cid, sp.n), ids, sp, time.monotonic(),
-                    priority[i] if priority else 0, eos_token_id=self.eos_token_id)))
+                reqs.append((rid, text, ids, sp, engine_request(
+                    child_request_id(rid, cid, sp.n), ids, sp, self.eos_token_ids,
+                    priority[i] if priority else 0)))
         for *_, r in reqs:
             self.engine.validate(r)
         order, results = [], {}
