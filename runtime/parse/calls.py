@@ -56,7 +56,7 @@ class CallReader:
                 elif depth == fields and self.key in ARGS_KEYS:
                     self.capturing = belongs = True
             elif kind == "key" and depth == fields:
-                if ev[2] not in NAME_KEYS + ARGS_KEYS:
+                if ev[2] not in NAME_KEYS + ARGS_KEYS + ("id",):  # mistral v3 echoes ids
                     return [("error",)]  # not a tool call (e.g. plain JSON content)
                 self.key = ev[2]
             elif kind == "end":
