@@ -17,7 +17,7 @@ def token_id(tokenizer: Any, text: str) -> int | None:
     inner = getattr(getattr(tokenizer, "instruct_tokenizer", None), "tokenizer", None)
     if inner is not None:  # mistral-common
         try:
-            return inner.get_control_token(text)
+            return inner.get_special_token(text)
         except Exception:
             return None
     tid = tokenizer.convert_tokens_to_ids(text)
