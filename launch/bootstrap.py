@@ -24,6 +24,7 @@ that fit the header travel in that one collective; larger ones follow in a secon
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
@@ -249,6 +250,7 @@ def init_distributed(info: RankInfo, device: str, timeout_s: float = 600.0) -> C
             store = dist.TCPStore(host, int(port), info.world_size, is_master=False, timeout=timeout)
         log.info("rank %d: torch.distributed %s rendezvous at %s", info.rank, backend, addr)
         dist.init_process_group(store=store, **kwargs)
+        atexit.register(_destroy_process_group)
         return control
 
     if info.launcher == "slurm":
@@ -261,7 +263,20 @@ def init_distributed(info: RankInfo, device: str, timeout_s: float = 600.0) -> C
         raise ValueError(f"cannot bootstrap launcher {info.launcher!r} with {info.world_size} ranks")
     log.info("rank %d: torch.distributed %s rendezvous at %s", info.rank, backend, addr)
     dist.init_process_group(init_method=init_method, **kwargs)
+    atexit.register(_destroy_process_group)
     return GlooControl()
+
+
+def _destroy_process_group() -> None:
+    # A process group left to interpreter teardown can die in std::terminate (gloo's threads),
+    # turning a clean exit into SIGABRT; tear it down while Python is still intact.
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as e:  # exiting anyway; do not mask the real exit status
+            log.debug("destroy_process_group at exit: %s", e)
 
 
 def _master_host(info: RankInfo) -> str:

@@ -88,6 +88,9 @@ def _where() -> str:
 def _excepthook(exc_type, exc, tb) -> None:
     text = "".join(traceback.format_exception(exc_type, exc, tb))
     log.critical("%s failed: %s", _where(), text)
+    if _heartbeat:
+        # a failed collective is usually a dead peer: let the heartbeat name it before we go
+        time.sleep(0.5)
     _die(1)
 
 
