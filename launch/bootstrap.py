@@ -193,9 +193,10 @@ class GlooControl(ControlChannel):
         self._bcast_bytes(rest, root, idle=False)
         return obj if self.rank == root else pickle.loads(rest)
 
-    # gloo waits in a condition variable, so both forms are cheap; polling keeps signals live
+    # gloo blocks in a condition variable rather than spinning, so bcast just waits; bcast_idle
+    # also polls, which lets Python signal handlers run during long idle periods
     def bcast(self, obj=None, root=0):
-        return self._bcast(obj, root, idle=True)
+        return self._bcast(obj, root, idle=False)
 
     def bcast_idle(self, obj=None, root=0):
         return self._bcast(obj, root, idle=True)

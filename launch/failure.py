@@ -3,7 +3,8 @@
 `install_failure_handlers(info, control, on_shutdown=None)` is collective (call it on every rank
 right after `init_distributed`). It installs:
 
-- An excepthook (main thread and other threads): logs `rank R on HOST failed: <traceback>` and
+- An excepthook (main thread and other threads): logs `rank R on HOST failed: <traceback>`,
+  waits 0.5 s so the heartbeat can name a dead peer if that is what broke a collective, and
   ends the job: `MPI.COMM_WORLD.Abort(1)` under MPI (the process manager kills every rank), else
   `os._exit(1)`, which peers notice through the heartbeat below.
 - A heartbeat: rank 0 listens on a TCP port (address broadcast over `control`), every other rank
