@@ -16,6 +16,7 @@ every step (CUDA-graph replays bypass it), else the average.
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import math
 import time
@@ -61,6 +62,7 @@ class HFBackend:
     def close(self) -> None:
         self._hook.remove()
         del self.model
+        gc.collect()  # generate's static cache and CB's paged cache hang off reference cycles
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
