@@ -220,11 +220,16 @@ def _parse_size(text: str) -> int:
 @click.option("--warmup", type=click.IntRange(min=0), default=5, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write results (rank 0)")
 def bench_comm(sizes, ops, iters, warmup, json_path, **kwargs):
-    """Collective bandwidth across the ranks of an mpirun/srun job (nccl-tests conventions)."""
+    """Collective bandwidth across the ranks of an mpirun/srun job (nccl-tests conventions).
+
+    Without --tp/--pp every rank joins one TP group."""
     import torch
 
+    from rankserve.launch.discovery import discover
     from rankserve.launch.startup import start_ranks
     from rankserve.runtime.bench.comm import OPS, model_message_sizes, run_comm_bench
+    if kwargs.get("tensor_parallel_size") is None and kwargs.get("pipeline_parallel_size") is None:
+        kwargs["tensor_parallel_size"] = discover().world_size
     cfg, _ = _bench_config(kwargs)
     op_list = [o.strip() for o in ops.split(",") if o.strip()]
     if set(op_list) - set(OPS):
@@ -241,12 +246,16 @@ def bench_comm(sizes, ops, iters, warmup, json_path, **kwargs):
         hf = load_hf_config(cfg.model.model)
         topk = getattr(hf, "num_experts_per_tok", None) if cfg.parallel.enable_expert_parallel else None
         per_op = model_message_sizes(hf.hidden_size, [1, 64, 8192], dtype.itemsize,
-                                     info.world_size, topk, hf.vocab_size)
+                                     cfg.parallel.tensor_parallel_size, topk, hf.vocab_size)
         per_op = {op: s for op, s in per_op.items() if op in op_list}
-    rows = []
-    for op, op_sizes in per_op.items():
-        rows += run_comm_bench(op_sizes, ops=(op,), dtype=dtype, iters=iters, warmup=warmup,
-                               device=device)
+    if sizes:  # the same sizes for every op: one table
+        rows = run_comm_bench(per_op[op_list[0]], ops=tuple(op_list), dtype=dtype, iters=iters,
+                              warmup=warmup, device=device)
+    else:
+        rows = []
+        for op, op_sizes in per_op.items():
+            rows += run_comm_bench(op_sizes, ops=(op,), dtype=dtype, iters=iters, warmup=warmup,
+                                   device=device)
     if info.rank == 0 and json_path:
         from rankserve.runtime.bench.common import environment, write_json
         write_json(json_path, {"env": environment(), "world_size": info.world_size, "results": rows})
