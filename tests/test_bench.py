@@ -184,3 +184,19 @@ def test_named_model_implies_dummy_weights_and_bad_names_fail():
     assert r.exit_code == 2 and "shipped config" in r.output
     r = CliRunner().invoke(main, ["bench", "throughput", STORIES, "--input-len", "9", "3"])
     assert r.exit_code == 2 and "LO <= HI" in r.output
+
+
+def test_config_only_model_runs_with_dummy_weights(tmp_path):
+    # what the shipped configs resolve to: a directory with config.json alone (no tokenizer)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text((STORIES_EMBEDDED / "config.json").read_text())
+    out_json = tmp_path / "w2.json"
+    invoke_cli("throughput", str(model), "--load-format", "dummy", "--workload", "w2",
+               "--output-len", "6", "6", "--output-json", str(out_json))
+    rec = json.loads(out_json.read_text())
+    wl = rec["workload"]
+    assert (wl["num_requests"], wl["prompt_len_max"], wl["output_tokens"]) == (1, 128, 6)  # W2 prompt
+    r = rec["results"]["rankserve"]
+    assert r["output_tokens"] == 6 and r["floor"]["num_steps"] == 6
+    check_floor(r["floor"])

@@ -74,12 +74,12 @@ def rankserve_latency(llm, args: LatencyArgs, stats, ceilings) -> dict:
             if not warm:
                 times.append(elapsed)
         results[name] = (times, list(log.tokens))  # every iteration runs the same steps
-    tp = llm.config.parallel.tensor_parallel_size
-    f = {k: _floor(stats, args, olen, results[k][1], runner.dtype.itemsize, ceilings, tp)
+    n_dev = llm.config.parallel.world_size  # TP shards and PP stages in flight all read at once
+    f = {k: _floor(stats, args, olen, results[k][1], runner.dtype.itemsize, ceilings, n_dev)
          for k, olen in (("e2e", args.output_len), ("ttft", 1))}
     return dict(summarize(args, results["e2e"][0], results["ttft"][0], f["e2e"], f["ttft"],
                           dict(llm.engine.timings)),
-                dtype=str(runner.dtype).replace("torch.", ""), tensor_parallel_size=tp)
+                dtype=str(runner.dtype).replace("torch.", ""), num_devices=n_dev)
 
 
 def hf_latency(model_dir: str, device, dtype, args: LatencyArgs, vocab: int, stats, ceilings) -> dict:

@@ -37,16 +37,17 @@ def engine_runner(llm):
 
 
 def observe_steps(llm) -> common.StepLog:
-    """Record the tokens of every step the engine executes (only steps that run a forward reach
-    the executor: `EngineCore.step` skips empty plans)."""
+    """Record the tokens of every step the engine hands to its executor: only plans that run a
+    forward get there (`EngineCore.step` skips empty ones)."""
     log = common.StepLog()
     ex = llm.engine.executor
-    inner = ex.execute
+    name = "submit" if hasattr(ex, "submit") else "execute"  # pipelined / older executors
+    inner = getattr(ex, name)
 
-    def execute(plan):
+    def wrapped(plan):
         log.tokens.append(plan.total_num_scheduled_tokens)
         return inner(plan)
-    ex.execute = execute
+    setattr(ex, name, wrapped)
     return log
 
 
@@ -87,13 +88,13 @@ def rankserve_throughput(llm, wl: common.Workload, warm: common.Workload,
     run_engine(llm, warm)
     log.clear()
     elapsed, out_lens = run_engine(llm, wl, use_tqdm=True)
-    tp = llm.config.parallel.tensor_parallel_size
+    n_dev = llm.config.parallel.world_size  # TP shards and PP stages in flight all read at once
     floor = common.physical_floor(stats, wl.prompt_lens, out_lens, log.tokens,
-                                  runner.dtype.itemsize, ceilings, num_devices=tp)
+                                  runner.dtype.itemsize, ceilings, num_devices=n_dev)
     timings = dict(llm.engine.timings)
     return dict(metrics(elapsed, wl.prompt_lens, out_lens, floor, timings),
                 dtype=str(runner.dtype).replace("torch.", ""), num_kv_blocks=llm.engine.num_blocks,
-                tensor_parallel_size=tp)
+                num_devices=n_dev)
 
 
 def hf_throughput(model_dir: str, device: torch.device, dtype: torch.dtype, wl, warm, stats,
