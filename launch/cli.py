@@ -132,7 +132,8 @@ def _bench_outputs(func):
         click.option("--backend", "backends", type=click.Choice(["rankserve", "hf"]), multiple=True,
                      default=("rankserve",), show_default=True,
                      help="engine(s) to run, repeatable: --backend rankserve --backend hf"),
-        click.option("--hf-compile", is_flag=True, help="let transformers torch.compile its decode step"),
+        click.option("--hf-compile", is_flag=True,
+                     help="let transformers torch.compile generate()'s decode step (static cache, CUDA)"),
         click.option("--output-json", type=click.Path(dir_okay=False), help="write metrics + environment"),
         click.option("--plot", type=click.Path(dir_okay=False), help="bar chart PNG (needs matplotlib)"),
     ]):

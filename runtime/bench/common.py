@@ -5,7 +5,7 @@ The physical floor
 ------------------
 A lower bound on the time of a workload on this device, from what it must move and compute:
 
-    floor = max(bytes / HBM bandwidth, FLOPs / matmul rate)     (both ceilings measured, × TP ranks)
+    floor = max(bytes / HBM bandwidth, FLOPs / matmul rate)     (ceilings measured on one device, × TP × PP ranks)
 
 Bytes (all in the model dtype; P = prompt length, O = output tokens of a request):
   weights   Σ over engine steps that ran a forward of the weights that step must read:
