@@ -89,7 +89,8 @@ def test_latency_cli_rankserve_and_hf(tmp_path):
     check_env(rec, "latency")
     for name, r in rec["results"].items():
         assert len(r["latencies_s"]) == len(r["ttfts_s"]) == 2
-        assert r["ttft_s"] < r["latency_s"]
+        assert r["ttft_s"] > 0  # no timing comparisons: a loaded CI box reorders them
+        assert r["ttft_floor"]["floor_s"] < r["floor"]["floor_s"]
         assert r["decode_tokens_per_s"] == pytest.approx(2 * 6 / r["latency_s"])
         check_floor(r["floor"])
         check_floor(r["ttft_floor"])
