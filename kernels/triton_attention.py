@@ -86,7 +86,7 @@ def _unified_attention_kernel(
 
     # binary search: largest i in [0, num_seqs] with S_i <= pid (i == num_seqs: padding rows)
     lo = pid * 0
-    hi = num_seqs + 1
+    hi = lo + num_seqs + 1  # tensors (not constexpr even when num_seqs == 1): loop-carried
     while hi - lo > 1:
         mid = (lo + hi) // 2
         ok = tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= pid
