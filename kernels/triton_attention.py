@@ -300,7 +300,7 @@ def _num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int,
     """Segments per sequence for split-KV decode: about 8 programs per SM (shape-only; more
     programs in flight hide the latency of the paged gathers), at least BLOCK_N keys each."""
     sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 132
+        if device.type == "cuda" else 4  # interpreter: few programs
     splits = triton.cdiv(8 * sms, batch * num_kv_heads)
     return max(1, min(splits, _MAX_SPLITS, triton.cdiv(max_context, block_n)))
 

@@ -15,6 +15,7 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 import torch
 import triton
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from rankserve.kernels import moe, triton_attention as ta
 from rankserve.kernels.attention import paged_attention_ref, store_kv_ref
@@ -202,29 +203,42 @@ def test_fused_moe_all_off_rank_is_zero(interp):
     interp(moe_off_rank_case)
 
 
-def test_moe_align_groups():
-    ids = torch.tensor([[3, 0], [3, -1], [1, 3], [-1, -1], [0, 3]])
-    pairs, block_expert = moe.moe_align(ids, num_experts=5, block_m=4)
+def moe_align_case():
+    ids = torch.tensor([[3, 0], [3, -1], [1, 3], [-1, -1], [0, 3]], dtype=torch.int32)
+    check_align(ids, 5, 4)
+    ids = make_moe(50, 7, 3, 8, 8, drop=0.2, seed=11)[4].long()  # int64 ids, as torch.topk gives
+    check_align(ids, 7, 16)
+
+
+def check_align(ids, num_experts, block_m):
+    pairs, block_expert = moe.moe_align(ids, num_experts=num_experts, block_m=block_m)
     n = ids.numel()
     flat = ids.flatten()
-    rows = pairs.view(-1, 4)
+    rows = pairs.view(-1, block_m)
     assert rows.shape[0] == block_expert.shape[0]
     seen = []
     for b, e in enumerate(block_expert.tolist()):
         real = [p for p in rows[b].tolist() if p < n]
-        if e >= 5:
+        if e >= num_experts:
             assert not real
+        else:
+            assert real, "a block of an expert's group holds at least one pair"
         assert all(flat[p] == e for p in real)
         seen += real
     assert sorted(seen) == [i for i in range(n) if flat[i] >= 0]  # each valid pair once
+
+
+def test_moe_align_groups(interp):
+    interp(moe_align_case)
 
 
 def test_fused_moe_op_cpu():
     args = make_moe(6, 4, 2, 16, 8, drop=0.25, seed=5)
     out = torch.ops.rankserve.fused_moe(*args)
     assert torch.equal(out, moe.fused_moe_ref(*args))
-    torch.library.opcheck(torch.ops.rankserve.fused_moe.default, args,
-                          test_utils=("test_schema", "test_faketensor"))
+    with FakeTensorMode() as mode:  # the fake impl, as torch.compile traces it
+        fake = torch.ops.rankserve.fused_moe(*(mode.from_tensor(a) for a in args))
+    assert fake.shape == args[0].shape and fake.dtype == args[0].dtype
 
 
 # ----------------------------------------------------------------------------------------------
