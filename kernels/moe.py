@@ -159,12 +159,16 @@ def _moe_down_kernel(act_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, weigh
 
 
 def _moe_config(num_pairs: int, on_gpu: bool) -> dict:
+    """Row-block height from the pair count (shape-only). Few pairs per expert (decode) want
+    short blocks (less padding); large batches want tall ones (H200: 272 vs 239 TFLOP/s at
+    T=4096, top-8 of 128 experts, H 2048, I 768)."""
     if not on_gpu:  # interpreter
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4)
-    # few pairs per expert (decode): small row blocks waste less padding
-    block_m = 16 if num_pairs <= 256 else 64
-    return dict(BLOCK_M=block_m, BLOCK_N=64 if block_m == 16 else 128, BLOCK_K=64,
-                num_warps=4 if block_m == 16 else 8, num_stages=3)
+    if num_pairs <= 256:
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
+    if num_pairs <= 8192:
+        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
 
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

@@ -241,6 +241,13 @@ def test_fused_moe_op_cpu():
     assert fake.shape == args[0].shape and fake.dtype == args[0].dtype
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error path")
+def test_benchmark_refuses_without_cuda(capsys):
+    from rankserve.kernels import benchmark
+    assert benchmark.main([]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------------------------
 # GPU, bf16, real sizes (run on the H200 with `pytest -m gpu`)
 # ----------------------------------------------------------------------------------------------
