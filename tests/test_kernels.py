@@ -15,6 +15,7 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 import torch
 import triton
+from triton.runtime.interpreter import InterpretedFunction
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from rankserve.kernels import moe, triton_attention as ta
@@ -25,7 +26,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 def _interpreting() -> bool:
-    return isinstance(ta._unified_attention_kernel, triton.runtime.interpreter.InterpretedFunction)
+    return isinstance(ta._unified_attention_kernel, InterpretedFunction)
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +162,11 @@ def store_kv_case():
 
 def test_store_kv_exact_slots(interp):
     interp(store_kv_case)
+
+
+def test_interpreter_confined_to_worker(interp):
+    assert interp(_interpreting)
+    assert not _interpreting() or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -316,7 +322,7 @@ def test_gpu_cuda_graph_capture(decode):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("T", [1, 64, 1024])
+@pytest.mark.parametrize("T", [1, 64, 1024, 2048])  # row blocks of 16, 64, 64, 128
 def test_gpu_fused_moe_bf16(T):
     args = make_moe(T, 128, 8, 2048, 768, drop=0.2, dtype=torch.bfloat16, device="cuda", seed=T)
     out = torch.ops.rankserve.fused_moe(*args).float()
