@@ -315,7 +315,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     T, H, D = q.shape
     B = seq_lens.shape[0]
-    num_blocks, block_size, KH, Dk = k_cache.shape
+    _, block_size, KH, Dk = k_cache.shape
     assert Dk == D and v_cache.shape == k_cache.shape, "k/v cache shape mismatch"
     assert H % KH == 0, f"num_heads {H} not a multiple of num_kv_heads {KH}"
     _check_last_dim(q, k_cache, v_cache)
