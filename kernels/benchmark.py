@@ -22,8 +22,18 @@ DT = torch.bfloat16
 
 
 def bench(fn) -> float:
-    """Median milliseconds."""
+    """Median milliseconds, L2 flushed between runs, launch overhead included."""
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def bench_graph(fn) -> float | None:
+    """Median milliseconds replaying a CUDA graph (what a graph-captured server sees: no launch
+    overhead, but L2 is not flushed, so small working sets read partly from cache)."""
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+    except Exception as e:  # report, don't abort the table
+        print(f"cuda graph timing failed: {e!r}", file=sys.stderr)
+        return None
 
 
 def ceilings() -> tuple[float, float]:
@@ -58,11 +68,12 @@ def attention_inputs(q_lens, seq_lens):
                                                            device="cuda"), block_table)
 
 
-def row(name, shape, ms, nbytes, flops, ceil):
+def row(name, shape, fn, nbytes, flops, ceil):
+    ms = bench(fn)
     gbps, tflops = nbytes / ms / 1e6, flops / ms / 1e9
     frac_bw, frac_fl = gbps / ceil[0], tflops / ceil[1]
-    return dict(kernel=name, shape=shape, ms=ms, gbps=gbps, tflops=tflops,
-                bound="memory" if frac_bw >= frac_fl else "compute",
+    return dict(kernel=name, shape=shape, ms=ms, graph_ms=bench_graph(fn), gbps=gbps,
+                tflops=tflops, bound="memory" if frac_bw >= frac_fl else "compute",
                 frac_of_ceiling=max(frac_bw, frac_fl))
 
 
@@ -71,10 +82,10 @@ def bench_decode(ceil, quick):
     for ctx in ([1024, 8192] if quick else [1024, 2048, 4096, 8192]):
         for B in ([1, 64, 256] if quick else [1, 4, 16, 64, 128, 256]):
             args = attention_inputs([1] * B, [ctx] * B)
-            ms = bench(lambda: ta.paged_attention(*args, D ** -0.5))
+            fn = lambda: ta.paged_attention(*args, D ** -0.5)  # noqa: E731
             nbytes = 2 * B * ctx * KH * D * 2 + 2 * B * H * D * 2  # K+V read, q read, out write
             flops = 4 * B * ctx * H * D
-            rows.append(row("decode_attention", f"B={B} ctx={ctx}", ms, nbytes, flops, ceil))
+            rows.append(row("decode_attention", f"B={B} ctx={ctx}", fn, nbytes, flops, ceil))
             del args
     return rows
 
@@ -85,16 +96,16 @@ def bench_prefill(ceil, quick):
         [(1, 1024), (1, 2048), (1, 4096), (1, 8192), (8, 1024), (4, 4096)]
     for B, L in cases:
         args = attention_inputs([L] * B, [L] * B)
-        ms = bench(lambda: ta.paged_attention(*args, D ** -0.5))
+        fn = lambda: ta.paged_attention(*args, D ** -0.5)  # noqa: E731
         flops = 4 * B * H * D * L * (L + 1) / 2  # causal: QK^T and PV over the lower triangle
         nbytes = B * L * (2 * H + 2 * KH) * D * 2  # q, out, k, v once each (lower bound)
-        rows.append(row("prefill_attention", f"B={B} L={L}", ms, nbytes, flops, ceil))
+        rows.append(row("prefill_attention", f"B={B} L={L}", fn, nbytes, flops, ceil))
     # chunked prefill: 2048 new tokens after 6144 cached, mixed with 64 decodes at 4k
     args = attention_inputs([2048] + [1] * 64, [8192] + [4096] * 64)
-    ms = bench(lambda: ta.paged_attention(*args, D ** -0.5))
+    fn = lambda: ta.paged_attention(*args, D ** -0.5)  # noqa: E731
     flops = 4 * H * D * (2048 * (6144 + 1024.5) + 64 * 4096)
     nbytes = (8192 + 64 * 4096) * 2 * KH * D * 2
-    rows.append(row("mixed_attention", "chunk 2048@8k + 64 decodes@4k", ms, nbytes, flops, ceil))
+    rows.append(row("mixed_attention", "chunk 2048@8k + 64 decodes@4k", fn, nbytes, flops, ceil))
     return rows
 
 
@@ -107,8 +118,8 @@ def bench_store_kv(ceil, quick):
         k_cache = torch.empty(nb, BLOCK, KH, D, dtype=DT, device="cuda")
         v_cache = torch.empty_like(k_cache)
         slots = torch.randperm(nb * BLOCK, device="cuda")[:T]
-        ms = bench(lambda: ta.store_kv(k, v, k_cache, v_cache, slots))
-        rows.append(row("store_kv", f"T={T}", ms, 4 * T * KH * D * 2 + 8 * T, 0, ceil))
+        fn = lambda: ta.store_kv(k, v, k_cache, v_cache, slots)  # noqa: E731
+        rows.append(row("store_kv", f"T={T}", fn, 4 * T * KH * D * 2 + 8 * T, 0, ceil))
     return rows
 
 
@@ -121,11 +132,11 @@ def bench_moe(ceil, quick):
         logits = torch.randn(T, E, device="cuda")
         weights, ids = torch.topk(logits.softmax(-1), TOPK)
         ids = ids.int()
-        ms = bench(lambda: moe.fused_moe_triton(x, w13, w2, weights, ids))
+        fn = lambda: moe.fused_moe_triton(x, w13, w2, weights, ids)  # noqa: E731
         touched = int(torch.unique(ids).numel())  # experts whose weights are read
         nbytes = touched * 3 * HID * INTER * 2 + 2 * T * HID * 2
         flops = T * TOPK * 6 * HID * INTER
-        rows.append(row("fused_moe", f"T={T} E={E} top{TOPK}", ms, nbytes, flops, ceil))
+        rows.append(row("fused_moe", f"T={T} E={E} top{TOPK}", fn, nbytes, flops, ceil))
     return rows
 
 
@@ -146,9 +157,11 @@ def main(argv=None) -> int:
     for part in (bench_decode, bench_prefill, bench_store_kv, bench_moe):
         rows += part((gbps, tflops), args.quick)
         torch.cuda.empty_cache()
-    print(f"{'kernel':<18} {'shape':<30} {'ms':>9} {'GB/s':>8} {'TFLOP/s':>8}  of ceiling")
+    print(f"{'kernel':<18} {'shape':<30} {'ms':>9} {'graph ms':>9} {'GB/s':>8} {'TFLOP/s':>8}"
+          "  of ceiling")
     for r in rows:
-        print(f"{r['kernel']:<18} {r['shape']:<30} {r['ms']:>9.4f} {r['gbps']:>8.0f} "
+        graph = f"{r['graph_ms']:>9.4f}" if r["graph_ms"] is not None else f"{'-':>9}"
+        print(f"{r['kernel']:<18} {r['shape']:<30} {r['ms']:>9.4f} {graph} {r['gbps']:>8.0f} "
               f"{r['tflops']:>8.1f}  {r['frac_of_ceiling']:>5.0%} {r['bound']}")
     if args.json:
         with open(args.json, "w") as f:
