@@ -83,6 +83,8 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = opt(True, "split long prompts over several steps")
     policy: str = opt("fcfs", "scheduling policy", alias="scheduling_policy",
                       choices=("fcfs", "priority"))
+    async_scheduling: bool | None = opt(None, "schedule step N+1 while step N runs on the GPU "
+                                        "(default: on with CUDA and no pipeline parallelism)")
 
     def validate(self):
         _check(self.max_num_seqs >= 1, "max_num_seqs", ">= 1", self.max_num_seqs)

@@ -29,7 +29,14 @@ class EngineCore:
         self.max_model_len = executor.max_model_len
         self.vocab_size = executor.vocab_size
         self.num_blocks = num_blocks
-        self.scheduler = Scheduler(cfg.scheduler, cfg.cache, num_blocks, self.max_model_len)
+        use_async = cfg.scheduler.async_scheduling
+        if use_async is None:
+            use_async = getattr(executor, "device", None) is not None and executor.device.type == "cuda"
+        use_async = use_async and cfg.parallel.pipeline_parallel_size == 1
+        self.scheduler = Scheduler(cfg.scheduler, cfg.cache, num_blocks, self.max_model_len,
+                                   async_scheduling=use_async)
+        # steps kept in flight: one per pipeline stage, or two to overlap host and device work
+        self.depth = max(executor.max_in_flight, 2 if use_async else 1)
         self.in_flight: collections.deque = collections.deque()  # (plan, executor handle)
         bs = cfg.cache.block_size
         log.info("KV cache: %d blocks of %d tokens (%d tokens, %.1fx max_model_len %d)",
@@ -73,11 +80,11 @@ class EngineCore:
         """Schedule and submit a step; with pipeline parallelism keep up to `pp` steps in
         flight (so no stage idles) and return the outputs of the oldest once the queue is full
         or nothing more can be scheduled."""
-        if len(self.in_flight) < self.executor.max_in_flight:
+        if len(self.in_flight) < self.depth:
             plan = self.scheduler.schedule()
             if not plan.is_empty:
                 self.in_flight.append((plan, self.executor.submit(plan)))
-                if len(self.in_flight) < self.executor.max_in_flight:
+                if len(self.in_flight) < self.depth:
                     return EngineCoreOutputs(timestamp=time.time())
         if not self.in_flight:
             return EngineCoreOutputs(stats=self.scheduler.stats(), timestamp=time.time())

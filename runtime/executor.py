@@ -55,7 +55,7 @@ class UniprocExecutor:
         return self.runner.execute(plan)
 
     def collect(self, handle: ModelRunnerOutput) -> ModelRunnerOutput:
-        return handle
+        return handle.resolve()
 
     def shutdown(self) -> None:
         pass
@@ -67,6 +67,7 @@ class MultiRankExecutor:
     def __init__(self, cfg: EngineConfig, control, pi: ParallelInfo, device: torch.device):
         from rankserve.runtime.worker import Worker
         self.control = control
+        self.device = device
         self.worker = Worker(cfg, control, pi, device)
         self.max_model_len = self.worker.runner.max_model_len
         self.vocab_size = self.worker.runner.vocab_size
@@ -93,7 +94,7 @@ class MultiRankExecutor:
         return self.worker.step(plan)  # rank 0's share; the result itself may come later
 
     def collect(self, handle) -> ModelRunnerOutput:
-        return self.worker.collect(handle)
+        return self.worker.collect(handle).resolve()
 
     def shutdown(self) -> None:
         if not self._closed:

@@ -74,7 +74,6 @@ class ModelRunner:
         self.block_table = np.zeros((n, self.max_blocks_per_req), dtype=np.int32)
         self.free_rows = list(range(n - 1, -1, -1))
         self.row_params = np.zeros((n, 8), dtype=np.float32)
-        self.row_num_out = np.zeros(n, dtype=np.int64)  # generated tokens the runner knows of
         self.reqs: dict[str, ReqState] = {}
         self.num_blocks = 0
         self.forward = self.model.forward
@@ -86,6 +85,18 @@ class ModelRunner:
         self.buf_qsl, self.buf_seq_lens = z(n + 1), z(n)
         self.buf_table = z(n, self.max_blocks_per_req)
         self.buf_hidden = None if pi.is_first_stage else z(max_t, self.hf_config.hidden_size, dt=self.dtype)
+        # host→device copies go through pinned arenas (two, used alternately) so they are truly
+        # asynchronous: a pageable copy would wait for the GPU to finish the step in flight
+        self.pinned = device.type == "cuda"
+        arena_bytes = 8 * (6 * max_t + n * (self.max_blocks_per_req + 16)) + 4096
+        self.arenas = [torch.empty(arena_bytes, dtype=torch.uint8, pin_memory=self.pinned)
+                       for _ in range(2)] if self.pinned else []
+        self.arena_step = 0
+        self.arena_off = 0
+        # async scheduling: the last step's sampled ids stay on the device and feed the next
+        # step's placeholder inputs
+        self.prev_sampled: torch.Tensor | None = None
+        self.prev_index: dict[str, int] = {}
 
     # ---- KV cache ---------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -223,7 +234,6 @@ class ModelRunner:
             if sp.seed is not None:
                 gen = torch.Generator(device=self.device).manual_seed(sp.seed)
             self._set_row_params(row, sp, gen is not None)
-            self.row_num_out[row] = n - r.num_prompt_tokens
             self.reqs[r.req_id] = ReqState(row, n, r.num_prompt_tokens, sp, len(r.block_ids), gen,
                                           r.eos_token_id)
         for r in plan.cached_reqs:
@@ -231,7 +241,6 @@ class ModelRunner:
             if r.new_token_ids:
                 self.token_ids[st.row, st.num_tokens:st.num_tokens + len(r.new_token_ids)] = r.new_token_ids
                 st.num_tokens += len(r.new_token_ids)
-                self.row_num_out[st.row] += len(r.new_token_ids)
             if r.new_block_ids:
                 self.block_table[st.row, st.num_blocks:st.num_blocks + len(r.new_block_ids)] = r.new_block_ids
                 st.num_blocks += len(r.new_block_ids)
@@ -256,8 +265,11 @@ class ModelRunner:
                  * self.block_size + positions % self.block_size)
         seq_lens = start + counts
 
-        # sample where the step reaches the request's last known token
-        sample_mask = seq_lens == np.array([s.num_tokens for s in states])
+        # tokens the runner does not know yet (async scheduling) come from the last step's
+        # sampled ids on the device; a step samples when it reaches the end of what is known
+        num_real = np.array([s.num_tokens for s in states], dtype=np.int64)
+        placeholder = np.flatnonzero(positions >= num_real[req_of_tok])
+        sample_mask = seq_lens >= num_real
         logits_indices = (cu[1:] - 1)[sample_mask]
         sample_ids = [rid for rid, m in zip(req_ids, sample_mask) if m]
         prompt_lp = []
@@ -269,17 +281,39 @@ class ModelRunner:
             if last > first:
                 prompt_lp.append((rid, int(cu[i]), int(last - first), int(first + 1)))
 
-        def put(buf, arr):
-            view = buf[:len(arr)]
-            view.copy_(torch.from_numpy(np.ascontiguousarray(arr)), non_blocking=True)
-            return view
+        self._next_arena()
+        put = self.stage
         B = len(req_ids)
-        self.buf_table[:B].copy_(torch.from_numpy(self.block_table[rows]), non_blocking=True)
-        attn = AttnMeta(put(self.buf_slots, slots), put(self.buf_qsl, cu.astype(np.int32)),
-                        put(self.buf_seq_lens, seq_lens.astype(np.int32)), self.buf_table[:B])
-        logits_indices = torch.from_numpy(logits_indices).to(self.device, non_blocking=True)
-        return StepInputs(put(self.buf_ids, input_ids), put(self.buf_pos, positions), attn,
-                          logits_indices, sample_ids, prompt_lp)
+        self.stage(self.block_table[rows], self.buf_table[:B])
+        attn = AttnMeta(put(slots, self.buf_slots), put(cu.astype(np.int32), self.buf_qsl),
+                        put(seq_lens.astype(np.int32), self.buf_seq_lens), self.buf_table[:B])
+        ids = put(input_ids, self.buf_ids)
+        if len(placeholder):
+            src = np.array([self.prev_index[req_ids[i]] for i in req_of_tok[placeholder]])
+            ids[put(placeholder)] = self.prev_sampled[put(src)]
+        self.sample_out_counts = (seq_lens - np.array([s.num_prompt_tokens for s in states]))[sample_mask]
+        return StepInputs(ids, put(positions, self.buf_pos), attn, put(logits_indices),
+                          sample_ids, prompt_lp)
+
+    def _next_arena(self) -> None:
+        self.arena_step ^= 1
+        self.arena_off = 0
+
+    def stage(self, arr: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Copy a host array to the device (into `out[:len]` if given) without a sync."""
+        src = torch.from_numpy(np.ascontiguousarray(arr))
+        if self.pinned:
+            nbytes = src.numel() * src.element_size()
+            arena = self.arenas[self.arena_step]
+            pinned = arena[self.arena_off:self.arena_off + nbytes].view(src.dtype).view(src.shape)
+            self.arena_off += (nbytes + 15) // 16 * 16
+            pinned.copy_(src)
+            src = pinned
+        if out is None:
+            return src.to(self.device, non_blocking=True)
+        view = out[:src.shape[0]]
+        view.copy_(src, non_blocking=True)
+        return view
 
     # ---- sampling ---------------------------------------------------------------------------
     # per-row sampling parameters, so a step's metadata is a vectorised gather
@@ -295,9 +329,9 @@ class ModelRunner:
         rows = np.array([self.reqs[r].row for r in req_ids], dtype=np.int64)
         p = self.row_params[rows]
         temp = p[:, self.P_TEMP]
-        md = SamplingMetadata(temperature=torch.from_numpy(temp).to(dev, non_blocking=True),
-                              all_greedy=not temp.any())
-        col = lambda c, dt=torch.float32: torch.from_numpy(p[:, c]).to(dev, dt, non_blocking=True)
+        md = SamplingMetadata(temperature=self.stage(temp), all_greedy=not temp.any())
+        col = lambda c, dt=torch.float32: self.stage(p[:, c].astype(
+            np.int64 if dt == torch.long else np.float32))
         if not md.all_greedy:
             if (p[:, self.P_TOP_K] > 0).any():
                 md.top_k = col(self.P_TOP_K, torch.long)
@@ -310,7 +344,8 @@ class ModelRunner:
                                  for i in np.flatnonzero(p[:, self.P_SEEDED])}
         if p[:, self.P_PENALTY].any():
             self._penalty_tensors(md, [self.reqs[r] for r in req_ids])
-        under_min = np.flatnonzero(self.row_num_out[rows] < p[:, self.P_MIN_TOKENS])
+        # outputs before this sample: exact even when the last token is still a placeholder
+        under_min = np.flatnonzero(self.sample_out_counts < p[:, self.P_MIN_TOKENS])
         if len(under_min):  # EOS and stop tokens may not end the output yet
             banned_rows, banned_toks = [], []
             for i in under_min:
@@ -366,7 +401,9 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[inp.logits_indices])
             md = self.sampling_metadata(inp.sample_req_ids)
             ids, raw_lp = sample(logits, md)
-            out.sampled_token_ids = ids.tolist()
+            self.prev_sampled = ids
+            self.prev_index = {rid: i for i, rid in enumerate(inp.sample_req_ids)}
+            out.defer(ids)
             if raw_lp is not None:
                 nums = [self.reqs[r].sampling_params.logprobs for r in inp.sample_req_ids]
                 entries = gather_logprobs(raw_lp, ids, [n or 0 for n in nums])

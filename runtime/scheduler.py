@@ -61,12 +61,40 @@ class ModelRunnerOutput:
     sampled_token_ids: list[int]
     logprobs: list[LogprobsEntry] | None = None  # aligned with req_ids, for requests that asked
     prompt_logprobs: dict[str, list[LogprobsEntry]] = field(default_factory=dict)
+    _pending: tuple | None = None  # (pinned host copy, CUDA event) until resolve()
+
+    def defer(self, ids) -> None:
+        """Start the device→host copy of the sampled ids; `resolve` waits for it."""
+        if not ids.is_cuda:
+            self.sampled_token_ids = ids.tolist()
+            return
+        import torch
+        host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+        host.copy_(ids, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._pending = (host, event)
+
+    def resolve(self) -> "ModelRunnerOutput":
+        if self._pending is not None:
+            host, event = self._pending
+            event.synchronize()
+            self.sampled_token_ids = host.tolist()
+            self._pending = None
+        return self
+
+    def __getstate__(self):  # sent between ranks: resolved first
+        self.resolve()
+        return self.__dict__
 
 
 class Scheduler:
     def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int,
-                 max_model_len: int):
+                 max_model_len: int, async_scheduling: bool = False):
         self.cfg = sched
+        # schedule a decode before its previous token is back (the runner fills it in on device)
+        self.async_scheduling = async_scheduling
+        self.pending: dict[str, int] = {}  # tokens in-flight steps will sample, per request
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
                                  cache.prefix_caching_hash_algo)
@@ -105,6 +133,7 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: FinishReason, stop_reason=None) -> None:
         req.status = RequestStatus.FINISHED
+        self.pending.pop(req.request_id, None)
         req.finish_reason = reason
         req.stop_reason = stop_reason
         self.kv.free(req)
@@ -127,9 +156,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if n == 0:  # its last step is still in flight (pipeline parallelism)
-                i += 1
+            pending = self.pending.get(req.request_id, 0)
+            n = min(req.num_tokens + pending - req.num_computed_tokens, budget)
+            if n == 0 or (pending and not self._can_run_ahead(req, pending)):
+                i += 1  # its last step is still in flight
                 continue
             new_blocks = self.kv.allocate_slots(req, n)
             while new_blocks is None:
@@ -183,6 +213,12 @@ class Scheduler:
                                             - (req.num_computed_tokens - n))
         return out
 
+    def _can_run_ahead(self, req: Request, pending: int) -> bool:
+        """May `req` be scheduled again before its pending token is known?"""
+        return (self.async_scheduling and not req.sampling_params.needs_penalties
+                and req.num_output_tokens + pending < req.max_tokens
+                and req.num_tokens + pending < self.max_model_len)
+
     def _schedule(self, req: Request, n: int, new_blocks: list[int], out: SchedulerOutput,
                   new: bool) -> None:
         if new:
@@ -196,7 +232,10 @@ class Scheduler:
                 req.request_id, req.all_token_ids[sent:], new_blocks, req.num_computed_tokens))
         self.num_sent[req.request_id] = req.num_tokens
         out.num_scheduled_tokens[req.request_id] = n
+        pending = self.pending.get(req.request_id, 0)
         req.num_computed_tokens += n
+        if req.num_computed_tokens >= req.num_tokens + pending:  # this step samples a token
+            self.pending[req.request_id] = pending + 1
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
@@ -220,6 +259,10 @@ class Scheduler:
                 self.in_flight[rid] = left
         outputs = []
         logprobs = result.logprobs or [None] * len(result.req_ids)
+        for rid in result.req_ids:
+            left = self.pending.pop(rid, 1) - 1
+            if left > 0:
+                self.pending[rid] = left
         for rid, tok, lp in zip(result.req_ids, result.sampled_token_ids, logprobs):
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:

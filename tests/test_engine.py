@@ -169,3 +169,24 @@ def test_two_steps_in_flight_give_same_tokens(reference):
     assert [o.outputs[0].token_ids for o in outs] == reference
     assert Deferred.peak == 2
     assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.num_blocks
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(max_num_batched_tokens=7), dict(max_num_seqs=2)])
+def test_async_scheduling_gives_same_tokens(reference, kwargs):
+    """Async scheduling runs a decode ahead of its previous token (a device-side placeholder)."""
+    llm = LLM(str(STORIES_EMBEDDED), async_scheduling=True, **kwargs)
+    assert llm.engine.depth == 2 and llm.engine.scheduler.async_scheduling
+    outs = llm.generate(prompts(llm), GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    # stops, min_tokens and penalties keep their exact semantics
+    p = prompts(llm)[0]
+    sync = LLM(str(STORIES_EMBEDDED))
+    for sp in (SamplingParams(temperature=0, max_tokens=30, stop=["Lily"]),
+               SamplingParams(temperature=0, max_tokens=7),
+               SamplingParams(temperature=0, max_tokens=30, frequency_penalty=1.0),
+               SamplingParams(temperature=0.8, seed=3, max_tokens=20),
+               SamplingParams(temperature=0, max_tokens=12, logprobs=2)):
+        a, b = llm.generate(p, sp)[0].outputs[0], sync.generate(p, sp)[0].outputs[0]
+        assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason), sp
+    assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.num_blocks
+    assert not llm.engine.scheduler.pending
