@@ -1,9 +1,21 @@
-"""Process startup: turn the launcher's world into an engine (rank 0) and workers (others)."""
+"""Process startup: turn the launcher's world into an engine (rank 0) and workers (the rest).
+
+Single process: the engine and its model runner live here (`UniprocExecutor`). Under mpirun,
+srun or torchrun: every rank discovers itself, pins its device, joins torch.distributed, builds
+its TP/PP context and its model shard; rank 0 then runs `body` (generate, serve, bench) on a
+`MultiRankExecutor`, the others loop in `run_worker` until rank 0 says shutdown.
+"""
 from __future__ import annotations
 
+import logging
+import socket
 from typing import Callable
 
-from rankserve.runtime.config import EngineConfig
+import torch
+
+from rankserve.runtime.config import ConfigError, EngineConfig
+
+log = logging.getLogger("rankserve.startup")
 
 
 def make_llm(cfg: EngineConfig, executor=None):
@@ -11,8 +23,64 @@ def make_llm(cfg: EngineConfig, executor=None):
     return LLM(config=cfg, executor=executor)
 
 
-def run_on_ranks(cfg: EngineConfig, body: Callable) -> int:
-    """Single process: build the engine here and run `body(llm)`. Returns the exit code."""
-    llm = make_llm(cfg)
-    body(llm)
-    return 0
+def parse_device_ids(spec: str | None) -> list[int] | None:
+    if not spec:
+        return None
+    try:
+        return [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--device-ids must be a comma-separated list of integers, got {spec!r}") from None
+
+
+def start_ranks(cfg: EngineConfig):
+    """Discover, pin, bootstrap. Returns (info, control, parallel info, device) or None for a
+    single process without parallelism."""
+    from rankserve.launch.discovery import discover, select_device
+    info = discover()
+    pc = cfg.parallel
+    if info.world_size == 1:
+        if pc.world_size > 1:
+            raise ConfigError(
+                f"--tensor-parallel-size {pc.tensor_parallel_size} × --pipeline-parallel-size "
+                f"{pc.pipeline_parallel_size} needs {pc.world_size} ranks; launch with "
+                f"`mpirun -np {pc.world_size} rankserve ...` (or srun)")
+        return None
+    from rankserve.launch.bootstrap import init_distributed
+    from rankserve.launch.failure import install_failure_handlers
+    from rankserve.runtime.parallel import build_parallel_info
+    want_cuda = cfg.device.device != "cpu" and torch.cuda.is_available()
+    device = select_device(info.local_rank, parse_device_ids(cfg.device.device_ids), want_cuda)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    control = init_distributed(info, device)
+    install_failure_handlers(info, control)
+    pi = build_parallel_info(info.rank, info.world_size, pc)
+    print(f"rankserve rank {info.rank}/{info.world_size} host={socket.gethostname()} "
+          f"local_rank={info.local_rank} device={device} tp={pi.tp_rank}/{pi.tp_size} "
+          f"pp={pi.pp_rank}/{pi.pp_size} ep={'on' if pi.enable_expert_parallel else 'off'}",
+          flush=True)
+    return info, control, pi, torch.device(device)
+
+
+def run_on_ranks(cfg: EngineConfig, body: Callable[[object], None]) -> int:
+    """Run `body(llm)` on rank 0 with an engine spanning every rank. Returns the exit code."""
+    started = start_ranks(cfg)
+    if started is None:
+        body(make_llm(cfg))
+        return 0
+    return run_multi_rank(cfg, started, lambda executor: body(make_llm(cfg, executor)))
+
+
+def run_multi_rank(cfg: EngineConfig, started, driver: Callable[[object], object]) -> int:
+    """Rank 0 runs `driver(executor)`; the others serve as workers until it shuts them down."""
+    from rankserve.runtime.executor import MultiRankExecutor
+    from rankserve.runtime.worker import run_worker
+    info, control, pi, device = started
+    if info.rank != 0:
+        return run_worker(cfg, control, pi, device)
+    executor = MultiRankExecutor(cfg, control, pi, device)
+    try:
+        result = driver(executor)
+    finally:
+        executor.shutdown()
+    return result if isinstance(result, int) else 0

@@ -51,7 +51,8 @@ def tp_all_gather_last(x: torch.Tensor, pi: ParallelInfo) -> torch.Tensor:
     if pi.tp_size == 1:
         return x
     from torch.distributed import _functional_collectives as fc
-    gathered = fc.all_gather_tensor(x.contiguous(), 0, pi.tp_group)  # [tp * N, ...]
+    gather = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor  # renamed in 2.12
+    gathered = gather(x.contiguous(), 0, pi.tp_group)  # [tp * N, ...]
     return torch.cat(gathered.chunk(pi.tp_size, 0), dim=-1)
 
 

@@ -1,7 +1,8 @@
 """Executors run a step plan on every rank of the model and return the sampled tokens.
 
-`UniprocExecutor` drives one ModelRunner in this process. The MPI executor (runtime/mpi_executor.py)
-broadcasts the plan to all ranks; the engine core cannot tell them apart.
+`UniprocExecutor` drives one ModelRunner in this process. `MultiRankExecutor` (rank 0 of an
+mpirun/srun job) broadcasts each plan over the control channel to the workers of every rank and
+runs its own share; the engine core cannot tell them apart.
 """
 from __future__ import annotations
 
@@ -53,3 +54,36 @@ class UniprocExecutor:
 
     def shutdown(self) -> None:
         pass
+
+
+class MultiRankExecutor:
+    """Rank 0's executor; `control` is the launcher's control channel (MPI or gloo)."""
+
+    def __init__(self, cfg: EngineConfig, control, pi: ParallelInfo, device: torch.device):
+        from rankserve.runtime.worker import Worker
+        self.control = control
+        self.worker = Worker(cfg, control, pi, device)
+        self.max_model_len = self.worker.runner.max_model_len
+        self.vocab_size = self.worker.runner.vocab_size
+        self._num_blocks: int | None = None
+        self._closed = False
+
+    @property
+    def timings(self) -> dict[str, float]:
+        return self.worker.runner.timings
+
+    def determine_num_blocks(self) -> int:
+        self._num_blocks = self.worker.init_cache(None)
+        return self._num_blocks
+
+    def initialize(self, num_blocks: int) -> None:
+        assert num_blocks == self._num_blocks  # agreed collectively in determine_num_blocks
+
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        self.control.bcast_idle(("step", plan))
+        return self.worker.step(plan)
+
+    def shutdown(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.control.bcast_idle(("shutdown", None))

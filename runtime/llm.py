@@ -18,7 +18,15 @@ from rankserve.runtime.outputs import OutputProcessor, RequestOutput, child_requ
 from rankserve.runtime.sampling_params import SamplingParams
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tekken.json")
+
+
 def load_tokenizer(path: str):
+    """The HF tokenizer, or None for a model directory without one (e.g. a dummy-weight
+    benchmark config): such an engine takes token ids and returns token ids."""
+    import os
+    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        return None
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(path)
 
@@ -56,7 +64,7 @@ class LLM:
         self.config = config or EngineConfig.from_kwargs(model=model or DEFAULT_MODEL, **kwargs)
         m = self.config.model
         self.tokenizer = load_tokenizer(m.tokenizer or m.model)
-        self.eos_token_ids = eos_token_ids_of(self.tokenizer, m.model)
+        self.eos_token_ids = eos_token_ids_of(self.tokenizer, m.model) if self.tokenizer else []
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
         if executor is None:
             from rankserve.runtime.executor import UniprocExecutor
@@ -66,6 +74,9 @@ class LLM:
         self._ids = itertools.count()
 
     def _to_token_ids(self, prompt) -> tuple[str | None, list[int]]:
+        if self.tokenizer is None and (isinstance(prompt, str) or "prompt_token_ids" not in prompt
+                                       if isinstance(prompt, (str, dict)) else False):
+            raise ValueError("this model directory has no tokenizer; pass prompt token ids")
         if isinstance(prompt, str):
             return prompt, self.tokenizer(prompt).input_ids
         if isinstance(prompt, dict):

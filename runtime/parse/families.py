@@ -1,0 +1,119 @@
+"""The parser families, as tables for the engine, and `make_parser`, which maps the server flags
+(--reasoning-parser, --tool-call-parser) onto one StreamingParser."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from rankserve.models.registry import Registry
+from rankserve.runtime.parse.engine import StreamingParser
+from rankserve.runtime.parse.grammar import Piece, Rule, State, Terminal, combine
+
+
+def token_id(tokenizer: Any, text: str) -> int | None:
+    """The id of a single special token, or None if the tokenizer has no such token."""
+    if tokenizer is None:
+        return None
+    inner = getattr(getattr(tokenizer, "instruct_tokenizer", None), "tokenizer", None)
+    if inner is not None:  # mistral-common
+        try:
+            return inner.get_special_token(text)
+        except Exception:
+            return None
+    tid = tokenizer.convert_tokens_to_ids(text)
+    return tid if isinstance(tid, int) and tokenizer.convert_ids_to_tokens(tid) == text else None
+
+
+def _t(tokenizer: Any, text: str) -> Terminal:
+    return Terminal(text, token_id(tokenizer, text))
+
+
+def think_tags(tok: Any) -> Piece:
+    return Piece({"content": State("content", (Rule(_t(tok, "<think>"), "reasoning"),)),
+                  "reasoning": State("reasoning", (Rule(_t(tok, "</think>"), "content"),))})
+
+
+def hermes_tools(tok: Any) -> Piece:
+    # <tool_call>{"name": ..., "arguments": {...}}</tool_call>, repeated
+    return Piece({"content": State("content", (Rule(_t(tok, "<tool_call>"), "call"),)),
+                  "call": State("tool_json", (Rule(_t(tok, "</tool_call>"), "content"),))})
+
+
+def llama3_json_tools(tok: Any) -> Piece:
+    # the whole output is {"name": ..., "parameters": {...}} (optionally after <|python_tag|>),
+    # several joined by ";"; output that starts otherwise is content
+    calls, semi = "calls", Terminal(";")
+    return Piece({
+        "start": State("content", (Rule(_t(tok, "<|python_tag|>"), calls),
+                                   Rule(Terminal("{"), calls, consume=False)), other="content"),
+        calls: State("tool_json", after="between"),
+        "between": State("none", (Rule(semi, calls),), other="content"),
+    }, entry="start")
+
+
+def mistral_tools(tok: Any) -> Piece:
+    calls = _t(tok, "[TOOL_CALLS]")
+    args = _t(tok, "[ARGS]")
+    if args.token_id is None:  # v2/v3: [TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]
+        return Piece({"content": State("content", (Rule(calls, "calls"),)),
+                      "calls": State("tool_json", json="list", after="content")})
+    # v11+: [TOOL_CALLS]name[ARGS]{...}, repeated
+    return Piece({"content": State("content", (Rule(calls, "name"),)),
+                  "name": State("tool_name", (Rule(args, "args"),)),
+                  "args": State("tool_args", after="between"),
+                  "between": State("none", (Rule(calls, "name"),), other="content")})
+
+
+def deepseek_v31_tools(tok: Any) -> Piece:
+    # <｜tool▁calls▁begin｜>(<｜tool▁call▁begin｜>name<｜tool▁sep｜>{args}<｜tool▁call▁end｜>)+<｜tool▁calls▁end｜>
+    t = {k: _t(tok, f"<｜tool▁{k}｜>")
+         for k in ("calls▁begin", "calls▁end", "call▁begin", "call▁end", "sep")}
+    return Piece({
+        "content": State("content", (Rule(t["calls▁begin"], "calls"),)),
+        "calls": State("none", (Rule(t["call▁begin"], "name"), Rule(t["calls▁end"], "content"))),
+        "name": State("tool_name", (Rule(t["sep"], "args"),)),
+        "args": State("tool_args", (Rule(t["call▁end"], "calls"),)),
+    })
+
+
+@dataclass(frozen=True)
+class Family:
+    reasoning: Callable[[Any], Piece] | None
+    tools: Callable[[Any], Piece] | None
+
+
+PARSERS: Registry[Family] = Registry("parser")
+PARSERS.register("qwen3", "hermes")(Family(think_tags, hermes_tools))
+PARSERS.register("llama3_json")(Family(None, llama3_json_tools))
+PARSERS.register("mistral")(Family(None, mistral_tools))
+PARSERS.register("deepseek_v3", "deepseek_v31")(Family(think_tags, deepseek_v31_tools))
+
+
+def make_parser(tokenizer: Any, tool_parser: str | None = None,
+                reasoning_parser: str | None = None, *, starts_in_reasoning: bool | None = None,
+                prompt_token_ids: list[int] | None = None) -> StreamingParser:
+    """One parser per request. `starts_in_reasoning=None` decides from the prompt: when the chat
+    template already opened the reasoning block (<think> after the last </think>), the output
+    starts inside it."""
+    reasoning = tools = None
+    if reasoning_parser:
+        fam = PARSERS.get(reasoning_parser)
+        if fam.reasoning is None:
+            raise ValueError(f"parser {reasoning_parser!r} has no reasoning format")
+        reasoning = fam.reasoning(tokenizer)
+    if tool_parser:
+        fam = PARSERS.get(tool_parser)
+        if fam.tools is None:
+            raise ValueError(f"parser {tool_parser!r} has no tool-call format")
+        tools = fam.tools(tokenizer)
+    grammar = combine(reasoning, tools)
+    start = None
+    if reasoning is not None:
+        if starts_in_reasoning is None and prompt_token_ids:
+            opener = reasoning.states["content"].rules[0].on.token_id
+            closer = reasoning.states["reasoning"].rules[0].on.token_id
+            last = {t: i for i, t in enumerate(prompt_token_ids) if t in (opener, closer)}
+            starts_in_reasoning = last.get(opener, -1) > last.get(closer, -1)
+        if starts_in_reasoning:
+            start = "reasoning"
+    return StreamingParser(grammar, start)

@@ -1,0 +1,71 @@
+"""Worker: one rank's model runner, driven by the step plans rank 0 broadcasts.
+
+The same `Worker` object serves rank 0 (inside `MultiRankExecutor`) and the other ranks
+(`run_worker` loop), so every rank runs exactly the same sequence of collectives.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from rankserve.models.layers import ParallelInfo
+from rankserve.runtime.config import EngineConfig
+from rankserve.runtime.model_runner import ModelRunner
+from rankserve.runtime.parallel import global_rank, recv_hidden, send_hidden
+from rankserve.runtime.scheduler import ModelRunnerOutput, SchedulerOutput
+
+log = logging.getLogger("rankserve.worker")
+
+
+class Worker:
+    def __init__(self, cfg: EngineConfig, control, pi: ParallelInfo, device: torch.device):
+        self.control = control
+        self.pi = pi
+        self.runner = ModelRunner(cfg, pi, device)
+        # the rank whose sampled ids go back to rank 0: TP rank 0 of the last stage
+        self.result_rank = global_rank(ParallelInfo(0, pi.tp_size, None, pi.pp_size - 1,
+                                                    pi.pp_size), pi.pp_size - 1)
+
+    def init_cache(self, num_blocks: int | None) -> int:
+        """Collective: the smallest block count any rank can hold wins."""
+        mine = self.runner.determine_num_blocks()
+        counts = self.control.gather(mine)
+        num_blocks = self.control.bcast(min(counts) if counts else None)
+        self.runner.allocate_kv_cache(num_blocks)
+        self.runner.compile()
+        return num_blocks
+
+    def step(self, plan: SchedulerOutput) -> ModelRunnerOutput | None:
+        """This rank's part of one step; returns the result on rank 0, None elsewhere."""
+        r = self.runner
+        hidden_in = None
+        if not self.pi.is_first_stage:
+            hidden_in = recv_hidden(self.pi, (plan.total_num_scheduled_tokens,
+                                              r.hf_config.hidden_size), r.dtype, r.device)
+        out = r.execute(plan, hidden_in)
+        if not self.pi.is_last_stage:
+            send_hidden(self.pi, out)
+            out = None
+        me = self.control.rank
+        if self.result_rank != 0:  # PP > 1: the last stage reports to rank 0
+            if me == self.result_rank:
+                self.control.send(out, dest=0)
+            elif me == 0:
+                out = self.control.recv(source=self.result_rank)
+        return out if me == 0 else None
+
+
+def run_worker(cfg: EngineConfig, control, pi: ParallelInfo, device: torch.device) -> int:
+    """Loop of ranks 1..N-1: wait (without spinning) for a command, run it, repeat."""
+    worker = Worker(cfg, control, pi, device)
+    worker.init_cache(None)
+    while True:
+        kind, payload = control.bcast_idle(None)
+        if kind == "step":
+            worker.step(payload)
+        elif kind == "shutdown":
+            log.info("rank %d: shutdown", control.rank)
+            return 0
+        else:
+            raise RuntimeError(f"unknown command {kind!r} from rank 0")

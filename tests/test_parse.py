@@ -1,0 +1,323 @@
+"""The streaming parser gives the same message however the output is chunked, and the expected
+content / reasoning / tool calls for each family, on token streams of the real tokenizers."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rankserve.runtime.parse import (PARSERS, ContentDelta, ReasoningDelta, ToolCallDelta,
+                                     accumulate, make_parser)
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "tokenizers"
+needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/tokenizers not present")
+
+
+# tokenizers and token streams --------------------------------------------------------------------
+class HfStream:
+    def __init__(self, folder):
+        transformers = pytest.importorskip("transformers")
+        self.tok = transformers.AutoTokenizer.from_pretrained(SHARED / folder)
+
+    def ids(self, text):  # markers such as <tool_call> in the text become their special tokens
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def pieces(self, ids):
+        """Per-token text deltas from an incremental decoder, special tokens kept."""
+        from tokenizers.decoders import DecodeStream
+        ds = DecodeStream(skip_special_tokens=False)
+        return [ds.step(self.tok._tokenizer, i) or "" for i in ids]
+
+
+class MistralStream:
+    def __init__(self, tok):
+        from mistral_common.tokens.tokenizers.base import SpecialTokenPolicy
+        self.tok, self.keep = tok, SpecialTokenPolicy.KEEP
+        self.inner = tok.instruct_tokenizer.tokenizer
+
+    def ids(self, parts):  # parts: strings, or ("[TOOL_CALLS]",)-style control tokens
+        out = []
+        for p in parts:
+            out += [self.inner.get_special_token(p[0])] if isinstance(p, tuple) else \
+                self.inner.encode(p, bos=False, eos=False)
+        return out
+
+    def pieces(self, ids):
+        """Text deltas by decoding prefixes, holding back an incomplete character."""
+        out, done = [], ""
+        for i in range(1, len(ids) + 1):
+            text = self.inner.decode(ids[:i], special_token_policy=self.keep)
+            if text.endswith("\ufffd"):
+                out.append("")
+                continue
+            out.append(text[len(done):])
+            done = text
+        return out
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    return HfStream("qwen3")
+
+
+@pytest.fixture(scope="module")
+def llama3():
+    return HfStream("llama3")
+
+
+@pytest.fixture(scope="module")
+def deepseek():
+    return HfStream("deepseek-v3")
+
+
+def _mistral_data():
+    pytest.importorskip("mistral_common")
+    import mistral_common
+    return Path(mistral_common.__file__).parent / "data"
+
+
+@pytest.fixture(scope="module")
+def mistral_v3():
+    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+    return MistralStream(MistralTokenizer.from_file(str(_mistral_data() / "tekken_240911.json")))
+
+
+@pytest.fixture(scope="module")
+def mistral_v11(tmp_path_factory):
+    """mistral-common ships no v11 file: the same Tekken vocabulary declared v11, with [ARGS]."""
+    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+    from mistral_common.tokens.tokenizers.tekken import Tekkenizer
+    data = json.loads((_mistral_data() / "tekken_240911.json").read_text())
+    special = [dict(t, token_str=str(t["token_str"])) for t in Tekkenizer.DEPRECATED_SPECIAL_TOKENS]
+    special += [{"rank": len(special), "token_str": "[ARGS]", "is_control": True},
+                {"rank": len(special) + 1, "token_str": "[CALL_ID]", "is_control": True}]
+    special += [{"rank": i, "token_str": f"<SPECIAL_{i}>", "is_control": True}
+                for i in range(len(special), data["config"]["default_num_special_tokens"])]
+    data["special_tokens"], data["config"]["version"] = special, "v11"
+    path = tmp_path_factory.mktemp("tekken") / "tekken_v11.json"
+    path.write_text(json.dumps(data))
+    return MistralStream(MistralTokenizer.from_file(str(path)))
+
+
+# checking ----------------------------------------------------------------------------------------
+def view(msg):
+    """A message without the random tool-call ids."""
+    return msg.content, msg.reasoning, [(c.name, c.arguments) for c in msg.tool_calls]
+
+
+def chunkings(n):
+    yield [1] * n  # token by token
+    for k in range(1, n):  # every single split point
+        yield [k, n - k]
+    for size in (2, 3, 7):
+        yield [size] * (n // size) + ([n % size] if n % size else [])
+
+
+def run_stream(make, ids, pieces, sizes):
+    p, deltas, at = make(), [], 0
+    for size in sizes:
+        deltas += p.feed(ids[at:at + size], "".join(pieces[at:at + size]))
+        at += size
+    deltas += p.finish()
+    return p, deltas
+
+
+def check(make, stream, ids, expected, well_formed=True):
+    pieces = stream.pieces(ids)
+    whole = make().parse(ids, "".join(pieces))
+    assert view(whole) == expected
+    assert all(len(c.id) == 29 and c.id.startswith("call_") for c in whole.tool_calls)
+    for sizes in chunkings(len(ids)):
+        p, deltas = run_stream(make, ids, pieces, sizes)
+        assert view(p.result()) == expected, sizes
+        streamed = accumulate(deltas)
+        if well_formed:
+            assert view(streamed) == expected, sizes
+            assert [c.id for c in streamed.tool_calls] == [c.id for c in p.result().tool_calls]
+        else:
+            assert streamed.content == expected[0], sizes
+    return whole
+
+
+ARGS1 = '{"city": "Paris", "unit": "celsius"}'
+ARGS2 = '{"query": "caf\\u00e9 \\"quoted\\" {brace} [x]", "n": [1, -2.5e3, true, null], "o": {}}'
+
+
+# qwen3 / hermes --------------------------------------------------------------------------------
+@needs_shared
+def test_qwen3_reasoning_content_and_tool_calls(qwen3):
+    out = ("<think>\nThe user wants the weather in Paris — and a search. 東京 too?\n</think>\n\n"
+           "Let me check that for you.\n"
+           f'<tool_call>\n{{"name": "get_weather", "arguments": {ARGS1}}}\n</tool_call>\n'
+           f'<tool_call>\n{{"name": "search", "arguments": {ARGS2}}}\n</tool_call>')
+    whole = check(lambda: make_parser(qwen3.tok, "hermes", "qwen3"), qwen3, qwen3.ids(out), (
+        "Let me check that for you.",
+        "The user wants the weather in Paris — and a search. 東京 too?",
+        [("get_weather", ARGS1), ("search", ARGS2)]))
+    assert json.loads(whole.tool_calls[1].arguments)["query"] == 'café "quoted" {brace} [x]'
+
+
+@needs_shared
+def test_qwen3_streams_arguments_incrementally(qwen3):
+    ids = qwen3.ids(f'<tool_call>\n{{"name": "search", "arguments": {ARGS2}}}\n</tool_call>')
+    p, pieces = make_parser(qwen3.tok, "hermes"), qwen3.pieces(ids)
+    deltas = [d for i, t in zip(ids, pieces) for d in p.feed([i], t)] + p.finish()
+    calls = [d for d in deltas if isinstance(d, ToolCallDelta)]
+    assert calls[0].name == "search" and calls[0].id and all(d.name is None for d in calls[1:])
+    assert len(calls) > 10  # arguments arrive as they are generated, not at the end
+    assert "".join(d.arguments for d in calls) == ARGS2
+
+
+@needs_shared
+def test_qwen3_starts_in_reasoning(qwen3):
+    out = "Thinking already.\n</think>\n\nThe answer is 4."
+    expected = ("The answer is 4.", "Thinking already.", [])
+    check(lambda: make_parser(qwen3.tok, None, "qwen3", starts_in_reasoning=True), qwen3,
+          qwen3.ids(out), expected)
+    prompt = qwen3.ids("<|im_start|>assistant\n<think>\n")  # a template that opens thinking
+    check(lambda: make_parser(qwen3.tok, None, "qwen3", prompt_token_ids=prompt), qwen3,
+          qwen3.ids(out), expected)
+    closed = qwen3.ids("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert make_parser(qwen3.tok, None, "qwen3", prompt_token_ids=closed).state == "content"
+
+
+@needs_shared
+def test_qwen3_reasoning_only_and_tools_only(qwen3):
+    call = f'<tool_call>\n{{"name": "get_weather", "arguments": {ARGS1}}}\n</tool_call>'
+    out = f"<think>\nHmm.\n</think>\n\nSure.\n{call}"
+    ids = qwen3.ids(out)
+    check(lambda: make_parser(qwen3.tok, None, "qwen3"), qwen3, ids,
+          (f"Sure.\n{call}", "Hmm.", []))
+    check(lambda: make_parser(qwen3.tok, "hermes", None), qwen3, ids,
+          ("<think>\nHmm.\n</think>\n\nSure.", None, [("get_weather", ARGS1)]))
+
+
+@needs_shared
+def test_qwen3_plain_marker_text_is_content(qwen3):
+    # the model spelling "<tool_call>" in ordinary tokens is not the special token
+    text = "Use the <tool_call> tag."
+    ids = [t for part in ("Use the <", "tool_call", "> tag.") for t in qwen3.ids(part)]
+    assert 151657 not in ids
+    check(lambda: make_parser(qwen3.tok, "hermes", "qwen3"), qwen3, ids, (text, None, []))
+
+
+@needs_shared
+@pytest.mark.parametrize("bad", [
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',  # cut off
+    '<tool_call>\n{"name": get_weather, "arguments": {}}\n</tool_call>',  # not JSON
+    '<tool_call>\n{"arguments": {"city": "Paris"}}\n</tool_call>',  # no name
+    "<tool_call>\n</tool_call> done",
+])
+def test_qwen3_malformed_tool_call_is_content(qwen3, bad):
+    out = "I will call a tool.\n" + bad
+    check(lambda: make_parser(qwen3.tok, "hermes", "qwen3"), qwen3, qwen3.ids(out),
+          (out, None, []), well_formed=False)
+
+
+# llama3_json -----------------------------------------------------------------------------------
+@needs_shared
+def test_llama3_json_single_call(llama3):
+    out = f'{{"name": "get_weather", "parameters": {ARGS1}}}'
+    check(lambda: make_parser(llama3.tok, "llama3_json"), llama3, llama3.ids(out),
+          (None, None, [("get_weather", ARGS1)]))
+
+
+@needs_shared
+def test_llama3_json_python_tag_and_several(llama3):
+    out = (f'<|python_tag|>{{"name": "get_weather", "parameters": {ARGS1}}}; '
+           f'{{"name": "search", "parameters": {ARGS2}}}')
+    ids = llama3.ids(out)
+    assert 128010 in ids
+    check(lambda: make_parser(llama3.tok, "llama3_json"), llama3, ids,
+          (None, None, [("get_weather", ARGS1), ("search", ARGS2)]))
+
+
+@needs_shared
+@pytest.mark.parametrize("out", [
+    "The weather in Paris is sunny: {\"city\": \"Paris\"} ☀️.",
+    '{"answer": 42, "name": "not a call"}',  # JSON content is not a tool call
+    '{"name": "get_weather", "parameters": {"city": ',  # cut off
+])
+def test_llama3_json_content(llama3, out):
+    check(lambda: make_parser(llama3.tok, "llama3_json"), llama3, llama3.ids(out),
+          (out, None, []), well_formed=not out.startswith('{"name"'))
+
+
+# mistral ---------------------------------------------------------------------------------------
+def test_mistral_v3_list(mistral_v3):
+    calls = (f'[{{"name": "get_weather", "arguments": {ARGS1}, "id": "abcDEF123"}}, '
+             f'{{"name": "search", "arguments": {ARGS2}, "id": "xyz987654"}}]')
+    ids = mistral_v3.ids(["Let me check. ", ("[TOOL_CALLS]",), calls])
+    check(lambda: make_parser(mistral_v3.tok, "mistral"), mistral_v3, ids,
+          ("Let me check.", None, [("get_weather", ARGS1), ("search", ARGS2)]))
+
+
+def test_mistral_v3_malformed(mistral_v3):
+    ids = mistral_v3.ids([("[TOOL_CALLS]",), '[{"name": "get_weather", "arguments": {"city": 1}'])
+    whole = check(lambda: make_parser(mistral_v3.tok, "mistral"), mistral_v3, ids,
+                  ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": 1}', None, []),
+                  well_formed=False)
+    assert whole.tool_calls == []
+
+
+def test_mistral_v11_name_args(mistral_v11):
+    ids = mistral_v11.ids(["Checking both.", ("[TOOL_CALLS]",), "get_weather", ("[ARGS]",), ARGS1,
+                           ("[TOOL_CALLS]",), "search", ("[ARGS]",), ARGS2])
+    check(lambda: make_parser(mistral_v11.tok, "mistral"), mistral_v11, ids,
+          ("Checking both.", None, [("get_weather", ARGS1), ("search", ARGS2)]))
+
+
+def test_mistral_v11_bad_name_is_content(mistral_v11):
+    ids = mistral_v11.ids([("[TOOL_CALLS]",), "get weather now", ("[ARGS]",), "{}"])
+    check(lambda: make_parser(mistral_v11.tok, "mistral"), mistral_v11, ids,
+          ("[TOOL_CALLS]get weather now[ARGS]{}", None, []), well_formed=False)
+
+
+# deepseek_v3 (V3.1) ----------------------------------------------------------------------------
+DS_CALLS = ("<｜tool▁calls▁begin｜>"
+            f"<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{ARGS1}<｜tool▁call▁end｜>"
+            "<｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{}<｜tool▁call▁end｜>"
+            "<｜tool▁calls▁end｜>")
+
+
+@needs_shared
+def test_deepseek_thinking_then_tools(deepseek):
+    # thinking mode: the prompt ends with <think>, so the output starts in reasoning
+    prompt = deepseek.ids("<｜User｜>Weather?<｜Assistant｜><think>")
+    out = "The user asks about Paris.</think>I'll look it up." + DS_CALLS
+    check(lambda: make_parser(deepseek.tok, "deepseek_v3", "deepseek_v3", prompt_token_ids=prompt),
+          deepseek, deepseek.ids(out),
+          ("I'll look it up.", "The user asks about Paris.",
+           [("get_weather", ARGS1), ("get_time", "{}")]))
+
+
+@needs_shared
+def test_deepseek_non_thinking(deepseek):
+    prompt = deepseek.ids("<｜User｜>Hi<｜Assistant｜><think></think>")
+    check(lambda: make_parser(deepseek.tok, "deepseek_v31", "deepseek_v3", prompt_token_ids=prompt),
+          deepseek, deepseek.ids("Hello! How can I help?"), ("Hello! How can I help?", None, []))
+
+
+@needs_shared
+def test_deepseek_malformed_arguments(deepseek):
+    out = ("Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+           "{city: Paris}<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+    check(lambda: make_parser(deepseek.tok, "deepseek_v3"), deepseek, deepseek.ids(out),
+          (out, None, []), well_formed=False)
+
+
+# construction ----------------------------------------------------------------------------------
+def test_registry_and_toggles():
+    assert {"qwen3", "hermes", "llama3_json", "mistral", "deepseek_v3"} <= set(PARSERS.names())
+    with pytest.raises(ValueError, match="supported: .*hermes"):
+        make_parser(None, "nonexistent")
+    with pytest.raises(ValueError, match="no reasoning format"):
+        make_parser(None, None, "llama3_json")
+    # no tokenizer: markers are matched as plain text
+    p = make_parser(None, "hermes", "qwen3")
+    out = p.feed([], "<think>a</think>b") + p.finish()
+    assert out == [ReasoningDelta("a"), ContentDelta("b")]
+    # neither toggle: everything is content, untouched
+    p = make_parser(None)
+    assert p.parse([], "<think>a</think> b ") .content == "<think>a</think> b"
