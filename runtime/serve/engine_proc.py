@@ -173,8 +173,8 @@ def serve_engine(cfg: EngineConfig, server_args: ServerArgs, executor, *,
     Runs the EngineCore on `executor` (UniprocExecutor, or an MPI executor whose workers run on the
     other ranks) in this process and the API server in a child process. `api_env` is the child's
     environment: pass it scrubbed of MPI/PMI/Slurm variables (launch.discovery.scrub_launcher_env)
-    so that the child never takes itself for an MPI rank. Exit code 0 after a signal, 1 when the
-    engine failed or the API process died."""
+    so that the child never takes itself for an MPI rank. The caller owns `executor` (and shuts
+    it down). Exit code 0 after a signal, 1 when the engine failed or the API process died."""
     server_args.validate()
     bind, connect = engine_addresses(server_args.engine_address)
     stop = [False]
@@ -210,4 +210,3 @@ def serve_engine(cfg: EngineConfig, server_args: ServerArgs, executor, *,
                 pass
         for s, h in old.items():
             signal.signal(s, h)
-        executor.shutdown()
