@@ -100,7 +100,7 @@ def _render(ctx: ServeContext, req) -> tuple[list[int], bool]:
     tools = to_tools(req.tools)
     choice = _tool_choice(getattr(req, "tool_choice", None))
     tools_on = ctx.tools_enabled(tools, choice) if hasattr(req, "tool_choice") else False
-    thinking = (req.thinking or {}).get("type") == "enabled"
+    thinking = (req.thinking or {}).get("type") not in (None, "disabled")  # enabled, adaptive
     ids = ctx.render_chat(to_chat(req.system, req.messages), tools if choice != "none" else None,
                           {"enable_thinking": thinking})
     return ids, tools_on

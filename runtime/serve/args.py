@@ -37,6 +37,16 @@ class ServerArgs:
         if self.engine_address and not self.engine_address.startswith(("ipc://", "tcp://")):
             raise ValueError(f"--engine-address must start with ipc:// or tcp://, "
                              f"got {self.engine_address!r}")
+        from rankserve.runtime.parse import PARSERS
+        from rankserve.runtime.render import RENDERERS
+        for flag, registry, name in (("--renderer", RENDERERS, self.renderer),
+                                     ("--tool-call-parser", PARSERS, self.tool_call_parser),
+                                     ("--reasoning-parser", PARSERS, self.reasoning_parser)):
+            if name and name != "auto":
+                try:
+                    registry.get(name)
+                except ValueError as e:
+                    raise ValueError(f"{flag}: {e}") from None
         return self
 
     def to_dict(self) -> dict:

@@ -143,9 +143,13 @@ class EngineClient:
         return stream
 
     def abort(self, child_ids: list[str]) -> None:
-        self.processor.abort(child_ids)
+        now = time.monotonic()
         for cid in child_ids:
-            self.children.pop(cid, None)
+            child, st = self.children.pop(cid, None), self.processor.states.get(cid)
+            if child is not None and st is not None:
+                self.metrics.record_finished("abort", child.num_prompt, len(st.out.token_ids),
+                                             now - child.stream.arrival)
+        self.processor.abort(child_ids)
         if not self.dead:
             self._send(EngineCoreRequestType.ABORT, encoder.encode(child_ids))
 

@@ -105,9 +105,10 @@ class EngineServer:
             req = request_decoder.decode(payload)
             try:
                 self.core.add_request(req)
-            except ValueError as e:  # reported to the client as a 400
+            except Exception as e:  # noqa: BLE001  (refused: the client gets a 400)
+                msg = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
                 self.send(EngineCoreOutputs(outputs=[EngineCoreOutput(
-                    req.request_id, [], finish_reason=FinishReason.ERROR, error=str(e))]))
+                    req.request_id, [], finish_reason=FinishReason.ERROR, error=msg)]))
         elif kind == EngineCoreRequestType.ABORT:
             self.core.abort_requests(msgspec.msgpack.decode(payload, type=list[str]))
         elif kind == EngineCoreRequestType.UTILITY:
