@@ -24,6 +24,7 @@ that fit the header travel in that one collective; larger ones follow in a secon
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
@@ -192,9 +193,10 @@ class GlooControl(ControlChannel):
         self._bcast_bytes(rest, root, idle=False)
         return obj if self.rank == root else pickle.loads(rest)
 
-    # gloo waits in a condition variable, so both forms are cheap; polling keeps signals live
+    # gloo blocks in a condition variable rather than spinning, so bcast just waits; bcast_idle
+    # also polls, which lets Python signal handlers run during long idle periods
     def bcast(self, obj=None, root=0):
-        return self._bcast(obj, root, idle=True)
+        return self._bcast(obj, root, idle=False)
 
     def bcast_idle(self, obj=None, root=0):
         return self._bcast(obj, root, idle=True)
@@ -249,6 +251,7 @@ def init_distributed(info: RankInfo, device: str, timeout_s: float = 600.0) -> C
             store = dist.TCPStore(host, int(port), info.world_size, is_master=False, timeout=timeout)
         log.info("rank %d: torch.distributed %s rendezvous at %s", info.rank, backend, addr)
         dist.init_process_group(store=store, **kwargs)
+        atexit.register(_destroy_process_group)
         return control
 
     if info.launcher == "slurm":
@@ -261,7 +264,20 @@ def init_distributed(info: RankInfo, device: str, timeout_s: float = 600.0) -> C
         raise ValueError(f"cannot bootstrap launcher {info.launcher!r} with {info.world_size} ranks")
     log.info("rank %d: torch.distributed %s rendezvous at %s", info.rank, backend, addr)
     dist.init_process_group(init_method=init_method, **kwargs)
+    atexit.register(_destroy_process_group)
     return GlooControl()
+
+
+def _destroy_process_group() -> None:
+    # A process group left to interpreter teardown can die in std::terminate (gloo's threads),
+    # turning a clean exit into SIGABRT; tear it down while Python is still intact.
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as e:  # exiting anyway; do not mask the real exit status
+            log.debug("destroy_process_group at exit: %s", e)
 
 
 def _master_host(info: RankInfo) -> str:

@@ -3,7 +3,8 @@
 `install_failure_handlers(info, control, on_shutdown=None)` is collective (call it on every rank
 right after `init_distributed`). It installs:
 
-- An excepthook (main thread and other threads): logs `rank R on HOST failed: <traceback>` and
+- An excepthook (main thread and other threads): logs `rank R on HOST failed: <traceback>`,
+  waits 0.5 s so the heartbeat can name a dead peer if that is what broke a collective, and
   ends the job: `MPI.COMM_WORLD.Abort(1)` under MPI (the process manager kills every rank), else
   `os._exit(1)`, which peers notice through the heartbeat below.
 - A heartbeat: rank 0 listens on a TCP port (address broadcast over `control`), every other rank
@@ -44,6 +45,7 @@ _info: RankInfo | None = None
 _callbacks: list = []
 _shutdown_lock = threading.Lock()
 _heartbeat: "_Heartbeat | None" = None
+_keep: list = []  # the signal wakeup socket must stay open
 
 
 def install_failure_handlers(info: RankInfo, control, on_shutdown=None) -> None:
@@ -54,20 +56,18 @@ def install_failure_handlers(info: RankInfo, control, on_shutdown=None) -> None:
         register_shutdown(on_shutdown)
     sys.excepthook = _excepthook
     threading.excepthook = lambda a: _excepthook(a.exc_type, a.exc_value, a.exc_traceback)
+    heartbeat = info.world_size > 1 and os.environ.get("RANKSERVE_HEARTBEAT", "1") != "0"
     wake_r = None
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, _on_signal)
-        if info.world_size > 1:
+        if heartbeat:
             wake_r, wake_w = socket.socketpair()
             wake_w.setblocking(False)
             signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
             _keep.append(wake_w)
-    if info.world_size > 1 and os.environ.get("RANKSERVE_HEARTBEAT", "1") != "0":
+    if heartbeat:
         _heartbeat = _Heartbeat(info, control, wake_r)
-
-
-_keep: list = []  # the wakeup socket must outlive this function
 
 
 def register_shutdown(callback) -> None:
@@ -88,6 +88,9 @@ def _where() -> str:
 def _excepthook(exc_type, exc, tb) -> None:
     text = "".join(traceback.format_exception(exc_type, exc, tb))
     log.critical("%s failed: %s", _where(), text)
+    if _heartbeat:
+        # a failed collective is usually a dead peer: let the heartbeat name it before we go
+        time.sleep(0.5)
     _die(1)
 
 

@@ -5,6 +5,7 @@ The same object serves the offline `LLM` (in-process) and the server (driven by
 """
 from __future__ import annotations
 
+import collections
 import logging
 import time
 
@@ -29,6 +30,7 @@ class EngineCore:
         self.vocab_size = executor.vocab_size
         self.num_blocks = num_blocks
         self.scheduler = Scheduler(cfg.scheduler, cfg.cache, num_blocks, self.max_model_len)
+        self.in_flight: collections.deque = collections.deque()  # (plan, executor handle)
         bs = cfg.cache.block_size
         log.info("KV cache: %d blocks of %d tokens (%d tokens, %.1fx max_model_len %d)",
                  num_blocks, bs, num_blocks * bs, num_blocks * bs / self.max_model_len,
@@ -64,15 +66,23 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self.in_flight)
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
-        plan = self.scheduler.schedule()
-        if plan.is_empty:
+        """Schedule and submit a step; with pipeline parallelism keep up to `pp` steps in
+        flight (so no stage idles) and return the outputs of the oldest once the queue is full
+        or nothing more can be scheduled."""
+        if len(self.in_flight) < self.executor.max_in_flight:
+            plan = self.scheduler.schedule()
+            if not plan.is_empty:
+                self.in_flight.append((plan, self.executor.submit(plan)))
+                if len(self.in_flight) < self.executor.max_in_flight:
+                    return EngineCoreOutputs(timestamp=time.time())
+        if not self.in_flight:
             return EngineCoreOutputs(stats=self.scheduler.stats(), timestamp=time.time())
-        result = self.executor.execute(plan)
-        return self.scheduler.update(plan, result)
+        plan, handle = self.in_flight.popleft()
+        return self.scheduler.update(plan, self.executor.collect(handle))
 
     def shutdown(self) -> None:
         self.executor.shutdown()

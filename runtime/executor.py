@@ -49,8 +49,13 @@ class UniprocExecutor:
         self.runner.allocate_kv_cache(num_blocks)
         self.runner.compile()
 
-    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+    max_in_flight = 1
+
+    def submit(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(plan)
+
+    def collect(self, handle: ModelRunnerOutput) -> ModelRunnerOutput:
+        return handle
 
     def shutdown(self) -> None:
         pass
@@ -79,9 +84,16 @@ class MultiRankExecutor:
     def initialize(self, num_blocks: int) -> None:
         assert num_blocks == self._num_blocks  # agreed collectively in determine_num_blocks
 
-    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+    @property
+    def max_in_flight(self) -> int:
+        return self.worker.pi.pp_size  # one step per pipeline stage
+
+    def submit(self, plan: SchedulerOutput):
         self.control.bcast_idle(("step", plan))
-        return self.worker.step(plan)
+        return self.worker.step(plan)  # rank 0's share; the result itself may come later
+
+    def collect(self, handle) -> ModelRunnerOutput:
+        return self.worker.collect(handle)
 
     def shutdown(self) -> None:
         if not self._closed:

@@ -8,6 +8,7 @@ gathers rather than Python loops over tokens.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -75,6 +76,14 @@ class ModelRunner:
         self.reqs: dict[str, ReqState] = {}
         self.num_blocks = 0
         self.forward = self.model.forward
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # persistent device inputs: steps copy into prefixes of these, CUDA graphs read them
+        max_t = max(cfg.scheduler.max_num_batched_tokens, n)
+        z = lambda *shape, dt=torch.int32: torch.zeros(shape, dtype=dt, device=device)
+        self.buf_ids, self.buf_pos, self.buf_slots = z(max_t, dt=torch.long), z(max_t, dt=torch.long), z(max_t, dt=torch.long)
+        self.buf_qsl, self.buf_seq_lens = z(n + 1), z(n)
+        self.buf_table = z(n, self.max_blocks_per_req)
+        self.buf_hidden = None if pi.is_first_stage else z(max_t, self.hf_config.hidden_size, dt=self.dtype)
 
     # ---- KV cache ---------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -101,13 +110,17 @@ class ModelRunner:
         attn = AttnMeta(torch.full((n,), -1, dtype=torch.long, device=self.device),
                         torch.tensor([0, n], dtype=torch.int32, device=self.device),
                         torch.tensor([n], dtype=torch.int32, device=self.device),
-                        torch.zeros((1, 1), dtype=torch.int32, device=self.device))
+                        torch.zeros((1, -(-n // self.block_size)), dtype=torch.int32, device=self.device))
         with torch.inference_mode():
             h = self.model(ids, torch.zeros(n, dtype=torch.long, device=self.device), attn,
                            None if self.pi.is_first_stage else
                            torch.zeros(n, self.hf_config.hidden_size, dtype=self.dtype, device=self.device))
-            if self.pi.is_last_stage:
-                self.model.compute_logits(h[-self.cfg.scheduler.max_num_seqs:])
+            if self.pi.is_last_stage:  # sampling's peak: logits, softmax and sort of a full batch
+                b = min(n, self.cfg.scheduler.max_num_seqs)
+                logits = self.model.compute_logits(h[-b:])
+                md = SamplingMetadata(temperature=torch.ones(b, device=self.device), all_greedy=False,
+                                      top_p=torch.full((b,), 0.9, device=self.device))
+                sample(logits, md)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
         free, total = torch.cuda.mem_get_info()
@@ -127,11 +140,70 @@ class ModelRunner:
             a.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def compile(self) -> None:
+        """torch.compile the forward (level ≥ 1) and capture CUDA graphs for decode (level 2)."""
         level = self.cfg.compilation.level(self.device.type)
         if level >= 1:
-            t0 = time.perf_counter()
+            cache = self.cfg.compilation.cache_dir
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache, "inductor"))
+            os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(cache, "triton"))
             self.forward = torch.compile(self.model.forward, fullgraph=True, dynamic=True)
-            self.timings["compile"] = time.perf_counter() - t0
+        if level >= 2 and self.device.type == "cuda":
+            t0 = time.perf_counter()
+            self.capture_cuda_graphs()
+            self.timings["compile+capture"] = time.perf_counter() - t0
+
+    def capture_sizes(self) -> list[int]:
+        top = min(self.cfg.compilation.cuda_graph_max_bs or self.cfg.scheduler.max_num_seqs,
+                  self.cfg.scheduler.max_num_seqs, 512)
+        sizes = [s for s in [1, 2, 4] + list(range(8, 513, 8)) if s <= top]
+        return sizes if top in sizes else sizes + [top]
+
+    @torch.inference_mode()
+    def capture_cuda_graphs(self) -> None:
+        """One graph per padded decode batch size; padding requests have no query and no
+        context, padding tokens write to slot -1 (nowhere)."""
+        from tqdm import tqdm
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        sizes = sorted(self.capture_sizes(), reverse=True)
+        for bs in tqdm(sizes, desc="Capturing CUDA graphs", disable=self.pi.tp_rank != 0):
+            self.buf_slots[:bs].fill_(-1)
+            self.buf_qsl[:bs + 1].copy_(torch.arange(bs + 1, device=self.device))
+            self.buf_seq_lens[:bs].fill_(1)
+            args = self._graph_args(bs)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # compile for this size / warm up outside the capture
+                    self.forward(*args)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                out = self.forward(*args)
+            self.graphs[bs] = (graph, out)
+        torch.cuda.synchronize()
+
+    def _graph_args(self, bs: int):
+        attn = AttnMeta(self.buf_slots[:bs], self.buf_qsl[:bs + 1], self.buf_seq_lens[:bs],
+                        self.buf_table[:bs])
+        hidden = None if self.buf_hidden is None else self.buf_hidden[:bs]
+        return self.buf_ids[:bs], self.buf_pos[:bs], attn, hidden
+
+    def _run_graph(self, inp: StepInputs, hidden_in: torch.Tensor | None) -> torch.Tensor | None:
+        """Replay the smallest captured graph that fits a decode-only step, else None."""
+        B, T = inp.attn.seq_lens.shape[0], inp.input_ids.shape[0]
+        if not self.graphs or T != B:
+            return None
+        bs = next((s for s in sorted(self.graphs) if s >= B), None)
+        if bs is None:
+            return None
+        self.buf_slots[B:bs].fill_(-1)
+        self.buf_qsl[B + 1:bs + 1].fill_(T)
+        self.buf_seq_lens[B:bs].fill_(0)
+        if hidden_in is not None:
+            self.buf_hidden[:B].copy_(hidden_in)
+        graph, out = self.graphs[bs]
+        graph.replay()
+        return out[:B]
 
     # ---- per-request state from the plan ----------------------------------------------------
     def _update_states(self, plan: SchedulerOutput) -> None:
@@ -178,8 +250,6 @@ class ModelRunner:
         slots = (self.block_table[tok_rows, positions // self.block_size].astype(np.int64)
                  * self.block_size + positions % self.block_size)
         seq_lens = start + counts
-        max_blocks = int(-(-seq_lens.max() // self.block_size)) if len(seq_lens) else 1
-        block_table = self.block_table[rows, :max_blocks]
 
         # sample where the step reaches the request's last known token
         sample_mask = seq_lens == np.array([s.num_tokens for s in states])
@@ -194,12 +264,17 @@ class ModelRunner:
             if last > first:
                 prompt_lp.append((rid, int(cu[i]), int(last - first), int(first + 1)))
 
-        dev = self.device
-        t = lambda a, dt: torch.from_numpy(np.ascontiguousarray(a)).to(dev, dt, non_blocking=True)
-        attn = AttnMeta(t(slots, torch.long), t(cu, torch.int32), t(seq_lens, torch.int32),
-                        t(block_table, torch.int32))
-        return StepInputs(t(input_ids, torch.long), t(positions, torch.long), attn,
-                          t(logits_indices, torch.long), sample_ids, prompt_lp)
+        def put(buf, arr):
+            view = buf[:len(arr)]
+            view.copy_(torch.from_numpy(np.ascontiguousarray(arr)), non_blocking=True)
+            return view
+        B = len(req_ids)
+        self.buf_table[:B].copy_(torch.from_numpy(self.block_table[rows]), non_blocking=True)
+        attn = AttnMeta(put(self.buf_slots, slots), put(self.buf_qsl, cu.astype(np.int32)),
+                        put(self.buf_seq_lens, seq_lens.astype(np.int32)), self.buf_table[:B])
+        logits_indices = torch.from_numpy(logits_indices).to(self.device, non_blocking=True)
+        return StepInputs(put(self.buf_ids, input_ids), put(self.buf_pos, positions), attn,
+                          logits_indices, sample_ids, prompt_lp)
 
     # ---- sampling ---------------------------------------------------------------------------
     def sampling_metadata(self, req_ids: list[str]) -> SamplingMetadata:
@@ -261,7 +336,9 @@ class ModelRunner:
                 hidden_in: torch.Tensor | None = None) -> ModelRunnerOutput | torch.Tensor:
         """Run one step. Non-last pipeline stages return the hidden states to send on."""
         inp = self.prepare_inputs(plan)
-        hidden = self.forward(inp.input_ids, inp.positions, inp.attn, hidden_in)
+        hidden = self._run_graph(inp, hidden_in)
+        if hidden is None:
+            hidden = self.forward(inp.input_ids, inp.positions, inp.attn, hidden_in)
         if not self.pi.is_last_stage:
             return hidden
         return self.sample(inp, hidden)

@@ -74,6 +74,7 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by policy key
         self.running: list[Request] = []
         self.num_sent: dict[str, int] = {}  # tokens of each request the runners know
+        self.in_flight: dict[str, int] = {}  # request → scheduled steps whose results are pending
         self.finished_ids: list[str] = []
         self.num_preemptions = 0
         self._step_prompt_tokens = 0
@@ -127,9 +128,15 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n == 0:  # its last step is still in flight (pipeline parallelism)
+                i += 1
+                continue
             new_blocks = self.kv.allocate_slots(req, n)
             while new_blocks is None:
-                victim = max(self.running, key=lambda r: r.sort_key(self.cfg.policy))
+                victims = [r for r in self.running if r.request_id not in self.in_flight]
+                victim = max(victims, key=lambda r: r.sort_key(self.cfg.policy), default=None)
+                if victim is None:  # everything else is in flight: try again next step
+                    break
                 if self.running.index(victim) < i:  # already scheduled this step: undo it
                     budget += out.num_scheduled_tokens[victim.request_id]
                     i -= 1
@@ -139,7 +146,9 @@ class Scheduler:
                     break
                 new_blocks = self.kv.allocate_slots(req, n)
             if new_blocks is None:
-                continue  # req itself was preempted; running[i] is now the next one
+                if req.status == RequestStatus.RUNNING:
+                    i += 1
+                continue  # else req itself was preempted; running[i] is now the next one
             self._schedule(req, n, new_blocks, out, new=False)
             budget -= n
             i += 1
@@ -166,6 +175,8 @@ class Scheduler:
             budget -= n
 
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        for rid in out.num_scheduled_tokens:
+            self.in_flight[rid] = self.in_flight.get(rid, 0) + 1
         for rid, n in out.num_scheduled_tokens.items():
             req = self.requests[rid]
             self._step_prompt_tokens += max(0, min(req.num_computed_tokens, req.num_prompt_tokens)
@@ -203,6 +214,10 @@ class Scheduler:
 
     def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> EngineCoreOutputs:
         """Append sampled tokens, apply stop conditions, build the outputs for the frontend."""
+        for rid in sched.num_scheduled_tokens:
+            left = self.in_flight.pop(rid, 1) - 1
+            if left:
+                self.in_flight[rid] = left
         outputs = []
         logprobs = result.logprobs or [None] * len(result.req_ids)
         for rid, tok, lp in zip(result.req_ids, result.sampled_token_ids, logprobs):

@@ -37,7 +37,8 @@ class Worker:
         return num_blocks
 
     def step(self, plan: SchedulerOutput) -> ModelRunnerOutput | None:
-        """This rank's part of one step; returns the result on rank 0, None elsewhere."""
+        """This rank's part of one step. Returns the sampled result where it was computed (the
+        last stage's TP rank 0), None elsewhere; rank 0 fetches it with `collect`."""
         r = self.runner
         hidden_in = None
         if not self.pi.is_first_stage:
@@ -48,12 +49,15 @@ class Worker:
             send_hidden(self.pi, out)
             out = None
         me = self.control.rank
-        if self.result_rank != 0:  # PP > 1: the last stage reports to rank 0
-            if me == self.result_rank:
-                self.control.send(out, dest=0)
-            elif me == 0:
-                out = self.control.recv(source=self.result_rank)
-        return out if me == 0 else None
+        if me == self.result_rank and me != 0:  # PP > 1: the last stage reports to rank 0
+            self.control.send(out, dest=0)
+        return out if me == self.result_rank else None
+
+    def collect(self, local: ModelRunnerOutput | None) -> ModelRunnerOutput:
+        """On rank 0: the result of the oldest submitted step (results arrive in order)."""
+        if self.result_rank == 0:
+            return local
+        return self.control.recv(source=self.result_rank)
 
 
 def run_worker(cfg: EngineConfig, control, pi: ParallelInfo, device: torch.device) -> int:

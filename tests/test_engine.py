@@ -141,3 +141,31 @@ def test_config_errors_name_the_flag():
     r = subprocess.run([sys.executable, "-m", "rankserve.launch", "generate", "--prompt", "x",
                         "--max-tokens", "-1"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--max-tokens" in r.stderr
+
+
+def test_two_steps_in_flight_give_same_tokens(reference):
+    """Pipeline parallelism keeps pp steps in flight; the scheduler must never schedule a
+    request whose previous step has not come back, and tokens must not change."""
+    from rankserve.runtime.executor import UniprocExecutor
+
+    class Deferred(UniprocExecutor):
+        max_in_flight = 2
+        peak = 0
+        pending = 0
+
+        def submit(self, plan):
+            Deferred.pending += 1
+            Deferred.peak = max(Deferred.peak, Deferred.pending)
+            return plan
+
+        def collect(self, plan):
+            Deferred.pending -= 1
+            return self.runner.execute(plan)
+
+    from rankserve.runtime.config import EngineConfig
+    cfg = EngineConfig.from_kwargs(model=str(STORIES_EMBEDDED), max_num_batched_tokens=9)
+    llm = LLM(config=cfg, executor=Deferred(cfg))
+    outs = llm.generate(prompts(llm), GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert Deferred.peak == 2
+    assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.num_blocks

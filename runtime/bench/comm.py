@@ -162,7 +162,7 @@ def format_table(rows: list[dict]) -> str:
              f"{'op':<12}{'size(B)':>14}{'time(us)':>12}{'algbw(GB/s)':>14}{'busbw(GB/s)':>14}"]
     for r in rows:
         lines.append(f"{r['op']:<12}{r['size_bytes']:>14}{r['latency_us']:>12.1f}"
-                     f"{r['algbw_GBps']:>14.3f}{r['busbw_GBps']:>14.3f}")
+                     f"{r['algbw_GBps']:>14.4f}{r['busbw_GBps']:>14.4f}")
     return "\n".join(lines)
 
 
