@@ -158,7 +158,9 @@ class EngineServer:
                 self.sock.poll(IDLE_POLL_MS)  # block: no busy-spinning while idle
             changed = self.drain()
             if self.core.has_work:
-                self.send(self.core.step())
+                outs = self.core.step()
+                if outs.outputs or outs.stats is not None:  # (a PP submit returns neither)
+                    self.send(outs)
             elif changed:  # e.g. an abort freed blocks: let the metrics see it
                 self.send(EngineCoreOutputs(stats=self.core.scheduler.stats(), timestamp=time.time()))
 
