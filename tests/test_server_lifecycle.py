@@ -3,7 +3,6 @@ died, then exits. (API death stopping the engine: end of test_server_chat.py; SI
 teardown of test_server.py.)"""
 from __future__ import annotations
 
-import os
 import time
 
 import httpx

@@ -269,3 +269,23 @@ def test_validation_message_and_addresses():
         ServerArgs(reasoning_parser="nope").validate()
     with pytest.raises(ValueError, match="--renderer"):
         ServerArgs(renderer="nope").validate()
+
+
+def test_engine_death_mid_stream_ends_the_stream_with_an_error(tok):
+    from rankserve.runtime.serve.context import _guarded
+    from rankserve.runtime.serve.protocol import APIError as E
+
+    async def main():
+        ctx = make_ctx(tok, reasoning_parser=None, tool_call_parser=None,
+                       enable_auto_tool_choice=False)
+        run = ChatRun(ctx, [1, 2], 1, tools_on=False)
+        stream = ctx.client.generate([1, 2], SamplingParams(max_tokens=50), request_id="r")
+        feed(ctx.client, "r", tok.encode("Hello there"), finish=None)
+        ctx.client._handle(EngineCoreOutputs(engine_dead="RuntimeError: CUDA error"))
+        return await collect(_guarded(chat_events(ctx, run, stream, "c", 0, None, False),
+                                      E.openai_body))
+    events = [d for _, d in sse_events(asyncio.run(main()))]
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1]) == \
+        "Hello there"
+    assert "CUDA error" in events[-1]["error"]["message"]
+    assert events[-1]["error"]["type"] == "service_unavailable"

@@ -199,12 +199,14 @@ async def _guarded(events: AsyncIterator[bytes], error_body) -> AsyncIterator[by
     try:
         async for chunk in events:
             yield chunk
-    except (EngineDeadError, RequestError) as e:
-        err = APIError(str(e), 503 if isinstance(e, EngineDeadError) else 400)
-        yield sse(error_body(err))
     except Exception as e:  # noqa: BLE001
-        log.exception("error while streaming a response")
-        yield sse(error_body(APIError(f"internal error: {e}", 500)))
+        if isinstance(e, (EngineDeadError, RequestError)):
+            err = APIError(str(e), 503 if isinstance(e, EngineDeadError) else 400)
+        else:
+            log.exception("error while streaming a response")
+            err = APIError(f"internal error: {e}", 500)
+        body = error_body(err)
+        yield sse(body, "error" if body.get("type") == "error" else None)  # Anthropic names it
 
 
 class SSEResponse(StreamingResponse):
