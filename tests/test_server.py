@@ -150,6 +150,10 @@ def test_n2_and_seed_reproducibility(client):
     assert [c.index for c in a.choices] == [0, 1]
     assert [c.text for c in a.choices] == [c.text for c in b.choices]
     assert a.usage.completion_tokens == 24
+    texts = ["", ""]
+    for chunk in client.completions.create(stream=True, **kw):
+        texts[chunk.choices[0].index] += chunk.choices[0].text
+    assert texts == [c.text for c in a.choices]
     other = client.completions.create(**dict(kw, seed=7))
     assert [c.text for c in other.choices] != [c.text for c in a.choices]
 

@@ -65,7 +65,8 @@ class ServeContext:
             raise APIError("this model has no tokenizer: only token-id prompts are served")
 
     def encode(self, prompt: str | list[int]) -> list[int]:
-        self.need_tokenizer() if isinstance(prompt, str) else None
+        if isinstance(prompt, str):
+            self.need_tokenizer()
         try:
             return self.renderer.render_completion(prompt) if self.renderer else list(prompt)
         except ValueError as e:
