@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 _LOG2E = 1.4426950408889634
-_MAX_SPLITS = 16
+_MAX_SPLITS = 64
 
 
 # ----------------------------------------------------------------------------------------------
@@ -86,7 +86,7 @@ def _unified_attention_kernel(
 
     # binary search: largest i in [0, num_seqs] with S_i <= pid (i == num_seqs: padding rows)
     lo = pid * 0
-    hi = num_seqs + 1
+    hi = lo + num_seqs + 1  # tensors (not constexpr even when num_seqs == 1): loop-carried
     while hi - lo > 1:
         mid = (lo + hi) // 2
         ok = tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= pid
@@ -274,25 +274,34 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _prefill_config(head_dim: int, group: int, on_gpu: bool) -> tuple[int, int, int]:
-    """(BLOCK_M rows = query tokens x group heads, BLOCK_N keys, num_warps)."""
+def _unified_config(num_tokens: int, num_seqs: int, head_dim: int, group: int, on_gpu: bool
+                    ) -> tuple[int, int, int, int]:
+    """(BLOCK_M rows = query tokens x group heads, BLOCK_N keys, num_warps, num_stages).
+
+    Shape-only: the mean query length T // B picks the tile height. Decode-heavy mixed batches
+    want short tiles (a decode token wastes BLOCK_Q - 1 rows of MMA work), long prefills tall
+    ones. Measured on an H200 (bf16, head_dim 128, 32/8 heads): see kernels/benchmark.py.
+    """
     if not on_gpu:  # interpreter: small tiles keep numpy fast
-        block_m, block_n, warps = 16, 16, 4
-    elif head_dim <= 64:
-        block_m, block_n, warps = 128, 64, 4
-    elif head_dim <= 128:
-        block_m, block_n, warps = 128, 64, 8
+        block_m, block_n, warps, stages = 16, 16, 4, 1
+    elif head_dim > 128:
+        block_m, block_n, warps, stages = 64, 32, 4, 2
+    elif num_tokens // max(num_seqs, 1) >= 256:
+        block_m, block_n, warps, stages = 128, 32 if head_dim > 64 else 64, 4, 3
+    elif num_tokens // max(num_seqs, 1) >= 16:
+        block_m, block_n, warps, stages = 64, 64, 4, 3
     else:
-        block_m, block_n, warps = 64, 32, 4
-    return max(block_m, triton.next_power_of_2(group)), block_n, warps
+        block_m, block_n, warps, stages = 32, 64, 4, 3
+    return max(block_m, 16, triton.next_power_of_2(group)), block_n, warps, stages
 
 
 def _num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int,
                 device: torch.device) -> int:
-    """Enough (request, kv head, segment) programs to cover the SMs twice (shape-only)."""
+    """Segments per sequence for split-KV decode: about 8 programs per SM (shape-only; more
+    programs in flight hide the latency of the paged gathers), at least BLOCK_N keys each."""
     sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 132
-    splits = triton.cdiv(2 * sms, batch * num_kv_heads)
+        if device.type == "cuda" else 4  # interpreter: few programs
+    splits = triton.cdiv(8 * sms, batch * num_kv_heads)
     return max(1, min(splits, _MAX_SPLITS, triton.cdiv(max_context, block_n)))
 
 
@@ -306,7 +315,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     T, H, D = q.shape
     B = seq_lens.shape[0]
-    num_blocks, block_size, KH, Dk = k_cache.shape
+    _, block_size, KH, Dk = k_cache.shape
     assert Dk == D and v_cache.shape == k_cache.shape, "k/v cache shape mismatch"
     assert H % KH == 0, f"num_heads {H} not a multiple of num_kv_heads {KH}"
     _check_last_dim(q, k_cache, v_cache)
@@ -339,12 +348,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             num_warps=1 if D <= 64 else 2)
         return out
 
-    block_m, block_n, warps = _prefill_config(D, group, on_gpu)
+    block_m, block_n, warps, stages = _unified_config(T, B, D, group, on_gpu)
     block_q = block_m // group
     grid = (T // block_q + B + 1, KH)
     _unified_attention_kernel[grid](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
         scale_log2e, B, T, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common,
         HEAD_DIM=D, GROUP=group, BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps, num_stages=2)
+        BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps, num_stages=stages)
     return out

@@ -102,6 +102,168 @@ def generate(prompts, max_tokens, temperature, top_p, top_k, sampling_seed, igno
     sys.exit(run_on_ranks(cfg, body))
 
 
+# ---- bench: offline throughput, latency, collectives ----------------------------------------
+@main.group()
+def bench():
+    """Benchmarks that print and save numbers (JSON, plots) with the device's physical floor."""
+
+
+def _bench_config(kwargs: dict):
+    """EngineConfig for a bench: MODEL may also name a shipped config (dummy weights implied)."""
+    from rankserve.runtime.bench.common import resolve_model
+    try:
+        path, named = resolve_model(kwargs.get("model"))
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    name = kwargs.get("model") if named else None
+    kwargs = dict(kwargs, model=path)
+    if named and kwargs.get("load_format") is None:
+        kwargs["load_format"] = "dummy"
+    return build_config(kwargs), name
+
+
+def _multi_process() -> bool:
+    from rankserve.launch.discovery import discover
+    return discover().world_size > 1
+
+
+def _bench_outputs(func):
+    for deco in reversed([
+        click.option("--backend", "backends", type=click.Choice(["rankserve", "hf"]), multiple=True,
+                     default=("rankserve",), show_default=True,
+                     help="engine(s) to run, repeatable: --backend rankserve --backend hf"),
+        click.option("--hf-compile", is_flag=True,
+                     help="let transformers torch.compile generate()'s decode step (static cache, CUDA)"),
+        click.option("--output-json", type=click.Path(dir_okay=False), help="write metrics + environment"),
+        click.option("--plot", type=click.Path(dir_okay=False), help="bar chart PNG (needs matplotlib)"),
+    ]):
+        func = deco(func)
+    return func
+
+
+def _run_bench(module, cfg, args) -> None:
+    from rankserve.launch.startup import run_on_ranks
+    try:
+        sys.exit(module.run(cfg, args, run_on_ranks, _multi_process()))
+    except (ValueError, ConfigError) as e:
+        raise click.ClickException(str(e)) from None
+
+
+@bench.command("throughput")
+@engine_options
+@click.option("--workload", type=click.Choice(["w1", "w2"]), default=None,
+              help="preset: w1 = 256 requests, lengths uniform in [100, 1024]; w2 = 1 request, "
+                   "128 in / 256 out [default: w1]; the flags below override it")
+@click.option("--num-prompts", type=click.IntRange(min=1), default=None)
+@click.option("--input-len", type=(click.IntRange(min=1), click.IntRange(min=1)), default=None,
+              metavar="LO HI", help="prompt length, uniform in [LO, HI]")
+@click.option("--output-len", type=(click.IntRange(min=1), click.IntRange(min=1)), default=None,
+              metavar="LO HI", help="output tokens, uniform in [LO, HI] (EOS ignored)")
+@_bench_outputs
+def bench_throughput(workload, num_prompts, input_len, output_len, backends, hf_compile, output_json,
+                     plot, **kwargs):
+    """Offline throughput: all requests at once; req/s, tok/s and the physical floor.
+
+    MODEL is a checkpoint directory or a shipped config (qwen3-0.6b, llama-3.1-8b, llama-3.1-70b,
+    qwen3-30b-a3b) run with dummy weights; the workload seed is --seed."""
+    from rankserve.runtime.bench import throughput
+    from rankserve.runtime.bench.common import WORKLOADS
+    cfg, name = _bench_config(kwargs)
+    preset = WORKLOADS[workload or "w1"]
+    for flag, v in (("--input-len", input_len), ("--output-len", output_len)):
+        if v and v[0] > v[1]:
+            raise click.UsageError(f"{flag} LO HI needs LO <= HI, got {v[0]} {v[1]}")
+    args = throughput.ThroughputArgs(
+        num_prompts=num_prompts or preset["num_prompts"], input_len=input_len or preset["input_len"],
+        output_len=output_len or preset["output_len"], seed=cfg.model.seed,
+        backends=tuple(dict.fromkeys(backends)), output_json=output_json, plot=plot,
+        hf_compile=hf_compile, model_name=name)
+    _run_bench(throughput, cfg, args)
+
+
+@bench.command("latency")
+@engine_options
+@click.option("--batch-size", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--input-len", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--output-len", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--num-iters", type=click.IntRange(min=1), default=5, show_default=True)
+@click.option("--num-iters-warmup", type=click.IntRange(min=0), default=1, show_default=True)
+@_bench_outputs
+def bench_latency(batch_size, input_len, output_len, num_iters, num_iters_warmup, backends,
+                  hf_compile, output_json, plot, **kwargs):
+    """One batch end to end: latency, TTFT (prefill alone), decode tok/s; medians and the floor."""
+    from rankserve.runtime.bench import latency
+    cfg, name = _bench_config(kwargs)
+    args = latency.LatencyArgs(batch_size=batch_size, input_len=input_len, output_len=output_len,
+                               num_iters=num_iters, num_iters_warmup=num_iters_warmup,
+                               seed=cfg.model.seed, backends=tuple(dict.fromkeys(backends)),
+                               output_json=output_json, plot=plot, hf_compile=hf_compile,
+                               model_name=name)
+    _run_bench(latency, cfg, args)
+
+
+def _parse_size(text: str) -> int:
+    units = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    num, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "")
+    try:
+        return int(float(num) * units[unit])
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a size like 4096, 64K, 16M or 1G") from None
+
+
+@bench.command("comm")
+@engine_options
+@click.option("--sizes", default=None, help="comma-separated message sizes in bytes (64K, 16M, 1G); "
+              "default: the sizes MODEL's TP/EP layers send for 1, 64 and 8192 tokens")
+@click.option("--ops", default="all_reduce,all_gather,all_to_all", show_default=True)
+@click.option("--iters", type=click.IntRange(min=1), default=20, show_default=True)
+@click.option("--warmup", type=click.IntRange(min=0), default=5, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write results (rank 0)")
+def bench_comm(sizes, ops, iters, warmup, json_path, **kwargs):
+    """Collective bandwidth across the ranks of an mpirun/srun job (nccl-tests conventions).
+
+    Without --tp/--pp every rank joins one TP group."""
+    import torch
+
+    from rankserve.launch.discovery import discover
+    from rankserve.launch.startup import start_ranks
+    from rankserve.runtime.bench.comm import OPS, model_message_sizes, run_comm_bench
+    if kwargs.get("tensor_parallel_size") is None and kwargs.get("pipeline_parallel_size") is None:
+        kwargs["tensor_parallel_size"] = discover().world_size
+    cfg, _ = _bench_config(kwargs)
+    op_list = [o.strip() for o in ops.split(",") if o.strip()]
+    if set(op_list) - set(OPS):
+        raise click.UsageError(f"--ops: choose from {', '.join(OPS)}")
+    started = start_ranks(cfg)
+    if started is None:
+        raise click.UsageError("bench comm needs several ranks: mpirun -np N rankserve bench comm ...")
+    info, control, pi, device = started
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # what the model sends
+    if sizes:
+        per_op = {op: [_parse_size(s) for s in sizes.split(",")] for op in op_list}
+    else:
+        from rankserve.models.loader import load_hf_config
+        hf = load_hf_config(cfg.model.model)
+        topk = getattr(hf, "num_experts_per_tok", None) if cfg.parallel.enable_expert_parallel else None
+        per_op = model_message_sizes(hf.hidden_size, [1, 64, 8192], dtype.itemsize,
+                                     cfg.parallel.tensor_parallel_size, topk, hf.vocab_size)
+        per_op = {op: s for op, s in per_op.items() if op in op_list}
+    if sizes:  # the same sizes for every op: one table
+        rows = run_comm_bench(per_op[op_list[0]], ops=tuple(op_list), dtype=dtype, iters=iters,
+                              warmup=warmup, device=device)
+    else:
+        rows = []
+        for op, op_sizes in per_op.items():
+            rows += run_comm_bench(op_sizes, ops=(op,), dtype=dtype, iters=iters, warmup=warmup,
+                                   device=device)
+    if info.rank == 0 and json_path:
+        from rankserve.runtime.bench.common import environment, write_json
+        write_json(json_path, {"env": environment(), "world_size": info.world_size, "results": rows})
+        click.echo(f"wrote {json_path}")
+    control.barrier()
+
+
 # ---- serve --------------------------------------------------------------------------------------
 def server_options(func):
     """One click option per ServerArgs field (host, port, api key, parsers ...)."""

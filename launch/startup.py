@@ -8,6 +8,7 @@ its TP/PP context and its model shard; rank 0 then runs `body` (generate, serve,
 from __future__ import annotations
 
 import logging
+import os
 import socket
 from typing import Callable
 
@@ -55,7 +56,7 @@ def start_ranks(cfg: EngineConfig):
     control = init_distributed(info, device)
     install_failure_handlers(info, control)
     pi = build_parallel_info(info.rank, info.world_size, pc)
-    print(f"rankserve rank {info.rank}/{info.world_size} host={socket.gethostname()} "
+    print(f"rankserve rank {info.rank}/{info.world_size} host={socket.gethostname()} pid={os.getpid()} "
           f"local_rank={info.local_rank} device={device} tp={pi.tp_rank}/{pi.tp_size} "
           f"pp={pi.pp_rank}/{pi.pp_size} ep={'on' if pi.enable_expert_parallel else 'off'}",
           flush=True)

@@ -136,6 +136,14 @@ class KVCacheManager:
                        computed: list[Block] | None = None) -> list[int] | None:
         """Reserve blocks for `num_new_tokens` more tokens (after the cached prefix `computed`).
         Returns the ids of newly added blocks, or None if the pool cannot supply them."""
+        if not computed:  # the common decode case: usually no new block, nothing to register
+            blocks = self.req_blocks.setdefault(req.request_id, [])
+            total = req.num_computed_tokens + num_new_tokens
+            need = -(-total // self.block_size) - len(blocks)
+            if need <= 0:
+                if self.enable_caching and total // self.block_size > self.num_registered.get(req.request_id, 0):
+                    self._register_full_blocks(req, total)
+                return []
         computed = computed or []
         need = self.blocks_needed(req, num_new_tokens, computed)
         # cached blocks that sit in the free list are taken out of it by touch()

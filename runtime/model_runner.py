@@ -73,6 +73,8 @@ class ModelRunner:
         self.token_ids = np.zeros((n, self.max_model_len), dtype=np.int64)
         self.block_table = np.zeros((n, self.max_blocks_per_req), dtype=np.int32)
         self.free_rows = list(range(n - 1, -1, -1))
+        self.row_params = np.zeros((n, 8), dtype=np.float32)
+        self.row_num_out = np.zeros(n, dtype=np.int64)  # generated tokens the runner knows of
         self.reqs: dict[str, ReqState] = {}
         self.num_blocks = 0
         self.forward = self.model.forward
@@ -220,6 +222,8 @@ class ModelRunner:
             gen = None
             if sp.seed is not None:
                 gen = torch.Generator(device=self.device).manual_seed(sp.seed)
+            self._set_row_params(row, sp, gen is not None)
+            self.row_num_out[row] = n - r.num_prompt_tokens
             self.reqs[r.req_id] = ReqState(row, n, r.num_prompt_tokens, sp, len(r.block_ids), gen,
                                           r.eos_token_id)
         for r in plan.cached_reqs:
@@ -227,6 +231,7 @@ class ModelRunner:
             if r.new_token_ids:
                 self.token_ids[st.row, st.num_tokens:st.num_tokens + len(r.new_token_ids)] = r.new_token_ids
                 st.num_tokens += len(r.new_token_ids)
+                self.row_num_out[st.row] += len(r.new_token_ids)
             if r.new_block_ids:
                 self.block_table[st.row, st.num_blocks:st.num_blocks + len(r.new_block_ids)] = r.new_block_ids
                 st.num_blocks += len(r.new_block_ids)
@@ -277,36 +282,48 @@ class ModelRunner:
                           logits_indices, sample_ids, prompt_lp)
 
     # ---- sampling ---------------------------------------------------------------------------
+    # per-row sampling parameters, so a step's metadata is a vectorised gather
+    P_TEMP, P_TOP_K, P_TOP_P, P_MIN_P, P_MIN_TOKENS, P_PENALTY, P_LOGPROBS, P_SEEDED = range(8)
+
+    def _set_row_params(self, row: int, sp: SamplingParams, seeded: bool) -> None:
+        self.row_params[row] = (0.0 if sp.greedy else sp.temperature, sp.top_k, sp.top_p,
+                                sp.min_p, sp.min_tokens, sp.needs_penalties,
+                                -1 if sp.logprobs is None else sp.logprobs, seeded)
+
     def sampling_metadata(self, req_ids: list[str]) -> SamplingMetadata:
-        states = [self.reqs[r] for r in req_ids]
-        sps = [s.sampling_params for s in states]
         dev = self.device
-        temp = torch.tensor([sp.temperature if not sp.greedy else 0.0 for sp in sps],
-                            dtype=torch.float32, device=dev)
-        md = SamplingMetadata(temperature=temp, all_greedy=all(sp.greedy for sp in sps))
+        rows = np.array([self.reqs[r].row for r in req_ids], dtype=np.int64)
+        p = self.row_params[rows]
+        temp = p[:, self.P_TEMP]
+        md = SamplingMetadata(temperature=torch.from_numpy(temp).to(dev, non_blocking=True),
+                              all_greedy=not temp.any())
+        col = lambda c, dt=torch.float32: torch.from_numpy(p[:, c]).to(dev, dt, non_blocking=True)
         if not md.all_greedy:
-            if any(sp.top_k > 0 for sp in sps):
-                md.top_k = torch.tensor([sp.top_k for sp in sps], device=dev)
-            if any(sp.top_p < 1 for sp in sps):
-                md.top_p = torch.tensor([sp.top_p for sp in sps], dtype=torch.float32, device=dev)
-            if any(sp.min_p > 0 for sp in sps):
-                md.min_p = torch.tensor([sp.min_p for sp in sps], dtype=torch.float32, device=dev)
-            gens = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
-            md.generators = gens or None
-        if any(sp.needs_penalties for sp in sps):
-            self._penalty_tensors(md, states)
-        banned_rows, banned_toks = [], []
-        for i, (s, sp) in enumerate(zip(states, sps)):
-            if s.num_tokens - s.num_prompt_tokens < sp.min_tokens:
-                eos = [] if sp.ignore_eos else [s.eos_token_id]
-                for tok in eos + list(sp.stop_token_ids):
+            if (p[:, self.P_TOP_K] > 0).any():
+                md.top_k = col(self.P_TOP_K, torch.long)
+            if (p[:, self.P_TOP_P] < 1).any():
+                md.top_p = col(self.P_TOP_P)
+            if (p[:, self.P_MIN_P] > 0).any():
+                md.min_p = col(self.P_MIN_P)
+            if p[:, self.P_SEEDED].any():
+                md.generators = {i: self.reqs[req_ids[i]].generator
+                                 for i in np.flatnonzero(p[:, self.P_SEEDED])}
+        if p[:, self.P_PENALTY].any():
+            self._penalty_tensors(md, [self.reqs[r] for r in req_ids])
+        under_min = np.flatnonzero(self.row_num_out[rows] < p[:, self.P_MIN_TOKENS])
+        if len(under_min):  # EOS and stop tokens may not end the output yet
+            banned_rows, banned_toks = [], []
+            for i in under_min:
+                s = self.reqs[req_ids[i]]
+                eos = [] if s.sampling_params.ignore_eos else [s.eos_token_id]
+                for tok in eos + list(s.sampling_params.stop_token_ids):
                     if tok is not None:
-                        banned_rows.append(i)
+                        banned_rows.append(int(i))
                         banned_toks.append(tok)
-        if banned_rows:
-            md.banned = (torch.tensor(banned_rows, device=dev), torch.tensor(banned_toks, device=dev))
-        lps = [sp.logprobs for sp in sps if sp.logprobs is not None]
-        md.max_num_logprobs = max(lps) if lps else None
+            if banned_rows:
+                md.banned = (torch.tensor(banned_rows, device=dev), torch.tensor(banned_toks, device=dev))
+        max_lp = p[:, self.P_LOGPROBS].max()
+        md.max_num_logprobs = int(max_lp) if max_lp >= 0 else None
         return md
 
     def _penalty_tensors(self, md: SamplingMetadata, states: list[ReqState]) -> None:

@@ -6,6 +6,7 @@ The same `Worker` object serves rank 0 (inside `MultiRankExecutor`) and the othe
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -60,13 +61,27 @@ class Worker:
         return self.control.recv(source=self.result_rank)
 
 
+def _fault_step(rank: int) -> int | None:
+    """`RANKSERVE_INJECT_FAULT=rank:step` makes that rank raise at that step (failure tests)."""
+    spec = os.environ.get("RANKSERVE_INJECT_FAULT")
+    if spec:
+        r, step = spec.split(":")
+        if int(r) == rank:
+            return int(step)
+    return None
+
+
 def run_worker(cfg: EngineConfig, control, pi: ParallelInfo, device: torch.device) -> int:
     """Loop of ranks 1..N-1: wait (without spinning) for a command, run it, repeat."""
     worker = Worker(cfg, control, pi, device)
     worker.init_cache(None)
+    fault, steps = _fault_step(control.rank), 0
     while True:
         kind, payload = control.bcast_idle(None)
         if kind == "step":
+            steps += 1
+            if steps == fault:
+                raise RuntimeError(f"injected fault at step {steps} (RANKSERVE_INJECT_FAULT)")
             worker.step(payload)
         elif kind == "shutdown":
             log.info("rank %d: shutdown", control.rank)

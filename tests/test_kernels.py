@@ -15,6 +15,8 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 import torch
 import triton
+from triton.runtime.interpreter import InterpretedFunction
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from rankserve.kernels import moe, triton_attention as ta
 from rankserve.kernels.attention import paged_attention_ref, store_kv_ref
@@ -24,7 +26,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 def _interpreting() -> bool:
-    return isinstance(ta._unified_attention_kernel, triton.runtime.interpreter.InterpretedFunction)
+    return isinstance(ta._unified_attention_kernel, InterpretedFunction)
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +164,11 @@ def test_store_kv_exact_slots(interp):
     interp(store_kv_case)
 
 
+def test_interpreter_confined_to_worker(interp):
+    assert interp(_interpreting)
+    assert not _interpreting() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
 # ----------------------------------------------------------------------------------------------
 # fused MoE
 # ----------------------------------------------------------------------------------------------
@@ -202,29 +209,49 @@ def test_fused_moe_all_off_rank_is_zero(interp):
     interp(moe_off_rank_case)
 
 
-def test_moe_align_groups():
-    ids = torch.tensor([[3, 0], [3, -1], [1, 3], [-1, -1], [0, 3]])
-    pairs, block_expert = moe.moe_align(ids, num_experts=5, block_m=4)
+def moe_align_case():
+    ids = torch.tensor([[3, 0], [3, -1], [1, 3], [-1, -1], [0, 3]], dtype=torch.int32)
+    check_align(ids, 5, 4)
+    ids = make_moe(50, 7, 3, 8, 8, drop=0.2, seed=11)[4].long()  # int64 ids, as torch.topk gives
+    check_align(ids, 7, 16)
+
+
+def check_align(ids, num_experts, block_m):
+    pairs, block_expert = moe.moe_align(ids, num_experts=num_experts, block_m=block_m)
     n = ids.numel()
     flat = ids.flatten()
-    rows = pairs.view(-1, 4)
+    rows = pairs.view(-1, block_m)
     assert rows.shape[0] == block_expert.shape[0]
     seen = []
     for b, e in enumerate(block_expert.tolist()):
         real = [p for p in rows[b].tolist() if p < n]
-        if e >= 5:
+        if e >= num_experts:
             assert not real
+        else:
+            assert real, "a block of an expert's group holds at least one pair"
         assert all(flat[p] == e for p in real)
         seen += real
     assert sorted(seen) == [i for i in range(n) if flat[i] >= 0]  # each valid pair once
+
+
+def test_moe_align_groups(interp):
+    interp(moe_align_case)
 
 
 def test_fused_moe_op_cpu():
     args = make_moe(6, 4, 2, 16, 8, drop=0.25, seed=5)
     out = torch.ops.rankserve.fused_moe(*args)
     assert torch.equal(out, moe.fused_moe_ref(*args))
-    torch.library.opcheck(torch.ops.rankserve.fused_moe.default, args,
-                          test_utils=("test_schema", "test_faketensor"))
+    with FakeTensorMode() as mode:  # the fake impl, as torch.compile traces it
+        fake = torch.ops.rankserve.fused_moe(*(mode.from_tensor(a) for a in args))
+    assert fake.shape == args[0].shape and fake.dtype == args[0].dtype
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error path")
+def test_benchmark_refuses_without_cuda(capsys):
+    from rankserve.kernels import benchmark
+    assert benchmark.main([]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------------
@@ -295,7 +322,7 @@ def test_gpu_cuda_graph_capture(decode):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("T", [1, 64, 1024])
+@pytest.mark.parametrize("T", [1, 64, 1024, 2048])  # row blocks of 16, 64, 64, 128
 def test_gpu_fused_moe_bf16(T):
     args = make_moe(T, 128, 8, 2048, 768, drop=0.2, dtype=torch.bfloat16, device="cuda", seed=T)
     out = torch.ops.rankserve.fused_moe(*args).float()

@@ -56,3 +56,57 @@ def test_wrong_world_size_is_a_clear_error():
     r = subprocess.run([sys.executable, "-m", "rankserve.launch", "generate", "--prompt", "x",
                         "--tp", "2"], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "needs 2 ranks" in r.stderr and "mpirun -np 2" in r.stderr
+
+
+def _launch(n, *args, env_extra=None):
+    env = dict(os.environ, RANKSERVE_HEARTBEAT_TIMEOUT="20", **(env_extra or {}))
+    cmd = ["mpiexec", "-disable-auto-cleanup", "-n", str(n), sys.executable, "-m", "rankserve.launch",
+           "generate", str(STORIES_EMBEDDED), "--tp", str(n), "--max-tokens", "400", "--ignore-eos",
+           *[a for p in PROMPTS * 20 for a in ("--prompt", p)], *args]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+
+
+def _finish(proc, timeout):
+    import signal
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail("job did not exit in time:\n" + out[-3000:])
+    return proc.returncode, out
+
+
+def test_exception_on_rank1_takes_the_job_down():
+    import time
+    t0 = time.monotonic()
+    proc = _launch(2, env_extra={"RANKSERVE_INJECT_FAULT": "1:5"})
+    rc, out = _finish(proc, 180)
+    assert rc != 0, out[-3000:]
+    assert "rank 1 on" in out and "injected fault" in out, out[-3000:]
+
+
+def test_sigkill_of_worker_rank_is_noticed_within_30s():
+    import re
+    import signal
+    import time
+    proc = _launch(2)
+    pid = None
+    lines = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # wait until rank 1 is up and generation has started
+        line = proc.stdout.readline()
+        lines.append(line)
+        m = re.search(r"rank 1/2 .* pid=(\d+)", line)
+        pid = int(m.group(1)) if m else pid
+        if pid and "KV cache" in line:
+            break
+    assert pid, "".join(lines)[-3000:]
+    time.sleep(1.0)
+    killed_at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    rc, out = _finish(proc, 60)
+    assert time.monotonic() - killed_at < 30
+    assert rc != 0
+    assert "lost rank 1" in "".join(lines) + out, ("".join(lines) + out)[-3000:]

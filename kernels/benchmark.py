@@ -1,0 +1,174 @@
+"""Kernel benchmark: `python -m rankserve.kernels.benchmark [--json PATH] [--quick]` (CUDA only).
+
+Measures two ceilings first (HBM copy bandwidth, bf16 matmul rate), then times decode and prefill
+attention, store_kv and fused MoE at real model sizes (32 q / 8 kv heads, head_dim 128, block 16;
+MoE with 128 experts top-8, H 2048, I 768) with triton.testing.do_bench (median), and reports
+each against the ceiling that bounds it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import triton
+
+from rankserve.kernels import moe, triton_attention as ta
+
+H, KH, D, BLOCK = 32, 8, 128, 16
+E, TOPK, HID, INTER = 128, 8, 2048, 768
+DT = torch.bfloat16
+
+
+def bench(fn) -> float:
+    """Median milliseconds, L2 flushed between runs, launch overhead included."""
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def bench_graph(fn) -> float | None:
+    """Median milliseconds replaying a CUDA graph (what a graph-captured server sees: no launch
+    overhead, but L2 is not flushed, so small working sets read partly from cache)."""
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+    except Exception as e:  # report, don't abort the table
+        print(f"cuda graph timing failed: {e!r}", file=sys.stderr)
+        return None
+
+
+def ceilings() -> tuple[float, float]:
+    """(copy GB/s counting read + write, bf16 matmul TFLOP/s)."""
+    src = torch.empty(2 ** 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    gbps = 2 * src.numel() / bench(lambda: dst.copy_(src)) / 1e6
+    n = 8192
+    a = torch.randn(n, n, dtype=DT, device="cuda")
+    b = torch.randn(n, n, dtype=DT, device="cuda")
+    tflops = 2 * n ** 3 / bench(lambda: a @ b) / 1e9
+    return gbps, tflops
+
+
+def attention_inputs(q_lens, seq_lens):
+    B = len(seq_lens)
+    nblk = [triton.cdiv(s, BLOCK) for s in seq_lens]
+    max_blocks = max(nblk)
+    total = sum(nblk)
+    perm = torch.randperm(total, device="cuda").int()  # scattered blocks, as in a live cache
+    block_table = torch.zeros(B, max_blocks, dtype=torch.int32, device="cuda")
+    start = 0
+    for i, n in enumerate(nblk):
+        block_table[i, :n] = perm[start:start + n]
+        start += n
+    k_cache = torch.randn(total, BLOCK, KH, D, dtype=DT, device="cuda")
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(sum(q_lens), H, D, dtype=DT, device="cuda")
+    qsl = torch.zeros(B + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor(q_lens).cumsum(0)
+    return (q, k_cache, v_cache, qsl.cuda(), torch.tensor(seq_lens, dtype=torch.int32,
+                                                           device="cuda"), block_table)
+
+
+def row(name, shape, fn, nbytes, flops, ceil):
+    ms = bench(fn)
+    gbps, tflops = nbytes / ms / 1e6, flops / ms / 1e9
+    frac_bw, frac_fl = gbps / ceil[0], tflops / ceil[1]
+    return dict(kernel=name, shape=shape, ms=ms, graph_ms=bench_graph(fn), gbps=gbps,
+                tflops=tflops, bound="memory" if frac_bw >= frac_fl else "compute",
+                frac_of_ceiling=max(frac_bw, frac_fl))
+
+
+def bench_decode(ceil, quick):
+    rows = []
+    for ctx in ([1024, 8192] if quick else [1024, 2048, 4096, 8192]):
+        for B in ([1, 64, 256] if quick else [1, 4, 16, 64, 128, 256]):
+            args = attention_inputs([1] * B, [ctx] * B)
+            fn = lambda: ta.paged_attention(*args, D ** -0.5)  # noqa: E731
+            nbytes = 2 * B * ctx * KH * D * 2 + 2 * B * H * D * 2  # K+V read, q read, out write
+            flops = 4 * B * ctx * H * D
+            rows.append(row("decode_attention", f"B={B} ctx={ctx}", fn, nbytes, flops, ceil))
+            del args
+    return rows
+
+
+def bench_prefill(ceil, quick):
+    rows = []
+    cases = [(1, 2048), (1, 8192), (8, 1024)] if quick else \
+        [(1, 1024), (1, 2048), (1, 4096), (1, 8192), (8, 1024), (4, 4096)]
+    for B, L in cases:
+        args = attention_inputs([L] * B, [L] * B)
+        fn = lambda: ta.paged_attention(*args, D ** -0.5)  # noqa: E731
+        flops = 4 * B * H * D * L * (L + 1) / 2  # causal: QK^T and PV over the lower triangle
+        nbytes = B * L * (2 * H + 2 * KH) * D * 2  # q, out, k, v once each (lower bound)
+        rows.append(row("prefill_attention", f"B={B} L={L}", fn, nbytes, flops, ceil))
+    # chunked prefill: 2048 new tokens after 6144 cached, mixed with 64 decodes at 4k
+    args = attention_inputs([2048] + [1] * 64, [8192] + [4096] * 64)
+    fn = lambda: ta.paged_attention(*args, D ** -0.5)  # noqa: E731
+    flops = 4 * H * D * (2048 * (6144 + 1024.5) + 64 * 4096)
+    nbytes = (8192 + 64 * 4096) * 2 * KH * D * 2
+    rows.append(row("mixed_attention", "chunk 2048@8k + 64 decodes@4k", fn, nbytes, flops, ceil))
+    return rows
+
+
+def bench_store_kv(ceil, quick):
+    rows = []
+    for T in ([1, 8192] if quick else [1, 64, 1024, 8192]):
+        k = torch.randn(T, KH, D, dtype=DT, device="cuda")
+        v = torch.randn_like(k)
+        nb = triton.cdiv(T, BLOCK) + 1
+        k_cache = torch.empty(nb, BLOCK, KH, D, dtype=DT, device="cuda")
+        v_cache = torch.empty_like(k_cache)
+        slots = torch.randperm(nb * BLOCK, device="cuda")[:T]
+        fn = lambda: ta.store_kv(k, v, k_cache, v_cache, slots)  # noqa: E731
+        rows.append(row("store_kv", f"T={T}", fn, 4 * T * KH * D * 2 + 8 * T, 0, ceil))
+    return rows
+
+
+def bench_moe(ceil, quick):
+    rows = []
+    w13 = torch.randn(E, 2 * INTER, HID, dtype=DT, device="cuda") * HID ** -0.5
+    w2 = torch.randn(E, HID, INTER, dtype=DT, device="cuda") * INTER ** -0.5
+    for T in ([1, 64, 4096] if quick else [1, 16, 64, 256, 1024, 4096, 16384]):
+        x = torch.randn(T, HID, dtype=DT, device="cuda")
+        logits = torch.randn(T, E, device="cuda")
+        weights, ids = torch.topk(logits.softmax(-1), TOPK)
+        ids = ids.int()
+        fn = lambda: moe.fused_moe_triton(x, w13, w2, weights, ids)  # noqa: E731
+        touched = int(torch.unique(ids).numel())  # experts whose weights are read
+        nbytes = touched * 3 * HID * INTER * 2 + 2 * T * HID * 2
+        flops = T * TOPK * 6 * HID * INTER
+        rows.append(row("fused_moe", f"T={T} E={E} top{TOPK}", fn, nbytes, flops, ceil))
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("rankserve.kernels.benchmark needs a CUDA GPU: torch.cuda.is_available() is False",
+              file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    gbps, tflops = ceilings()
+    print(f"{torch.cuda.get_device_name()}: copy {gbps:.0f} GB/s, bf16 matmul {tflops:.0f} "
+          f"TFLOP/s (ceilings)")
+    rows = []
+    for part in (bench_decode, bench_prefill, bench_store_kv, bench_moe):
+        rows += part((gbps, tflops), args.quick)
+        torch.cuda.empty_cache()
+    print(f"{'kernel':<18} {'shape':<30} {'ms':>9} {'graph ms':>9} {'GB/s':>8} {'TFLOP/s':>8}"
+          "  of ceiling")
+    for r in rows:
+        graph = f"{r['graph_ms']:>9.4f}" if r["graph_ms"] is not None else f"{'-':>9}"
+        print(f"{r['kernel']:<18} {r['shape']:<30} {r['ms']:>9.4f} {graph} {r['gbps']:>8.0f} "
+              f"{r['tflops']:>8.1f}  {r['frac_of_ceiling']:>5.0%} {r['bound']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), copy_gbps=gbps,
+                           matmul_tflops=tflops, rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,380 @@
+"""Shared pieces of `rankserve bench throughput|latency`: model resolution, workloads, device
+ceilings, the physical floor, and JSON / plot output.
+
+The physical floor
+------------------
+A lower bound on the time of a workload on this device, from what it must move and compute:
+
+    floor = max(bytes / HBM bandwidth, FLOPs / matmul rate)     (ceilings measured on one device, × TP × PP ranks)
+
+Bytes (all in the model dtype; P = prompt length, O = output tokens of a request):
+  weights   Σ over engine steps that ran a forward of the weights that step must read:
+            every non-embedding parameter plus the LM head (the input embedding is a row gather;
+            a tied matrix counts once, as the head). For MoE the routed experts count by the
+            expected share a step of n tokens touches under uniform routing, 1 - (1 - k/E)^n.
+  KV read   Σ_req Σ_{t<O} (P + t) × kv_bytes_per_token: each step that produces a token reads
+            the KV of its whole context once (t = 0 is the prefill over the prompt).
+  KV write  Σ_req (P + O - 1) × kv_bytes_per_token (the last sampled token is never written).
+FLOPs:
+  linear    2 × (non-embedding parameters active per token) × Σ (P + O - 1) tokens processed
+            + 2 × V × H × Σ O (the LM head only runs on sampled positions).
+  attention 4 × head_dim × heads × layers × Σ context over processed tokens (QKᵀ and PV), where
+            a prompt token at position i sees i + 1 tokens and decode token t sees P + t.
+
+The floor ignores activations, the sampler, launch overheads and communication, so
+`achieved_fraction = floor / measured` is at most ~1 and says how close a run is to the hardware.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
+
+
+# ---- models ---------------------------------------------------------------------------------
+def shipped_configs() -> list[str]:
+    return sorted(p.stem for p in CONFIGS_DIR.glob("*.json"))
+
+
+def resolve_model(model: str | None) -> tuple[str | None, bool]:
+    """(model directory, is_named): a shipped config name becomes a temp dir with its config.json."""
+    if model is None or os.path.isdir(model):
+        return model, False
+    path = CONFIGS_DIR / f"{model.lower()}.json"
+    if not path.is_file():
+        raise ValueError(f"{model!r} is neither a model directory nor a shipped config "
+                         f"({', '.join(shipped_configs())})")
+    tmp = tempfile.mkdtemp(prefix=f"rankserve-{model.lower()}-")
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        f.write(path.read_text())
+    return tmp, True
+
+
+@dataclass
+class ModelStats:
+    """Parameter counts of the full (unsharded) model, by how a forward step uses them."""
+    num_params: int  # unique parameters (a tied embedding counted once)
+    body_params: int  # dense non-embedding parameters: attention, norms, dense MLPs, routers
+    expert_params: int  # routed experts, all layers
+    num_experts: int  # E (0 for dense models)
+    top_k: int  # experts per token
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def head_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def step_weight_params(self, num_tokens: int) -> float:
+        """Parameters one forward over `num_tokens` tokens must read."""
+        touched = 1.0
+        if self.num_experts:
+            touched = 1 - (1 - self.top_k / self.num_experts) ** num_tokens
+        return self.body_params + self.head_params + self.expert_params * touched
+
+    @property
+    def active_params_per_token(self) -> float:
+        """Non-embedding, non-head parameters each token multiplies with."""
+        share = self.top_k / self.num_experts if self.num_experts else 0.0
+        return self.body_params + self.expert_params * share
+
+
+def model_stats(hf_config) -> ModelStats:
+    """Count parameters by building the rankserve model on the meta device (no memory)."""
+    from rankserve.models.layers import ParallelInfo
+    from rankserve.models.loader import build_model
+    model = build_model(hf_config, ParallelInfo(), torch.bfloat16, torch.device("meta"))
+    total = body = experts = 0
+    for name, p in model.named_parameters():  # tied weights appear once
+        total += p.numel()
+        if "embed_tokens" in name or name.startswith("lm_head"):
+            continue
+        if ".experts." in name:
+            experts += p.numel()
+        else:
+            body += p.numel()
+    num_experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", 0)
+    heads = hf_config.num_attention_heads
+    return ModelStats(
+        num_params=total, body_params=body, expert_params=experts,
+        num_experts=num_experts if experts else 0,
+        top_k=getattr(hf_config, "num_experts_per_tok", 0) if experts else 0,
+        vocab_size=hf_config.vocab_size, hidden_size=hf_config.hidden_size,
+        num_layers=hf_config.num_hidden_layers, num_heads=heads,
+        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads)
+
+
+# ---- workloads ------------------------------------------------------------------------------
+WORKLOADS = {
+    # W1: offline throughput, 256 requests, lengths uniform in [100, 1024], EOS ignored
+    "w1": dict(num_prompts=256, input_len=(100, 1024), output_len=(100, 1024)),
+    # W2: batch 1, 128-token prompt, 256 new tokens
+    "w2": dict(num_prompts=1, input_len=(128, 128), output_len=(256, 256)),
+}
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def prompt_lens(self) -> list[int]:
+        return [len(p) for p in self.prompts]
+
+    def summary(self) -> dict:
+        p, o = self.prompt_lens, self.output_lens
+        return dict(num_requests=len(p), prompt_tokens=sum(p), output_tokens=sum(o),
+                    prompt_len_min=min(p), prompt_len_max=max(p),
+                    output_len_min=min(o), output_len_max=max(o))
+
+
+def make_workload(num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int],
+                  vocab_size: int, seed: int) -> Workload:
+    """Random token-id prompts (no shared prefixes, so prefix caching cannot shortcut the run)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def lens(lo, hi):
+        return torch.randint(lo, hi + 1, (num_prompts,), generator=g).tolist()
+    plens, olens = lens(*input_len), lens(*output_len)
+    prompts = [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in plens]
+    return Workload(prompts, olens)
+
+
+# ---- device ceilings ------------------------------------------------------------------------
+def _time(fn, device: torch.device, reps: int, warmup: int = 2) -> float:
+    """Median seconds of `fn` (CUDA events on GPU, perf_counter on CPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_ceilings(device: torch.device, reps: int = 5) -> dict:
+    """HBM bandwidth (device-to-device copy, read + write) and dense matmul rate of this device.
+
+    GPU: a 2 GiB copy and a bf16 8192³ matmul. CPU: a 64 MiB copy and an fp32 1024³ matmul
+    (bf16 is not the CPU path's dtype, and the large sizes would take minutes)."""
+    cuda = device.type == "cuda"
+    nbytes = 2 * 2**30 if cuda else 64 * 2**20
+    n, dtype = (8192, torch.bfloat16) if cuda else (1024, torch.float32)
+    while True:
+        try:
+            src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+            dst = torch.empty_like(src)
+            break
+        except torch.OutOfMemoryError:  # the engine already holds most of the device
+            nbytes //= 2
+    copy_s = _time(lambda: dst.copy_(src), device, reps)
+    del src, dst
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    mm_s = _time(lambda: torch.matmul(a, b), device, reps)
+    del a, b
+    if cuda:
+        torch.cuda.empty_cache()
+    return dict(device=device_name(device), hbm_GBps=2 * nbytes / copy_s / 1e9,
+                matmul_TFLOPs=2 * n**3 / mm_s / 1e12, copy_bytes=nbytes, matmul_n=n,
+                matmul_dtype=str(dtype).replace("torch.", ""), reps=reps,
+                note="" if cuda else "CPU: small sizes (64 MiB copy, fp32 1024^3 matmul)")
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine() or "cpu"
+
+
+# ---- the floor ------------------------------------------------------------------------------
+@dataclass
+class StepLog:
+    """Tokens processed by each engine step that ran a forward (filled by a wrapper/hook)."""
+    tokens: list[int] = field(default_factory=list)
+
+    def clear(self):
+        self.tokens.clear()
+
+
+def physical_floor(stats: ModelStats, prompt_lens: list[int], output_lens: list[int],
+                   step_tokens: list[int], dtype_bytes: int, ceilings: dict,
+                   num_devices: int = 1) -> dict:
+    """Bytes, FLOPs and the floor time of a workload (see the module docstring)."""
+    kv_tok = stats.kv_bytes_per_token(dtype_bytes)
+    ctx_read = kv_written = tokens = attn_ctx = 0
+    for p, o in zip(prompt_lens, output_lens):
+        ctx_read += o * p + o * (o - 1) // 2  # Σ_{t<o} (p + t)
+        kv_written += p + o - 1
+        tokens += p + o - 1
+        attn_ctx += p * (p + 1) // 2 + (o - 1) * p + (o - 1) * o // 2  # prompt, then decode
+    weights = sum(stats.step_weight_params(n) for n in step_tokens) * dtype_bytes
+    kv_read, kv_write = ctx_read * kv_tok, kv_written * kv_tok
+    flops_linear = 2 * stats.active_params_per_token * tokens + 2 * stats.head_params * sum(output_lens)
+    flops_attn = 4 * stats.head_dim * stats.num_heads * stats.num_layers * attn_ctx
+    nbytes, flops = weights + kv_read + kv_write, flops_linear + flops_attn
+    t_mem = nbytes / (ceilings["hbm_GBps"] * 1e9 * num_devices)
+    t_comp = flops / (ceilings["matmul_TFLOPs"] * 1e12 * num_devices)
+    return dict(num_steps=len(step_tokens), tokens_processed=tokens,
+                bytes_weights=weights, bytes_kv_read=kv_read, bytes_kv_write=kv_write,
+                bytes_total=nbytes, flops_linear=flops_linear, flops_attention=flops_attn,
+                flops_total=flops, t_memory_s=t_mem, t_compute_s=t_comp,
+                floor_s=max(t_mem, t_comp), bound="memory" if t_mem >= t_comp else "compute",
+                num_devices=num_devices)
+
+
+def with_achieved(floor: dict, measured_s: float, output_tokens: int) -> dict:
+    return dict(floor, floor_output_tokens_per_s=output_tokens / floor["floor_s"],
+                achieved_fraction=floor["floor_s"] / measured_s)
+
+
+def format_floor(f: dict) -> str:
+    return (f"  floor: {f['floor_s'] * 1e3:.3f} ms ({f['bound']}-bound: "
+            f"{f['bytes_total'] / 1e9:.3f} GB, {f['flops_total'] / 1e12:.3f} TFLOP, "
+            f"{f['num_steps']} steps) = {f['floor_output_tokens_per_s']:.1f} output tok/s; "
+            f"achieved {100 * f['achieved_fraction']:.1f}% of the floor")
+
+
+def format_ceilings(c: dict) -> str:
+    return (f"device ceilings ({c['device']}): HBM {c['hbm_GBps']:.1f} GB/s, matmul "
+            f"{c['matmul_TFLOPs']:.2f} TFLOP/s ({c['matmul_dtype']} {c['matmul_n']}^3)"
+            + (f" [{c['note']}]" if c["note"] else ""))
+
+
+def format_timings(t: dict) -> str:
+    return "  startup: " + ", ".join(f"{k} {v:.2f}s" for k, v in t.items())
+
+
+# ---- output ---------------------------------------------------------------------------------
+def environment() -> dict:
+    def version(mod):
+        try:
+            return __import__(mod).__version__
+        except Exception:  # noqa: BLE001  (not installed, or broken: report it, don't fail)
+            return None
+    return dict(date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                host=platform.node(), python=platform.python_version(),
+                torch=torch.__version__, triton=version("triton"),
+                transformers=version("transformers"), cuda=torch.version.cuda,
+                gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+                command=" ".join(["rankserve"] + [shlex.quote(a) for a in sys.argv[1:]]),
+                argv=list(sys.argv))
+
+
+def write_json(path: str, data: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o))
+
+
+def plot_bars(path: str, results: dict, metric: str, title: str) -> bool:
+    """Bar chart of `metric` per backend; False when matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names = list(results)
+    values = [results[n][metric] for n in names]
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    bars = ax.bar(names, values, color=["tab:blue", "tab:orange", "tab:green"][:len(names)])
+    # the floor's rate can be far above both bars, so it goes into the labels, not the axis
+    ax.bar_label(bars, labels=[f"{v:.0f}\n({100 * results[n]['floor']['achieved_fraction']:.1f}% of floor)"
+                               if "floor" in results[n] else f"{v:.0f}" for n, v in zip(names, values)],
+                 fontsize=8)
+    ax.margins(y=0.2)
+    ax.set_ylabel(metric.replace("_", " "))
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def model_record(cfg, name: str | None, stats: ModelStats) -> dict:
+    return dict(name=name, path=None if name else cfg.model.model, load_format=cfg.load.load_format,
+                stats=asdict(stats))
+
+
+def save(record: dict, json_path: str | None, plot_path: str | None, metric: str, title: str) -> None:
+    if json_path:
+        write_json(json_path, record)
+        print(f"wrote {json_path}")
+    if plot_path:
+        if plot_bars(plot_path, record["results"], metric, title):
+            print(f"wrote {plot_path}")
+        else:
+            print("--plot: matplotlib is not installed (pip install matplotlib); no plot written")
+
+
+# ---- running the backends -------------------------------------------------------------------
+def drive(cfg, hf_config, backends, on_ranks, multi_process: bool, engine_bench, hf_bench):
+    """Run `hf_bench(device, dtype, ceilings)` and/or `engine_bench(llm, ceilings)`.
+
+    The ceilings are measured once, before any model is built when there is one process (under
+    mpirun, on rank 0 once its engine is up and its device pinned). transformers runs first and
+    frees the device, since the engine then claims most of its memory. `on_ranks(cfg, body)` is
+    the launcher's `run_on_ranks` (runtime does not import launch). Returns (exit code,
+    {backend: result} — empty on worker ranks —, ceilings)."""
+    from rankserve.models.loader import resolve_dtype
+    from rankserve.runtime.executor import resolve_device
+    state: dict = {"ceilings": None}
+    results: dict = {}
+
+    def ceilings(device):
+        if state["ceilings"] is None:
+            state["ceilings"] = measure_ceilings(device)
+            print(format_ceilings(state["ceilings"]), flush=True)
+        return state["ceilings"]
+
+    if not multi_process:
+        device = resolve_device(cfg)
+        ceilings(device)
+        if "hf" in backends:
+            results["hf"] = hf_bench(device, resolve_dtype(cfg.model.dtype, hf_config, device.type),
+                                     state["ceilings"])
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    elif "hf" in backends:
+        raise ValueError("--backend hf runs in a single process; launch it without mpirun/srun")
+    rc = 0
+    if "rankserve" in backends:
+        def body(llm):
+            ex = llm.engine.executor
+            runner = ex.runner if hasattr(ex, "runner") else ex.worker.runner
+            results["rankserve"] = engine_bench(llm, ceilings(runner.device))
+        rc = on_ranks(cfg, body)
+    # rankserve first, for tables and plots
+    return rc, dict(sorted(results.items(), key=lambda kv: kv[0] != "rankserve")), state["ceilings"]

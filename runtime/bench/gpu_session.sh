@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One GPU-machine session: correctness, then the two standard workloads, with a table at the end.
+# Run from the repo root on the GPU machine: `bash runtime/bench/gpu_session.sh STAGE` where STAGE
+# is one of: w2 w1 tests kernels hf startup (several may be given). Results land in $OUT (or ./bench_results).
+set -u
+OUT=${OUT:-bench_results}; mkdir -p "$OUT"
+CACHE=${RANKSERVE_CACHE_DIR:-/tmp/rankserve-cache}
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+run() { local name=$1 limit=$2; shift 2; local t0=$(date +%s.%N)
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  printf '%-10s rc=%-3s %6.1fs\n' "$name" "$rc" "$(echo "$(date +%s.%N) - $t0" | bc)" | tee -a "$OUT/summary.txt"
+  tail -n 25 "$OUT/$name.log"; }
+for stage in "$@"; do case $stage in
+  w2) run w2 170 python3 -m rankserve.launch bench latency llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 \
+        --num-iters 3 --max-num-seqs 8 --cache-dir "$CACHE" --output-json "$OUT/w2.json" ;;
+  w2warm) run w2warm 200 python3 -m rankserve.launch bench latency llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 \
+        --num-iters 3 --max-num-seqs 8 --cache-dir "$CACHE" --output-json "$OUT/w2warm.json" ;;
+  w1) run w1 230 python3 -m rankserve.launch bench throughput qwen3-0.6b --workload w1 --max-num-seqs 256 \
+        --cache-dir "$CACHE" --output-json "$OUT/w1.json" ;;
+  w2hf) run w2hf 200 python3 -m rankserve.launch bench latency llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 \
+        --num-iters 2 --backend hf --output-json "$OUT/w2hf.json" ;;
+  w1hf) run w1hf 300 python3 -m rankserve.launch bench throughput qwen3-0.6b --num-prompts 32 --input-len 100 1024 \
+        --output-len 100 1024 --backend hf --output-json "$OUT/w1hf.json" ;;
+  tests) run tests 170 python3 -m pytest -q -x -m gpu tests/test_kernels.py tests/test_gpu.py ;;
+  kernels) run kernels 240 python3 -m rankserve.kernels.benchmark --json "$OUT/kernels.json" ;;
+  *) echo "unknown stage $stage" ;;
+esac; done
+echo "== summary"; cat "$OUT/summary.txt"

@@ -1,0 +1,145 @@
+"""Latency of one batch: `rankserve bench latency MODEL --batch-size B --input-len L --output-len O`.
+
+Per iteration, with fresh random prompts each time (a repeated prompt would hit the prefix
+cache): end-to-end latency of B requests of L prompt tokens generating O tokens each, and TTFT,
+measured as the same batch with one output token (prefill alone). Reports medians over
+`--num-iters` after `--num-iters-warmup`, decode tokens/s = B × O / median latency, and the
+physical floor (`common.py`) of both. `--backend hf` does the same with transformers' static-cache
+`generate`.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from rankserve.runtime.bench import common
+from rankserve.runtime.bench.throughput import engine_runner, observe_steps, run_engine
+
+
+@dataclass
+class LatencyArgs:
+    batch_size: int
+    input_len: int
+    output_len: int
+    num_iters: int
+    num_iters_warmup: int
+    seed: int
+    backends: tuple[str, ...]
+    output_json: str | None = None
+    plot: str | None = None
+    hf_compile: bool = False
+    model_name: str | None = None
+
+
+def _batches(args: LatencyArgs, vocab_size: int, output_len: int, salt: int):
+    """Fresh prompts per iteration (warm-up ones included)."""
+    for i in range(args.num_iters_warmup + args.num_iters):
+        yield i < args.num_iters_warmup, common.make_workload(
+            args.batch_size, (args.input_len,) * 2, (output_len,) * 2, vocab_size,
+            args.seed + 7919 * (i + 1) + salt)
+
+
+def summarize(args: LatencyArgs, e2e: list[float], ttft: list[float], floor_e2e: dict,
+              floor_ttft: dict, timings: dict) -> dict:
+    lat, first = statistics.median(e2e), statistics.median(ttft)
+    out = args.batch_size * args.output_len
+    return dict(batch_size=args.batch_size, input_len=args.input_len, output_len=args.output_len,
+                num_iters=args.num_iters, latency_s=lat, latencies_s=e2e, ttft_s=first,
+                ttfts_s=ttft, decode_tokens_per_s=out / lat, startup=timings,
+                floor=common.with_achieved(floor_e2e, lat, out),
+                ttft_floor=common.with_achieved(floor_ttft, first, args.batch_size))
+
+
+def _floor(stats, args, output_len, steps, dtype_bytes, ceilings, n_dev=1):
+    return common.physical_floor(stats, [args.input_len] * args.batch_size,
+                                 [output_len] * args.batch_size, steps, dtype_bytes, ceilings, n_dev)
+
+
+def rankserve_latency(llm, args: LatencyArgs, stats, ceilings) -> dict:
+    runner = engine_runner(llm)
+    vocab = runner.vocab_size
+    log = observe_steps(llm)
+    results = {}
+    for name, olen, salt in (("e2e", args.output_len, 0), ("ttft", 1, 1)):
+        times = []
+        for warm, wl in tqdm(list(_batches(args, vocab, olen, salt)), desc=f"latency ({name})"):
+            log.clear()
+            elapsed, out_lens = run_engine(llm, wl)
+            if out_lens != wl.output_lens:
+                raise RuntimeError(f"the engine generated {out_lens}, not {wl.output_lens}")
+            if not warm:
+                times.append(elapsed)
+        results[name] = (times, list(log.tokens))  # every iteration runs the same steps
+    n_dev = llm.config.parallel.world_size  # TP shards and PP stages in flight all read at once
+    f = {k: _floor(stats, args, olen, results[k][1], runner.dtype.itemsize, ceilings, n_dev)
+         for k, olen in (("e2e", args.output_len), ("ttft", 1))}
+    return dict(summarize(args, results["e2e"][0], results["ttft"][0], f["e2e"], f["ttft"],
+                          dict(llm.engine.timings)),
+                dtype=str(runner.dtype).replace("torch.", ""), num_devices=n_dev)
+
+
+def hf_latency(model_dir: str, device, dtype, args: LatencyArgs, vocab: int, stats, ceilings) -> dict:
+    from rankserve.runtime.bench.hf_backend import HFBackend
+    hf = HFBackend(model_dir, device, dtype, args.hf_compile)
+    results = {}
+    try:
+        for name, olen, salt in (("e2e", args.output_len, 0), ("ttft", 1, 1)):
+            times = []
+            for warm, wl in tqdm(list(_batches(args, vocab, olen, salt)), desc=f"hf latency ({name})"):
+                elapsed, steps = hf.generate_static(torch.tensor(wl.prompts), olen)
+                if not warm:
+                    times.append(elapsed)
+            results[name] = (times, steps)
+    finally:
+        hf.close()
+    f = {k: _floor(stats, args, olen, results[k][1], dtype.itemsize, ceilings)
+         for k, olen in (("e2e", args.output_len), ("ttft", 1))}
+    return dict(summarize(args, results["e2e"][0], results["ttft"][0], f["e2e"], f["ttft"], hf.timings),
+                dtype=str(dtype).replace("torch.", ""),
+                mode="generate(cache_implementation='static')" + (" + torch.compile" if args.hf_compile else ""))
+
+
+def print_result(name: str, r: dict) -> None:
+    print(f"[{name}] batch {r['batch_size']}, {r['input_len']} in / {r['output_len']} out: "
+          f"latency {r['latency_s'] * 1e3:.1f} ms, TTFT {r['ttft_s'] * 1e3:.1f} ms, "
+          f"decode {r['decode_tokens_per_s']:.1f} tok/s (median of {r['num_iters']})"
+          + (f"  ({r['mode']})" if "mode" in r else ""))
+    print(common.format_timings(r["startup"]))
+    print(common.format_floor(r["floor"]))
+    t = r["ttft_floor"]
+    print(f"  TTFT floor: {t['floor_s'] * 1e3:.3f} ms ({t['bound']}-bound); achieved "
+          f"{100 * t['achieved_fraction']:.1f}%")
+
+
+def run(cfg, args: LatencyArgs, on_ranks, multi_process: bool) -> int:
+    from transformers import AutoConfig
+    hf_config = AutoConfig.from_pretrained(cfg.model.model)
+    stats = common.model_stats(hf_config)
+
+    def hf_bench(device, dtype, ceilings):
+        return hf_latency(cfg.model.model, device, dtype, args, hf_config.vocab_size, stats, ceilings)
+
+    def engine_bench(llm, ceilings):
+        return rankserve_latency(llm, args, stats, ceilings)
+
+    rc, results, ceilings = common.drive(cfg, hf_config, args.backends, on_ranks, multi_process,
+                                         engine_bench, hf_bench)
+    if not results:
+        return rc
+    for name, r in results.items():
+        print_result(name, r)
+    record = dict(kind="latency", env=common.environment(), ceilings=ceilings,
+                  model=common.model_record(cfg, args.model_name, stats),
+                  workload=dict(batch_size=args.batch_size, input_len=args.input_len,
+                                output_len=args.output_len, num_iters=args.num_iters,
+                                num_iters_warmup=args.num_iters_warmup, seed=args.seed,
+                                ignore_eos=True, greedy=True),
+                  results=results)
+    common.save(record, args.output_json, args.plot, "decode_tokens_per_s",
+                f"latency: {args.model_name or os.path.basename(cfg.model.model)}, batch {args.batch_size}, "
+                f"{args.input_len} in / {args.output_len} out")
+    return rc

@@ -1,0 +1,151 @@
+"""Offline throughput: every request submitted at once, wall time of the whole batch.
+
+`rankserve bench throughput MODEL --workload w1` (or --num-prompts/--input-len/--output-len)
+times `LLM.generate` after a short warm-up run (startup and compilation are reported, not
+timed), and prints requests/s, output tokens/s, total tokens/s and the physical floor
+(`common.py`). `--backend hf` runs the same requests on transformers (continuous batching when
+the installed version has it). Token-id prompts, greedy, EOS ignored, no detokenization.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from rankserve.runtime.bench import common
+from rankserve.runtime.sampling_params import SamplingParams
+
+
+@dataclass
+class ThroughputArgs:
+    num_prompts: int
+    input_len: tuple[int, int]
+    output_len: tuple[int, int]
+    seed: int
+    backends: tuple[str, ...]
+    output_json: str | None = None
+    plot: str | None = None
+    hf_compile: bool = False
+    model_name: str | None = None  # the shipped config name, when one was given
+
+
+def engine_runner(llm):
+    ex = llm.engine.executor
+    return ex.runner if hasattr(ex, "runner") else ex.worker.runner
+
+
+def observe_steps(llm) -> common.StepLog:
+    """Record the tokens of every step the engine hands to its executor: only plans that run a
+    forward get there (`EngineCore.step` skips empty ones)."""
+    log = common.StepLog()
+    ex = llm.engine.executor
+    name = "submit" if hasattr(ex, "submit") else "execute"  # pipelined / older executors
+    inner = getattr(ex, name)
+
+    def wrapped(plan):
+        log.tokens.append(plan.total_num_scheduled_tokens)
+        return inner(plan)
+    setattr(ex, name, wrapped)
+    return log
+
+
+def engine_params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+
+
+def run_engine(llm, wl: common.Workload, use_tqdm: bool = False) -> tuple[float, list[int]]:
+    """Seconds to generate the whole workload, and the output length of each request."""
+    prompts = [{"prompt_token_ids": p} for p in wl.prompts]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, [engine_params(o) for o in wl.output_lens], use_tqdm=use_tqdm)
+    elapsed = time.perf_counter() - t0  # generate returns host-side token ids: the device is done
+    return elapsed, [len(o.outputs[0].token_ids) for o in outs]
+
+
+def warmup_workload(wl: common.Workload, vocab_size: int, seed: int) -> common.Workload:
+    """A few short requests with different tokens (so they leave no prefix-cache hits behind)."""
+    n = min(len(wl.prompts), 8)
+    lo, hi = min(wl.prompt_lens), max(wl.prompt_lens)
+    return common.make_workload(n, (lo, hi), (1, min(16, max(wl.output_lens))), vocab_size,
+                                seed + 10_007)
+
+
+def metrics(elapsed: float, prompt_lens: list[int], output_lens: list[int], floor: dict,
+            timings: dict) -> dict:
+    p, o = sum(prompt_lens), sum(output_lens)
+    return dict(elapsed_s=elapsed, num_requests=len(prompt_lens), prompt_tokens=p,
+                output_tokens=o, requests_per_s=len(prompt_lens) / elapsed,
+                output_tokens_per_s=o / elapsed, total_tokens_per_s=(p + o) / elapsed,
+                startup=timings, floor=common.with_achieved(floor, elapsed, o))
+
+
+def rankserve_throughput(llm, wl: common.Workload, warm: common.Workload,
+                         stats: common.ModelStats, ceilings: dict) -> dict:
+    runner = engine_runner(llm)
+    log = observe_steps(llm)
+    run_engine(llm, warm)
+    log.clear()
+    elapsed, out_lens = run_engine(llm, wl, use_tqdm=True)
+    n_dev = llm.config.parallel.world_size  # TP shards and PP stages in flight all read at once
+    floor = common.physical_floor(stats, wl.prompt_lens, out_lens, log.tokens,
+                                  runner.dtype.itemsize, ceilings, num_devices=n_dev)
+    timings = dict(llm.engine.timings)
+    return dict(metrics(elapsed, wl.prompt_lens, out_lens, floor, timings),
+                dtype=str(runner.dtype).replace("torch.", ""), num_kv_blocks=llm.engine.num_blocks,
+                num_devices=n_dev)
+
+
+def hf_throughput(model_dir: str, device: torch.device, dtype: torch.dtype, wl, warm, stats,
+                  ceilings: dict, compile_: bool) -> dict:
+    from rankserve.runtime.bench.hf_backend import HFBackend
+    hf = HFBackend(model_dir, device, dtype, compile_)
+    try:
+        hf.run_batch(warm)
+        elapsed, out_lens, steps, mode = hf.run_batch(wl, progress=True)
+    finally:
+        hf.close()
+    floor = common.physical_floor(stats, wl.prompt_lens, out_lens, steps, dtype.itemsize, ceilings)
+    return dict(metrics(elapsed, wl.prompt_lens, out_lens, floor, hf.timings),
+                dtype=str(dtype).replace("torch.", ""), mode=mode)
+
+
+def print_result(name: str, r: dict) -> None:
+    print(f"[{name}] {r['num_requests']} requests in {r['elapsed_s']:.2f} s: "
+          f"{r['requests_per_s']:.2f} req/s, {r['output_tokens_per_s']:.1f} output tok/s, "
+          f"{r['total_tokens_per_s']:.1f} total tok/s" + (f"  ({r['mode']})" if "mode" in r else ""))
+    print(common.format_timings(r["startup"]))
+    print(common.format_floor(r["floor"]))
+
+
+def run(cfg, args: ThroughputArgs, on_ranks, multi_process: bool) -> int:
+    """Run each backend on the workload; print, and write JSON / plot on the driving rank."""
+    from transformers import AutoConfig
+    hf_config = AutoConfig.from_pretrained(cfg.model.model)
+    stats = common.model_stats(hf_config)
+    wl = common.make_workload(args.num_prompts, args.input_len, args.output_len,
+                              hf_config.vocab_size, args.seed)
+    warm = warmup_workload(wl, hf_config.vocab_size, args.seed)
+
+    def hf_bench(device, dtype, ceilings):
+        return hf_throughput(cfg.model.model, device, dtype, wl, warm, stats, ceilings, args.hf_compile)
+
+    def engine_bench(llm, ceilings):
+        return rankserve_throughput(llm, wl, warm, stats, ceilings)
+
+    rc, results, ceilings = common.drive(cfg, hf_config, args.backends, on_ranks, multi_process,
+                                         engine_bench, hf_bench)
+    if not results:  # a worker rank
+        return rc
+    for name, r in results.items():
+        print_result(name, r)
+    record = dict(kind="throughput", env=common.environment(), ceilings=ceilings,
+                  model=common.model_record(cfg, args.model_name, stats),
+                  workload=dict(wl.summary(), seed=args.seed, input_len=list(args.input_len),
+                                output_len=list(args.output_len), ignore_eos=True, greedy=True),
+                  results=results)
+    common.save(record, args.output_json, args.plot, "output_tokens_per_s",
+                f"offline throughput: {args.model_name or os.path.basename(cfg.model.model)}, "
+                f"{wl.summary()['num_requests']} requests")
+    return rc

@@ -1,0 +1,203 @@
+"""`rankserve bench throughput|latency` on CPU: the CLI end to end on stories260K (rankserve and
+transformers backends), the byte/FLOP accounting of the physical floor on a hand-computed case,
+step observation on a real engine, and the shipped architecture configs."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from conftest import STORIES_EMBEDDED
+
+from rankserve.runtime.bench import common
+
+STORIES = str(STORIES_EMBEDDED)
+
+
+SMALL = ("--kv-cache-memory-gb", "0.01", "--max-num-seqs", "8")  # the CPU default allocates 1 GiB
+
+
+def run_cli(*args, timeout=120):
+    """The real entry point in a fresh process (as a user runs it)."""
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="2")
+    p = subprocess.run([sys.executable, "-m", "rankserve.launch", "bench", *args, *SMALL], env=env,
+                       capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p.stdout
+
+
+def invoke_cli(*args):
+    """The same CLI in this process (saves a second interpreter start on a loaded CI box)."""
+    from rankserve.launch.cli import main
+    r = CliRunner().invoke(main, ["bench", *args, *SMALL])
+    assert r.exit_code == 0, r.output[-3000:] + repr(r.exception)
+    return r.output
+
+
+def check_floor(f):
+    for key in ("bytes_weights", "bytes_kv_read", "bytes_kv_write", "flops_total", "floor_s"):
+        assert f[key] > 0, key
+    assert f["bound"] in ("memory", "compute")
+    assert 0 < f["achieved_fraction"] <= 1.5
+
+
+def check_env(rec, kind):
+    assert rec["kind"] == kind
+    env = rec["env"]
+    for key in ("date", "torch", "transformers", "triton", "gpu", "command"):
+        assert key in env
+    c = rec["ceilings"]
+    assert c["hbm_GBps"] > 0 and c["matmul_TFLOPs"] > 0 and "CPU" in c["note"]
+
+
+def test_throughput_cli_rankserve_and_hf(tmp_path):
+    out_json, png = tmp_path / "t.json", tmp_path / "t.png"
+    stdout = run_cli("throughput", STORIES, "--num-prompts", "5", "--input-len", "8", "40",
+                     "--output-len", "4", "12", "--seed", "3", "--backend", "rankserve",
+                     "--backend", "hf", "--output-json", str(out_json), "--plot", str(png))
+    rec = json.loads(out_json.read_text())
+    check_env(rec, "throughput")
+    assert rec["env"]["command"].startswith("rankserve bench throughput " + STORIES)
+    wl = rec["workload"]
+    assert wl["num_requests"] == 5 and 8 <= wl["prompt_len_min"] <= wl["prompt_len_max"] <= 40
+    assert list(rec["results"]) == ["rankserve", "hf"]
+    for name, r in rec["results"].items():
+        assert f"[{name}]" in stdout
+        assert r["num_requests"] == 5
+        assert r["output_tokens"] == wl["output_tokens"]  # EOS ignored: every request ran to length
+        assert r["prompt_tokens"] == wl["prompt_tokens"]
+        assert r["requests_per_s"] == pytest.approx(5 / r["elapsed_s"])
+        assert r["total_tokens_per_s"] > r["output_tokens_per_s"] > 0
+        assert r["startup"]["load"] >= 0
+        check_floor(r["floor"])
+        # every step runs a forward over at least one token per unfinished request
+        assert wl["output_len_max"] <= r["floor"]["num_steps"] <= wl["output_tokens"]
+    assert "kv_alloc+compile" in rec["results"]["rankserve"]["startup"]
+    assert "continuous batching" in rec["results"]["hf"]["mode"]
+    pytest.importorskip("matplotlib")
+    assert png.stat().st_size > 1000
+
+
+def test_latency_cli_rankserve_and_hf(tmp_path):
+    out_json = tmp_path / "l.json"
+    invoke_cli("latency", STORIES, "--batch-size", "2", "--input-len", "12", "--output-len", "6",
+            "--num-iters", "2", "--num-iters-warmup", "1", "--backend", "rankserve", "--backend", "hf",
+            "--output-json", str(out_json))
+    rec = json.loads(out_json.read_text())
+    check_env(rec, "latency")
+    for name, r in rec["results"].items():
+        assert len(r["latencies_s"]) == len(r["ttfts_s"]) == 2
+        assert r["ttft_s"] > 0  # no timing comparisons: a loaded CI box reorders them
+        assert r["ttft_floor"]["floor_s"] < r["floor"]["floor_s"]
+        assert r["decode_tokens_per_s"] == pytest.approx(2 * 6 / r["latency_s"])
+        check_floor(r["floor"])
+        check_floor(r["ttft_floor"])
+        assert r["floor"]["num_steps"] == 6  # one prefill step, then one per further token
+        assert r["ttft_floor"]["num_steps"] == 1
+    assert "static" in rec["results"]["hf"]["mode"]
+
+
+def tiny_stats(**kw):
+    base = dict(num_params=18, body_params=10, expert_params=0, num_experts=0, top_k=0,
+                vocab_size=4, hidden_size=2, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=3)
+    return common.ModelStats(**{**base, **kw})
+
+
+def test_floor_accounting_by_hand():
+    # one request, prompt 3, 2 output tokens, steps of 3 then 1 tokens, 2-byte dtype
+    ceil = {"hbm_GBps": 1e-9, "matmul_TFLOPs": 1e-12}  # 1 byte/s and 1 FLOP/s
+    f = common.physical_floor(tiny_stats(), [3], [2], [3, 1], 2, ceil)
+    kv_tok = 2 * 1 * 1 * 3 * 2  # K and V, layers, kv heads, head_dim, bytes = 12
+    assert f["bytes_kv_read"] == (3 + 4) * kv_tok  # contexts 3 (prefill) and 4 (decode)
+    assert f["bytes_kv_write"] == 4 * kv_tok  # the last sampled token is never written
+    assert f["bytes_weights"] == 2 * (10 + 4 * 2) * 2  # 2 steps × (body + head) × bytes
+    assert f["bytes_total"] == 84 + 48 + 72
+    assert f["tokens_processed"] == 4
+    assert f["flops_linear"] == 2 * 10 * 4 + 2 * 8 * 2  # head only on the 2 sampled rows
+    assert f["flops_attention"] == 4 * 3 * 2 * 1 * (1 + 2 + 3 + 4)
+    assert (f["t_memory_s"], f["t_compute_s"]) == pytest.approx((204, 352))
+    assert f["floor_s"] == pytest.approx(352) and f["bound"] == "compute"
+    assert common.physical_floor(tiny_stats(), [3], [2], [3, 1], 2, ceil, num_devices=2)["floor_s"] \
+        == pytest.approx(176)
+    done = common.with_achieved(f, measured_s=704, output_tokens=2)
+    assert done["achieved_fraction"] == pytest.approx(0.5)
+    assert done["floor_output_tokens_per_s"] == pytest.approx(2 / 352)
+
+
+def test_floor_moe_counts_touched_and_active_experts():
+    s = tiny_stats(expert_params=40, num_experts=4, top_k=2)
+    assert s.step_weight_params(1) == pytest.approx(10 + 8 + 40 * 0.5)
+    assert s.step_weight_params(3) == pytest.approx(10 + 8 + 40 * (1 - 0.5 ** 3))
+    assert s.active_params_per_token == pytest.approx(10 + 40 * 2 / 4)
+
+
+def test_engine_steps_are_observed():
+    from rankserve.runtime.bench.throughput import observe_steps, run_engine
+    from rankserve.runtime.llm import LLM
+    llm = LLM(STORIES, enable_prefix_caching=False, kv_cache_memory_gb=0.01)
+    log = observe_steps(llm)
+    wl = common.Workload(prompts=[[5] * 5, [7] * 7], output_lens=[3, 4])
+    elapsed, out_lens = run_engine(llm, wl)
+    assert out_lens == [3, 4] and elapsed > 0
+    # both prefills in one step, then one decode token per unfinished request
+    assert log.tokens == [12, 2, 2, 1]
+
+
+def test_workload_is_seeded_and_in_range():
+    a = common.make_workload(16, (5, 9), (2, 3), vocab_size=50, seed=1)
+    assert a == common.make_workload(16, (5, 9), (2, 3), vocab_size=50, seed=1)
+    assert a != common.make_workload(16, (5, 9), (2, 3), vocab_size=50, seed=2)
+    assert all(5 <= n <= 9 for n in a.prompt_lens) and all(2 <= n <= 3 for n in a.output_lens)
+    assert all(0 <= t < 50 for p in a.prompts for t in p)
+    assert len({tuple(p[:4]) for p in a.prompts}) == 16  # no shared prefixes to cache
+
+
+@pytest.mark.parametrize("name,billions,arch", [
+    ("qwen3-0.6b", 0.596, "Qwen3ForCausalLM"),  # tied embedding counted once
+    ("llama-3.1-8b", 8.03, "LlamaForCausalLM"),
+    ("llama-3.1-70b", 70.55, "LlamaForCausalLM"),
+    ("qwen3-30b-a3b", 30.53, "Qwen3MoeForCausalLM"),
+])
+def test_shipped_configs_build_on_meta(name, billions, arch):
+    from transformers import AutoConfig
+    path, named = common.resolve_model(name)
+    assert named and os.path.isfile(os.path.join(path, "config.json"))
+    cfg = AutoConfig.from_pretrained(path)
+    assert cfg.architectures == [arch]
+    stats = common.model_stats(cfg)  # builds rankserve's model on the meta device
+    assert stats.num_params / 1e9 == pytest.approx(billions, rel=2e-3)
+    if name.startswith("llama"):
+        from rankserve.models.llama import rope_params
+        assert rope_params(cfg)["rope_type"] == "llama3" and rope_params(cfg)["factor"] == 8.0
+    if name == "qwen3-30b-a3b":
+        assert (stats.num_experts, stats.top_k) == (128, 8)
+        assert 3.0e9 < stats.active_params_per_token + stats.head_params < 3.4e9  # "A3B"
+
+
+def test_named_model_implies_dummy_weights_and_bad_names_fail():
+    from rankserve.launch.cli import _bench_config, main
+    cfg, name = _bench_config({"model": "llama-3.1-8b"})
+    assert name == "llama-3.1-8b" and cfg.load.load_format == "dummy"
+    assert os.path.isfile(os.path.join(cfg.model.model, "config.json"))
+    r = CliRunner().invoke(main, ["bench", "throughput", "no-such-model"])
+    assert r.exit_code == 2 and "shipped config" in r.output
+    r = CliRunner().invoke(main, ["bench", "throughput", STORIES, "--input-len", "9", "3"])
+    assert r.exit_code == 2 and "LO <= HI" in r.output
+
+
+def test_config_only_model_runs_with_dummy_weights(tmp_path):
+    # what the shipped configs resolve to: a directory with config.json alone (no tokenizer)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text((STORIES_EMBEDDED / "config.json").read_text())
+    out_json = tmp_path / "w2.json"
+    invoke_cli("throughput", str(model), "--load-format", "dummy", "--workload", "w2",
+               "--output-len", "6", "6", "--output-json", str(out_json))
+    rec = json.loads(out_json.read_text())
+    wl = rec["workload"]
+    assert (wl["num_requests"], wl["prompt_len_max"], wl["output_tokens"]) == (1, 128, 6)  # W2 prompt
+    r = rec["results"]["rankserve"]
+    assert r["output_tokens"] == 6 and r["floor"]["num_steps"] == 6
+    check_floor(r["floor"])
