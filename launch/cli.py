@@ -262,3 +262,50 @@ def bench_comm(sizes, ops, iters, warmup, json_path, **kwargs):
         write_json(json_path, {"env": environment(), "world_size": info.world_size, "results": rows})
         click.echo(f"wrote {json_path}")
     control.barrier()
+
+
+# ---- serve --------------------------------------------------------------------------------------
+def server_options(func):
+    """One click option per ServerArgs field (host, port, api key, parsers ...)."""
+    from rankserve.runtime.serve.args import ServerArgs
+    for f in reversed(dataclasses.fields(ServerArgs)):
+        ctype, base = _click_type(f)
+        name = "--" + f.name.replace("_", "-")
+        if base is bool:
+            func = click.option(name, f.name, is_flag=True, default=False,
+                                help=f.metadata["doc"])(func)
+        else:
+            func = click.option(name, f.name, type=ctype, default=f.default, show_default=True,
+                                help=f.metadata["doc"])(func)
+    return func
+
+
+@main.command()
+@engine_options
+@server_options
+def serve(**kwargs):
+    """Serve MODEL over HTTP: OpenAI (/v1/completions, /v1/chat/completions), Anthropic
+    (/v1/messages) and Responses (/v1/responses) APIs, /metrics. Under mpirun/srun rank 0 serves
+    and the other ranks run the model with it."""
+    import os
+
+    from rankserve.launch.discovery import scrub_launcher_env
+    from rankserve.launch.startup import run_multi_rank, start_ranks
+    from rankserve.runtime.serve.args import ServerArgs
+    from rankserve.runtime.serve.engine_proc import serve_engine
+    names = [f.name for f in dataclasses.fields(ServerArgs)]
+    try:
+        args = ServerArgs(**{n: kwargs.pop(n) for n in names}).validate()
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    cfg = build_config(kwargs)
+    env = scrub_launcher_env(os.environ)  # the API child must not take itself for an MPI rank
+    started = start_ranks(cfg)
+    if started is None:
+        from rankserve.runtime.executor import UniprocExecutor
+        executor = UniprocExecutor(cfg)
+        try:
+            sys.exit(serve_engine(cfg, args, executor, api_env=env))
+        finally:
+            executor.shutdown()
+    sys.exit(run_multi_rank(cfg, started, lambda ex: serve_engine(cfg, args, ex, api_env=env)))

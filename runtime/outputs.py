@@ -106,7 +106,12 @@ class OutputProcessor:
         abort = False
         out.delta_text = ""
         if st.detok is not None:
-            delta, stop_str = st.detok.push(o.new_token_ids)
+            ids = o.new_token_ids
+            # the EOS / stop token that ended the request is no text (vLLM semantics)
+            if (o.finish_reason == FinishReason.STOP and not isinstance(o.stop_reason, str)
+                    and not parent.params.include_stop_str_in_output):
+                ids = ids[:-1]
+            delta, stop_str = st.detok.push(ids)
             out.delta_text = delta
             out.text = st.detok.text
             if stop_str is not None and o.finish_reason is None:

@@ -1,0 +1,225 @@
+"""Anthropic Messages API: /v1/messages (stream and not) and /v1/messages/count_tokens.
+
+A request becomes an OpenAI-style chat (system, messages with tool calls and tool results,
+tools) for the renderer; the parser's deltas become Anthropic content blocks."""
+from __future__ import annotations
+
+import json
+from typing import AsyncIterator
+
+from rankserve.runtime.parse import ContentDelta, Delta, ParsedMessage, ReasoningDelta, ToolCallDelta
+from rankserve.runtime.serve.context import ChatRun, ServeContext, sse
+from rankserve.runtime.serve.protocol import (APIError, CountTokensRequest, MessagesRequest,
+                                              SamplingRequest, random_id, sampling_params)
+
+TOOL_CHOICE = {"auto": "auto", "none": "none", "any": "required"}
+
+
+def _text(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    parts = []
+    for b in content or []:
+        if not isinstance(b, dict) or b.get("type") != "text":
+            kind = b.get("type") if isinstance(b, dict) else type(b).__name__
+            raise APIError(f"{where}: content block {kind!r} is not supported here (only text)")
+        parts.append(b.get("text", ""))
+    return "\n".join(parts)
+
+
+def to_chat(system, messages: list[dict]) -> list[dict]:
+    """Anthropic system + messages → OpenAI chat messages."""
+    out = [{"role": "system", "content": _text(system, "system")}] if system else []
+    for i, m in enumerate(messages):
+        where, role, content = f"messages[{i}]", m.get("role"), m.get("content")
+        if role not in ("user", "assistant"):
+            raise APIError(f"{where}: role must be 'user' or 'assistant', got {role!r}")
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise APIError(f"{where}: content must be a string or a list of blocks")
+        texts, reasoning, calls = [], [], []
+        for j, b in enumerate(content):
+            kind = b.get("type") if isinstance(b, dict) else None
+            if kind == "text":
+                texts.append(b.get("text", ""))
+            elif kind == "thinking" and role == "assistant":
+                reasoning.append(b.get("thinking", ""))
+            elif kind == "redacted_thinking":
+                continue
+            elif kind == "tool_use" and role == "assistant":
+                calls.append({"id": b.get("id", ""), "type": "function", "function": {
+                    "name": b.get("name", ""), "arguments": json.dumps(b.get("input") or {})}})
+            elif kind == "tool_result" and role == "user":
+                # tool results come first in a user turn; they answer the previous tool_use
+                out.append({"role": "tool", "tool_call_id": b.get("tool_use_id", ""),
+                            "content": _text(b.get("content", ""), f"{where}.content[{j}]")})
+            else:
+                raise APIError(f"{where}.content[{j}]: block type {kind!r} is not supported "
+                               f"in a {role} message")
+        if role == "assistant":
+            msg = {"role": "assistant", "content": "".join(texts)}
+            if reasoning:
+                msg["reasoning_content"] = "".join(reasoning)
+            if calls:
+                msg["tool_calls"] = calls
+            out.append(msg)
+        elif texts:
+            out.append({"role": "user", "content": "\n".join(texts)})
+    return out
+
+
+def to_tools(tools: list[dict] | None) -> list[dict] | None:
+    if not tools:
+        return None
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or not t.get("name") or t.get("type") not in (None, "custom"):
+            raise APIError(f"tools[{i}]: only custom tools with a name and an input_schema are "
+                           "supported")
+        out.append({"type": "function", "function": {
+            "name": t["name"], "description": t.get("description", ""),
+            "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}})
+    return out
+
+
+def _tool_choice(tc: dict | None):
+    if tc is None:
+        return None
+    kind = tc.get("type")
+    if kind == "tool":
+        return {"type": "function", "function": {"name": tc.get("name")}}
+    if kind not in TOOL_CHOICE:
+        raise APIError(f"tool_choice type {kind!r} is unknown", param="tool_choice")
+    return TOOL_CHOICE[kind]
+
+
+def _render(ctx: ServeContext, req) -> tuple[list[int], bool]:
+    ctx.check_model(req.model)
+    tools = to_tools(req.tools)
+    choice = _tool_choice(getattr(req, "tool_choice", None))
+    tools_on = ctx.tools_enabled(tools, choice) if hasattr(req, "tool_choice") else False
+    thinking = (req.thinking or {}).get("type") not in (None, "disabled")  # enabled, adaptive
+    ids = ctx.render_chat(to_chat(req.system, req.messages), tools if choice != "none" else None,
+                          {"enable_thinking": thinking})
+    return ids, tools_on
+
+
+def stop_reason(finish: str | None, stop: int | str | None, tool_calls: bool) -> tuple[str, str | None]:
+    if finish == "length":
+        return "max_tokens", None
+    if isinstance(stop, str):
+        return "stop_sequence", stop
+    return ("tool_use" if tool_calls else "end_turn"), None
+
+
+def _input(arguments: str) -> dict:
+    try:
+        value = json.loads(arguments or "{}")
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def content_blocks(msg: ParsedMessage) -> list[dict]:
+    blocks = []
+    if msg.reasoning:
+        blocks.append({"type": "thinking", "thinking": msg.reasoning, "signature": ""})
+    if msg.content:
+        blocks.append({"type": "text", "text": msg.content})
+    for c in msg.tool_calls:
+        blocks.append({"type": "tool_use", "id": c.id, "name": c.name, "input": _input(c.arguments)})
+    return blocks
+
+
+class BlockStream:
+    """Parser deltas → content_block_start / _delta / _stop events, one block at a time."""
+
+    def __init__(self):
+        self.index = -1
+        self.kind: str | None = None
+
+    def _switch(self, kind: str, block: dict) -> list[bytes]:
+        out = self.close()
+        self.index += 1
+        self.kind = kind
+        out.append(sse({"type": "content_block_start", "index": self.index,
+                        "content_block": block}, "content_block_start"))
+        return out
+
+    def _delta(self, delta: dict) -> bytes:
+        return sse({"type": "content_block_delta", "index": self.index, "delta": delta},
+                   "content_block_delta")
+
+    def feed(self, deltas: list[Delta]) -> list[bytes]:
+        out = []
+        for d in deltas:
+            if isinstance(d, ContentDelta):
+                if self.kind != "text":
+                    out += self._switch("text", {"type": "text", "text": ""})
+                out.append(self._delta({"type": "text_delta", "text": d.text}))
+            elif isinstance(d, ReasoningDelta):
+                if self.kind != "thinking":
+                    out += self._switch("thinking", {"type": "thinking", "thinking": "",
+                                                     "signature": ""})
+                out.append(self._delta({"type": "thinking_delta", "thinking": d.text}))
+            elif isinstance(d, ToolCallDelta):
+                if d.name is not None:
+                    out += self._switch("tool_use", {"type": "tool_use", "id": d.id,
+                                                     "name": d.name, "input": {}})
+                if d.arguments:
+                    out.append(self._delta({"type": "input_json_delta",
+                                            "partial_json": d.arguments}))
+        return out
+
+    def close(self) -> list[bytes]:
+        if self.kind is None:
+            return []
+        self.kind = None
+        return [sse({"type": "content_block_stop", "index": self.index}, "content_block_stop")]
+
+
+async def create_message(ctx: ServeContext, req: MessagesRequest):
+    prompt_ids, tools_on = _render(ctx, req)
+    run = ChatRun(ctx, prompt_ids, 1, tools_on)
+    sreq = SamplingRequest(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                           stop=req.stop_sequences)
+    params = sampling_params(sreq, ctx.defaults, req.max_tokens, None,
+                             run.parsers[0].skip_special_tokens)
+    stream = ctx.client.generate(prompt_ids, params)
+    mid = random_id("msg_")
+
+    def message(content, reason=None, seq=None, output_tokens=0) -> dict:
+        return {"id": mid, "type": "message", "role": "assistant", "model": ctx.model_name,
+                "content": content, "stop_reason": reason, "stop_sequence": seq,
+                "usage": {"input_tokens": len(prompt_ids), "output_tokens": output_tokens,
+                          "cache_read_input_tokens": run.num_cached_tokens}}
+
+    async def collect() -> dict:
+        async for upd in stream:
+            run.update(upd)
+        msg = run.result(0)
+        reason, seq = stop_reason(run.finish_reasons[0], run.stop_reasons[0], bool(msg.tool_calls))
+        return message(content_blocks(msg), reason, seq, run.completion_tokens)
+
+    async def events() -> AsyncIterator[bytes]:
+        yield sse({"type": "message_start", "message": message([])}, "message_start")
+        blocks = BlockStream()
+        async for upd in stream:
+            for chunk in blocks.feed(run.update(upd)):
+                yield chunk
+        for chunk in blocks.close():
+            yield chunk
+        reason, seq = stop_reason(run.finish_reasons[0], run.stop_reasons[0],
+                                  run.tool_calls_seen[0])
+        yield sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
+                   "usage": {"output_tokens": run.completion_tokens}}, "message_delta")
+        yield sse({"type": "message_stop"}, "message_stop")
+
+    return await ctx.respond([stream], req.stream, collect, events, APIError.anthropic_body)
+
+
+def count_tokens(ctx: ServeContext, req: CountTokensRequest) -> dict:
+    ids, _ = _render(ctx, req)
+    return {"input_tokens": len(ids)}

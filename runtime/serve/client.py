@@ -1,0 +1,244 @@
+"""The API process's connection to the EngineCore: sends requests over ZMQ, receives outputs,
+detokenizes them (OutputProcessor: stop strings, n > 1 fan-out) and hands each request its
+updates; records the metrics on the way."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from rankserve.runtime.llm import engine_request
+from rankserve.runtime.messages import (EngineCoreOutputs, EngineCoreRequestType, LogprobsEntry,
+                                        encoder, outputs_decoder)
+from rankserve.runtime.outputs import OutputProcessor
+from rankserve.runtime.sampling_params import SamplingParams
+from rankserve.runtime.serve.metrics import Metrics
+
+log = logging.getLogger("rankserve.serve")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine is gone; the API answers 503."""
+
+
+class RequestError(ValueError):
+    """The engine refused the request (e.g. the prompt is longer than the context)."""
+
+
+@dataclass
+class Update:
+    """What one engine output added to choice `index`."""
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[LogprobsEntry] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+
+class RequestStream:
+    """The updates of one request (all its choices) in arrival order. `close()` aborts whatever
+    has not finished; call it when the client goes away."""
+
+    def __init__(self, client: "EngineClient", request_id: str, child_ids: list[str]):
+        self.client, self.request_id, self.child_ids = client, request_id, child_ids
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.unfinished = set(child_ids)
+        self._peeked: Update | None = None
+        self.arrival = time.monotonic()
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> Update:
+        if self._peeked is not None:
+            upd, self._peeked = self._peeked, None
+            return upd
+        if not self.unfinished and self.queue.empty():
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, Exception):
+            self.close()
+            raise item
+        return item
+
+    async def peek(self) -> Update:
+        """Wait for the first update (raises RequestError if the engine refused the request)."""
+        if self._peeked is None:
+            self._peeked = await self.__anext__()
+        return self._peeked
+
+    def close(self) -> None:
+        if self.unfinished:
+            self.client.abort(list(self.unfinished))
+            self.unfinished.clear()
+        self.client.streams.pop(self.request_id, None)
+
+
+class _Child:
+    __slots__ = ("stream", "index", "first", "last", "num_prompt")
+
+    def __init__(self, stream: RequestStream, index: int, num_prompt: int):
+        self.stream, self.index, self.num_prompt = stream, index, num_prompt
+        self.first = self.last = None
+
+
+class EngineClient:
+    def __init__(self, address: str, tokenizer, eos_token_ids: list[int], metrics: Metrics,
+                 engine_pid: int | None = None):
+        self.address = address
+        self.processor = OutputProcessor(tokenizer)
+        self.eos_token_ids = eos_token_ids
+        self.metrics = metrics
+        self.engine_pid = engine_pid
+        self.streams: dict[str, RequestStream] = {}
+        self.children: dict[str, _Child] = {}
+        self.calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self.dead: str | None = None
+        self.on_dead = None  # callback: the app schedules its own shutdown
+        self.model_info: dict = {}
+
+    async def start(self) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        for opt in (zmq.LINGER, zmq.SNDHWM, zmq.RCVHWM):
+            self.sock.setsockopt(opt, 0)
+        self.sock.connect(self.address)
+        self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._watch())]
+        self.model_info = await self.call("get_model_info")
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        self.sock.close(0)
+        self.ctx.term()
+
+    # ---- requests ---------------------------------------------------------------------------
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                 prompt: str | None = None, priority: int = 0,
+                 request_id: str | None = None) -> RequestStream:
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        rid = request_id or uuid.uuid4().hex
+        child_ids = self.processor.add_request(rid, prompt, prompt_token_ids, params)
+        stream = RequestStream(self, rid, child_ids)
+        self.streams[rid] = stream
+        for i, cid in enumerate(child_ids):
+            self.children[cid] = _Child(stream, i, len(prompt_token_ids))
+            sp = params
+            if params.seed is not None and params.n > 1:  # seeded choices must still differ
+                sp = msgspec.structs.replace(params, seed=params.seed + i)
+            req = engine_request(cid, prompt_token_ids, sp, self.eos_token_ids, priority)
+            self._send(EngineCoreRequestType.ADD, encoder.encode(req))
+        return stream
+
+    def abort(self, child_ids: list[str]) -> None:
+        now = time.monotonic()
+        for cid in child_ids:
+            child, st = self.children.pop(cid, None), self.processor.states.get(cid)
+            if child is not None and st is not None:
+                self.metrics.record_finished("abort", child.num_prompt, len(st.out.token_ids),
+                                             now - child.stream.arrival)
+        self.processor.abort(child_ids)
+        if not self.dead:
+            self._send(EngineCoreRequestType.ABORT, encoder.encode(child_ids))
+
+    async def call(self, method: str, *args, timeout: float | None = None):
+        """Run `util_<method>` in the engine process and return its result."""
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        call_id = next(self._call_ids)
+        fut = self.calls[call_id] = asyncio.get_running_loop().create_future()
+        self._send(EngineCoreRequestType.UTILITY, encoder.encode((call_id, method, list(args))))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self.calls.pop(call_id, None)
+
+    def _send(self, kind: EngineCoreRequestType, payload: bytes) -> None:
+        # with no high-water mark a DEALER send never blocks, so no await is needed
+        self.sock.send_multipart([kind.value, payload], flags=zmq.NOBLOCK)
+
+    # ---- outputs ----------------------------------------------------------------------------
+    async def _recv_loop(self) -> None:
+        while True:
+            msg = await self.sock.recv()
+            try:
+                self._handle(outputs_decoder.decode(msg))
+            except Exception:  # noqa: BLE001  (keep serving the other requests)
+                log.exception("failed to process engine outputs")
+
+    def _handle(self, outs: EngineCoreOutputs) -> None:
+        if outs.engine_dead:
+            self._mark_dead(f"the engine failed: {outs.engine_dead}")
+            return
+        if outs.utility_result is not None:
+            call_id, result, err = outs.utility_result
+            fut = self.calls.get(call_id)
+            if fut is not None and not fut.done():
+                fut.set_exception(RuntimeError(err)) if err else fut.set_result(result)
+        if outs.stats is not None:
+            self.metrics.record_stats(outs.stats)
+        now = time.monotonic()
+        for o in outs.outputs:
+            child = self.children.get(o.request_id)
+            if child is None:
+                continue  # aborted meanwhile
+            stream = child.stream
+            if o.error:
+                stream.queue.put_nowait(RequestError(o.error))
+                continue
+            ro, abort = self.processor.process(o)
+            if abort:  # a stop string matched: the engine does not know
+                self._send(EngineCoreRequestType.ABORT, encoder.encode([o.request_id]))
+            if ro is None:
+                continue
+            out = ro.outputs[child.index]
+            if o.new_token_ids:
+                if child.first is None:
+                    self.metrics.ttft.observe(now - stream.arrival)
+                    child.first = now
+                else:
+                    self.metrics.itl.observe(now - child.last)
+                child.last = now
+            stream.queue.put_nowait(Update(child.index, out.delta_text, list(out.delta_token_ids),
+                                           out.delta_logprobs, out.finish_reason, out.stop_reason,
+                                           ro.num_cached_tokens))
+            if out.finish_reason is not None:
+                del self.children[o.request_id]
+                stream.unfinished.discard(o.request_id)
+                self.metrics.record_finished(out.finish_reason, child.num_prompt,
+                                             len(out.token_ids), now - stream.arrival)
+
+    # ---- engine death -----------------------------------------------------------------------
+    async def _watch(self) -> None:
+        """The engine process is our parent: if we are orphaned, it died without a word."""
+        while self.engine_pid is not None and not self.dead:
+            await asyncio.sleep(0.5)
+            if os.getppid() != self.engine_pid:
+                self._mark_dead("the engine process exited")
+
+    def _mark_dead(self, why: str) -> None:
+        if self.dead:
+            return
+        log.error("%s; answering 503 from now on", why)
+        self.dead = why
+        for stream in list(self.streams.values()):
+            stream.unfinished.clear()
+            stream.queue.put_nowait(EngineDeadError(why))
+        for fut in self.calls.values():
+            if not fut.done():
+                fut.set_exception(EngineDeadError(why))
+        if self.on_dead is not None:
+            self.on_dead()
+

@@ -1,0 +1,215 @@
+"""The engine side of the server: the EngineCore loop behind a ZMQ socket, plus the API child.
+
+`serve_engine` runs in the process that owns the model (MPI rank 0 under mpirun/srun). It starts
+the API process (FastAPI + uvicorn, `runtime/serve/app.py`) with subprocess, never fork: MPI may
+already be initialised here. The two talk over one ZMQ ROUTER (engine) / DEALER (API) pair:
+
+  API → engine   [EngineCoreRequestType, payload]   ADD: EngineCoreRequest, ABORT: [ids],
+                                                    UTILITY: [call_id, method, args], SHUTDOWN
+  engine → API   EngineCoreOutputs                  tokens, stats, utility replies, engine_dead
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+
+import msgspec
+import zmq
+
+from rankserve.runtime.config import EngineConfig
+from rankserve.runtime.engine_core import EngineCore
+from rankserve.runtime.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequestType,
+                                        FinishReason, encoder, request_decoder)
+from rankserve.runtime.serve.args import ServerArgs
+
+log = logging.getLogger("rankserve.serve")
+
+IDLE_POLL_MS = 100  # how long an idle engine blocks waiting for input (also the child-check period)
+DRAIN_TIMEOUT_S = 10.0  # after SIGINT/SIGTERM: how long the API gets to finish before it is killed
+DEAD_GRACE_S = 2.0  # after an engine error: time for the API to answer in-flight requests
+
+
+def engine_addresses(engine_address: str | None) -> tuple[str, str]:
+    """(address the engine binds, address the API connects to)."""
+    if not engine_address:
+        path = os.path.join(tempfile.gettempdir(), f"rankserve-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        return f"ipc://{path}", f"ipc://{path}"
+    if engine_address.startswith("tcp://"):
+        host, _, port = engine_address[len("tcp://"):].rpartition(":")
+        local = "127.0.0.1" if host in ("0.0.0.0", "*", "") else host
+        return f"tcp://{host or '*'}:{port}", f"tcp://{local}:{port}"
+    return engine_address, engine_address
+
+
+def start_api_process(cfg: EngineConfig, server_args: ServerArgs, connect_address: str,
+                      env: dict[str, str] | None) -> subprocess.Popen:
+    """Spawn `python -m rankserve.runtime.serve.app`; its settings go over stdin (keeps the API
+    key out of `ps`)."""
+    settings = {"server_args": server_args.to_dict(), "engine_address": connect_address,
+                "model": cfg.model.model, "tokenizer": cfg.model.tokenizer or cfg.model.model,
+                "served_model_name": cfg.model.served_model_name or cfg.model.model,
+                "engine_pid": os.getpid()}
+    proc = subprocess.Popen([sys.executable, "-m", "rankserve.runtime.serve.app"],
+                            stdin=subprocess.PIPE, env=dict(os.environ if env is None else env))
+    proc.stdin.write(msgspec.json.encode(settings))
+    proc.stdin.close()
+    return proc
+
+
+class EngineServer:
+    """Drives one EngineCore from a ROUTER socket. The API's identity is learned from its first
+    message (there is exactly one API process)."""
+
+    def __init__(self, core: EngineCore, cfg: EngineConfig, bind_address: str):
+        self.core, self.cfg = core, cfg
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.bind(bind_address)
+        self.peer: bytes | None = None
+        self.stop_requested = False
+        self.ready_url: str | None = None
+
+    def send(self, outs: EngineCoreOutputs) -> None:
+        if self.peer is not None:
+            self.sock.send_multipart([self.peer, encoder.encode(outs)], copy=False)
+
+    # ---- inputs -------------------------------------------------------------------------------
+    def drain(self) -> bool:
+        """Handle every queued message; True if any arrived."""
+        got = False
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return got
+            got = True
+            self.peer = frames[0]
+            kind, payload = frames[1], frames[2] if len(frames) > 2 else b""
+            try:
+                self.handle(EngineCoreRequestType(kind), payload)
+            except Exception:  # noqa: BLE001  (one bad message must not stop the engine)
+                log.exception("bad message from the API process")
+
+    def handle(self, kind: EngineCoreRequestType, payload: bytes) -> None:
+        if kind == EngineCoreRequestType.ADD:
+            req = request_decoder.decode(payload)
+            try:
+                self.core.add_request(req)
+            except Exception as e:  # noqa: BLE001  (refused: the client gets a 400)
+                msg = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+                self.send(EngineCoreOutputs(outputs=[EngineCoreOutput(
+                    req.request_id, [], finish_reason=FinishReason.ERROR, error=msg)]))
+        elif kind == EngineCoreRequestType.ABORT:
+            self.core.abort_requests(msgspec.msgpack.decode(payload, type=list[str]))
+        elif kind == EngineCoreRequestType.UTILITY:
+            call_id, method, args = msgspec.msgpack.decode(payload)
+            try:
+                result, err = getattr(self, "util_" + method)(*args), None
+            except Exception as e:  # noqa: BLE001  (the error goes back to the caller)
+                result, err = None, f"{type(e).__name__}: {e}"
+            self.send(EngineCoreOutputs(utility_result=(call_id, result, err)))
+        elif kind == EngineCoreRequestType.SHUTDOWN:
+            self.stop_requested = True
+
+    # ---- utility calls (API → engine) ---------------------------------------------------------
+    def util_get_model_info(self) -> dict:
+        c = self.core
+        return {"max_model_len": c.max_model_len, "vocab_size": c.vocab_size,
+                "num_blocks": c.num_blocks, "block_size": self.cfg.cache.block_size}
+
+    def util_reset_prefix_cache(self) -> bool:
+        return self.core.scheduler.kv.reset_prefix_cache()
+
+    def util_ready(self, url: str) -> bool:
+        self.ready_url = url
+        print(f"rankserve: serving {self.cfg.model.served_model_name or self.cfg.model.model} "
+              f"at {url}", flush=True)
+        return True
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def run(self, api: subprocess.Popen, stop: list[bool]) -> int:
+        deadline = None
+        while True:
+            code = api.poll()
+            if code is not None:
+                if deadline is not None or self.stop_requested:
+                    return 0
+                log.error("the API process exited (code %s); stopping the engine", code)
+                return 1
+            if (stop[0] or self.stop_requested) and deadline is None:
+                log.info("shutting down: stopping the API process")
+                api.send_signal(signal.SIGTERM)
+                deadline = time.monotonic() + DRAIN_TIMEOUT_S
+            if deadline is not None and time.monotonic() > deadline:
+                api.kill()
+                api.wait()
+                return 0
+            if not self.core.has_work:
+                self.sock.poll(IDLE_POLL_MS)  # block: no busy-spinning while idle
+            changed = self.drain()
+            if self.core.has_work:
+                outs = self.core.step()
+                if outs.outputs or outs.stats is not None:  # (a PP submit returns neither)
+                    self.send(outs)
+            elif changed:  # e.g. an abort freed blocks: let the metrics see it
+                self.send(EngineCoreOutputs(stats=self.core.scheduler.stats(), timestamp=time.time()))
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def serve_engine(cfg: EngineConfig, server_args: ServerArgs, executor, *,
+                 api_env: dict[str, str] | None = None) -> int:
+    """Serve `cfg`'s model over HTTP until SIGINT/SIGTERM; returns the exit code.
+
+    Runs the EngineCore on `executor` (UniprocExecutor, or an MPI executor whose workers run on the
+    other ranks) in this process and the API server in a child process. `api_env` is the child's
+    environment: pass it scrubbed of MPI/PMI/Slurm variables (launch.discovery.scrub_launcher_env)
+    so that the child never takes itself for an MPI rank. The caller owns `executor` (and shuts
+    it down). Exit code 0 after a signal, 1 when the engine failed or the API process died."""
+    server_args.validate()
+    bind, connect = engine_addresses(server_args.engine_address)
+    stop = [False]
+
+    def on_signal(signum, frame):
+        stop[0] = True
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    api = start_api_process(cfg, server_args, connect, api_env)  # loads its tokenizer meanwhile
+    server = None
+    try:
+        server = EngineServer(EngineCore(cfg, executor), cfg, bind)
+        try:
+            return server.run(api, stop)
+        except Exception as e:  # noqa: BLE001  (tell the API, which answers 503, then exit)
+            log.error("engine failed:\n%s", traceback.format_exc())
+            server.send(EngineCoreOutputs(engine_dead=f"{type(e).__name__}: {e}"))
+            time.sleep(DEAD_GRACE_S)
+            return 1
+    finally:
+        if api.poll() is None:
+            api.terminate()
+            try:
+                api.wait(DRAIN_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                api.kill()
+                api.wait()
+        if server is not None:
+            server.close()
+        if bind.startswith("ipc://"):
+            try:
+                os.unlink(bind[len("ipc://"):])
+            except OSError:
+                pass
+        for s, h in old.items():
+            signal.signal(s, h)

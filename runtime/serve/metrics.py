@@ -1,0 +1,80 @@
+"""Prometheus metrics of the API process, named like vLLM's (`vllm:x` → `rankserve:x`).
+
+Engine-side numbers arrive as SchedulerStats with every EngineCoreOutputs; request latencies are
+measured here, where the client sees them."""
+from __future__ import annotations
+
+import prometheus_client as prom
+
+from rankserve.runtime.messages import SchedulerStats
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
+                  100000)
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        self.registry = prom.CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+
+        def gauge(name, doc):
+            return prom.Gauge("rankserve:" + name, doc, labels, registry=r).labels(model_name)
+
+        def counter(name, doc):
+            return prom.Counter("rankserve:" + name, doc, labels, registry=r).labels(model_name)
+
+        def histogram(name, doc, buckets):
+            return prom.Histogram("rankserve:" + name, doc, labels, buckets=buckets,
+                                  registry=r).labels(model_name)
+
+        self.running = gauge("num_requests_running", "Requests in the running batch")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1)")
+        self.kv_blocks_used = gauge("kv_cache_blocks_used", "KV-cache blocks in use")
+        self.kv_blocks_total = gauge("kv_cache_blocks_total", "KV-cache blocks in all")
+        self.preemptions = counter("num_preemptions", "Preemptions of running requests")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the "
+                                      "prefix cache")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens computed (prefill)")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated")
+        self._success = prom.Counter("rankserve:request_success", "Finished requests by finish "
+                                     "reason", ["model_name", "finished_reason"], registry=r)
+        self._model = model_name
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token",
+                              _LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between output tokens",
+                             _LATENCY_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Request latency, arrival to finish",
+                             _LATENCY_BUCKETS)
+        self.req_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per request",
+                                           _TOKEN_BUCKETS)
+        self.req_generation_tokens = histogram("request_generation_tokens", "Generated tokens per "
+                                               "request", _TOKEN_BUCKETS)
+        self._last = SchedulerStats()  # the engine's cumulative counters, as last seen
+
+    def record_stats(self, s: SchedulerStats) -> None:
+        self.running.set(s.num_running)
+        self.waiting.set(s.num_waiting)
+        self.kv_usage.set(s.kv_usage)
+        self.kv_blocks_used.set(s.num_blocks_used)
+        self.kv_blocks_total.set(s.num_blocks_total)
+        self.prompt_tokens.inc(s.num_prompt_tokens)
+        self.generation_tokens.inc(s.num_generation_tokens)
+        for counter, new, old in ((self.preemptions, s.num_preemptions, self._last.num_preemptions),
+                                  (self.prefix_queries, s.prefix_queries, self._last.prefix_queries),
+                                  (self.prefix_hits, s.prefix_hits, self._last.prefix_hits)):
+            counter.inc(max(0, new - old))
+        self._last = s
+
+    def record_finished(self, finish_reason: str, num_prompt: int, num_generated: int,
+                        e2e_s: float) -> None:
+        self._success.labels(self._model, finish_reason).inc()
+        self.e2e.observe(e2e_s)
+        self.req_prompt_tokens.observe(num_prompt)
+        self.req_generation_tokens.observe(num_generated)
+
+    def exposition(self) -> bytes:
+        return prom.generate_latest(self.registry)

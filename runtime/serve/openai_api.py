@@ -1,0 +1,306 @@
+"""OpenAI endpoints: /v1/completions, /v1/chat/completions (+ /render, /derender), /tokenize,
+/detokenize. Responses and stream chunks are built by small pure functions (tested directly)."""
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+from rankserve.runtime.messages import LogprobsEntry
+from rankserve.runtime.parse import (ContentDelta, Delta, ParsedMessage, ReasoningDelta,
+                                     ToolCallDelta)
+from rankserve.runtime.serve.client import RequestStream, Update
+from rankserve.runtime.serve.context import SSE_DONE, ChatRun, ServeContext, sse, usage
+from rankserve.runtime.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
+                                              DerenderRequest, DetokenizeRequest, TokenizeRequest,
+                                              now, random_id, sampling_params)
+
+
+# ---- logprobs ---------------------------------------------------------------------------------
+def chat_logprobs(ctx: ServeContext, entries: list[LogprobsEntry] | None,
+                  top: int) -> dict | None:
+    if entries is None:
+        return None
+
+    def item(tid, lp):
+        text = ctx.token_text(tid)
+        return {"token": text, "logprob": max(lp, -9999.0), "bytes": list(text.encode())}
+    return {"content": [dict(item(e.token_ids[0], e.logprobs[0]), top_logprobs=[
+        item(t, lp) for t, lp in zip(e.token_ids[1:top + 1], e.logprobs[1:top + 1])])
+        for e in entries]}
+
+
+def completion_logprobs(ctx: ServeContext, entries: list[LogprobsEntry] | None,
+                        text_offset: int) -> dict | None:
+    if entries is None:
+        return None
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for e in entries:
+        text = ctx.token_text(e.token_ids[0])
+        out["tokens"].append(text)
+        out["token_logprobs"].append(max(e.logprobs[0], -9999.0))
+        out["top_logprobs"].append({ctx.token_text(t): max(lp, -9999.0)
+                                    for t, lp in zip(e.token_ids[1:], e.logprobs[1:])})
+        out["text_offset"].append(text_offset)
+        text_offset += len(text)
+    return out
+
+
+# ---- completions ------------------------------------------------------------------------------
+def completion_prompts(ctx: ServeContext, prompt) -> list[list[int]]:
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise APIError("prompt must not be empty", param="prompt")
+    return [ctx.encode(p) for p in prompts]
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Update]]:
+    """Updates of several streams as they arrive, tagged with the stream's position."""
+    if len(streams) == 1:
+        async for upd in streams[0]:
+            yield 0, upd
+        return
+    pending = {asyncio.ensure_future(s.__anext__()): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                i = pending.pop(fut)
+                try:
+                    upd = fut.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(streams[i].__anext__())] = i
+                yield i, upd
+    finally:
+        for fut in pending:
+            fut.cancel()
+
+
+async def create_completion(ctx: ServeContext, req: CompletionRequest):
+    ctx.check_model(req.model)
+    req.check_unsupported()
+    prompts = completion_prompts(ctx, req.prompt)
+    params = sampling_params(req, ctx.defaults, req.max_tokens, req.logprobs)
+    streams = [ctx.client.generate(p, params) for p in prompts]
+    rid, created, n = random_id("cmpl-"), now(), req.n
+    num_prompt = sum(len(p) for p in prompts)
+
+    def choice(index, text, logprobs, finish, stop_reason):
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
+                "stop_reason": stop_reason}
+
+    async def collect() -> dict:
+        texts = [[] for _ in range(len(prompts) * n)]
+        lps: list[list | None] = [[] if req.logprobs is not None else None for _ in texts]
+        ends: list = [(None, None)] * len(texts)
+        tokens = cached = 0
+        async for i, upd in _merge(streams):
+            k = i * n + upd.index
+            texts[k].append(upd.text)
+            if upd.logprobs is not None and lps[k] is not None:
+                lps[k].extend(upd.logprobs)
+            tokens += len(upd.token_ids)
+            cached = max(cached, upd.num_cached_tokens)
+            if upd.finish_reason:
+                ends[k] = (upd.finish_reason, upd.stop_reason)
+        choices = [choice(k, "".join(t), completion_logprobs(ctx, lps[k], 0), *ends[k])
+                   for k, t in enumerate(texts)]
+        return {"id": rid, "object": "text_completion", "created": created,
+                "model": ctx.model_name, "choices": choices,
+                "usage": usage(num_prompt, tokens, cached)}
+
+    async def events():
+        offsets = [0] * (len(prompts) * n)
+        tokens = cached = 0
+        async for i, upd in _merge(streams):
+            k = i * n + upd.index
+            tokens += len(upd.token_ids)
+            cached = max(cached, upd.num_cached_tokens)
+            lp = completion_logprobs(ctx, upd.logprobs, offsets[k]) \
+                if req.logprobs is not None else None
+            offsets[k] += len(upd.text)
+            if not upd.text and not upd.finish_reason and lp is None:
+                continue
+            yield sse({"id": rid, "object": "text_completion", "created": created,
+                       "model": ctx.model_name,
+                       "choices": [choice(k, upd.text, lp, upd.finish_reason, upd.stop_reason)]})
+        if req.include_usage:
+            yield sse({"id": rid, "object": "text_completion", "created": created,
+                       "model": ctx.model_name, "choices": [],
+                       "usage": usage(num_prompt, tokens, cached)})
+        yield SSE_DONE
+
+    return await ctx.respond(streams, req.stream, collect, events)
+
+
+# ---- chat -------------------------------------------------------------------------------------
+def prepare_chat(ctx: ServeContext, req: ChatCompletionRequest) -> tuple[list[int], bool]:
+    ctx.check_model(req.model)
+    req.check_unsupported()
+    tools_on = ctx.tools_enabled(req.tools, req.tool_choice)
+    tools = req.tools if req.tool_choice != "none" else None
+    ids = ctx.render_chat(req.messages, tools, req.chat_template_kwargs,
+                          req.add_generation_prompt and not req.continue_final_message,
+                          req.continue_final_message)
+    return ids, tools_on
+
+
+def chat_sampling_params(ctx: ServeContext, req: ChatCompletionRequest, run_parser) -> object:
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+    skip = run_parser.skip_special_tokens  # markers such as <tool_call> are special tokens
+    return sampling_params(req, ctx.defaults, req.max_completion_tokens or req.max_tokens,
+                           logprobs, skip)
+
+
+def message_dict(msg: ParsedMessage) -> dict:
+    out = {"role": "assistant", "content": msg.content}
+    if msg.reasoning is not None:
+        out["reasoning"] = out["reasoning_content"] = msg.reasoning
+    if msg.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.name, "arguments": c.arguments}}
+                             for c in msg.tool_calls]
+    return out
+
+
+def delta_dict(deltas: list[Delta]) -> dict:
+    """One chunk's `delta` from the parser's deltas of one update."""
+    out: dict = {}
+    for d in deltas:
+        if isinstance(d, ContentDelta):
+            out["content"] = out.get("content", "") + d.text
+        elif isinstance(d, ReasoningDelta):
+            out["reasoning"] = out["reasoning_content"] = out.get("reasoning", "") + d.text
+        elif isinstance(d, ToolCallDelta):
+            call: dict = {"index": d.index}
+            if d.id is not None:
+                call.update(id=d.id, type="function")
+            call["function"] = {"arguments": d.arguments}
+            if d.name is not None:
+                call["function"]["name"] = d.name
+            out.setdefault("tool_calls", []).append(call)
+    return out
+
+
+def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict,
+               finish_reason: str | None = None, logprobs: dict | None = None,
+               stop_reason=None) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                         "finish_reason": finish_reason, "stop_reason": stop_reason}]}
+
+
+async def chat_events(ctx: ServeContext, run: ChatRun, stream: RequestStream, rid: str,
+                      created: int, top: int | None, include_usage: bool) -> AsyncIterator[bytes]:
+    """SSE chunks of a streamed chat completion: a role chunk per choice, then one chunk per
+    update that says something, the last one with finish_reason; usage; [DONE]."""
+    n = len(run.parsers)
+    for i in range(n):
+        yield sse(chat_chunk(rid, created, ctx.model_name, i, {"role": "assistant", "content": ""}))
+    held: list[list] = [[] for _ in range(n)]  # logprobs of tokens whose text is held back
+    async for upd in stream:
+        delta = delta_dict(run.update(upd))
+        if top is not None and upd.logprobs:
+            held[upd.index].extend(upd.logprobs)
+        finish = run.finish_reason(upd.index) if upd.finish_reason else None
+        if not delta and finish is None:
+            continue
+        lp = chat_logprobs(ctx, held[upd.index], top) if top is not None else None
+        held[upd.index] = []
+        yield sse(chat_chunk(rid, created, ctx.model_name, upd.index, delta, finish, lp,
+                             upd.stop_reason if finish else None))
+    if include_usage:
+        yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                   "model": ctx.model_name, "choices": [],
+                   "usage": usage(len(run.prompt_token_ids), run.completion_tokens,
+                                  run.num_cached_tokens)})
+    yield SSE_DONE
+
+
+async def create_chat_completion(ctx: ServeContext, req: ChatCompletionRequest):
+    prompt_ids, tools_on = prepare_chat(ctx, req)
+    run = ChatRun(ctx, prompt_ids, req.n, tools_on)
+    params = chat_sampling_params(ctx, req, run.parsers[0])
+    stream = ctx.client.generate(prompt_ids, params, priority=req.priority)
+    rid, created = random_id("chatcmpl-"), now()
+    top = (req.top_logprobs or 0) if req.logprobs else None
+
+    async def collect() -> dict:
+        lps = [[] for _ in range(req.n)]
+        async for upd in stream:
+            run.update(upd)
+            if top is not None and upd.logprobs:
+                lps[upd.index].extend(upd.logprobs)
+        choices = [{"index": i, "message": message_dict(run.result(i)),
+                    "logprobs": chat_logprobs(ctx, lps[i], top) if top is not None else None,
+                    "finish_reason": run.finish_reason(i), "stop_reason": run.stop_reasons[i]}
+                   for i in range(req.n)]
+        return {"id": rid, "object": "chat.completion", "created": created,
+                "model": ctx.model_name, "choices": choices,
+                "usage": usage(len(prompt_ids), run.completion_tokens, run.num_cached_tokens)}
+
+    return await ctx.respond([stream], req.stream, collect,
+                             lambda: chat_events(ctx, run, stream, rid, created, top,
+                                                 req.include_usage))
+
+
+# ---- render / derender / tokenize -------------------------------------------------------------
+def render_chat(ctx: ServeContext, req: ChatCompletionRequest) -> dict:
+    ids, _ = prepare_chat(ctx, req)
+    return {"model": ctx.model_name, "prompt_token_ids": ids, "prompt": ctx.tokenizer.decode(ids)}
+
+
+def render_completion(ctx: ServeContext, req: CompletionRequest) -> dict:
+    ctx.check_model(req.model)
+    return {"model": ctx.model_name,
+            "prompts": [{"prompt_token_ids": ids,
+                         "prompt": ctx.tokenizer.decode(ids) if ctx.tokenizer else None}
+                        for ids in completion_prompts(ctx, req.prompt)]}
+
+
+def derender(ctx: ServeContext, req: DerenderRequest) -> dict:
+    """Token ids of a model answer → the message the API would return for them."""
+    ctx.check_model(req.model)
+    ctx.need_tokenizer()
+    parser = ctx.new_parser(req.prompt_token_ids or [], bool(ctx.args.tool_call_parser))
+    ids = list(req.token_ids)
+    eos = set(ctx.client.eos_token_ids)
+    finish = "length"
+    if ids and ids[-1] in eos:  # the answer ended: its EOS is no text
+        ids, finish = ids[:-1], "stop"
+    skip = parser.skip_special_tokens if parser.skip_special_tokens is not None else True
+    text = ctx.tokenizer.decode(ids, skip_special_tokens=skip)
+    parser.feed(ids, text)
+    parser.finish()
+    msg = parser.result()
+    if finish == "stop" and msg.tool_calls:
+        finish = "tool_calls"
+    return {"model": ctx.model_name, "message": message_dict(msg), "finish_reason": finish}
+
+
+def tokenize(ctx: ServeContext, req: TokenizeRequest) -> dict:
+    ctx.check_model(req.model)
+    ctx.need_tokenizer()
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError("give exactly one of prompt and messages")
+    if req.messages is not None:
+        ids = ctx.render_chat(req.messages, req.tools, req.chat_template_kwargs,
+                              req.add_generation_prompt)
+    else:
+        ids = ctx.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    return {"count": len(ids), "max_model_len": ctx.client.model_info.get("max_model_len"),
+            "tokens": list(ids)}
+
+
+def detokenize(ctx: ServeContext, req: DetokenizeRequest) -> dict:
+    ctx.check_model(req.model)
+    ctx.need_tokenizer()
+    vocab = ctx.client.model_info.get("vocab_size")
+    if any(t < 0 or (vocab and t >= vocab) for t in req.tokens):
+        raise APIError(f"token ids must be in [0, {vocab})", param="tokens")
+    return {"prompt": ctx.tokenizer.decode(req.tokens)}

@@ -1,0 +1,255 @@
+"""OpenAI Responses API: /v1/responses (stream and not; stateless: nothing is stored).
+
+Input items become a chat for the renderer; the parser's deltas become output items: reasoning,
+message (output_text) and function_call."""
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+from rankserve.runtime.parse import ContentDelta, Delta, ReasoningDelta, ToolCallDelta
+from rankserve.runtime.serve.context import ChatRun, ServeContext, sse
+from rankserve.runtime.serve.protocol import (APIError, ResponsesRequest, SamplingRequest, now,
+                                              random_id, sampling_params)
+
+TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def _text(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    parts = []
+    for p in content or []:
+        if not isinstance(p, dict) or p.get("type") not in TEXT_PARTS:
+            kind = p.get("type") if isinstance(p, dict) else type(p).__name__
+            raise APIError(f"{where}: content part {kind!r} is not supported (only text)",
+                           param="input")
+        parts.append(p.get("text", ""))
+    return "".join(parts)
+
+
+def to_chat(instructions: str | None, items) -> list[dict]:
+    """Responses input → OpenAI chat messages. Reasoning and function_call items join the
+    assistant turn they belong to."""
+    msgs = [{"role": "system", "content": instructions}] if instructions else []
+    if isinstance(items, str):
+        return msgs + [{"role": "user", "content": items}]
+
+    def assistant() -> dict:
+        if not msgs or msgs[-1]["role"] != "assistant":
+            msgs.append({"role": "assistant", "content": ""})
+        return msgs[-1]
+    for i, item in enumerate(items):
+        where, kind = f"input[{i}]", item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            text = _text(item.get("content"), where)
+            last = msgs[-1] if msgs else None
+            if role == "assistant" and last and last["role"] == "assistant" \
+                    and not last["content"] and not last.get("tool_calls"):
+                last["content"] = text  # after its reasoning item
+            else:
+                msgs.append({"role": role, "content": text})
+        elif kind == "reasoning":
+            parts = item.get("content") or item.get("summary") or []
+            assistant()["reasoning_content"] = "".join(p.get("text", "") for p in parts)
+        elif kind == "function_call":
+            assistant().setdefault("tool_calls", []).append({
+                "id": item.get("call_id", ""), "type": "function",
+                "function": {"name": item.get("name", ""), "arguments": item.get("arguments", "{}")}})
+        elif kind == "function_call_output":
+            out = item.get("output", "")
+            msgs.append({"role": "tool", "tool_call_id": item.get("call_id", ""),
+                         "content": out if isinstance(out, str) else _text(out, where)})
+        else:
+            raise APIError(f"{where}: item type {kind!r} is not supported", param="input")
+    return msgs
+
+
+def to_tools(tools: list[dict] | None) -> list[dict] | None:
+    if not tools:
+        return None
+    out = []
+    for i, t in enumerate(tools):
+        if t.get("type") != "function" or not t.get("name"):
+            raise APIError(f"tools[{i}]: only function tools are supported", param="tools")
+        out.append({"type": "function", "function": {
+            "name": t["name"], "description": t.get("description") or "",
+            "parameters": t.get("parameters") or {"type": "object", "properties": {}}}})
+    return out
+
+
+def _tool_choice(tc):
+    if isinstance(tc, dict) and tc.get("type") == "function":
+        return {"type": "function", "function": {"name": tc.get("name")}}
+    return tc
+
+
+def message_item(item_id: str, text: str, status: str = "completed") -> dict:
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+            if status == "completed" else []}
+
+
+def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict:
+    return {"type": "reasoning", "id": item_id, "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}] if status == "completed" else []}
+
+
+def call_item(item_id: str, call_id: str, name: str, arguments: str,
+              status: str = "completed") -> dict:
+    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name,
+            "arguments": arguments, "status": status}
+
+
+class ItemStream:
+    """Parser deltas → Responses streaming events; collects the output items on the way."""
+
+    def __init__(self):
+        self.seq = 0
+        self.items: list[dict] = []
+        self.open: dict | None = None  # the item being streamed, with its text so far
+
+    def event(self, kind: str, **fields) -> bytes:
+        self.seq += 1
+        return sse({"type": kind, "sequence_number": self.seq - 1, **fields}, kind)
+
+    def _start(self, item: dict) -> list[bytes]:
+        out = self.close()
+        self.open = {"item": item, "text": ""}
+        self.items.append(item)
+        idx = len(self.items) - 1
+        out.append(self.event("response.output_item.added", output_index=idx, item=item))
+        part = {"message": {"type": "output_text", "text": "", "annotations": []},
+                "reasoning": {"type": "reasoning_text", "text": ""}}.get(item["type"])
+        if part is not None:
+            out.append(self.event("response.content_part.added", item_id=item["id"],
+                                  output_index=idx, content_index=0, part=part))
+        return out
+
+    def _delta(self, kind: str, text: str, **extra) -> bytes:
+        self.open["text"] += text
+        return self.event(kind, item_id=self.open["item"]["id"], output_index=len(self.items) - 1,
+                          delta=text, **extra)
+
+    def feed(self, deltas: list[Delta]) -> list[bytes]:
+        out = []
+        for d in deltas:
+            kind = self.open["item"]["type"] if self.open else None
+            if isinstance(d, ContentDelta):
+                if kind != "message":
+                    out += self._start(message_item(random_id("msg_"), "", "in_progress"))
+                out.append(self._delta("response.output_text.delta", d.text, content_index=0,
+                                       logprobs=[]))
+            elif isinstance(d, ReasoningDelta):
+                if kind != "reasoning":
+                    out += self._start(reasoning_item(random_id("rs_"), "", "in_progress"))
+                out.append(self._delta("response.reasoning_text.delta", d.text, content_index=0))
+            elif isinstance(d, ToolCallDelta):
+                if d.name is not None:
+                    out += self._start(call_item(random_id("fc_"), d.id, d.name, "", "in_progress"))
+                if d.arguments and self.open and self.open["item"]["type"] == "function_call":
+                    out.append(self._delta("response.function_call_arguments.delta", d.arguments))
+        return out
+
+    def close(self) -> list[bytes]:
+        if self.open is None:
+            return []
+        item, text = self.open["item"], self.open["text"]
+        self.open = None
+        idx = len(self.items) - 1
+        out = []
+        if item["type"] == "message":
+            done = message_item(item["id"], text)
+            out.append(self.event("response.output_text.done", item_id=item["id"],
+                                  output_index=idx, content_index=0, text=text, logprobs=[]))
+            out.append(self.event("response.content_part.done", item_id=item["id"],
+                                  output_index=idx, content_index=0, part=done["content"][0]))
+        elif item["type"] == "reasoning":
+            done = reasoning_item(item["id"], text)
+            out.append(self.event("response.reasoning_text.done", item_id=item["id"],
+                                  output_index=idx, content_index=0, text=text))
+            out.append(self.event("response.content_part.done", item_id=item["id"],
+                                  output_index=idx, content_index=0, part=done["content"][0]))
+        else:
+            done = call_item(item["id"], item["call_id"], item["name"], text)
+            out.append(self.event("response.function_call_arguments.done", item_id=item["id"],
+                                  output_index=idx, name=item["name"], arguments=text))
+        self.items[idx] = done
+        out.append(self.event("response.output_item.done", output_index=idx, item=done))
+        return out
+
+
+async def create_response(ctx: ServeContext, req: ResponsesRequest):
+    ctx.check_model(req.model)
+    if req.previous_response_id:
+        raise APIError("previous_response_id is not supported: responses are not stored; send "
+                       "the whole conversation as input", param="previous_response_id")
+    fmt = ((req.text or {}).get("format") or {}).get("type", "text")
+    if fmt != "text":
+        raise APIError(f"text.format {fmt!r} is not supported yet (no structured output)",
+                       param="text")
+    tools, choice = to_tools(req.tools), _tool_choice(req.tool_choice)
+    tools_on = ctx.tools_enabled(tools, choice)
+    kwargs = {}
+    if req.reasoning is not None and req.reasoning.get("effort") is not None:
+        kwargs["enable_thinking"] = req.reasoning["effort"] not in ("none", "minimal")
+    prompt_ids = ctx.render_chat(to_chat(req.instructions, req.input),
+                                 tools if choice != "none" else None, kwargs)
+    run = ChatRun(ctx, prompt_ids, 1, tools_on)
+    params = sampling_params(SamplingRequest(temperature=req.temperature, top_p=req.top_p),
+                             ctx.defaults, req.max_output_tokens, None,
+                             run.parsers[0].skip_special_tokens)
+    stream = ctx.client.generate(prompt_ids, params)
+    rid, created = random_id("resp_"), now()
+
+    def response(status: str, output: list[dict], usage: dict | None = None) -> dict:
+        incomplete = run.finish_reasons[0] == "length" and status != "in_progress"
+        return {"id": rid, "object": "response", "created_at": created,
+                "status": "incomplete" if incomplete else status, "error": None,
+                "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+                "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+                "model": ctx.model_name, "output": output,
+                "parallel_tool_calls": req.parallel_tool_calls, "previous_response_id": None,
+                "reasoning": req.reasoning, "store": False,
+                "temperature": params.temperature, "top_p": params.top_p,
+                "text": {"format": {"type": "text"}}, "tool_choice": req.tool_choice or "auto",
+                "tools": req.tools or [], "truncation": "disabled", "usage": usage,
+                "metadata": req.metadata or {}}
+
+    def usage() -> dict:
+        reasoning = run.result(0).reasoning
+        n_reasoning = len(ctx.tokenizer.encode(reasoning, add_special_tokens=False)) \
+            if reasoning else 0
+        return {"input_tokens": len(prompt_ids),
+                "input_tokens_details": {"cached_tokens": run.num_cached_tokens},
+                "output_tokens": run.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": n_reasoning},
+                "total_tokens": len(prompt_ids) + run.completion_tokens}
+
+    async def collect() -> dict:
+        async for upd in stream:
+            run.update(upd)
+        msg = run.result(0)
+        output = []
+        if msg.reasoning:
+            output.append(reasoning_item(random_id("rs_"), msg.reasoning))
+        if msg.content:
+            output.append(message_item(random_id("msg_"), msg.content))
+        output += [call_item(random_id("fc_"), c.id, c.name, c.arguments) for c in msg.tool_calls]
+        return response("completed", output, usage())
+
+    async def events() -> AsyncIterator[bytes]:
+        items = ItemStream()
+        yield items.event("response.created", response=response("in_progress", []))
+        yield items.event("response.in_progress", response=response("in_progress", []))
+        async for upd in stream:
+            for chunk in items.feed(run.update(upd)):
+                yield chunk
+        for chunk in items.close():
+            yield chunk
+        final = response("completed", items.items, usage())
+        kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+        yield items.event(kind, response=final)
+
+    return await ctx.respond([stream], req.stream, collect, events)
+

@@ -1,0 +1,38 @@
+"""Prometheus metrics of the API process: engine stats become gauges and counters."""
+from __future__ import annotations
+
+from rankserve.runtime.messages import SchedulerStats
+from rankserve.runtime.serve.metrics import Metrics
+from test_server import metric
+
+
+def test_engine_stats_become_gauges_and_counters():
+    m = Metrics("tiny")
+    m.record_stats(SchedulerStats(num_running=3, num_waiting=2, kv_usage=0.25, num_blocks_used=4,
+                                  num_blocks_total=16, prefix_queries=40, prefix_hits=16,
+                                  num_preemptions=1, num_prompt_tokens=40,
+                                  num_generation_tokens=3))
+    # cumulative engine counters are turned into increments; per-step counts add up
+    m.record_stats(SchedulerStats(num_running=1, num_waiting=0, kv_usage=0.125, num_blocks_used=2,
+                                  num_blocks_total=16, prefix_queries=50, prefix_hits=20,
+                                  num_preemptions=1, num_prompt_tokens=10,
+                                  num_generation_tokens=1))
+    m.record_finished("stop", 10, 4, 0.5)
+    m.record_finished("length", 10, 16, 1.5)
+    m.ttft.observe(0.02)
+    text = m.exposition().decode()
+    expect = {
+        "rankserve:num_requests_running": 1, "rankserve:num_requests_waiting": 0,
+        "rankserve:kv_cache_usage_perc": 0.125, "rankserve:kv_cache_blocks_used": 2,
+        "rankserve:kv_cache_blocks_total": 16, "rankserve:prefix_cache_queries_total": 50,
+        "rankserve:prefix_cache_hits_total": 20, "rankserve:num_preemptions_total": 1,
+        "rankserve:prompt_tokens_total": 50, "rankserve:generation_tokens_total": 4,
+        "rankserve:request_success_total": 2, "rankserve:e2e_request_latency_seconds_count": 2,
+        "rankserve:e2e_request_latency_seconds_sum": 2.0,
+        "rankserve:request_generation_tokens_sum": 20,
+        "rankserve:time_to_first_token_seconds_count": 1,
+    }
+    for name, value in expect.items():
+        assert metric(text, name) == value, name
+    assert 'rankserve:request_success_total{finished_reason="stop",model_name="tiny"} 1.0' in text
+    assert 'rankserve:num_requests_running{model_name="tiny"} 1.0' in text

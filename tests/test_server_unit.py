@@ -1,0 +1,291 @@
+"""The API side without processes: the engine client fed with EngineCoreOutputs by hand, and the
+OpenAI / Anthropic / Responses stream builders over the real Qwen3 tokenizer and parser."""
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+import transformers
+from fastapi.exceptions import RequestValidationError
+
+from rankserve.runtime.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
+                                        EngineCoreRequestType, FinishReason)
+from rankserve.runtime.parse import ContentDelta, ReasoningDelta, ToolCallDelta
+from rankserve.runtime.sampling_params import SamplingParams
+from rankserve.runtime.serve import anthropic_api, responses_api
+from rankserve.runtime.serve.app import validation_message
+from rankserve.runtime.serve.args import ServerArgs
+from rankserve.runtime.serve.client import EngineClient, EngineDeadError
+from rankserve.runtime.serve.context import ChatRun, ServeContext
+from rankserve.runtime.serve.engine_proc import engine_addresses
+from rankserve.runtime.serve.metrics import Metrics
+from rankserve.runtime.serve.openai_api import chat_events
+from rankserve.runtime.serve.protocol import APIError
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+EOS = 151645
+ANSWER = ('<think>\nWeather needs a tool.\n</think>\n\nChecking.\n<tool_call>\n'
+          '{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>')
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return transformers.AutoTokenizer.from_pretrained(SHARED / "tokenizers" / "qwen3")
+
+
+def make_client(tok) -> EngineClient:
+    client = EngineClient("ipc://unused", tok, [EOS], Metrics("m"))
+    client.sent = []
+    client._send = lambda kind, payload: client.sent.append((kind, payload))
+    return client
+
+
+def make_ctx(tok, **args) -> ServeContext:
+    args = ServerArgs(**{"reasoning_parser": "qwen3", "tool_call_parser": "hermes",
+                         "enable_auto_tool_choice": True, **args})
+    return ServeContext(args, "m", "/m", tok, make_client(tok))
+
+
+def feed(client, request_id: str, token_ids: list[int], finish=FinishReason.STOP, stop=None):
+    """The engine's outputs for these tokens, one token per step."""
+    for i, t in enumerate(token_ids):
+        last = i == len(token_ids) - 1
+        client._handle(EngineCoreOutputs(outputs=[EngineCoreOutput(
+            request_id, [t], finish_reason=finish if last else None,
+            stop_reason=stop if last else None)]))
+
+
+def sse_events(chunks: list[bytes]) -> list[tuple[str | None, object]]:
+    out = []
+    for chunk in chunks:
+        event = None
+        for line in chunk.decode().splitlines():
+            if line.startswith("event: "):
+                event = line[7:]
+            elif line.startswith("data: "):
+                data = line[6:]
+                out.append((event, data if data == "[DONE]" else json.loads(data)))
+    return out
+
+
+async def collect(gen) -> list[bytes]:
+    return [c async for c in gen]
+
+
+# ---- engine client ----------------------------------------------------------------------------
+def test_chat_stream_with_tool_call_and_reasoning(tok):
+    async def main():
+        ctx = make_ctx(tok)
+        prompt = tok.apply_chat_template([{"role": "user", "content": "Paris?"}],
+                                         add_generation_prompt=True, tokenize=True,
+                                         return_dict=False)
+        run = ChatRun(ctx, prompt, 1, tools_on=True)
+        params = SamplingParams(max_tokens=100, skip_special_tokens=False)
+        stream = ctx.client.generate(prompt, params, request_id="r1")
+        feed(ctx.client, "r1", tok.encode(ANSWER) + [EOS])
+        return await collect(chat_events(ctx, run, stream, "chatcmpl-1", 0, None, True))
+    events = [d for _, d in sse_events(asyncio.run(main()))]
+    assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == \
+        len(tok.encode(ANSWER)) + 1
+    deltas = [e["choices"][0]["delta"] for e in events[:-2]]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    content = "".join(d.get("content", "") for d in deltas)
+    reasoning = "".join(d.get("reasoning", "") for d in deltas)
+    assert reasoning == "".join(d.get("reasoning_content", "") for d in deltas)
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert content == "Checking." and reasoning == "Weather needs a tool."
+    assert calls[0]["function"]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
+    assert all(c["index"] == 0 for c in calls) and all("id" not in c for c in calls[1:])
+    args = "".join(c["function"]["arguments"] for c in calls)
+    assert json.loads(args) == {"city": "Paris", "days": 2}
+    assert events[-3]["choices"][0]["finish_reason"] == "tool_calls"
+    assert "<|im_end|>" not in content + args
+
+
+def test_stop_string_aborts_in_the_engine(tok):
+    async def main():
+        client = make_client(tok)
+        stream = client.generate([1, 2], SamplingParams(stop=["Paris"], max_tokens=50),
+                                 request_id="r")
+        feed(client, "r", tok.encode("It is sunny in Paris today"), finish=None)
+        ups = [u async for u in stream]
+        return client, ups
+    client, ups = asyncio.run(main())
+    assert "".join(u.text for u in ups) == "It is sunny in "
+    assert (ups[-1].finish_reason, ups[-1].stop_reason) == ("stop", "Paris")
+    aborts = [msgspec.msgpack.decode(p) for k, p in client.sent if k == EngineCoreRequestType.ABORT]
+    assert aborts == [["r"]]
+
+
+def test_n_choices_get_distinct_seeds_and_close_aborts(tok):
+    async def main():
+        client = make_client(tok)
+        stream = client.generate([1, 2], SamplingParams(n=2, seed=3, max_tokens=5),
+                                 request_id="r")
+        feed(client, "0_r", [10, 11], finish=FinishReason.LENGTH)
+        ups = [await stream.__anext__() for _ in range(2)]
+        stream.close()  # choice 1 never finished: the client went away
+        return client, ups
+    client, ups = asyncio.run(main())
+    adds = [msgspec.msgpack.decode(p, type=EngineCoreRequest) for k, p in client.sent
+            if k == EngineCoreRequestType.ADD]
+    assert [(r.request_id, r.sampling_params.seed) for r in adds] == [("0_r", 3), ("1_r", 4)]
+    assert adds[0].eos_token_id == EOS
+    assert [u.index for u in ups] == [0, 0] and ups[-1].finish_reason == "length"
+    aborts = [msgspec.msgpack.decode(p) for k, p in client.sent if k == EngineCoreRequestType.ABORT]
+    assert aborts == [["1_r"]]
+    assert not client.children and not client.streams and not client.processor.states
+    text = client.metrics.exposition().decode()
+    assert 'finished_reason="abort"' in text and 'finished_reason="length"' in text
+
+
+def test_engine_refusal_and_engine_death(tok):
+    async def main():
+        ctx = make_ctx(tok)
+        client = ctx.client
+        stream = client.generate([1] * 9, SamplingParams(), request_id="bad")
+        client._handle(EngineCoreOutputs(outputs=[EngineCoreOutput(
+            "bad", [], finish_reason=FinishReason.ERROR, error="the prompt is too long")]))
+        with pytest.raises(APIError) as e:
+            await ctx.respond([stream], False, None, None)
+        assert e.value.status == 400 and "too long" in e.value.message
+        assert not client.streams and not client.processor.states  # nothing left behind
+        live = client.generate([1, 2], SamplingParams(), request_id="live")
+        client._handle(EngineCoreOutputs(engine_dead="RuntimeError: boom"))
+        with pytest.raises(EngineDeadError):
+            await live.__anext__()
+        with pytest.raises(EngineDeadError):
+            client.generate([1, 2], SamplingParams())
+    asyncio.run(main())
+
+
+def test_tools_enabled_rules(tok):
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    ctx = make_ctx(tok)
+    assert ctx.tools_enabled(tools, None) and ctx.tools_enabled(tools, "auto")
+    assert not ctx.tools_enabled(tools, "none") and not ctx.tools_enabled(None, "auto")
+    with pytest.raises(APIError, match="not supported yet"):
+        ctx.tools_enabled(tools, "required")
+    with pytest.raises(APIError, match="--enable-auto-tool-choice"):
+        make_ctx(tok, enable_auto_tool_choice=False).tools_enabled(tools, "auto")
+    with pytest.raises(ValueError, match="unsupported parser"):
+        make_ctx(tok, tool_call_parser="nonesuch")
+
+
+# ---- Anthropic / Responses builders -----------------------------------------------------------
+DELTAS = [ReasoningDelta("Think"), ReasoningDelta("ing."), ContentDelta("Hi"),
+          ToolCallDelta(0, "call_a", "f", '{"x"'), ToolCallDelta(0, None, None, ": 1}"),
+          ToolCallDelta(1, "call_b", "g", "{}")]
+
+
+def test_anthropic_block_events():
+    blocks = anthropic_api.BlockStream()
+    events = sse_events(blocks.feed(DELTAS) + blocks.close())
+    assert all(name == data["type"] for name, data in events)
+    kinds = [(d["type"], d.get("index")) for _, d in events]
+    assert kinds == [("content_block_start", 0), ("content_block_delta", 0),
+                     ("content_block_delta", 0), ("content_block_stop", 0),
+                     ("content_block_start", 1), ("content_block_delta", 1),
+                     ("content_block_stop", 1), ("content_block_start", 2),
+                     ("content_block_delta", 2), ("content_block_delta", 2),
+                     ("content_block_stop", 2), ("content_block_start", 3),
+                     ("content_block_delta", 3), ("content_block_stop", 3)]
+    d = [e for _, e in events]
+    assert d[1]["delta"] == {"type": "thinking_delta", "thinking": "Think"}
+    assert d[5]["delta"] == {"type": "text_delta", "text": "Hi"}
+    assert d[7]["content_block"] == {"type": "tool_use", "id": "call_a", "name": "f", "input": {}}
+    assert d[8]["delta"]["partial_json"] + d[9]["delta"]["partial_json"] == '{"x": 1}'
+    assert anthropic_api.stop_reason("stop", None, True) == ("tool_use", None)
+    assert anthropic_api.stop_reason("stop", "END", False) == ("stop_sequence", "END")
+    assert anthropic_api.stop_reason("length", None, True) == ("max_tokens", None)
+
+
+def test_responses_item_events():
+    items = responses_api.ItemStream()
+    events = [d for _, d in sse_events(items.feed(DELTAS) + items.close())]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    types = [e["type"] for e in events]
+    assert types.count("response.output_item.added") == types.count(
+        "response.output_item.done") == 4
+    assert [i["type"] for i in items.items] == ["reasoning", "message", "function_call",
+                                                "function_call"]
+    assert items.items[0]["content"][0]["text"] == "Thinking."
+    assert items.items[1]["content"][0]["text"] == "Hi"
+    assert items.items[2]["arguments"] == '{"x": 1}' and items.items[2]["call_id"] == "call_a"
+    assert all(i["status"] == "completed" for i in items.items)
+    done = [e for e in events if e["type"] == "response.function_call_arguments.done"]
+    assert [e["arguments"] for e in done] == ['{"x": 1}', "{}"]
+
+
+def test_anthropic_and_responses_inputs_become_chats():
+    chat = anthropic_api.to_chat([{"type": "text", "text": "Sys"}], [
+        {"role": "user", "content": "Q"},
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "hm", "signature": "s"},
+            {"type": "tool_use", "id": "t1", "name": "f", "input": {"a": 1}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                      "content": [{"type": "text", "text": "42"}]}]}])
+    assert chat == [
+        {"role": "system", "content": "Sys"}, {"role": "user", "content": "Q"},
+        {"role": "assistant", "content": "", "reasoning_content": "hm", "tool_calls": [
+            {"id": "t1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "tool_call_id": "t1", "content": "42"}]
+    chat = responses_api.to_chat("Be brief", [
+        {"role": "user", "content": [{"type": "input_text", "text": "Q"}]},
+        {"type": "reasoning", "id": "rs", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "hm"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "42"},
+        {"type": "message", "role": "assistant",
+         "content": [{"type": "output_text", "text": "It is 42."}]}])
+    assert chat == [
+        {"role": "system", "content": "Be brief"}, {"role": "user", "content": "Q"},
+        {"role": "assistant", "content": "", "reasoning_content": "hm", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+        {"role": "assistant", "content": "It is 42."}]
+    with pytest.raises(APIError, match="web_search"):
+        responses_api.to_chat(None, [{"type": "web_search_call"}])
+
+
+def test_validation_message_and_addresses():
+    exc = RequestValidationError([{"type": "json_invalid", "loc": ("body", 5),
+                                   "msg": "JSON decode error", "ctx": {"error": "Expecting value"}}])
+    assert validation_message(exc) == "the request body is not valid JSON: Expecting value"
+    exc = RequestValidationError([{"type": "greater_than_equal", "loc": ("body", "max_tokens"),
+                                   "msg": "Input should be greater than or equal to 1"}])
+    assert validation_message(exc) == "max_tokens: Input should be greater than or equal to 1"
+    assert engine_addresses("tcp://0.0.0.0:5555") == ("tcp://0.0.0.0:5555", "tcp://127.0.0.1:5555")
+    bind, connect = engine_addresses(None)
+    assert bind == connect and bind.startswith("ipc://")
+    with pytest.raises(ValueError, match="--engine-address"):
+        ServerArgs(engine_address="http://x").validate()
+    with pytest.raises(ValueError, match="--tool-call-parser"):
+        ServerArgs(enable_auto_tool_choice=True).validate()
+    with pytest.raises(ValueError, match="--reasoning-parser.*unsupported parser 'nope'"):
+        ServerArgs(reasoning_parser="nope").validate()
+    with pytest.raises(ValueError, match="--renderer"):
+        ServerArgs(renderer="nope").validate()
+
+
+def test_engine_death_mid_stream_ends_the_stream_with_an_error(tok):
+    from rankserve.runtime.serve.context import _guarded
+    from rankserve.runtime.serve.protocol import APIError as E
+
+    async def main():
+        ctx = make_ctx(tok, reasoning_parser=None, tool_call_parser=None,
+                       enable_auto_tool_choice=False)
+        run = ChatRun(ctx, [1, 2], 1, tools_on=False)
+        stream = ctx.client.generate([1, 2], SamplingParams(max_tokens=50), request_id="r")
+        feed(ctx.client, "r", tok.encode("Hello there"), finish=None)
+        ctx.client._handle(EngineCoreOutputs(engine_dead="RuntimeError: CUDA error"))
+        return await collect(_guarded(chat_events(ctx, run, stream, "c", 0, None, False),
+                                      E.openai_body))
+    events = [d for _, d in sse_events(asyncio.run(main()))]
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1]) == \
+        "Hello there"
+    assert "CUDA error" in events[-1]["error"]["message"]
+    assert events[-1]["error"]["type"] == "service_unavailable"
