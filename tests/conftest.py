@@ -67,3 +67,29 @@ def checkpoint(tmp_path_factory):
 def stories_llm():
     from rankserve import LLM
     return LLM(str(STORIES_EMBEDDED))
+
+
+@pytest.fixture(scope="session")
+def qwen3_chat_dir(tmp_path_factory):
+    """A tiny random Qwen3 checkpoint with the real Qwen3 tokenizer and chat template."""
+    import shutil
+    import transformers
+    tok = SHARED / "tokenizers" / "qwen3"
+    if not tok.exists():
+        pytest.skip("../shared/tokenizers/qwen3 not present")
+    path = tmp_path_factory.mktemp("qwen3tiny")
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(
+        vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+        max_position_embeddings=2048, bos_token_id=151643, eos_token_id=151645)
+    cfg.architectures = ["Qwen3ForCausalLM"]
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # large weights: varied tokens instead of one repeated token
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.5)
+    model.save_pretrained(path)
+    for f in tok.iterdir():
+        shutil.copy(f, path / f.name)
+    return path

@@ -110,3 +110,53 @@ def test_sigkill_of_worker_rank_is_noticed_within_30s():
     assert time.monotonic() - killed_at < 30
     assert rc != 0
     assert "lost rank 1" in "".join(lines) + out, ("".join(lines) + out)[-3000:]
+
+
+def test_mpi_serve_tp2_chat_and_one_api_child(qwen3_chat_dir):
+    """`mpiexec -n 2 rankserve serve --tp 2`: rank 0 answers the openai client; exactly one API
+    child process exists, and its parent is rank 0."""
+    import re
+    import signal
+    import threading
+    import time
+    from pathlib import Path
+
+    import openai
+
+    from test_server import free_port
+    port = free_port()
+    proc = subprocess.Popen(
+        ["mpiexec", "-n", "2", sys.executable, "-m", "rankserve.launch", "serve", str(qwen3_chat_dir),
+         "--tp", "2", "--port", str(port), "--max-model-len", "512"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    try:
+        deadline = time.monotonic() + 240
+        while not any("rankserve: serving" in x for x in lines):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
+            time.sleep(0.2)
+        pids = {int(m.group(1)): int(m.group(2)) for x in lines
+                if (m := re.search(r"rank (\d)/2 .*pid=(\d+)", x))}
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        r = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=8,
+                                           messages=[{"role": "user", "content": "Hi"}])
+        assert r.choices[0].finish_reason in ("length", "stop") and r.usage.completion_tokens > 0
+        api = []
+        for d in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                cmd = Path(f"/proc/{d}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            if "rankserve.runtime.serve.app" in cmd:
+                api.append(ppid)
+        assert api == [pids[0]], (api, pids)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -30,23 +30,8 @@ TOOLS = [{"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("qwen3tiny")
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(
-        vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True,
-        max_position_embeddings=2048, bos_token_id=151643, eos_token_id=151645)
-    cfg.architectures = ["Qwen3ForCausalLM"]
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():  # large weights: varied tokens instead of one repeated token
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.5)
-    model.save_pretrained(path)
-    for f in QWEN3_TOK.iterdir():
-        shutil.copy(f, path / f.name)
-    return path
+def model_dir(qwen3_chat_dir) -> Path:
+    return qwen3_chat_dir
 
 
 @pytest.fixture(scope="module")
