@@ -153,17 +153,27 @@ class ModelRunner:
             a.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def compile(self) -> None:
-        """torch.compile the forward (level ≥ 1) and capture CUDA graphs for decode (level 2)."""
+        """Level 2: torch.compile the forward; level ≥ 1 on CUDA: capture decode CUDA graphs."""
         level = self.cfg.compilation.level(self.device.type)
-        if level >= 1:
+        if level >= 2:
             cache = self.cfg.compilation.cache_dir
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache, "inductor"))
             os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(cache, "triton"))
-            self.forward = torch.compile(self.model.forward, fullgraph=True, dynamic=True)
-        if level >= 2 and self.device.type == "cuda":
+            # one model per process, but tests build many: do not fall back to eager silently
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            compiled = torch.compile(self.model.forward, fullgraph=True, dynamic=True)
+
+            def forward(input_ids, positions, attn, hidden_states=None):
+                # the token and request counts vary per step: never specialise on them
+                for t in (input_ids, positions, attn.slot_mapping, attn.query_start_loc,
+                          attn.seq_lens, attn.block_table):
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
+                return compiled(input_ids, positions, attn, hidden_states)
+            self.forward = forward
+        if level >= 1 and self.device.type == "cuda":
             t0 = time.perf_counter()
             self.capture_cuda_graphs()
-            self.timings["compile+capture"] = time.perf_counter() - t0
+            self.timings["cuda_graphs" if level == 1 else "compile+capture"] = time.perf_counter() - t0
 
     def capture_sizes(self) -> list[int]:
         top = min(self.cfg.compilation.cuda_graph_max_bs or self.cfg.scheduler.max_num_seqs,

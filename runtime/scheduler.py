@@ -205,6 +205,9 @@ class Scheduler:
             budget -= n
 
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        if out.is_empty:  # an empty plan is not sent: keep the ids for the next one
+            self.finished_ids = out.finished_req_ids + self.finished_ids
+            out.finished_req_ids = []
         for rid in out.num_scheduled_tokens:
             self.in_flight[rid] = self.in_flight.get(rid, 0) + 1
         for rid, n in out.num_scheduled_tokens.items():

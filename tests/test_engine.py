@@ -190,3 +190,14 @@ def test_async_scheduling_gives_same_tokens(reference, kwargs):
         assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason), sp
     assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.num_blocks
     assert not llm.engine.scheduler.pending
+
+
+def test_async_back_to_back_batches_release_runner_state():
+    """Finished ids must reach the runner even when the plan that carried them was empty."""
+    llm = LLM(str(STORIES_EMBEDDED), max_num_seqs=4, async_scheduling=True)
+    for lens in ([1, 2, 1, 3, 1], [5, 9, 2, 7, 1, 4, 3, 8]):
+        ps = [{"prompt_token_ids": list(range(3 + i, 20 + i))} for i in range(len(lens))]
+        sps = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
+        outs = llm.generate(ps, sps)
+        assert [len(o.outputs[0].token_ids) for o in outs] == lens
+    assert len(llm.engine.executor.runner.reqs) <= 4

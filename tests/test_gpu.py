@@ -20,12 +20,13 @@ def greedy(llm, n=32):
     return [o.outputs[0].token_ids for o in llm.generate(ids, sp)]
 
 
+@pytest.mark.parametrize("level", [1, 2])
 @pytest.mark.parametrize("model", ["stories", "Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM"])
-def test_graphs_match_eager(checkpoint, model):
+def test_graphs_match_eager(checkpoint, model, level):
     path = str(STORIES_EMBEDDED) if model == "stories" else checkpoint(model)
     common = dict(dtype="float32", max_num_seqs=16, gpu_memory_utilization=0.3)
     eager = greedy(LLM(path, enforce_eager=True, **common))
-    fast_llm = LLM(path, compilation_level=2, **common)
+    fast_llm = LLM(path, compilation_level=level, **common)
     assert fast_llm.engine.executor.runner.graphs, "no CUDA graph was captured"
     assert greedy(fast_llm) == eager
     if model == "stories":
