@@ -160,3 +160,14 @@ def test_mpi_serve_tp2_chat_and_one_api_child(qwen3_chat_dir):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_bench_comm_cli_prints_bus_bandwidth(tmp_path):
+    out = tmp_path / "comm.json"
+    r = subprocess.run(["mpiexec", "-n", "2", sys.executable, "-m", "rankserve.launch", "bench",
+                        "comm", "--iters", "3", "--warmup", "1", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "busbw(GB/s)" in r.stdout and "all_reduce" in r.stdout and "all_gather" in r.stdout
+    rows = json.loads(out.read_text())["results"]
+    assert rows and all(row["busbw_GBps"] > 0 for row in rows), rows[:2]
