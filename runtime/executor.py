@@ -7,6 +7,7 @@ runs its own share; the engine core cannot tell them apart.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -90,7 +91,11 @@ class MultiRankExecutor:
         return self.worker.pi.pp_size  # one step per pipeline stage
 
     def submit(self, plan: SchedulerOutput):
-        self.control.bcast_idle(("step", plan))
+        t0 = time.perf_counter()
+        self.control.bcast_idle(("step", plan))  # the channel logs the plan's size at debug level
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("step plan (%d requests) broadcast in %.3f ms", len(plan.num_scheduled_tokens),
+                      (time.perf_counter() - t0) * 1e3)
         return self.worker.step(plan)  # rank 0's share; the result itself may come later
 
     def collect(self, handle) -> ModelRunnerOutput:
