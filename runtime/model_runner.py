@@ -78,9 +78,12 @@ class ModelRunner:
         self.num_blocks = 0
         self.forward = self.model.forward
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.compiled = False
         # persistent device inputs: steps copy into prefixes of these, CUDA graphs read them
         max_t = max(cfg.scheduler.max_num_batched_tokens, n)
-        z = lambda *shape, dt=torch.int32: torch.zeros(shape, dtype=dt, device=device)
+        # one spare row each: a slice never spans a whole buffer, or torch.compile would guard
+        # on "view == base" and recompile for the next size
+        z = lambda rows, *rest, dt=torch.int32: torch.zeros((rows + 1, *rest), dtype=dt, device=device)
         self.buf_ids, self.buf_pos, self.buf_slots = z(max_t, dt=torch.long), z(max_t, dt=torch.long), z(max_t, dt=torch.long)
         self.buf_qsl, self.buf_seq_lens = z(n + 1), z(n)
         self.buf_table = z(n, self.max_blocks_per_req)
@@ -155,12 +158,16 @@ class ModelRunner:
     def compile(self) -> None:
         """Level 2: torch.compile the forward; level ≥ 1 on CUDA: capture decode CUDA graphs."""
         level = self.cfg.compilation.level(self.device.type)
+        self.compiled = level >= 2
         if level >= 2:
             cache = self.cfg.compilation.cache_dir
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache, "inductor"))
             os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(cache, "triton"))
             # one model per process, but tests build many: do not fall back to eager silently
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            # equal sizes (e.g. tokens == requests in a decode step) must not be merged into one
+            # symbol: the next step breaks the equality and would recompile
+            torch.fx.experimental._config.use_duck_shape = False
             compiled = torch.compile(self.model.forward, fullgraph=True, dynamic=True)
 
             def forward(input_ids, positions, attn, hidden_states=None):
@@ -178,8 +185,29 @@ class ModelRunner:
     def capture_sizes(self) -> list[int]:
         top = min(self.cfg.compilation.cuda_graph_max_bs or self.cfg.scheduler.max_num_seqs,
                   self.cfg.scheduler.max_num_seqs, 512)
-        sizes = [s for s in [1, 2, 4] + list(range(8, 513, 8)) if s <= top]
-        return sizes if top in sizes else sizes + [top]
+        # compiled graphs never see a dimension of size 1 (see _run_compiled): start at 2
+        sizes = [s for s in [1, 2, 4] + list(range(8, 513, 8))
+                 if s <= max(top, 2) and not (self.compiled and s == 1)]
+        return sizes if max(top, 2 if self.compiled else 1) in sizes else sizes + [top]
+
+    def _run_compiled(self, inp: StepInputs, hidden_in: torch.Tensor | None) -> torch.Tensor:
+        """The compiled forward, with the token and request counts padded to at least 2: a size
+        of 1 would be specialised by torch.compile and cost a second compilation."""
+        T, B = inp.input_ids.shape[0], inp.attn.seq_lens.shape[0]
+        if T >= 2 and B >= 2:
+            return self.forward(inp.input_ids, inp.positions, inp.attn, hidden_in)
+        T2, B2 = max(T, 2), max(B, 2)
+        self.buf_ids[T:T2].zero_()
+        self.buf_pos[T:T2].zero_()
+        self.buf_slots[T:T2].fill_(-1)  # padding tokens write nowhere...
+        self.buf_qsl[B + 1:B2 + 1].fill_(T)  # ...and belong to no request
+        self.buf_seq_lens[B:B2].zero_()
+        if hidden_in is not None:
+            self.buf_hidden[:T].copy_(hidden_in)
+            hidden_in = self.buf_hidden[:T2]
+        attn = AttnMeta(self.buf_slots[:T2], self.buf_qsl[:B2 + 1], self.buf_seq_lens[:B2],
+                        self.buf_table[:B2])
+        return self.forward(self.buf_ids[:T2], self.buf_pos[:T2], attn, hidden_in)[:T]
 
     @torch.inference_mode()
     def capture_cuda_graphs(self) -> None:
@@ -399,7 +427,9 @@ class ModelRunner:
         """Run one step. Non-last pipeline stages return the hidden states to send on."""
         inp = self.prepare_inputs(plan)
         hidden = self._run_graph(inp, hidden_in)
-        if hidden is None:
+        if hidden is None and self.compiled:
+            hidden = self._run_compiled(inp, hidden_in)
+        elif hidden is None:
             hidden = self.forward(inp.input_ids, inp.positions, inp.attn, hidden_in)
         if not self.pi.is_last_stage:
             return hidden
