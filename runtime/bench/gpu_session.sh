@@ -13,11 +13,11 @@ run() { local name=$1 limit=$2; shift 2; local t0=$(date +%s)
   printf '%-10s rc=%-3s %4ss\n' "$name" "$rc" "$(( $(date +%s) - t0 ))" | tee -a "$OUT/summary.txt"
   tail -n 25 "$OUT/$name.log"; }
 for stage in "$@"; do case $stage in
-  w2) run w2 110 python3 -m rankserve.launch bench latency llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 \
+  w2) run w2 90 python3 -m rankserve.launch bench latency llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 \
         --num-iters 3 --max-num-seqs 8 --cache-dir "$CACHE" --output-json "$OUT/w2.json" ;;
   w2warm) run w2warm 200 python3 -m rankserve.launch bench latency llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 \
         --num-iters 3 --max-num-seqs 8 --cache-dir "$CACHE" --output-json "$OUT/w2warm.json" ;;
-  w1) run w1 170 python3 -m rankserve.launch bench throughput qwen3-0.6b --workload w1 --max-num-seqs 256 \
+  w1) run w1 140 python3 -m rankserve.launch bench throughput qwen3-0.6b --workload w1 --max-num-seqs 256 \
         --cache-dir "$CACHE" --output-json "$OUT/w1.json" ;;
   w2hf) run w2hf 200 python3 -m rankserve.launch bench latency llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 \
         --num-iters 2 --backend hf --output-json "$OUT/w2hf.json" ;;
