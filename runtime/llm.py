@@ -47,13 +47,19 @@ def eos_token_ids_of(tokenizer, model_dir: str) -> list[int]:
 
 
 def engine_request(request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                   eos_token_ids: list[int], priority: int = 0,
-                   cache_salt: str | None = None) -> EngineCoreRequest:
-    """The EngineCoreRequest for one choice; extra EOS ids become stop tokens."""
+                   eos_token_ids: list[int], priority: int = 0, cache_salt: str | None = None,
+                   index: int = 0) -> EngineCoreRequest:
+    """The EngineCoreRequest for choice `index` of a request: extra EOS ids become stop tokens,
+    and seeded choices get seed + index so they still differ from each other."""
+    changes = {}
     if len(eos_token_ids) > 1 and not params.ignore_eos:
         extra = [t for t in eos_token_ids[1:] if t not in params.stop_token_ids]
         if extra:
-            params = msgspec.structs.replace(params, stop_token_ids=params.stop_token_ids + extra)
+            changes["stop_token_ids"] = params.stop_token_ids + extra
+    if params.seed is not None and index:
+        changes["seed"] = params.seed + index
+    if changes:
+        params = msgspec.structs.replace(params, **changes)
     return EngineCoreRequest(request_id, prompt_token_ids, params, time.monotonic(), priority,
                              cache_salt, eos_token_ids[0] if eos_token_ids else None)
 
@@ -102,7 +108,7 @@ class LLM:
             for cid in range(sp.n):
                 reqs.append((rid, text, ids, sp, engine_request(
                     child_request_id(rid, cid, sp.n), ids, sp, self.eos_token_ids,
-                    priority[i] if priority else 0)))
+                    priority[i] if priority else 0, index=cid)))
         for *_, r in reqs:
             self.engine.validate(r)
         order, results = [], {}

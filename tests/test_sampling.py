@@ -101,6 +101,7 @@ def test_n_choices(stories_llm):
     out = stories_llm.generate("Once upon a time", SamplingParams(n=3, temperature=1.0, seed=7,
                                                                  max_tokens=10))[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # seeded choices still differ
     assert all(len(c.token_ids) == 10 or c.finish_reason == "stop" for c in out.outputs)
 
 

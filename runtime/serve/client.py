@@ -135,10 +135,7 @@ class EngineClient:
         self.streams[rid] = stream
         for i, cid in enumerate(child_ids):
             self.children[cid] = _Child(stream, i, len(prompt_token_ids))
-            sp = params
-            if params.seed is not None and params.n > 1:  # seeded choices must still differ
-                sp = msgspec.structs.replace(params, seed=params.seed + i)
-            req = engine_request(cid, prompt_token_ids, sp, self.eos_token_ids, priority)
+            req = engine_request(cid, prompt_token_ids, params, self.eos_token_ids, priority, index=i)
             self._send(EngineCoreRequestType.ADD, encoder.encode(req))
         return stream
 
