@@ -11,7 +11,6 @@ import time
 import uuid
 from dataclasses import dataclass
 
-import msgspec
 import zmq
 import zmq.asyncio
 
