@@ -69,6 +69,21 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
+def _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, offs_n, n_mask, offs_d, d_mask, kvh,
+                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                  BLOCK_SIZE: tl.constexpr):
+    """K and V rows of context positions `offs_n`, found through the request's block table."""
+    blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    in_blk = offs_n % BLOCK_SIZE
+    k_off = blk * stride_kb + in_blk * stride_ks + kvh * stride_kh
+    v_off = blk * stride_vb + in_blk * stride_vs + kvh * stride_vh
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_cache_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
 def _unified_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
         scale_log2e, num_seqs, num_tokens,
@@ -136,13 +151,9 @@ def _unified_attention_kernel(
     for start_n in range(0, kv_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
-        blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        in_blk = offs_n % BLOCK_SIZE
-        k_off = blk * stride_kb + in_blk * stride_ks + kvh * stride_kh
-        v_off = blk * stride_vb + in_blk * stride_vs + kvh * stride_vh
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, offs_n, n_mask, offs_d, d_mask,
+                             kvh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                             stride_vh, BLOCK_SIZE)
 
         s = tl.dot(q, tl.trans(k)) * scale_log2e
         causal = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
@@ -202,13 +213,9 @@ def _decode_split_kernel(
     for start_n in range(n_lo, n_hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < n_hi
-        blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        in_blk = offs_n % BLOCK_SIZE
-        k_off = blk * stride_kb + in_blk * stride_ks + kvh * stride_kh
-        v_off = blk * stride_vb + in_blk * stride_vs + kvh * stride_vh
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, offs_n, n_mask, offs_d, d_mask,
+                             kvh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                             stride_vh, BLOCK_SIZE)
 
         s = tl.dot(q, tl.trans(k)) * scale_log2e
         s = tl.where(n_mask[None, :], s, float("-inf"))
