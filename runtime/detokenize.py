@@ -20,6 +20,16 @@ class IncrementalDetokenizer:
         self.stop = stop or []
         self.include_stop = include_stop_str_in_output
         self.max_stop_len = max((len(s) for s in self.stop), default=0)
+        self.sent = 0  # characters handed out as deltas
+
+    def take_delta(self, final: bool) -> str:
+        """Text not handed out yet. Until the request ends, the last max_stop_len - 1 characters
+        are held back: they may be the start of a stop string that must never be streamed."""
+        end = len(self.text)
+        if not final and self.stop:
+            end = max(self.sent, end - (self.max_stop_len - 1))
+        delta, self.sent = self.text[self.sent:end], end
+        return delta
 
     def push(self, token_ids: list[int]) -> tuple[str, str | None]:
         """Add tokens; returns (new text, matched stop string or None). After a match the text

@@ -111,13 +111,13 @@ class OutputProcessor:
             if (o.finish_reason == FinishReason.STOP and not isinstance(o.stop_reason, str)
                     and not parent.params.include_stop_str_in_output):
                 ids = ids[:-1]
-            delta, stop_str = st.detok.push(ids)
-            out.delta_text = delta
+            _, stop_str = st.detok.push(ids)
             out.text = st.detok.text
             if stop_str is not None and o.finish_reason is None:
                 o.finish_reason, o.stop_reason, abort = FinishReason.STOP, stop_str, True
             elif stop_str is not None:
                 o.finish_reason, o.stop_reason = FinishReason.STOP, stop_str
+            out.delta_text = st.detok.take_delta(final=o.finish_reason is not None)
         if o.finish_reason is not None:
             out.finish_reason = o.finish_reason.value if isinstance(o.finish_reason, FinishReason) else o.finish_reason
             out.stop_reason = o.stop_reason

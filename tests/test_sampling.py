@@ -148,3 +148,27 @@ def test_eos_min_tokens_ignore_eos_and_length(stories_llm):
     toks, reason = run_engine(stories_llm, ids, SamplingParams(temperature=0, max_tokens=12,
                                                                ignore_eos=True), eos)
     assert len(toks) == 12 and reason == "length"
+
+
+def test_streamed_deltas_never_contain_a_stop_string(stories_llm):
+    """Deltas concatenate to the final text, and no delta shows part of the stop string."""
+    from rankserve.runtime.outputs import OutputProcessor
+    from rankserve.runtime.messages import EngineCoreRequest
+    ids = stories_llm.tokenizer("Once upon a time").input_ids
+    sp = SamplingParams(temperature=0, max_tokens=40, stop=["named Lily"])
+    proc = OutputProcessor(stories_llm.tokenizer)
+    proc.add_request("s", None, ids, sp)
+    eng = stories_llm.engine
+    eng.add_request(EngineCoreRequest("s", ids, sp, eos_token_id=stories_llm.eos_token_id))
+    deltas, final = [], None
+    while eng.has_work:
+        for o in eng.step().outputs:
+            ro, abort = proc.process(o)
+            if abort:
+                eng.abort_requests([o.request_id])
+            if ro is not None:
+                deltas.append(ro.outputs[0].delta_text)
+                final = ro.outputs[0]
+    assert final.text == ", there was a little girl " and final.finish_reason == "stop"
+    assert "".join(deltas) == final.text, deltas
+    assert not any("named" in d for d in deltas)
