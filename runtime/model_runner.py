@@ -322,7 +322,9 @@ class ModelRunner:
         self._next_arena()
         put = self.stage
         B = len(req_ids)
-        self.stage(self.block_table[rows], self.buf_table[:B])
+        # only the columns this step reads: kernels never look past a request's seq_len
+        width = int(-(-seq_lens.max() // self.block_size)) if B else 0
+        self.stage(self.block_table[rows, :width], self.buf_table[:B, :width])
         attn = AttnMeta(put(slots, self.buf_slots), put(cu.astype(np.int32), self.buf_qsl),
                         put(seq_lens.astype(np.int32), self.buf_seq_lens), self.buf_table[:B])
         ids = put(input_ids, self.buf_ids)
