@@ -21,11 +21,9 @@ class EngineCore:
     def __init__(self, cfg: EngineConfig, executor):
         self.cfg = cfg
         self.executor = executor
-        t0 = time.perf_counter()
         num_blocks = executor.determine_num_blocks()
         executor.initialize(num_blocks)
-        self.timings = dict(executor.timings)
-        self.timings["kv_alloc+compile"] = time.perf_counter() - t0
+        self.timings = dict(executor.timings)  # startup phases in seconds
         self.max_model_len = executor.max_model_len
         self.vocab_size = executor.vocab_size
         self.num_blocks = num_blocks
@@ -39,9 +37,11 @@ class EngineCore:
         self.depth = max(executor.max_in_flight, 2 if use_async else 1)
         self.in_flight: collections.deque = collections.deque()  # (plan, executor handle)
         bs = cfg.cache.block_size
-        log.info("KV cache: %d blocks of %d tokens (%d tokens, %.1fx max_model_len %d)",
-                 num_blocks, bs, num_blocks * bs, num_blocks * bs / self.max_model_len,
-                 self.max_model_len)
+        log.info("KV cache: %d blocks of %d tokens = %d tokens; max concurrency %.1f requests "
+                 "of max_model_len %d", num_blocks, bs, num_blocks * bs,
+                 num_blocks * bs / self.max_model_len, self.max_model_len)
+        log.info("startup: %s (total %.1f s)", ", ".join(
+            f"{k} {v:.1f} s" for k, v in self.timings.items()), sum(self.timings.values()))
 
     # ---- input ------------------------------------------------------------------------------
     def validate(self, req: EngineCoreRequest) -> None:

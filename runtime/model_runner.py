@@ -113,7 +113,10 @@ class ModelRunner:
         if c.num_gpu_blocks_override:
             return c.num_gpu_blocks_override
         if self.device.type == "cuda":
-            return self._profile_num_blocks()
+            t0 = time.perf_counter()
+            num = self._profile_num_blocks()
+            self.timings["memory_profile"] = time.perf_counter() - t0
+            return num
         return max(1, int(c.kv_cache_memory_gb * 2**30) // self.kv_bytes_per_block())
 
     def _profile_num_blocks(self) -> int:
@@ -149,11 +152,14 @@ class ModelRunner:
         return num
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        t0 = time.perf_counter()
         self.num_blocks = num_blocks
         for a in self.model.attention_layers():
             shape = (num_blocks, self.block_size, a.qkv_proj.num_kv_heads, a.head_dim)
             a.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             a.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if num_blocks > 1:  # not the memory profile's placeholder
+            self.timings["kv_alloc"] = time.perf_counter() - t0
 
     def compile(self) -> None:
         """Level 2: torch.compile the forward; level ≥ 1 on CUDA: capture decode CUDA graphs."""

@@ -74,7 +74,7 @@ def test_throughput_cli_rankserve_and_hf(tmp_path):
         check_floor(r["floor"])
         # every step runs a forward over at least one token per unfinished request
         assert wl["output_len_max"] <= r["floor"]["num_steps"] <= wl["output_tokens"]
-    assert "kv_alloc+compile" in rec["results"]["rankserve"]["startup"]
+    assert "kv_alloc" in rec["results"]["rankserve"]["startup"]
     assert "continuous batching" in rec["results"]["hf"]["mode"]
     pytest.importorskip("matplotlib")
     assert png.stat().st_size > 1000
