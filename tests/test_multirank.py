@@ -36,7 +36,8 @@ def single(model: str) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("n, flags", [(2, ["--tp", "2"]), (2, ["--pp", "2"]),
-                                      (4, ["--tp", "2", "--pp", "2"])])
+                                      (4, ["--tp", "2", "--pp", "2"]),
+                                      (2, ["--tp", "2", "--async-scheduling"])])
 def test_dense_parallel_matches_single_rank(checkpoint, n, flags):
     model = checkpoint("LlamaForCausalLM")
     assert mpi_generate(n, model, *flags) == single(model)
