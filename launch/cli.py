@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import sys
 import types
 import typing
@@ -63,7 +64,22 @@ def build_config(kwargs: dict) -> EngineConfig:
         raise click.UsageError(str(e)) from None
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+class _Group(click.Group):
+    """Startup errors of a single process (bad model path, context too long...) are reported
+    like flag errors, without a traceback. Under mpirun the failure handlers take the job down
+    with the rank's name instead."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except ValueError as e:
+            from rankserve.launch.discovery import detect_launcher
+            if detect_launcher(os.environ) != "single":
+                raise
+            raise click.ClickException(str(e)) from None
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(package_name="rankserve")
 def main():
     """rankserve: LLM serving for HPC clusters (launch with mpirun or srun for several ranks)."""

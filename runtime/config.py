@@ -50,6 +50,9 @@ class ModelConfig:
     def validate(self):
         _check(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "> 0",
                self.max_model_len)
+        if not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise ConfigError(f"MODEL {self.model!r} is not a model directory (no config.json); "
+                              "pass a Hugging Face checkpoint directory")
 
 
 @dataclass
@@ -133,6 +136,10 @@ class CompilationConfig:
 class DeviceConfig:
     device: str = opt("auto", "cpu, cuda, or auto", choices=("auto", "cpu", "cuda"))
     device_ids: str | None = opt(None, "physical device per local rank, e.g. 4,5,6,7")
+
+    def validate(self):
+        ok = self.device_ids is None or all(x.strip().isdigit() for x in self.device_ids.split(","))
+        _check(ok, "device_ids", "a comma-separated list of device numbers", self.device_ids)
 
 
 @dataclass

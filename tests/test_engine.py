@@ -141,6 +141,12 @@ def test_config_errors_name_the_flag():
     r = subprocess.run([sys.executable, "-m", "rankserve.launch", "generate", "--prompt", "x",
                         "--max-tokens", "-1"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--max-tokens" in r.stderr
+    for args, msg in ((["/nonexistent"], "MODEL '/nonexistent' is not a model directory"),
+                      (["--max-model-len", "100000"], "--max-model-len 100000 exceeds"),
+                      (["--device-ids", "a,b"], "--device-ids must be a comma-separated")):
+        r = subprocess.run([sys.executable, "-m", "rankserve.launch", "generate", "--prompt", "x",
+                            *args], capture_output=True, text=True, timeout=120)
+        assert r.returncode in (1, 2) and msg in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_two_steps_in_flight_give_same_tokens(reference):
