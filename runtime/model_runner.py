@@ -43,6 +43,7 @@ class StepInputs:
     attn: AttnMeta
     logits_indices: torch.Tensor  # rows of the hidden states to sample from
     sample_req_ids: list[str]
+    sample_out_counts: np.ndarray  # outputs before this step's sample, per sampled request
     prompt_lp: list[tuple[str, int, int, int]]  # (req id, first hidden row, count, first target pos)
 
 
@@ -337,9 +338,10 @@ class ModelRunner:
         if len(placeholder):
             src = np.array([self.prev_index[req_ids[i]] for i in req_of_tok[placeholder]])
             ids[put(placeholder)] = self.prev_sampled[put(src)]
-        self.sample_out_counts = (seq_lens - np.array([s.num_prompt_tokens for s in states]))[sample_mask]
+        # exact even when the last token is still a placeholder
+        out_counts = (seq_lens - np.array([s.num_prompt_tokens for s in states]))[sample_mask]
         return StepInputs(ids, put(positions, self.buf_pos), attn, put(logits_indices),
-                          sample_ids, prompt_lp)
+                          sample_ids, out_counts, prompt_lp)
 
     def _next_arena(self) -> None:
         self.arena_step ^= 1
@@ -370,7 +372,7 @@ class ModelRunner:
                                 sp.min_p, sp.min_tokens, sp.needs_penalties,
                                 -1 if sp.logprobs is None else sp.logprobs, seeded)
 
-    def sampling_metadata(self, req_ids: list[str]) -> SamplingMetadata:
+    def sampling_metadata(self, req_ids: list[str], out_counts: np.ndarray) -> SamplingMetadata:
         dev = self.device
         rows = np.array([self.reqs[r].row for r in req_ids], dtype=np.int64)
         p = self.row_params[rows]
@@ -390,8 +392,7 @@ class ModelRunner:
                                  for i in np.flatnonzero(p[:, self.P_SEEDED])}
         if p[:, self.P_PENALTY].any():
             self._penalty_tensors(md, [self.reqs[r] for r in req_ids])
-        # outputs before this sample: exact even when the last token is still a placeholder
-        under_min = np.flatnonzero(self.sample_out_counts < p[:, self.P_MIN_TOKENS])
+        under_min = np.flatnonzero(out_counts < p[:, self.P_MIN_TOKENS])
         if len(under_min):  # EOS and stop tokens may not end the output yet
             banned_rows, banned_toks = [], []
             for i in under_min:
@@ -447,7 +448,7 @@ class ModelRunner:
         out = ModelRunnerOutput(inp.sample_req_ids, [])
         if inp.sample_req_ids:
             logits = self.model.compute_logits(hidden[inp.logits_indices])
-            md = self.sampling_metadata(inp.sample_req_ids)
+            md = self.sampling_metadata(inp.sample_req_ids, inp.sample_out_counts)
             ids, raw_lp = sample(logits, md)
             self.prev_sampled = ids
             self.prev_index = {rid: i for i, rid in enumerate(inp.sample_req_ids)}
