@@ -52,10 +52,13 @@ def deepseek():
     return _hf("deepseek-v3")
 
 
-@pytest.fixture(scope="module")
-def mistral_tok():
+@pytest.fixture(scope="module", params=["tekken", "sentencepiece-v3"])
+def mistral_tok(request):
     mc = pytest.importorskip("mistral_common.tokens.tokenizers.mistral")
     import mistral_common
+    if request.param == "sentencepiece-v3":
+        pytest.importorskip("sentencepiece")
+        return mc.MistralTokenizer.v3()
     return mc.MistralTokenizer.from_file(
         str(Path(mistral_common.__file__).parent / "data" / "tekken_240911.json"))
 
