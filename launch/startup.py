@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 from typing import Callable
 
 import torch
@@ -56,10 +57,11 @@ def start_ranks(cfg: EngineConfig):
     control = init_distributed(info, device)
     install_failure_handlers(info, control)
     pi = build_parallel_info(info.rank, info.world_size, pc)
-    print(f"rankserve rank {info.rank}/{info.world_size} host={socket.gethostname()} pid={os.getpid()} "
+    line = (f"rankserve rank {info.rank}/{info.world_size} host={socket.gethostname()} pid={os.getpid()} "
           f"local_rank={info.local_rank} device={device} tp={pi.tp_rank}/{pi.tp_size} "
-          f"pp={pi.pp_rank}/{pi.pp_size} ep={'on' if pi.enable_expert_parallel else 'off'}",
-          flush=True)
+          f"pp={pi.pp_rank}/{pi.pp_size} ep={'on' if pi.enable_expert_parallel else 'off'}")
+    sys.stdout.write(line + "\n")  # one write: ranks share the launcher's stdout
+    sys.stdout.flush()
     return info, control, pi, torch.device(device)
 
 

@@ -99,7 +99,7 @@ def test_sigkill_of_worker_rank_is_noticed_within_30s():
     while time.monotonic() < deadline:  # wait until rank 1 is up and generation has started
         line = proc.stdout.readline()
         lines.append(line)
-        m = re.search(r"rank 1/2 .* pid=(\d+)", line)
+        m = re.search(r"rank 1/2 host=\S+ pid=(\d+)", line)
         pid = int(m.group(1)) if m else pid
         if pid and "KV cache" in line:
             break
@@ -139,7 +139,7 @@ def test_mpi_serve_tp2_chat_and_one_api_child(qwen3_chat_dir):
             assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
             time.sleep(0.2)
         pids = {int(m.group(1)): int(m.group(2)) for x in lines
-                if (m := re.search(r"rank (\d)/2 .*pid=(\d+)", x))}
+                for m in re.finditer(r"rank (\d)/2 host=\S+ pid=(\d+)", x)}
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         r = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=8,
                                            messages=[{"role": "user", "content": "Hi"}])
