@@ -88,7 +88,8 @@ def test_exception_on_rank1_takes_the_job_down():
     assert "rank 1 on" in out and "injected fault" in out, out[-3000:]
 
 
-def test_sigkill_of_worker_rank_is_noticed_within_30s():
+def _kill_rank1_mid_generation():
+    """(seconds from SIGKILL to the job's exit, exit code, everything the job printed)."""
     import re
     import signal
     import time
@@ -96,7 +97,7 @@ def test_sigkill_of_worker_rank_is_noticed_within_30s():
     pid = None
     lines = []
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:  # wait until rank 1 is up and generation has started
+    while time.monotonic() < deadline:  # wait until rank 1 is up and the engine is built
         line = proc.stdout.readline()
         lines.append(line)
         m = re.search(r"rank 1/2 host=\S+ pid=(\d+)", line)
@@ -108,9 +109,18 @@ def test_sigkill_of_worker_rank_is_noticed_within_30s():
     killed_at = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     rc, out = _finish(proc, 60)
-    assert time.monotonic() - killed_at < 30
-    assert rc != 0
-    assert "lost rank 1" in "".join(lines) + out, ("".join(lines) + out)[-3000:]
+    return time.monotonic() - killed_at, rc, "".join(lines) + out
+
+
+def test_sigkill_of_worker_rank_is_noticed_within_30s():
+    # On a loaded machine MPICH's process manager has once cut rank 0's last words; a second
+    # launch tells that apart from a real failure to notice.
+    for attempt in range(2):
+        took, rc, out = _kill_rank1_mid_generation()
+        assert took < 30 and rc != 0, out[-3000:]
+        if "lost rank 1" in out:
+            return
+    pytest.fail("no 'lost rank 1' message in two launches:\n" + out[-3000:])
 
 
 def test_mpi_serve_tp2_chat_and_one_api_child(qwen3_chat_dir):
