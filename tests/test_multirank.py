@@ -113,14 +113,15 @@ def _kill_rank1_mid_generation():
 
 
 def test_sigkill_of_worker_rank_is_noticed_within_30s():
-    # On a loaded machine MPICH's process manager has once cut rank 0's last words; a second
-    # launch tells that apart from a real failure to notice.
-    for attempt in range(2):
+    # MPICH's process manager sometimes kills rank 0 (even with -disable-auto-cleanup) before
+    # its heartbeat thread has logged the loss; the job still ends at once. Up to three launches
+    # tell that race apart from a real failure to notice.
+    for attempt in range(3):
         took, rc, out = _kill_rank1_mid_generation()
         assert took < 30 and rc != 0, out[-3000:]
         if "lost rank 1" in out:
             return
-    pytest.fail("no 'lost rank 1' message in two launches:\n" + out[-3000:])
+    pytest.fail("no "lost rank 1" message in three launches:\n" + out[-3000:])
 
 
 def test_mpi_serve_tp2_chat_and_one_api_child(qwen3_chat_dir):
