@@ -121,7 +121,7 @@ def test_sigkill_of_worker_rank_is_noticed_within_30s():
         assert took < 30 and rc != 0, out[-3000:]
         if "lost rank 1" in out:
             return
-    pytest.fail("no "lost rank 1" message in three launches:\n" + out[-3000:])
+    pytest.fail("no 'lost rank 1' message in three launches:\n" + out[-3000:])
 
 
 def test_mpi_serve_tp2_chat_and_one_api_child(qwen3_chat_dir):
