@@ -123,9 +123,13 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_queries += req.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_lookup(self, req: Request, num_cached: int) -> None:
+        """Count a lookup once, when its request is admitted (not at every blocked attempt)."""
+        if self.enable_caching:
+            self.prefix_queries += req.num_tokens
+            self.prefix_hits += num_cached
 
     def blocks_needed(self, req: Request, num_new_tokens: int, computed: list[Block]) -> int:
         have = len(self.req_blocks.get(req.request_id, ())) + len(computed)

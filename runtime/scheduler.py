@@ -196,6 +196,7 @@ class Scheduler:
             if new_blocks is None:
                 break
             self.waiting.pop(0)
+            self.kv.record_lookup(req, num_cached)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_cached
             if req.num_cached_tokens < 0:

@@ -63,7 +63,10 @@ def test_same_greedy_tokens(reference, kwargs):
 def test_prefix_cache_hit_on_second_identical_prompt(stories_llm):
     p = {"prompt_token_ids": list(range(3, 60))}  # 57 tokens: 3 full blocks
     a = stories_llm.generate(p, GREEDY)[0]
+    kv = stories_llm.engine.scheduler.kv
+    queries, hits = kv.prefix_queries, kv.prefix_hits
     b = stories_llm.generate(p, GREEDY)[0]
+    assert (kv.prefix_queries - queries, kv.prefix_hits - hits) == (57, 48)
     assert a.num_cached_tokens == 0 or a.num_cached_tokens < b.num_cached_tokens
     assert b.num_cached_tokens == 48
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
