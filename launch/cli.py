@@ -152,6 +152,9 @@ def _bench_outputs(func):
                      help="let transformers torch.compile generate()'s decode step (static cache, CUDA)"),
         click.option("--output-json", type=click.Path(dir_okay=False), help="write metrics + environment"),
         click.option("--plot", type=click.Path(dir_okay=False), help="bar chart PNG (needs matplotlib)"),
+        click.option("--profile-dir", type=click.Path(file_okay=False),
+                     help="after the timed run, run again under torch.profiler: print the busiest "
+                          "kernels of a window of steady-state steps and write its trace here"),
     ]):
         func = deco(func)
     return func
@@ -177,7 +180,7 @@ def _run_bench(module, cfg, args) -> None:
               metavar="LO HI", help="output tokens, uniform in [LO, HI] (EOS ignored)")
 @_bench_outputs
 def bench_throughput(workload, num_prompts, input_len, output_len, backends, hf_compile, output_json,
-                     plot, **kwargs):
+                     plot, profile_dir, **kwargs):
     """Offline throughput: all requests at once; req/s, tok/s and the physical floor.
 
     MODEL is a checkpoint directory or a shipped config (qwen3-0.6b, llama-3.1-8b, llama-3.1-70b,
@@ -193,6 +196,7 @@ def bench_throughput(workload, num_prompts, input_len, output_len, backends, hf_
         num_prompts=num_prompts or preset["num_prompts"], input_len=input_len or preset["input_len"],
         output_len=output_len or preset["output_len"], seed=cfg.model.seed,
         backends=tuple(dict.fromkeys(backends)), output_json=output_json, plot=plot,
+        profile_dir=profile_dir,
         hf_compile=hf_compile, model_name=name)
     _run_bench(throughput, cfg, args)
 
@@ -206,7 +210,7 @@ def bench_throughput(workload, num_prompts, input_len, output_len, backends, hf_
 @click.option("--num-iters-warmup", type=click.IntRange(min=0), default=1, show_default=True)
 @_bench_outputs
 def bench_latency(batch_size, input_len, output_len, num_iters, num_iters_warmup, backends,
-                  hf_compile, output_json, plot, **kwargs):
+                  hf_compile, output_json, plot, profile_dir, **kwargs):
     """One batch end to end: latency, TTFT (prefill alone), decode tok/s; medians and the floor."""
     from rankserve.runtime.bench import latency
     cfg, name = _bench_config(kwargs)
@@ -214,6 +218,7 @@ def bench_latency(batch_size, input_len, output_len, num_iters, num_iters_warmup
                                num_iters=num_iters, num_iters_warmup=num_iters_warmup,
                                seed=cfg.model.seed, backends=tuple(dict.fromkeys(backends)),
                                output_json=output_json, plot=plot, hf_compile=hf_compile,
+                               profile_dir=profile_dir,
                                model_name=name)
     _run_bench(latency, cfg, args)
 

@@ -84,9 +84,12 @@ def test_latency_cli_rankserve_and_hf(tmp_path):
     out_json = tmp_path / "l.json"
     invoke_cli("latency", STORIES, "--batch-size", "2", "--input-len", "12", "--output-len", "6",
             "--num-iters", "2", "--num-iters-warmup", "1", "--backend", "rankserve", "--backend", "hf",
-            "--output-json", str(out_json))
+            "--output-json", str(out_json), "--profile-dir", str(tmp_path / "prof"))
     rec = json.loads(out_json.read_text())
     check_env(rec, "latency")
+    prof = rec["results"]["rankserve"]["profile"]  # 6 steps: the window is steps 1..4
+    assert prof["first_step"] == 1 and prof["steps"] == 3 and prof["wall_s"] > 0
+    assert (tmp_path / "prof" / "trace-latency.json.gz").stat().st_size > 1000
     for name, r in rec["results"].items():
         assert len(r["latencies_s"]) == len(r["ttfts_s"]) == 2
         assert r["ttft_s"] > 0  # no timing comparisons: a loaded CI box reorders them

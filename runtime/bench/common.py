@@ -339,6 +339,49 @@ def save(record: dict, json_path: str | None, plot_path: str | None, metric: str
             print("--plot: matplotlib is not installed (pip install matplotlib); no plot written")
 
 
+# ---- profiling ------------------------------------------------------------------------------
+def profile_steps(llm, run, total_steps: int, out_dir: str, label: str, row_limit: int = 25) -> dict:
+    """Run `run()` again under torch.profiler, recording a window of engine steps in the steady
+    state (from a quarter of the way in, up to 40 steps); print the busiest kernels and how busy
+    the device was, and write a Chrome/Perfetto trace to OUT_DIR/trace-LABEL.json.gz."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+    cuda = torch.cuda.is_available()
+    start, active = max(1, total_steps // 4), max(1, min(40, total_steps // 2))
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    prof = profile(activities=acts, schedule=schedule(wait=start - 1, warmup=1, active=active, repeat=1))
+    ex = llm.engine.executor
+    name = "submit" if hasattr(ex, "submit") else "execute"
+    inner = getattr(ex, name)
+    marks: list[float] = []
+
+    def wrapped(plan):
+        prof.step()
+        marks.append(time.perf_counter())
+        return inner(plan)
+    setattr(ex, name, wrapped)
+    try:
+        with prof:
+            run()
+    finally:
+        setattr(ex, name, inner)
+    window = marks[min(start + active, len(marks) - 1)] - marks[start] if len(marks) > start else 0.0
+    events = prof.key_averages()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    busy = sum(getattr(e, key) for e in events if cuda and e.device_type.name == "CUDA") / 1e6
+    print(events.table(sort_by=key, row_limit=row_limit))
+    steps = min(active, max(0, len(marks) - 1 - start))
+    summary = dict(first_step=start, steps=steps, wall_s=window, device_busy_s=busy,
+                   device_busy_fraction=busy / window if window else None)
+    print(f"profile window: steps {start}..{start + steps} of {len(marks)}, wall {window * 1e3:.1f} ms "
+          f"({window * 1e3 / max(steps, 1):.2f} ms/step), device kernels {busy * 1e3:.1f} ms"
+          + (f" ({100 * busy / window:.0f}% busy; host profiling adds overhead)" if window and cuda else ""))
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"trace-{label}.json.gz")
+    prof.export_chrome_trace(path)
+    print(f"trace: {path}")
+    return summary
+
+
 # ---- running the backends -------------------------------------------------------------------
 def drive(cfg, hf_config, backends, on_ranks, multi_process: bool, engine_bench, hf_bench):
     """Run `hf_bench(device, dtype, ceilings)` and/or `engine_bench(llm, ceilings)`.

@@ -31,6 +31,7 @@ class LatencyArgs:
     backends: tuple[str, ...]
     output_json: str | None = None
     plot: str | None = None
+    profile_dir: str | None = None
     hf_compile: bool = False
     model_name: str | None = None
 
@@ -77,9 +78,14 @@ def rankserve_latency(llm, args: LatencyArgs, stats, ceilings) -> dict:
     n_dev = llm.config.parallel.world_size  # TP shards and PP stages in flight all read at once
     f = {k: _floor(stats, args, olen, results[k][1], runner.dtype.itemsize, ceilings, n_dev)
          for k, olen in (("e2e", args.output_len), ("ttft", 1))}
+    extra = {}
+    if args.profile_dir:
+        wl = next(b for _, b in _batches(args, vocab, args.output_len, 0))
+        extra["profile"] = common.profile_steps(llm, lambda: run_engine(llm, wl),
+                                                len(results["e2e"][1]), args.profile_dir, "latency")
     return dict(summarize(args, results["e2e"][0], results["ttft"][0], f["e2e"], f["ttft"],
                           dict(llm.engine.timings)),
-                dtype=str(runner.dtype).replace("torch.", ""), num_devices=n_dev)
+                dtype=str(runner.dtype).replace("torch.", ""), num_devices=n_dev, **extra)
 
 
 def hf_latency(model_dir: str, device, dtype, args: LatencyArgs, vocab: int, stats, ceilings) -> dict:

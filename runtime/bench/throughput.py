@@ -27,6 +27,7 @@ class ThroughputArgs:
     backends: tuple[str, ...]
     output_json: str | None = None
     plot: str | None = None
+    profile_dir: str | None = None
     hf_compile: bool = False
     model_name: str | None = None  # the shipped config name, when one was given
 
@@ -82,7 +83,7 @@ def metrics(elapsed: float, prompt_lens: list[int], output_lens: list[int], floo
 
 
 def rankserve_throughput(llm, wl: common.Workload, warm: common.Workload,
-                         stats: common.ModelStats, ceilings: dict) -> dict:
+                         stats: common.ModelStats, ceilings: dict, profile_dir: str | None = None) -> dict:
     runner = engine_runner(llm)
     log = observe_steps(llm)
     run_engine(llm, warm)
@@ -92,9 +93,13 @@ def rankserve_throughput(llm, wl: common.Workload, warm: common.Workload,
     floor = common.physical_floor(stats, wl.prompt_lens, out_lens, log.tokens,
                                   runner.dtype.itemsize, ceilings, num_devices=n_dev)
     timings = dict(llm.engine.timings)
+    extra = {}
+    if profile_dir:
+        extra["profile"] = common.profile_steps(llm, lambda: run_engine(llm, wl), len(log.tokens),
+                                                profile_dir, "throughput")
     return dict(metrics(elapsed, wl.prompt_lens, out_lens, floor, timings),
                 dtype=str(runner.dtype).replace("torch.", ""), num_kv_blocks=llm.engine.num_blocks,
-                num_devices=n_dev)
+                num_devices=n_dev, **extra)
 
 
 def hf_throughput(model_dir: str, device: torch.device, dtype: torch.dtype, wl, warm, stats,
@@ -132,7 +137,7 @@ def run(cfg, args: ThroughputArgs, on_ranks, multi_process: bool) -> int:
         return hf_throughput(cfg.model.model, device, dtype, wl, warm, stats, ceilings, args.hf_compile)
 
     def engine_bench(llm, ceilings):
-        return rankserve_throughput(llm, wl, warm, stats, ceilings)
+        return rankserve_throughput(llm, wl, warm, stats, ceilings, args.profile_dir)
 
     rc, results, ceilings = common.drive(cfg, hf_config, args.backends, on_ranks, multi_process,
                                          engine_bench, hf_bench)
