@@ -1,9 +1,9 @@
 """Kernel benchmark: `python -m rankserve.kernels.benchmark [--json PATH] [--quick]` (CUDA only).
 
-Measures two ceilings first (HBM copy bandwidth, bf16 matmul rate), then times decode and prefill
-attention, store_kv and fused MoE at real model sizes (32 q / 8 kv heads, head_dim 128, block 16;
-MoE with 128 experts top-8, H 2048, I 768) with triton.testing.do_bench (median), and reports
-each against the ceiling that bounds it.
+Measures two ceilings first (HBM copy bandwidth, bf16 matmul rate), then times F.linear (cuBLAS)
+at Llama-8B decode sizes, decode and prefill attention, store_kv and fused MoE at real model sizes
+(32 q / 8 kv heads, head_dim 128, block 16; MoE with 128 experts top-8, H 2048, I 768) with
+triton.testing.do_bench (median), and reports each against the ceiling that bounds it.
 """
 from __future__ import annotations
 
@@ -140,6 +140,25 @@ def bench_moe(ceil, quick):
     return rows
 
 
+# Llama-3.1-8B projections (out, in): fused qkv, o, fused gate-up, down, lm_head
+LINEARS = [("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 28672, 4096),
+           ("down", 4096, 14336), ("lm_head", 128256, 4096)]
+
+
+def bench_linear(ceil, quick):
+    """cuBLAS through F.linear at decode sizes: weight bandwidth is the whole story at M=1."""
+    rows = []
+    for M in ([1, 256] if quick else [1, 8, 64, 256]):
+        for name, N, K in LINEARS:
+            w = torch.randn(N, K, dtype=DT, device="cuda") * K ** -0.5
+            x = torch.randn(M, K, dtype=DT, device="cuda")
+            fn = lambda: torch.nn.functional.linear(x, w)  # noqa: E731
+            rows.append(row("linear", f"{name} M={M} {N}x{K}", fn, (N * K + M * (N + K)) * 2,
+                            2 * M * N * K, ceil))
+            del w
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
@@ -154,7 +173,7 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name()}: copy {gbps:.0f} GB/s, bf16 matmul {tflops:.0f} "
           f"TFLOP/s (ceilings)")
     rows = []
-    for part in (bench_decode, bench_prefill, bench_store_kv, bench_moe):
+    for part in (bench_linear, bench_decode, bench_prefill, bench_store_kv, bench_moe):
         rows += part((gbps, tflops), args.quick)
         torch.cuda.empty_cache()
     print(f"{'kernel':<18} {'shape':<30} {'ms':>9} {'graph ms':>9} {'GB/s':>8} {'TFLOP/s':>8}"
