@@ -223,6 +223,25 @@ def bench_latency(batch_size, input_len, output_len, num_iters, num_iters_warmup
     _run_bench(latency, cfg, args)
 
 
+@bench.command("scaling")
+@click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True))
+@click.option("--output-dir", type=click.Path(file_okay=False), default=None,
+              help="where scaling.md/.json/.png go [default: the directory given, if just one; else .]")
+@click.option("--plot/--no-plot", default=True,
+              help="write scaling.png (needs matplotlib: pip install 'rankserve[bench]') [default: --plot]")
+def bench_scaling(paths, output_dir, plot):
+    """Strong scaling over runs of bench throughput/latency: tok/s, speedup and efficiency vs GPUs.
+
+    PATHS are directories (every *.json in them, e.g. the output of slurm/scaling.sbatch) or
+    --output-json files. Runs are grouped by kind, model and workload; the baseline of a group is
+    its run on the fewest GPUs. Prints a table and writes scaling.md, scaling.json, scaling.png."""
+    from rankserve.runtime.bench import scaling
+    try:
+        scaling.run(paths, output_dir, plot)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+
+
 def _parse_size(text: str) -> int:
     units = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
     t = text.strip().upper().removesuffix("B").removesuffix("I")

@@ -328,6 +328,12 @@ def model_record(cfg, name: str | None, stats: ModelStats) -> dict:
                 stats=asdict(stats))
 
 
+def parallel_record(cfg) -> dict:
+    """The TP/PP/EP split (results' num_devices is only their product)."""
+    p = cfg.parallel
+    return dict(tp=p.tensor_parallel_size, pp=p.pipeline_parallel_size, ep=p.enable_expert_parallel)
+
+
 def save(record: dict, json_path: str | None, plot_path: str | None, metric: str, title: str) -> None:
     if json_path:
         write_json(json_path, record)

@@ -140,6 +140,7 @@ def run(cfg, args: LatencyArgs, on_ranks, multi_process: bool) -> int:
         print_result(name, r)
     record = dict(kind="latency", env=common.environment(), ceilings=ceilings,
                   model=common.model_record(cfg, args.model_name, stats),
+                  parallel=common.parallel_record(cfg),
                   workload=dict(batch_size=args.batch_size, input_len=args.input_len,
                                 output_len=args.output_len, num_iters=args.num_iters,
                                 num_iters_warmup=args.num_iters_warmup, seed=args.seed,

@@ -147,6 +147,7 @@ def run(cfg, args: ThroughputArgs, on_ranks, multi_process: bool) -> int:
         print_result(name, r)
     record = dict(kind="throughput", env=common.environment(), ceilings=ceilings,
                   model=common.model_record(cfg, args.model_name, stats),
+                  parallel=common.parallel_record(cfg),
                   workload=dict(wl.summary(), seed=args.seed, input_len=list(args.input_len),
                                 output_len=list(args.output_len), ignore_eos=True, greedy=True),
                   results=results)
