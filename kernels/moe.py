@@ -36,7 +36,7 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 # routing: sort (token, expert) pairs into per-expert groups padded to BLOCK_M
 # ----------------------------------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_count_kernel(ids_ptr, counts_ptr, num_pairs, NUM_EXPERTS: tl.constexpr,
                       BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -44,7 +44,7 @@ def _moe_count_kernel(ids_ptr, counts_ptr, num_pairs, NUM_EXPERTS: tl.constexpr,
     tl.atomic_add(counts_ptr + e, 1, mask=(e >= 0) & (e < NUM_EXPERTS))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _moe_scatter_kernel(ids_ptr, counts_ptr, cursor_ptr, pairs_ptr, block_expert_ptr, num_pairs,
                         num_blocks, NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
@@ -96,7 +96,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
     return sorted_pairs, block_expert
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_gate_up_kernel(x_ptr, w_ptr, act_ptr, pairs_ptr, block_expert_ptr, num_pairs,
                         stride_xt, stride_we, stride_wn, stride_at,
                         HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
@@ -129,7 +129,7 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, act_ptr, pairs_ptr, block_expert_ptr, num_
              act.to(act_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_down_kernel(act_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, weights_ptr, num_pairs,
                      stride_at, stride_we, stride_wn, stride_ot,
                      HIDDEN: tl.constexpr, INTER: tl.constexpr, NUM_EXPERTS: tl.constexpr,

@@ -83,7 +83,7 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, offs_n, n_mask, offs_d, d_ma
     return k, v
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens"])  # vary per step: one compilation
 def _unified_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
         scale_log2e, num_seqs, num_tokens,
@@ -235,7 +235,7 @@ def _decode_split_kernel(
              mask=h_mask[:, None] & d_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, qsl_ptr, num_seqs,
                           stride_ot, stride_oh,
                           NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,

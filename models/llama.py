@@ -50,9 +50,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttnMeta) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, delta: torch.Tensor, positions: torch.Tensor,
+                attn: AttnMeta) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, delta) -> (h', delta'): the residual stream is h + delta. The previous layer's MLP
+        output is added here, so that the add fuses with this layer's norm when each layer is
+        compiled on its own (the runner compiles layers, not the model: one compilation serves
+        all of them)."""
+        x = h + delta
         h = x + self.self_attn(self.input_layernorm(x), positions, attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return h, self.mlp(self.post_attention_layernorm(h))
 
 
 class Decoder(nn.Module):
@@ -69,8 +75,10 @@ class Decoder(nn.Module):
 
     def forward(self, input_ids, positions, attn, hidden_states=None):
         h = self.embed_tokens(input_ids) if self.pi.is_first_stage else hidden_states
+        delta = torch.zeros_like(h)  # h + 0 is exact: the first layer sees h unchanged
         for layer in self.layers.values():
-            h = layer(h, positions, attn)
+            h, delta = layer(h, delta, positions, attn)
+        h = h + delta
         return self.norm(h) if self.pi.is_last_stage else h
 
 

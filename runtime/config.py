@@ -116,7 +116,7 @@ class ParallelConfig:
 class CompilationConfig:
     enforce_eager: bool = opt(False, "no torch.compile and no CUDA graphs")
     compilation_level: int = opt(-1, "0: eager, 1: CUDA graphs of the eager model, 2: torch.compile "
-                                 "+ CUDA graphs (-1: 1 on CUDA, 0 on CPU)")
+                                 "of each decoder layer + CUDA graphs (-1: 2 on CUDA, 0 on CPU)")
     cuda_graph_max_bs: int | None = opt(None, "largest captured batch (default: max_num_seqs, at most 512)")
     cache_dir: str = opt(_default_cache_dir(), "compile and autotune caches")
 
@@ -129,7 +129,7 @@ class CompilationConfig:
             return 0
         if self.compilation_level >= 0:
             return self.compilation_level
-        return 1 if device_type == "cuda" else 0
+        return 2 if device_type == "cuda" else 0
 
 
 @dataclass

@@ -163,7 +163,8 @@ class ModelRunner:
             self.timings["kv_alloc"] = time.perf_counter() - t0
 
     def compile(self) -> None:
-        """Level 2: torch.compile the forward; level ≥ 1 on CUDA: capture decode CUDA graphs."""
+        """Level 2: torch.compile each decoder layer; level ≥ 1 on CUDA: capture decode CUDA
+        graphs. Compilation happens in `warmup`, before the capture."""
         level = self.cfg.compilation.level(self.device.type)
         self.compiled = level >= 2
         if level >= 2:
@@ -175,19 +176,43 @@ class ModelRunner:
             # equal sizes (e.g. tokens == requests in a decode step) must not be merged into one
             # symbol: the next step breaks the equality and would recompile
             torch.fx.experimental._config.use_duck_shape = False
-            compiled = torch.compile(self.model.forward, fullgraph=True, dynamic=True)
-
-            def forward(input_ids, positions, attn, hidden_states=None):
-                # the token and request counts vary per step: never specialise on them
-                for t in (input_ids, positions, attn.slot_mapping, attn.query_start_loc,
-                          attn.seq_lens, attn.block_table):
-                    torch._dynamo.maybe_mark_dynamic(t, 0)
-                return compiled(input_ids, positions, attn, hidden_states)
-            self.forward = forward
+            # Regional compilation: every decoder layer runs the same compiled code (parameters
+            # are graph inputs, so the guards hold for all layers): one compilation instead of
+            # one graph holding every layer cuts cold and warm start-up several times over.
+            for layer in self.model.model.layers.values():
+                layer.compile(fullgraph=True, dynamic=True)
+        if level >= 2 or self.device.type == "cuda":
+            t0 = time.perf_counter()
+            self.warmup()
+            self.timings["compile" if level >= 2 else "warmup"] = time.perf_counter() - t0
         if level >= 1 and self.device.type == "cuda":
             t0 = time.perf_counter()
             self.capture_cuda_graphs()
-            self.timings["cuda_graphs" if level == 1 else "compile+capture"] = time.perf_counter() - t0
+            self.timings["cuda_graphs"] = time.perf_counter() - t0
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """One mixed step per attention tile shape (mean query length >= 256, 16..255, < 16:
+        kernels/triton_attention.py), so that compilation (torch.compile at level 2, Triton
+        variants at every level) happens now and not under the first requests. Padding slots
+        write nothing; the KV cache is read but left as it is."""
+        budget = self.cfg.scheduler.max_num_batched_tokens
+        for q_len in (300, 20, 3):
+            q_len = max(1, min(q_len, budget // 2, self.max_model_len - 1))
+            T, B = 2 * q_len, 2
+            # the persistent buffers, as in a real step (other tensors would guard differently)
+            self.buf_ids[:T].zero_()
+            self.buf_pos[:T].zero_()
+            self.buf_slots[:T].fill_(-1)
+            self.buf_qsl[:B + 1].copy_(torch.tensor([0, q_len, T]))
+            self.buf_seq_lens[:B].fill_(q_len)
+            self.buf_table[:B].zero_()
+            attn = AttnMeta(self.buf_slots[:T], self.buf_qsl[:B + 1], self.buf_seq_lens[:B],
+                            self.buf_table[:B])
+            hidden = None if self.buf_hidden is None else self.buf_hidden[:T]
+            self.forward(self.buf_ids[:T], self.buf_pos[:T], attn, hidden)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
 
     def capture_sizes(self) -> list[int]:
         top = min(self.cfg.compilation.cuda_graph_max_bs or self.cfg.scheduler.max_num_seqs,

@@ -65,6 +65,8 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, md: SamplingMetadata) -> torch
 
 def sample(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns (sampled token ids [B], raw logprobs [B, V] or None)."""
+    if md.all_greedy and md.max_num_logprobs is None and md.banned is None and md.output_counts is None:
+        return logits.argmax(-1), None  # exact in any dtype: skips a [B, V] float copy
     logits = logits.float()
     raw_logprobs = logits.log_softmax(-1) if md.max_num_logprobs is not None else None
     if md.banned is not None:

@@ -1,4 +1,6 @@
-"""The whole model forward traces with torch.compile(fullgraph=True) and a dynamic token count."""
+"""torch.compile: the model forward traces with fullgraph=True and a dynamic token count, and the
+runner compiles one graph shared by every decoder layer."""
+import pytest
 import torch
 
 from rankserve.models.layers import AttnMeta, ParallelInfo
@@ -36,3 +38,25 @@ def test_fullgraph_compile_matches_eager(checkpoint):
             eager = model(ids, pos, attn)
             got = compiled(ids, pos, attn)
         torch.testing.assert_close(got, eager, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen3MoeForCausalLM"])
+def test_runner_compiles_one_layer_graph_for_all_steps(checkpoint, arch):
+    """Level 2 through the engine: every layer shares one compiled graph (the start-up warm-up
+    compiles it), and prefill, chunked, mixed and decode steps of any size reuse it with no
+    recompilation; greedy tokens equal eager."""
+    import torch._dynamo.utils as dynamo_utils
+
+    from rankserve import LLM, SamplingParams
+    path = checkpoint(arch, num_hidden_layers=3)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(3 + i, 20 + 9 * i))} for i in range(5)]
+    common = dict(max_num_seqs=8, kv_cache_memory_gb=0.02, max_num_batched_tokens=48)
+    eager = [o.outputs[0].token_ids for o in LLM(path, enforce_eager=True, **common).generate(prompts, sp)]
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    llm = LLM(path, compilation_level=2, **common)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 1  # 3 layers, one compilation
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 1  # and no step recompiled
+    assert got == eager

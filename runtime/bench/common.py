@@ -361,8 +361,8 @@ def profile_steps(llm, run, total_steps: int, out_dir: str, label: str, row_limi
     marks: list[float] = []
 
     def wrapped(plan):
+        marks.append(time.perf_counter())  # before step(): the last one stops and collects the trace
         prof.step()
-        marks.append(time.perf_counter())
         return inner(plan)
     setattr(ex, name, wrapped)
     try:
@@ -370,22 +370,47 @@ def profile_steps(llm, run, total_steps: int, out_dir: str, label: str, row_limi
             run()
     finally:
         setattr(ex, name, inner)
-    window = marks[min(start + active, len(marks) - 1)] - marks[start] if len(marks) > start else 0.0
-    events = prof.key_averages()
+    # active steps start..start+active-1 run from step() call #start to #start+active, and call
+    # #k happens at marks[k - 1]
+    last = min(start + active, len(marks)) - 1
+    window = marks[last] - marks[start - 1] if last > start - 1 else 0.0
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    busy = sum(getattr(e, key) for e in events if cuda and e.device_type.name == "CUDA") / 1e6
-    print(events.table(sort_by=key, row_limit=row_limit))
-    steps = min(active, max(0, len(marks) - 1 - start))
+    print(prof.key_averages().table(sort_by=key, row_limit=row_limit))
+    busy = _union_seconds((e.time_range.start, e.time_range.end) for e in prof.events()
+                          if e.device_type.name == "CUDA")
+    steps = max(0, last - start + 1)
     summary = dict(first_step=start, steps=steps, wall_s=window, device_busy_s=busy,
                    device_busy_fraction=busy / window if window else None)
     print(f"profile window: steps {start}..{start + steps} of {len(marks)}, wall {window * 1e3:.1f} ms "
           f"({window * 1e3 / max(steps, 1):.2f} ms/step), device kernels {busy * 1e3:.1f} ms"
-          + (f" ({100 * busy / window:.0f}% busy; host profiling adds overhead)" if window and cuda else ""))
+          + (f" ({100 * busy / window:.0f}% busy; profiling slows the host)" if window and cuda else ""))
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"trace-{label}.json.gz")
     prof.export_chrome_trace(path)
     print(f"trace: {path}")
     return summary
+
+
+def _union_seconds(intervals) -> float:
+    """Total length of a union of (start, end) microsecond intervals, in seconds."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total / 1e6
+
+
+def process_age() -> float | None:
+    """Seconds since this process started (Linux /proc), None elsewhere."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 # ---- running the backends -------------------------------------------------------------------
@@ -404,7 +429,9 @@ def drive(cfg, hf_config, backends, on_ranks, multi_process: bool, engine_bench,
 
     def ceilings(device):
         if state["ceilings"] is None:
+            t0 = time.perf_counter()
             state["ceilings"] = measure_ceilings(device)
+            state["ceilings_s"] = time.perf_counter() - t0
             print(format_ceilings(state["ceilings"]), flush=True)
         return state["ceilings"]
 
@@ -412,18 +439,23 @@ def drive(cfg, hf_config, backends, on_ranks, multi_process: bool, engine_bench,
         device = resolve_device(cfg)
         ceilings(device)
         if "hf" in backends:
+            t0 = time.perf_counter()
             results["hf"] = hf_bench(device, resolve_dtype(cfg.model.dtype, hf_config, device.type),
                                      state["ceilings"])
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+            state["hf_s"] = time.perf_counter() - t0
     elif "hf" in backends:
         raise ValueError("--backend hf runs in a single process; launch it without mpirun/srun")
     rc = 0
     if "rankserve" in backends:
         def body(llm):
+            age = process_age()  # the engine is up: start-up as a user sees it, bench set-up excluded
+            ready = None if age is None else age - state.get("ceilings_s", 0.0) - state.get("hf_s", 0.0)
             ex = llm.engine.executor
             runner = ex.runner if hasattr(ex, "runner") else ex.worker.runner
             results["rankserve"] = engine_bench(llm, ceilings(runner.device))
+            results["rankserve"]["ready_after_s"] = ready
         rc = on_ranks(cfg, body)
     # rankserve first, for tables and plots
     return rc, dict(sorted(results.items(), key=lambda kv: kv[0] != "rankserve")), state["ceilings"]

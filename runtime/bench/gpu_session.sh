@@ -3,7 +3,9 @@
 # Run from the repo root on the GPU machine: `bash runtime/bench/gpu_session.sh STAGE` where STAGE
 # is one of: w2 w2warm w1 w2hf w1hf tests kernels (several may be given). Results land in $OUT
 # (or ./bench_results). Each stage has its own time limit; one device call runs at most 10
-# minutes, so split a session, e.g.: `w2 w1` | `tests` | `kernels w2hf w1hf w2warm`.
+# minutes, so split a session, e.g.: `w2 w2warm w1 tests` | `kernels w2hf w1hf`. w2 is the cold
+# start (empty --cache-dir), w2warm the same command again. PROFILE_DIR=dir adds a profiled run
+# of W1 (kernel table in the log, trace in dir).
 set -u
 OUT=${OUT:-bench_results}; mkdir -p "$OUT"
 CACHE=${RANKSERVE_CACHE_DIR:-/tmp/rankserve-cache}
@@ -15,17 +17,17 @@ run() { local name=$1 limit=$2; shift 2; local t0=$(date +%s)
   printf '%-10s rc=%-3s %4ss\n' "$name" "$rc" "$(( $(date +%s) - t0 ))" | tee -a "$OUT/summary.txt"
   tail -n 25 "$OUT/$name.log"; }
 for stage in "$@"; do case $stage in
-  w2) run w2 240 python3 -m rankserve.launch bench latency llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 \
+  w2) run w2 150 python3 -m rankserve.launch bench latency llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 \
         --num-iters 3 --max-num-seqs 8 --cache-dir "$CACHE" --output-json "$OUT/w2.json" ;;
-  w2warm) run w2warm 200 python3 -m rankserve.launch bench latency llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 \
+  w2warm) run w2warm 80 python3 -m rankserve.launch bench latency llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 \
         --num-iters 3 --max-num-seqs 8 --cache-dir "$CACHE" --output-json "$OUT/w2warm.json" ;;
-  w1) run w1 300 python3 -m rankserve.launch bench throughput qwen3-0.6b --workload w1 --max-num-seqs 256 \
-        --cache-dir "$CACHE" --output-json "$OUT/w1.json" ;;
+  w1) run w1 170 python3 -m rankserve.launch bench throughput qwen3-0.6b --workload w1 --max-num-seqs 256 \
+        --cache-dir "$CACHE" --output-json "$OUT/w1.json" ${PROFILE_DIR:+--profile-dir "$PROFILE_DIR"} ;;
   w2hf) run w2hf 200 python3 -m rankserve.launch bench latency llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 \
         --num-iters 2 --backend hf --output-json "$OUT/w2hf.json" ;;
   w1hf) run w1hf 300 python3 -m rankserve.launch bench throughput qwen3-0.6b --num-prompts 32 --input-len 100 1024 \
         --output-len 100 1024 --backend hf --output-json "$OUT/w1hf.json" ;;
-  tests) run tests 500 python3 -m pytest -q -x -m gpu tests/test_kernels.py tests/test_gpu.py ;;
+  tests) run tests 180 python3 -m pytest -q -x -m gpu tests/test_kernels.py tests/test_gpu.py ;;
   kernels) run kernels 240 python3 -m rankserve.kernels.benchmark --json "$OUT/kernels.json" ;;
   *) echo "unknown stage $stage" ;;
 esac; done

@@ -115,6 +115,9 @@ def print_result(name: str, r: dict) -> None:
           f"decode {r['decode_tokens_per_s']:.1f} tok/s (median of {r['num_iters']})"
           + (f"  ({r['mode']})" if "mode" in r else ""))
     print(common.format_timings(r["startup"]))
+    if r.get("ready_after_s") is not None:  # cold start (empty --cache-dir) or warm (cached)
+        print(f"  start to first token: {r['ready_after_s'] + r['ttft_s']:.1f} s (engine ready "
+              f"{r['ready_after_s']:.1f} s after the process started, ceiling measurement excluded)")
     print(common.format_floor(r["floor"]))
     t = r["ttft_floor"]
     print(f"  TTFT floor: {t['floor_s'] * 1e3:.3f} ms ({t['bound']}-bound); achieved "
