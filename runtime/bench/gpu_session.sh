@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU-machine session: correctness, then the two standard workloads, with a table at the end.
 # Run from the repo root on the GPU machine: `bash runtime/bench/gpu_session.sh STAGE` where STAGE
-# is one of: w2 w2warm w1 w2hf w1hf tests kernels (several may be given). Results land in $OUT
+# is one of: w2 w2warm w1 w2hf w1hf tests e2e2 kernels (several may be given; e2e2 = the level-2
+# end-to-end tests alone). Results land in $OUT
 # (or ./bench_results). Each stage has its own time limit; one device call runs at most 10
 # minutes, so split a session, e.g.: `w2 w2warm w1 tests` | `kernels w2hf w1hf`. w2 is the cold
 # start (empty --cache-dir), w2warm the same command again. PROFILE_DIR=dir adds a profiled run
@@ -28,6 +29,7 @@ for stage in "$@"; do case $stage in
   w1hf) run w1hf 300 python3 -m rankserve.launch bench throughput qwen3-0.6b --num-prompts 32 --input-len 100 1024 \
         --output-len 100 1024 --backend hf --output-json "$OUT/w1hf.json" ;;
   tests) run tests 180 python3 -m pytest -q -x -m gpu tests/test_kernels.py tests/test_gpu.py ;;
+  e2e2) run e2e2 100 python3 -m pytest -q -x -m gpu tests/test_gpu.py -k "match_eager and 2" ;;
   kernels) run kernels 240 python3 -m rankserve.kernels.benchmark --json "$OUT/kernels.json" ;;
   *) echo "unknown stage $stage" ;;
 esac; done
