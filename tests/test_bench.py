@@ -204,3 +204,13 @@ def test_config_only_model_runs_with_dummy_weights(tmp_path):
     r = rec["results"]["rankserve"]
     assert r["output_tokens"] == 6 and r["floor"]["num_steps"] == 6
     check_floor(r["floor"])
+
+
+def test_compile_time_bench_runs_both_ways():
+    p = subprocess.run([sys.executable, "-m", "rankserve.runtime.bench.compile_time", "--layers", "2"],
+                       capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, OMP_NUM_THREADS="2"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [line.split() for line in p.stdout.splitlines() if line.startswith(("whole", "regional"))]
+    assert [r[0] for r in rows] == ["whole", "regional"]
+    assert all(float(r[1]) > 0 and float(r[-1]) < 1e-4 for r in rows)  # seconds, |compiled - eager|
