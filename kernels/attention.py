@@ -1,9 +1,14 @@
-"""Paged attention over the block table: one registered custom op for prefill, chunked prefill,
-prefix extension and decode (mixed in one batch).
+"""Paged attention over the block table: one registered custom op, `rankserve::attention`, for
+prefill, chunked prefill, prefix extension and decode (mixed in one batch). It takes the fused qkv
+projection and does everything up to the attention output, so a decoder layer spends two kernels
+between its qkv and o_proj GEMMs: one for q/k RMSNorm (Qwen3) + RoPE + the KV-cache store, one
+for attention (plus a reduce for split-KV decode).
 
 Layout (shared by the KV-cache allocator, the model runner and the kernels):
   k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+  qkv: [T, (num_heads + 2 * num_kv_heads) * head_dim], q heads then k heads then v heads
   q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (T = padded token count)
+  positions: int64 [T]; cos_sin: fp32 [max_pos, head_dim], cos then sin of each position
   slot_mapping: int64 [T], block_id * block_size + offset, -1 for padding tokens (write nothing)
   query_start_loc: int32 [B + 1], cumulative query lengths (tokens of request i are
       q[query_start_loc[i]:query_start_loc[i+1]])
@@ -17,6 +22,18 @@ The CPU path is the plain-torch reference below; on CUDA the Triton kernels are 
 from __future__ import annotations
 
 import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)  # HF casts before the weight; parity needs the same
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (HF layout) in fp32."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
 
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -57,25 +74,44 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out
 
 
-def _use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda
-
-
-@torch.library.custom_op("rankserve::paged_attention", mutates_args=("k_cache", "v_cache"))
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                    block_table: torch.Tensor, scale: float) -> torch.Tensor:
-    """Store this step's k/v into the paged cache, then attend (see module doc)."""
-    if _use_triton(q):
-        from rankserve.kernels import triton_attention
-        triton_attention.store_kv(k, v, k_cache, v_cache, slot_mapping)
-        return triton_attention.paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens,
-                                                block_table, scale)
+def prepare_qkv_ref(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                    q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                    num_heads: int) -> torch.Tensor:
+    """q/k RMSNorm (when given), RoPE, store k/v into the cache; returns q [T, H, D]."""
+    T = qkv.shape[0]
+    KH, D = k_cache.shape[2], k_cache.shape[3]
+    q, k, v = qkv.view(T, -1, D).split([num_heads, KH, KH], dim=1)
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+    cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2]
+    q, k = rope(q, cos, sin), rope(k, cos, sin)
     store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
-    return paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale)
+    return q
 
 
-@paged_attention.register_fake
-def _(q, k, v, k_cache, v_cache, slot_mapping, query_start_loc, seq_lens, block_table, scale):
-    return torch.empty_like(q)
+@torch.library.custom_op("rankserve::attention", mutates_args=("k_cache", "v_cache"))
+def attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+              q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+              k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+              query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+              num_heads: int, scale: float) -> torch.Tensor:
+    """qkv projection -> attention output [T, num_heads * head_dim] (see module doc)."""
+    T = qkv.shape[0]
+    if qkv.is_cuda:
+        from rankserve.kernels import triton_attention as ta
+        q = ta.prepare_qkv(qkv, positions, cos_sin, q_norm, k_norm, eps, k_cache, v_cache,
+                           slot_mapping, num_heads)
+        out = ta.paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale)
+    else:
+        q = prepare_qkv_ref(qkv, positions, cos_sin, q_norm, k_norm, eps, k_cache, v_cache,
+                            slot_mapping, num_heads)
+        out = paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
+                                  scale)
+    return out.view(T, -1)
+
+
+@attention.register_fake
+def _(qkv, positions, cos_sin, q_norm, k_norm, eps, k_cache, v_cache, slot_mapping,
+      query_start_loc, seq_lens, block_table, num_heads, scale):
+    return qkv.new_empty(qkv.shape[0], num_heads * k_cache.shape[3])

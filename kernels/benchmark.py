@@ -1,7 +1,7 @@
 """Kernel benchmark: `python -m rankserve.kernels.benchmark [--json PATH] [--quick]` (CUDA only).
 
 Measures two ceilings first (HBM copy bandwidth, bf16 matmul rate), then times F.linear (cuBLAS)
-at Llama-8B decode sizes, decode and prefill attention, store_kv and fused MoE at real model sizes
+at Llama-8B decode sizes, decode and prefill attention, prepare_qkv (q/k norm + RoPE + KV store) and fused MoE at real model sizes
 (32 q / 8 kv heads, head_dim 128, block 16; MoE with 128 experts top-8, H 2048, I 768) with
 triton.testing.do_bench (median), and reports each against the ceiling that bounds it.
 """
@@ -109,17 +109,21 @@ def bench_prefill(ceil, quick):
     return rows
 
 
-def bench_store_kv(ceil, quick):
+def bench_prepare_qkv(ceil, quick):
+    """q/k norm + RoPE + KV store (Qwen3 shapes: 32 q / 8 kv heads): reads qkv, writes q, k, v."""
     rows = []
-    for T in ([1, 8192] if quick else [1, 64, 1024, 8192]):
-        k = torch.randn(T, KH, D, dtype=DT, device="cuda")
-        v = torch.randn_like(k)
+    for T in ([1, 8192] if quick else [1, 64, 256, 1024, 8192]):
+        qkv = torch.randn(T, (H + 2 * KH) * D, dtype=DT, device="cuda")
+        pos = torch.randint(0, 4096, (T,), device="cuda")
+        cos_sin = torch.randn(4096, D, device="cuda")
+        qn, kn = torch.ones(D, dtype=DT, device="cuda"), torch.ones(D, dtype=DT, device="cuda")
         nb = triton.cdiv(T, BLOCK) + 1
         k_cache = torch.empty(nb, BLOCK, KH, D, dtype=DT, device="cuda")
         v_cache = torch.empty_like(k_cache)
         slots = torch.randperm(nb * BLOCK, device="cuda")[:T]
-        fn = lambda: ta.store_kv(k, v, k_cache, v_cache, slots)  # noqa: E731
-        rows.append(row("store_kv", f"T={T}", fn, 4 * T * KH * D * 2 + 8 * T, 0, ceil))
+        fn = lambda: ta.prepare_qkv(qkv, pos, cos_sin, qn, kn, 1e-6, k_cache, v_cache, slots, H)  # noqa: E731
+        nbytes = 2 * T * (H + 2 * KH) * D * 2 + T * (D * 4 + 16)
+        rows.append(row("prepare_qkv", f"T={T}", fn, nbytes, 0, ceil))
     return rows
 
 
@@ -173,7 +177,7 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name()}: copy {gbps:.0f} GB/s, bf16 matmul {tflops:.0f} "
           f"TFLOP/s (ceilings)")
     rows = []
-    for part in (bench_linear, bench_decode, bench_prefill, bench_store_kv, bench_moe):
+    for part in (bench_linear, bench_decode, bench_prefill, bench_prepare_qkv, bench_moe):
         rows += part((gbps, tflops), args.quick)
         torch.cuda.empty_cache()
     print(f"{'kernel':<18} {'shape':<30} {'ms':>9} {'graph ms':>9} {'GB/s':>8} {'TFLOP/s':>8}"

@@ -1,6 +1,7 @@
 """Triton kernels behind `rankserve::paged_attention` (layout and semantics: kernels/attention.py).
 
-- `store_kv`: scatter this step's k/v rows into their cache slots (slot -1 = padding, skipped).
+- `prepare_qkv`: q/k RMSNorm (Qwen3) + RoPE on the fused qkv rows, q to a buffer, k/v scattered
+  into their cache slots (slot -1 = padding, skipped), in one launch.
 - `paged_attention`: one unified kernel for any mix of prefill, chunked prefill, prefix extension
   and decode; decode-only batches (`q.shape[0] == seq_lens.shape[0]`) take a split-KV
   (flash-decoding) path instead, so that small batches with long contexts fill the GPU.
@@ -22,46 +23,89 @@ _MAX_SPLITS = 64
 
 
 # ----------------------------------------------------------------------------------------------
-# store_kv
+# prepare_qkv: q/k RMSNorm + RoPE + KV-cache store, one launch
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
-def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-                     stride_kt, stride_kh, stride_vt, stride_vh,
-                     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def _prepare_qkv_kernel(qkv_ptr, pos_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, q_ptr,
+                        k_cache_ptr, v_cache_ptr, slot_ptr, eps,
+                        stride_t, stride_cs, stride_qt, stride_qh,
+                        stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+                        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                        HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
+                        BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+    # Program (token, head): heads 0..H-1 are q heads, H..H+KH-1 k heads (which also move v).
+    # Rounding follows the torch reference step by step (norm -> dtype -> * weight -> dtype ->
+    # fp32 RoPE -> dtype), so compiled and eager runs agree bit for bit on the same device.
     tok = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + tok).to(tl.int64)
-    if slot < 0:  # padding token
+    hh = tl.program_id(1)
+    is_q = hh < NUM_HEADS
+    is_k = hh >= NUM_HEADS
+    slot = tl.load(slot_ptr + tok)
+    if is_k & (slot < 0):  # padding token: its k/v go nowhere
         return
-    blk = slot // BLOCK_SIZE
-    off = slot % BLOCK_SIZE
-    h = tl.arange(0, BLOCK_H)[:, None]
-    d = tl.arange(0, BLOCK_D)[None, :]
-    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
-    k = tl.load(k_ptr + tok * stride_kt + h * stride_kh + d, mask=mask)
-    v = tl.load(v_ptr + tok * stride_vt + h * stride_vh + d, mask=mask)
-    tl.store(k_cache_ptr + blk * stride_kcb + off * stride_kcs + h * stride_kch + d,
-             k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + blk * stride_vcb + off * stride_vcs + h * stride_vch + d,
-             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    dt = q_ptr.dtype.element_ty
+    d = tl.arange(0, BLOCK_HALF)
+    dm = d < HALF
+    src = qkv_ptr + tok * stride_t + hh * HEAD_DIM
+    x1 = tl.load(src + d, mask=dm, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + d, mask=dm, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        r = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / HEAD_DIM + eps)
+        # both weights are tiny and cached: load both and select, rather than select pointers
+        w1 = tl.where(is_q, tl.load(q_norm_ptr + d, mask=dm, other=0.0),
+                      tl.load(k_norm_ptr + d, mask=dm, other=0.0)).to(tl.float32)
+        w2 = tl.where(is_q, tl.load(q_norm_ptr + HALF + d, mask=dm, other=0.0),
+                      tl.load(k_norm_ptr + HALF + d, mask=dm, other=0.0)).to(tl.float32)
+        x1 = ((x1 * r).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
+        x2 = ((x2 * r).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + d, mask=dm, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + d, mask=dm, other=0.0)
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    if is_q:
+        dst = q_ptr + tok * stride_qt + hh * stride_qh
+        tl.store(dst + d, o1.to(dt), mask=dm)
+        tl.store(dst + HALF + d, o2.to(dt), mask=dm)
+    else:
+        kh = hh - NUM_HEADS
+        blk = slot.to(tl.int64) // BLOCK_SIZE
+        off = slot.to(tl.int64) % BLOCK_SIZE
+        kdst = k_cache_ptr + blk * stride_kcb + off * stride_kcs + kh * stride_kch
+        cdt = k_cache_ptr.dtype.element_ty
+        tl.store(kdst + d, o1.to(dt).to(cdt), mask=dm)
+        tl.store(kdst + HALF + d, o2.to(dt).to(cdt), mask=dm)
+        dv = tl.arange(0, BLOCK_D)
+        v = tl.load(src + NUM_KV_HEADS * HEAD_DIM + dv, mask=dv < HEAD_DIM)
+        tl.store(v_cache_ptr + blk * stride_vcb + off * stride_vcs + kh * stride_vch + dv,
+                 v.to(v_cache_ptr.dtype.element_ty), mask=dv < HEAD_DIM)
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """k, v: [T, KH, D] (last dim contiguous); caches [num_blocks, block_size, KH, D]."""
-    T, KH, D = k.shape
+def prepare_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                num_heads: int) -> torch.Tensor:
+    """Triton twin of `attention.prepare_qkv_ref`: returns q [T, H, D], stores k/v."""
+    T = qkv.shape[0]
+    _, block_size, KH, D = k_cache.shape
+    assert qkv.shape[1] == (num_heads + 2 * KH) * D and D % 2 == 0, "qkv / cache shape mismatch"
+    _check_last_dim(qkv, cos_sin, k_cache, v_cache)
+    q = torch.empty(T, num_heads, D, dtype=qkv.dtype, device=qkv.device)
     if T == 0:
-        return
-    _check_last_dim(k, v, k_cache, v_cache)
-    _store_kv_kernel[(T,)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        return q
+    has_norm = q_norm is not None
+    _prepare_qkv_kernel[(T, num_heads + KH)](
+        qkv, positions, cos_sin, q_norm if has_norm else cos_sin, k_norm if has_norm else cos_sin,
+        q, k_cache, v_cache, slot_mapping, eps,
+        qkv.stride(0), cos_sin.stride(0), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        NUM_KV_HEADS=KH, HEAD_DIM=D, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_H=triton.next_power_of_2(KH), BLOCK_D=triton.next_power_of_2(D), num_warps=4)
+        NUM_HEADS=num_heads, NUM_KV_HEADS=KH, HEAD_DIM=D, BLOCK_SIZE=block_size,
+        HAS_NORM=has_norm, BLOCK_HALF=triton.next_power_of_2(D // 2),
+        BLOCK_D=triton.next_power_of_2(D), num_warps=1)
+    return q
 
 
 # ----------------------------------------------------------------------------------------------
@@ -175,17 +219,18 @@ def _unified_attention_kernel(
 # split-KV decode (one query token per request)
 # ----------------------------------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _decode_split_kernel(
-        q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr, qsl_ptr, seq_lens_ptr,
-        bt_ptr, scale_log2e,
-        stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-        stride_bt,
+        q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr, out_ptr, qsl_ptr,
+        seq_lens_ptr, bt_ptr, scale_log2e, num_seqs,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
     # Program (req, kvh, split): the GROUP heads of kv head kvh over one segment of the context.
     # Partial results are normalised; lse (log2 domain) lets the reduce kernel reweight them.
+    # With one split (large batches) the result is final: written straight to out, no reduce.
     req = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -227,8 +272,18 @@ def _decode_split_kernel(
         m_i = m_new
 
     empty = l_i == 0.0  # empty segment: weight 0 in the reduction, partial output 0
-    lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    if NUM_SPLITS == 1:
+        o_ptrs = out_ptr + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs + q_start.to(tl.int64) * stride_ot, out.to(out_ptr.dtype.element_ty),
+                 mask=q_rows[:, None] & d_mask[None, :])
+        # T == B, so row `req` is a padding row exactly when req >= qsl[B]: zero it
+        is_pad = req >= tl.load(qsl_ptr + num_seqs)
+        tl.store(o_ptrs + req.to(tl.int64) * stride_ot,
+                 tl.zeros([BLOCK_H, BLOCK_D], out_ptr.dtype.element_ty),
+                 mask=(hs < tl.where(is_pad, GROUP, 0))[:, None] & d_mask[None, :])
+        return
+    lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
     row = (req * NUM_HEADS + head).to(tl.int64) * NUM_SPLITS + split
     tl.store(part_lse_ptr + row, lse, mask=h_mask)
     tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out,
@@ -340,14 +395,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         block_n = 64 if on_gpu else 16
         max_context = block_table.shape[1] * block_size
         splits = _num_splits(B, KH, max_context, block_n, q.device)
-        part_out = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
+        part_out = part_lse = out  # unused with one split
+        if splits > 1:
+            part_out = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
+            part_lse = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
         _decode_split_kernel[(B, KH, splits)](
-            q, k_cache, v_cache, part_out, part_lse, query_start_loc, seq_lens, block_table,
-            scale_log2e, q.stride(0), q.stride(1), *common,
+            q, k_cache, v_cache, part_out, part_lse, out, query_start_loc, seq_lens, block_table,
+            scale_log2e, B, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common,
             NUM_HEADS=H, HEAD_DIM=D, GROUP=group, BLOCK_SIZE=block_size,
             BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
             NUM_SPLITS=splits, num_warps=4, num_stages=2)
+        if splits == 1:
+            return out
         _decode_reduce_kernel[(B, H)](
             part_out, part_lse, out, query_start_loc, B, out.stride(0), out.stride(1),
             NUM_HEADS=H, HEAD_DIM=D, NUM_SPLITS=splits,

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from rankserve.kernels.attention import paged_attention
+from rankserve.kernels.attention import attention, rms_norm
 
 
 @dataclass
@@ -199,9 +199,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)  # HF casts before the weight; parity needs the same
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
@@ -224,23 +222,19 @@ def rope_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
     return inv.float()
 
 
-class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE (HF layout) from a precomputed cos/sin table indexed by position."""
+_COS_SIN: dict[tuple, torch.Tensor] = {}
 
-    def __init__(self, head_dim: int, max_pos: int, params: dict):
-        super().__init__()
+
+def rope_cos_sin(head_dim: int, max_pos: int, params: dict) -> torch.Tensor:
+    """fp32 [max_pos, head_dim] table: cos then sin of each position (applied inside the attention
+    op, fused with the q/k norm and the KV-cache store). One table per device is shared by all
+    layers: at 128k positions it is 64 MiB, which per layer would cost an 8B model 2 GiB."""
+    key = (head_dim, max_pos, repr(sorted(params.items())), str(torch.get_default_device()))
+    if key not in _COS_SIN:
         inv = rope_inv_freq(head_dim, params)
-        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv)
-        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], -1), persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
+        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv.to(torch.float32))
+        _COS_SIN[key] = torch.cat([freqs.cos(), freqs.sin()], -1)
+    return _COS_SIN[key]
 
 
 @dataclass
@@ -259,11 +253,10 @@ class Attention(nn.Module):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads, qkv_bias, pi, dtype)
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, False, pi, dtype)
-        self.q_size = self.qkv_proj.num_heads * head_dim
-        self.kv_size = self.qkv_proj.num_kv_heads * head_dim
         self.head_dim = head_dim
         self.scale = head_dim ** -0.5
-        self.rotary = RotaryEmbedding(head_dim, max_pos, rope_params)
+        self.register_buffer("cos_sin", rope_cos_sin(head_dim, max_pos, rope_params),
+                             persistent=False)
         self.q_norm = self.k_norm = None
         if qk_norm_eps is not None:  # Qwen3: per-head RMSNorm on q and k before RoPE
             self.q_norm = RMSNorm(head_dim, qk_norm_eps, dtype)
@@ -273,17 +266,12 @@ class Attention(nn.Module):
         self.v_cache = torch.empty(0)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttnMeta) -> torch.Tensor:
-        T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, -1, self.head_dim)
-        k = k.view(T, -1, self.head_dim)
-        v = v.view(T, -1, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        o = paged_attention(q, k, v, self.k_cache, self.v_cache, attn.slot_mapping,
-                            attn.query_start_loc, attn.seq_lens, attn.block_table, self.scale)
-        return self.o_proj(o.reshape(T, -1))
+        qn, kn = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+        eps = 0.0 if self.q_norm is None else self.q_norm.eps
+        o = attention(self.qkv_proj(x), positions, self.cos_sin, qn, kn, eps, self.k_cache,
+                      self.v_cache, attn.slot_mapping, attn.query_start_loc, attn.seq_lens,
+                      attn.block_table, self.qkv_proj.num_heads, self.scale)
+        return self.o_proj(o)
 
 
 class GatedMLP(nn.Module):

@@ -7,6 +7,7 @@ gathers rather than Python loops over tokens.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -122,6 +123,7 @@ class ModelRunner:
 
     def _profile_num_blocks(self) -> int:
         """Run the largest step once; give `utilization × total − peak` to the KV cache."""
+        gc.collect()  # an engine dropped earlier in this process may still hold its KV cache
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         self.allocate_kv_cache(1)

@@ -19,7 +19,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from rankserve.kernels import moe, triton_attention as ta
-from rankserve.kernels.attention import paged_attention_ref, store_kv_ref
+from rankserve.kernels.attention import paged_attention_ref, prepare_qkv_ref
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -142,26 +142,60 @@ def test_decode_split_kv(interp, group, head_dim):
     interp(decode_split_case, group, head_dim)
 
 
-def store_kv_case():
-    g = torch.Generator().manual_seed(1)
-    T, KH, D, nb, bs = 11, 2, 16, 6, 16
-    qkv = torch.randn(T, 3 * KH, D, generator=g)  # k, v as strided views, like a fused qkv
-    k, v = qkv[:, KH:2 * KH], qkv[:, 2 * KH:]
+def decode_one_split_case():
+    # a batch large enough for one split per sequence: the split kernel writes out directly
+    seq_lens = [1 + 23 * i for i in range(14)] + [0, 0]
+    q_lens = [1] * 14 + [0, 0]
+    batch = make_batch(q_lens, seq_lens, kv_heads=2, group=2, head_dim=16, block_size=16,
+                       pad_tokens=2, seed=3)
+    assert ta._num_splits(len(seq_lens), 2, batch[5].shape[1] * 16, 16, torch.device("cpu")) == 1
+    check_attention(batch, 1e-5, 1e-5)
+
+
+def test_decode_one_split(interp):
+    interp(decode_one_split_case)
+
+
+def make_qkv(T, H, KH, D, nb, bs, *, norm, dtype=torch.float32, device="cpu", seed=1):
+    """Fused qkv rows, RoPE table, q/k norm weights, poisoned caches, slots with padding."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(T, (H + 2 * KH) * D, generator=g)
+    positions = torch.randint(0, 500, (T,), generator=g)
+    inv = 1.0 / 10000 ** (torch.arange(0, D, 2) / D)
+    freqs = torch.outer(torch.arange(512).float(), inv)
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], -1)
+    qn, kn = (torch.rand(D, generator=g) + 0.5, torch.rand(D, generator=g) + 0.5) if norm else (None, None)
     slots = torch.randperm(nb * bs, generator=g)[:T]
-    slots[[2, 7, 10]] = -1
-    poison = 1234.5
-    k_cache = torch.full((nb, bs, KH, D), poison)
-    v_cache = torch.full((nb, bs, KH, D), poison)
-    ta.store_kv(k, v, k_cache, v_cache, slots)
-    k_ref, v_ref = torch.full_like(k_cache, poison), torch.full_like(v_cache, poison)
-    store_kv_ref(k, v, k_ref, v_ref, slots)
-    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
-    written = (k_cache.view(-1, KH, D) != poison).all(-1).all(-1)
-    assert written.sum() == T - 3  # nothing but the valid slots
+    slots[::4] = -1
+    caches = torch.full((4, nb, bs, KH, D), 1234.5)
+    to = dict(device=device)
+    return (qkv.to(dtype).to(**to), positions.to(**to), cos_sin.to(**to),
+            None if qn is None else qn.to(dtype).to(**to), None if kn is None else kn.to(dtype).to(**to),
+            1e-6, caches.to(dtype).to(**to), slots.to(**to), H)
 
 
-def test_store_kv_exact_slots(interp):
-    interp(store_kv_case)
+def check_prepare_qkv(args, tol):
+    qkv, positions, cos_sin, qn, kn, eps, caches, slots, H = args
+    q = ta.prepare_qkv(qkv, positions, cos_sin, qn, kn, eps, caches[0], caches[1], slots, H)
+    q_ref = prepare_qkv_ref(qkv, positions, cos_sin, qn, kn, eps, caches[2], caches[3], slots, H)
+    # a different sum order / FMA contraction may move the last rounding by one step
+    torch.testing.assert_close(q, q_ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(caches[0], caches[2], atol=tol, rtol=tol)
+    assert torch.equal(caches[1], caches[3])  # v is moved, never rounded
+    written = (caches[0].flatten(0, 1) != 1234.5).all(-1).all(-1)
+    assert written.sum() == (slots >= 0).sum()  # padding tokens write nothing
+
+
+def prepare_qkv_case(norm, dtype):
+    check_prepare_qkv(make_qkv(11, 4, 2, 16, 6, 16, norm=norm, dtype=dtype),
+                      1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prepare_qkv(interp, norm, dtype):
+    """q/k norm + RoPE + cache store in one kernel equals the torch reference the models use."""
+    interp(prepare_qkv_case, norm, dtype)
 
 
 def test_interpreter_confined_to_worker(interp):
@@ -281,17 +315,10 @@ def test_gpu_mixed_bf16():
 
 @gpu
 @needs_cuda
-def test_gpu_store_kv():
-    T, KH, D = 300, 8, 128
-    k = torch.randn(T, KH, D, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    slots = torch.randperm(1000 * 16, device="cuda")[:T]
-    slots[::7] = -1
-    caches = [torch.full((1000, 16, KH, D), 7.0, device="cuda", dtype=torch.bfloat16)
-              for _ in range(4)]
-    ta.store_kv(k, v, caches[0], caches[1], slots)
-    store_kv_ref(k, v, caches[2], caches[3], slots)
-    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+@pytest.mark.parametrize("norm", [False, True])
+def test_gpu_prepare_qkv(norm):
+    check_prepare_qkv(make_qkv(300, 32, 8, 128, 1000, 16, norm=norm, dtype=torch.bfloat16,
+                               device="cuda"), 2e-2)
 
 
 @gpu
@@ -303,19 +330,23 @@ def test_gpu_cuda_graph_capture(decode):
     q_lens = [1] * B if decode else [1, 40, 1, 200, 3, 1, 0, 1]
     seq = [100, 900, 5, 2000, 64, 1, 0, 3000] if not decode else [100, 900, 5, 2000, 64, 1, 7, 3]
     q, kc, vc, qsl, sl, bt = make_batch(q_lens, seq, pad_tokens=2, **REAL)
-    T = q.shape[0]
-    k = torch.randn(T, 8, 128, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
+    T, H, D = q.shape
+    qkv = torch.randn(T, (H + 16) * D, device="cuda", dtype=torch.bfloat16)
+    qkv[:, :H * D] = q.view(T, -1)
+    cos_sin = torch.cat([torch.ones(8, D // 2), torch.zeros(8, D // 2)], -1).cuda()  # RoPE at 0
+    positions = torch.zeros(T, dtype=torch.int64, device="cuda")
     slots = torch.full((T,), -1, dtype=torch.int64, device="cuda")
-    op = lambda: torch.ops.rankserve.paged_attention(q, k, v, kc, vc, slots, qsl, sl, bt, 0.1)
+    op = lambda: torch.ops.rankserve.attention(  # noqa: E731
+        qkv, positions, cos_sin, None, None, 0.0, kc, vc, slots, qsl, sl, bt, H, 0.1)
     op()  # compile outside capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = op()
     sl.copy_(torch.flip(sl, [0]) if decode else sl)  # new context lengths, same shapes
     q.normal_()
+    qkv[:, :H * D] = q.view(T, -1)
     graph.replay()
-    ref = paged_attention_ref(q, kc, vc, qsl, sl, bt, 0.1)
+    ref = paged_attention_ref(q, kc, vc, qsl, sl, bt, 0.1).view(T, -1)
     n = int(qsl[-1])
     torch.testing.assert_close(out[:n].float(), ref[:n].float(), atol=2e-2, rtol=2e-2)
 
