@@ -1,20 +1,23 @@
 """Kernel benchmark: `python -m rankserve.kernels.benchmark [--json PATH] [--quick]` (CUDA only).
 
 Measures two ceilings first (HBM copy bandwidth, bf16 matmul rate), then times F.linear (cuBLAS)
-at Llama-8B decode sizes, decode and prefill attention, prepare_qkv (q/k norm + RoPE + KV store) and fused MoE at real model sizes
+at Llama-8B decode sizes, the skinny decode GEMMs of gemv.py (vs cuBLAS, and their fused prologues
+vs the unfused sequences), decode and prefill attention, prepare_qkv (q/k norm + RoPE + KV store)
+and fused MoE at real model sizes
 (32 q / 8 kv heads, head_dim 128, block 16; MoE with 128 experts top-8, H 2048, I 768) with
 triton.testing.do_bench (median), and reports each against the ceiling that bounds it.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 
 import torch
 import triton
 
-from rankserve.kernels import moe, triton_attention as ta
+from rankserve.kernels import gemv, moe, triton_attention as ta
 
 H, KH, D, BLOCK = 32, 8, 128, 16
 E, TOPK, HID, INTER = 128, 8, 2048, 768
@@ -163,6 +166,55 @@ def bench_linear(ceil, quick):
     return rows
 
 
+# Llama-3.1-8B decode GEMMs (out, in) with the op fused in front of each
+SKINNY = [("qkv", 6144, 4096, "add_rms_norm"), ("o_proj", 4096, 4096, None),
+          ("gate_up", 28672, 4096, "add_rms_norm"), ("down", 4096, 14336, "silu_mul")]
+
+
+def weight_copies(N, K):
+    """Copies of a weight that together exceed 3x L2, used in turn: graph replay does not flush
+    L2, and a decode step reads every layer's weights from HBM, never a cached one."""
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    n = max(1, triton.cdiv(3 * l2, N * K * 2))
+    ws = [torch.randn(N, K, dtype=DT, device="cuda") * K ** -0.5 for _ in range(n)]
+    return itertools.cycle(ws).__next__
+
+
+def bench_skinny(ceil, quick):
+    """gemv.py at decode batch sizes: cuBLAS vs skinny_linear, and each fused op vs the sequence
+    it replaces, eager (one kernel per torch op) and torch.compile'd (the fused norm / silu*mul
+    kernel the compiled model gets, then cuBLAS). GB/s counts the bytes that must move (weight,
+    activations in and out) for every variant, so the columns compare directly."""
+    rows = []
+    unfused = {"add_rms_norm": gemv.ref_add_rms_norm_linear, "silu_mul": gemv.ref_silu_mul_linear}
+    compiled = {k: torch.compile(f, dynamic=True) for k, f in unfused.items()}
+    fused = {"add_rms_norm": gemv.add_rms_norm_linear_triton,
+             "silu_mul": gemv.silu_mul_linear_triton}
+    for M in ([1, 16] if quick else [1, 4, 16]):
+        for name, N, K, pre in SKINNY:
+            w = weight_copies(N, K)
+            shape, flops = f"{name} M={M} {N}x{K}", 2 * M * N * K
+            x = torch.randn(M, K, dtype=DT, device="cuda")
+            nbytes = (N * K + M * (K + N)) * 2
+            rows.append(row("cublas_linear", shape, lambda: torch.nn.functional.linear(x, w()),
+                            nbytes, flops, ceil))
+            fn = lambda: gemv.skinny_linear_triton(x, w())  # noqa: E731
+            rows.append(row("skinny_linear", shape, fn, nbytes, flops, ceil))
+            if pre == "add_rms_norm":
+                args = (x, torch.randn_like(x), torch.rand(K, dtype=DT, device="cuda") + 0.5,
+                        1e-5)
+                nbytes += 2 * M * K * 2  # delta read, h_new written
+            elif pre == "silu_mul":
+                args = (torch.randn(M, 2 * K, dtype=DT, device="cuda"),)
+                nbytes += M * K * 2  # gu is twice as wide as the GEMM input
+            else:
+                continue
+            for kernel, fn in ((f"{pre}_linear", fused[pre]), ("unfused_eager", unfused[pre]),
+                               ("unfused_compiled", compiled[pre])):
+                rows.append(row(kernel, shape, lambda: fn(*args, w()), nbytes, flops, ceil))
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
@@ -177,14 +229,15 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name()}: copy {gbps:.0f} GB/s, bf16 matmul {tflops:.0f} "
           f"TFLOP/s (ceilings)")
     rows = []
-    for part in (bench_linear, bench_decode, bench_prefill, bench_prepare_qkv, bench_moe):
+    for part in (bench_linear, bench_skinny, bench_decode, bench_prefill, bench_prepare_qkv,
+                 bench_moe):
         rows += part((gbps, tflops), args.quick)
         torch.cuda.empty_cache()
-    print(f"{'kernel':<18} {'shape':<30} {'ms':>9} {'graph ms':>9} {'GB/s':>8} {'TFLOP/s':>8}"
+    print(f"{'kernel':<20} {'shape':<30} {'ms':>9} {'graph ms':>9} {'GB/s':>8} {'TFLOP/s':>8}"
           "  of ceiling")
     for r in rows:
         graph = f"{r['graph_ms']:>9.4f}" if r["graph_ms"] is not None else f"{'-':>9}"
-        print(f"{r['kernel']:<18} {r['shape']:<30} {r['ms']:>9.4f} {graph} {r['gbps']:>8.0f} "
+        print(f"{r['kernel']:<20} {r['shape']:<30} {r['ms']:>9.4f} {graph} {r['gbps']:>8.0f} "
               f"{r['tflops']:>8.1f}  {r['frac_of_ceiling']:>5.0%} {r['bound']}")
     if args.json:
         with open(args.json, "w") as f:

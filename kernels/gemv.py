@@ -1,0 +1,323 @@
+"""Skinny GEMMs for decode (M <= MAX_M rows): y = x @ w.T (+ bias), the weight w [N, K] streamed
+from HBM once, with the cheap op in front of each decode-layer GEMM folded into its prologue:
+
+  skinny_linear(x, w, bias)                 x @ w.T + bias                        (o_proj)
+  add_rms_norm_linear(h, delta, norm_w, eps, w, bias)
+                                            (rmsnorm(h + delta) @ w.T + bias, h + delta)
+                                                                                  (qkv, gate_up)
+  silu_mul_linear(gu, w, bias)              (silu(gu[:, :I]) * gu[:, I:]) @ w.T + bias  (down)
+
+Rounding follows models/layers.py exactly (RMSNorm: normalise in fp32, cast, then times the
+weight; GatedMLP: silu rounded to the dtype, then the product), so the fused layer equals the
+unfused one up to the GEMM's summation order.
+
+Kernel: one program per BLOCK_N output columns; it walks K in BLOCK_K chunks, builds the
+[BLOCK_M, BLOCK_K] activation chunk (with its prologue) from the small, L2-resident activations and
+multiplies it into the [BLOCK_N, BLOCK_K] weight tile. M == 1 accumulates products elementwise and
+reduces once after the loop; 2..MAX_M rows pad to 16 and use tl.dot (tensor-core work is free
+here, the weight stream is the cost). Configs are picked from shapes, not autotuned, so nothing is
+benchmarked under CUDA-graph capture (the first call of each shape still compiles: warm up first).
+Above MAX_M the weight is reused across rows and cuBLAS wins: one Triton prologue kernel, then
+F.linear. Without CUDA or the Triton interpreter, everything is the plain-torch reference.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+MAX_M = 16  # rows up to which the skinny kernel beats cuBLAS (weight-bandwidth bound)
+
+LINEAR, ADD_RMS_NORM, SILU_MUL = 0, 1, 2  # prologues
+
+
+# ----------------------------------------------------------------------------------------------
+# plain-torch references (the unfused model code)
+# ----------------------------------------------------------------------------------------------
+
+def ref_skinny_linear(x, w, bias=None):
+    return F.linear(x, w, bias)
+
+
+def rms_norm_ref(h_new, norm_w, eps):
+    """models/layers.py RMSNorm.forward."""
+    xf = h_new.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return norm_w * xf.to(h_new.dtype)
+
+
+def ref_add_rms_norm_linear(h, delta, norm_w, eps, w, bias=None):
+    h_new = h + delta
+    return F.linear(rms_norm_ref(h_new, norm_w, eps), w, bias), h_new
+
+
+def silu_mul_ref(gu):
+    """models/layers.py GatedMLP: silu(gate) rounded to the dtype, then times up."""
+    gate, up = gu.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def ref_silu_mul_linear(gu, w, bias=None):
+    return F.linear(silu_mul_ref(gu), w, bias)
+
+
+# ----------------------------------------------------------------------------------------------
+# prologue math, shared by the skinny kernel and the large-M prologue kernels
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _add(h, d):
+    return (h.to(tl.float32) + d.to(tl.float32)).to(h.dtype)  # torch: add in fp32, round once
+
+
+@triton.jit
+def _rms_scale(hn, rstd, nw):
+    # norm_w * (h_new * rstd).to(dtype): both products rounded to the dtype, like RMSNorm
+    xn = (hn.to(tl.float32) * rstd).to(hn.dtype)
+    return (xn.to(tl.float32) * nw.to(tl.float32)).to(hn.dtype)
+
+
+@triton.jit
+def _silu_mul(g, u):
+    gf = g.to(tl.float32)
+    s = (gf * tl.sigmoid(gf)).to(g.dtype)  # F.silu rounds to the dtype before the product
+    return (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
+
+
+@triton.jit
+def _rstd(h_ptr, d_ptr, rows, row_mask, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    # every program recomputes the rows' rstd (a pass over h, delta in L2): no cross-program sync
+    offs_k = tl.arange(0, BLOCK_K)
+    ss = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs = rows[:, None] * K + (k0 + offs_k)[None, :]
+        mask = row_mask[:, None] & (k0 + offs_k < K)[None, :]
+        hn = _add(tl.load(h_ptr + offs, mask=mask, other=0.0),
+                  tl.load(d_ptr + offs, mask=mask, other=0.0)).to(tl.float32)
+        ss += hn * hn
+    return tl.math.rsqrt(tl.sum(ss, 1) / K + eps)
+
+
+@triton.jit
+def _act_chunk(a_ptr, b_ptr, nw_ptr, h_out_ptr, rows, offs_k, mask, K, rstd, write_h,
+               PROLOGUE: tl.constexpr):
+    """Activation chunk [BLOCK_M, BLOCK_K] at columns offs_k, in the activation dtype."""
+    offs = rows[:, None] * K + offs_k[None, :]
+    if PROLOGUE == 0:  # LINEAR: a = x
+        x = tl.load(a_ptr + offs, mask=mask, other=0.0)
+    elif PROLOGUE == 1:  # ADD_RMS_NORM: a = h, b = delta
+        hn = _add(tl.load(a_ptr + offs, mask=mask, other=0.0),
+                  tl.load(b_ptr + offs, mask=mask, other=0.0))
+        if write_h:  # one program column writes h_new
+            tl.store(h_out_ptr + offs, hn, mask=mask)
+        nw = tl.load(nw_ptr + offs_k, mask=offs_k < K, other=0.0)
+        x = _rms_scale(hn, rstd[:, None], nw[None, :])
+    else:  # SILU_MUL: a = gu [M, 2K], gate then up
+        offs += rows[:, None] * K
+        x = _silu_mul(tl.load(a_ptr + offs, mask=mask, other=0.0),
+                      tl.load(a_ptr + offs + K, mask=mask, other=0.0))
+    return x
+
+
+@triton.jit(do_not_specialize=["M"])
+def _skinny_kernel(a_ptr, b_ptr, nw_ptr, w_ptr, bias_ptr, y_ptr, h_out_ptr, M, N, K, eps,
+                   PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, F32_DOT: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   NUM_STAGES: tl.constexpr):
+    pid_n = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    rstd = tl.zeros([BLOCK_M], tl.float32)
+    if PROLOGUE == 1:
+        rstd = _rstd(a_ptr, b_ptr, rows, row_mask, K, eps, BLOCK_M, BLOCK_K)
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
+    if BLOCK_M == 1:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    # an explicit num_stages lets Triton pipeline (cp.async) the loads of the dot-free M == 1 loop
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        k_mask = k0 + offs_k < K
+        a = _act_chunk(a_ptr, b_ptr, nw_ptr, h_out_ptr, rows, k0 + offs_k,
+                       row_mask[:, None] & k_mask[None, :], K, rstd, pid_n == 0, PROLOGUE)
+        # the weight is read once: keep it from evicting the activations (and whatever else) in L2
+        w = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0,
+                    eviction_policy="evict_first")
+        if BLOCK_M == 1:  # elementwise fp32 partial sums; one cross-thread reduction at the end
+            acc += w.to(tl.float32) * a.to(tl.float32)
+        elif F32_DOT:  # fp32 weights, or the interpreter (its bf16 dot is broken)
+            acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc,
+                         input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(w), acc)
+    if BLOCK_M == 1:
+        out = tl.sum(acc, 1)[None, :]
+    else:
+        out = acc
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rows[:, None] * N + offs_n[None, :], out.to(y_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _add_rms_norm_kernel(h_ptr, d_ptr, nw_ptr, h_out_ptr, x_ptr, K, eps, BLOCK: tl.constexpr):
+    # large-M prologue: one program per row, the whole row in registers
+    offs = tl.program_id(0).to(tl.int64) * K + tl.arange(0, BLOCK)
+    mask = tl.arange(0, BLOCK) < K
+    hn = _add(tl.load(h_ptr + offs, mask=mask, other=0.0),
+              tl.load(d_ptr + offs, mask=mask, other=0.0))
+    tl.store(h_out_ptr + offs, hn, mask=mask)
+    hf = hn.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(hf * hf, 0) / K + eps)
+    nw = tl.load(nw_ptr + tl.arange(0, BLOCK), mask=mask, other=0.0)
+    tl.store(x_ptr + offs, _rms_scale(hn, rstd, nw), mask=mask)
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, x_ptr, I, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < I
+    g = tl.load(gu_ptr + row * 2 * I + cols, mask=mask, other=0.0)
+    u = tl.load(gu_ptr + row * 2 * I + I + cols, mask=mask, other=0.0)
+    tl.store(x_ptr + row * I + cols, _silu_mul(g, u), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers
+# ----------------------------------------------------------------------------------------------
+
+_INTERPRET = isinstance(_skinny_kernel, InterpretedFunction)  # TRITON_INTERPRET=1 at import
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda or (_INTERPRET and t.device.type == "cpu")
+
+
+def _config(M: int, on_gpu: bool) -> dict:
+    """Block shapes from M only (no autotuning, see module doc).
+
+    M == 1: 16 columns a program (Llama-8B: 256 programs for o_proj/down, 384 for qkv, 1792 for
+    gate_up, so >= 2 per SM of 132) and a [16, 256] bf16 tile (8 KB): 4 stages give ~24 KB of
+    loads in flight per program, ~50 KB per SM, above the ~25 KB an SM needs to cover HBM
+    latency at its 1/132 share of ~4.3 TB/s. More columns per program would cut the grid below
+    2 waves; fewer would re-read x (K * 2 bytes per program) relatively more.
+    2..4 rows: same grid; activations (read once per program from L2) are <= 4/16 of the weight.
+    5..16 rows: 32 columns a program halves that L2 re-read at the cost of a ~1-wave grid for the
+    N=4096 GEMMs (128 programs), with a fifth stage to keep ~32 KB in flight per program.
+    """
+    block_m = 1 if M == 1 else 16
+    if not on_gpu:  # interpreter: small tiles, several K steps and ragged edges on small tests
+        return dict(BLOCK_M=block_m, BLOCK_N=16, BLOCK_K=32, NUM_STAGES=1, num_warps=4)
+    if M <= 4:
+        return dict(BLOCK_M=block_m, BLOCK_N=16, BLOCK_K=256, NUM_STAGES=4, num_warps=4)
+    return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, NUM_STAGES=5, num_warps=4)
+
+
+def _skinny(prologue, a, w, bias, K, b=None, norm_w=None, eps=0.0, h_out=None):
+    M, N = a.shape[0], w.shape[0]
+    assert w.shape[1] == K and w.dtype == a.dtype, "skinny GEMM: weight shape or dtype mismatch"
+    w = w.contiguous()
+    y = a.new_empty(M, N)
+    cfg = _config(M, a.is_cuda)
+    f32_dot = a.dtype == torch.float32 or not a.is_cuda
+    _skinny_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
+        a, b, norm_w, w, bias, y, h_out, M, N, K, eps, PROLOGUE=prologue,
+        HAS_BIAS=bias is not None, F32_DOT=f32_dot, **cfg)
+    return y
+
+
+def skinny_linear_triton(x, w, bias=None):
+    if not 0 < x.shape[0] <= MAX_M:
+        return F.linear(x, w, bias)
+    return _skinny(LINEAR, x.contiguous(), w, bias, x.shape[1])
+
+
+def add_rms_norm_triton(h, delta, norm_w, eps):
+    """(x, h_new): x = rmsnorm(h + delta) for any M, one launch."""
+    h, delta = h.contiguous(), delta.contiguous()
+    M, K = h.shape
+    h_new, x = torch.empty_like(h), torch.empty_like(h)
+    block = triton.next_power_of_2(K)
+    _add_rms_norm_kernel[(M,)](h, delta, norm_w, h_new, x, K, eps, BLOCK=block,
+                               num_warps=min(max(block // 512, 1), 16))
+    return x, h_new
+
+
+def add_rms_norm_linear_triton(h, delta, norm_w, eps, w, bias=None):
+    if not 0 < h.shape[0] <= MAX_M:
+        x, h_new = add_rms_norm_triton(h, delta, norm_w, eps)
+        return F.linear(x, w, bias), h_new
+    h, delta = h.contiguous(), delta.contiguous()
+    h_new = torch.empty_like(h)  # separate output: other programs still read h
+    y = _skinny(ADD_RMS_NORM, h, w, bias, h.shape[1], b=delta, norm_w=norm_w, eps=eps,
+                h_out=h_new)
+    return y, h_new
+
+
+def silu_mul_triton(gu):
+    gu = gu.contiguous()
+    M, inter = gu.shape[0], gu.shape[1] // 2
+    x = gu.new_empty(M, inter)
+    block = min(triton.next_power_of_2(inter), 2048)
+    _silu_mul_kernel[(M, triton.cdiv(inter, block))](gu, x, inter, BLOCK=block, num_warps=4)
+    return x
+
+
+def silu_mul_linear_triton(gu, w, bias=None):
+    if not 0 < gu.shape[0] <= MAX_M:
+        return F.linear(silu_mul_triton(gu), w, bias)
+    return _skinny(SILU_MUL, gu.contiguous(), w, bias, gu.shape[1] // 2)
+
+
+# ----------------------------------------------------------------------------------------------
+# ops
+# ----------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("rankserve::skinny_linear", mutates_args=())
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    """x [M, K], w [N, K], bias [N] -> x @ w.T + bias [M, N]."""
+    if _use_triton(x):
+        return skinny_linear_triton(x, w, bias)
+    return ref_skinny_linear(x, w, bias)
+
+
+@skinny_linear.register_fake
+def _(x, w, bias=None):
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+@torch.library.custom_op("rankserve::add_rms_norm_linear", mutates_args=())
+def add_rms_norm_linear(h: torch.Tensor, delta: torch.Tensor, norm_w: torch.Tensor, eps: float,
+                        w: torch.Tensor, bias: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """h, delta [M, K], norm_w [K], w [N, K] -> (rmsnorm(h + delta) @ w.T + bias, h + delta)."""
+    if _use_triton(h):
+        return add_rms_norm_linear_triton(h, delta, norm_w, eps, w, bias)
+    return ref_add_rms_norm_linear(h, delta, norm_w, eps, w, bias)
+
+
+@add_rms_norm_linear.register_fake
+def _(h, delta, norm_w, eps, w, bias=None):
+    return h.new_empty(h.shape[0], w.shape[0]), torch.empty_like(h)
+
+
+@torch.library.custom_op("rankserve::silu_mul_linear", mutates_args=())
+def silu_mul_linear(gu: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+    """gu [M, 2I] (gate | up), w [N, I] -> (silu(gate) * up) @ w.T + bias [M, N]."""
+    if _use_triton(gu):
+        return silu_mul_linear_triton(gu, w, bias)
+    return ref_silu_mul_linear(gu, w, bias)
+
+
+@silu_mul_linear.register_fake
+def _(gu, w, bias=None):
+    return gu.new_empty(gu.shape[0], w.shape[0])

@@ -1,0 +1,195 @@
+"""Skinny-GEMM ops (kernels/gemv.py) vs their plain-torch references.
+
+CPU: the Triton kernels run in Triton's interpreter in one spawned worker (TRITON_INTERPRET must be
+set before triton is imported; see test_kernels.py). M <= MAX_M takes the skinny kernel (M == 1 its
+elementwise path, more rows its tl.dot path), M > MAX_M the prologue kernel + F.linear. Rounding
+is checked exactly in fp32 / fp16; the interpreter truncates fp32 -> bf16 instead of rounding to
+nearest, so bf16 there is checked to a tolerance (exact on the GPU).
+GPU (`-m gpu`): bf16 at Llama-3.1-8B decode sizes, plus CUDA-graph capture.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from rankserve.kernels import gemv
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+EPS = 1e-5
+
+
+@pytest.fixture(scope="module")
+def interp():
+    """Runs fn(*args) in a worker that imported triton with TRITON_INTERPRET=1."""
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"  # inherited by the worker started just below
+    try:
+        pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        assert pool.submit(_interpreting).result(), "worker is not using the Triton interpreter"
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+    yield lambda fn, *args: pool.submit(fn, *args).result()
+    pool.shutdown()
+
+
+def _interpreting() -> bool:
+    return gemv._INTERPRET
+
+
+def make_inputs(M, N, K, dtype, bias, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype).to(device)
+    return dict(x=r(M, K), h=r(M, K), delta=r(M, K), norm_w=1 + r(K, scale=0.1), gu=r(M, 2 * K),
+                w=r(N, K, scale=K ** -0.5), bias=r(N) if bias else None)
+
+
+def check(out, ref, dtype, exact=False):
+    if dtype == torch.bfloat16:  # interpreter bf16: each truncating cast adds up to 1 ulp (~0.5%)
+        assert (out.float() - ref.float()).norm() <= 2e-2 * ref.float().norm()
+    elif exact:
+        assert torch.equal(out, ref)
+    else:
+        tol = 1e-5 if dtype == torch.float32 else 2e-3
+        torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+
+
+def ops_case(M, N, K, dtype, bias):
+    t = make_inputs(M, N, K, dtype, bias, seed=M * 1000 + N + K)
+    w, b = t["w"], t["bias"]
+    check(gemv.skinny_linear(t["x"], w, b), gemv.ref_skinny_linear(t["x"], w, b), dtype)
+
+    h = t["h"].clone()
+    y, h_new = gemv.add_rms_norm_linear(h, t["delta"], t["norm_w"], EPS, w, b)
+    ref_y, ref_h = gemv.ref_add_rms_norm_linear(t["h"], t["delta"], t["norm_w"], EPS, w, b)
+    assert torch.equal(h, t["h"]), "h must not be modified"
+    check(h_new, ref_h, dtype, exact=True)
+    check(y, ref_y, dtype)
+
+    gu, w_down = t["gu"], t["w"]  # w is [N, K]: gu [M, 2K] -> [M, N]
+    check(gemv.silu_mul_linear(gu, w_down, b), gemv.ref_silu_mul_linear(gu, w_down, b), dtype)
+
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+
+
+# (M, N, K): ragged against the interpreter's BLOCK_N=16, BLOCK_K=32; M=40 > MAX_M: fallback
+@pytest.mark.parametrize("M,N,K,dtype,bias", [
+    (1, 200, 100, F32, True), (1, 72, 136, BF16, False), (1, 200, 100, F16, True),
+    (3, 200, 100, F32, False), (3, 40, 136, BF16, True), (3, 24, 96, F16, False),
+    (16, 200, 100, F32, True), (16, 72, 136, BF16, False), (16, 40, 100, F16, True),
+    (40, 200, 100, F32, False), (40, 72, 136, BF16, True), (40, 24, 100, F16, False)])
+def test_ops_match_reference(interp, M, N, K, dtype, bias):
+    assert gemv.MAX_M == 16
+    interp(ops_case, M, N, K, dtype, bias)
+
+
+def layer(t):
+    """One Llama decoder layer's GEMM chain with the fused ops (attention left out)."""
+    H = t["h"].shape[1]
+    qkv, h = gemv.add_rms_norm_linear(t["h"], t["delta"], t["norm_w"], EPS, t["w_qkv"], t["b_qkv"])
+    attn = gemv.skinny_linear(qkv[:, :H], t["w_o"])  # a strided view, like q out of qkv
+    gu, h = gemv.add_rms_norm_linear(h, attn, t["norm_w2"], EPS, t["w_gu"])
+    return h, gemv.silu_mul_linear(gu, t["w_down"], t["b_down"])
+
+
+def compile_case():
+    import torch._dynamo.utils as dynamo_utils
+    H, I = 48, 80
+    g = torch.Generator().manual_seed(3)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    weights = dict(norm_w=1 + 0.1 * r(H), norm_w2=1 + 0.1 * r(H), w_qkv=r(2 * H, H) / 7,
+                   b_qkv=r(2 * H), w_o=r(H, H) / 7, w_gu=r(2 * I, H) / 7, w_down=r(H, I) / 9,
+                   b_down=r(H))
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True)
+    dynamo_utils.counters.clear()
+    for M in (5, 40, 1):  # dot path, fallback, elementwise path
+        t = dict(weights, h=r(M, H), delta=r(M, H))
+        for got, want in zip(compiled(t), layer(t)):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    # one graph for every M > 1 (M=1 is specialised by dynamo, a second graph but no break)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] <= 2
+
+
+def test_compile_fullgraph_dynamic(interp):
+    interp(compile_case)
+
+
+def test_ops_cpu_are_reference_and_fake():
+    """Without the interpreter the ops are the references; the fake impls give the shapes."""
+    t = make_inputs(3, 20, 12, torch.float32, True)
+    args = (t["h"], t["delta"], t["norm_w"], EPS, t["w"], t["bias"])
+    y, h_new = torch.ops.rankserve.add_rms_norm_linear(*args)
+    ref_y, ref_h = gemv.ref_add_rms_norm_linear(*args)
+    assert torch.equal(y, ref_y) and torch.equal(h_new, ref_h)
+    with FakeTensorMode() as mode:
+        fake = {k: mode.from_tensor(v) if v is not None else None for k, v in t.items()}
+        y = torch.ops.rankserve.skinny_linear(fake["x"], fake["w"], fake["bias"])
+        y2, h2 = torch.ops.rankserve.add_rms_norm_linear(
+            fake["h"], fake["delta"], fake["norm_w"], EPS, fake["w"])
+        y3 = torch.ops.rankserve.silu_mul_linear(fake["gu"], fake["w"])
+    assert y.shape == y2.shape == y3.shape == (3, 20) and h2.shape == (3, 12)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU, bf16, Llama-3.1-8B sizes (run on the H200 with `pytest -m gpu`)
+# ----------------------------------------------------------------------------------------------
+
+def gpu_close(out, ref):
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("M", [1, 4, 16, 33])  # 33: fallback
+@pytest.mark.parametrize("N,K", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
+def test_gpu_ops_bf16(M, N, K):
+    t = make_inputs(M, N, K, torch.bfloat16, bias=K == 4096 and N == 6144, device="cuda", seed=M)
+    w, b = t["w"], t["bias"]
+    gpu_close(gemv.skinny_linear(t["x"], w, b), gemv.ref_skinny_linear(t["x"], w, b))
+    y, h_new = gemv.add_rms_norm_linear(t["h"], t["delta"], t["norm_w"], EPS, w, b)
+    ref_y, ref_h = gemv.ref_add_rms_norm_linear(t["h"], t["delta"], t["norm_w"], EPS, w, b)
+    assert torch.equal(h_new, ref_h)
+    gpu_close(y, ref_y)
+    gu = torch.randn(M, 2 * K, device="cuda", dtype=torch.bfloat16)
+    gpu_close(gemv.silu_mul_linear(gu, w, b), gemv.ref_silu_mul_linear(gu, w, b))
+
+
+@gpu
+@needs_cuda
+def test_gpu_prologues_bf16_exact():
+    """The fused prologues round like the model code: the large-M prologue kernels (the same
+    math as the skinny kernel's) match RMSNorm and silu * up bit for bit (up to rare 1-ulp
+    differences of rsqrt / sigmoid)."""
+    t = make_inputs(64, 8, 4096, torch.bfloat16, False, device="cuda")
+    x, h_new = gemv.add_rms_norm_triton(t["h"], t["delta"], t["norm_w"], EPS)
+    assert torch.equal(h_new, t["h"] + t["delta"])
+    ref = gemv.rms_norm_ref(h_new, t["norm_w"], EPS)
+    assert (x != ref).float().mean() < 1e-3
+    assert (gemv.silu_mul_triton(t["gu"]) != gemv.silu_mul_ref(t["gu"])).float().mean() < 1e-3
+
+
+@gpu
+@needs_cuda
+def test_gpu_cuda_graph_capture():
+    t = make_inputs(4, 4096, 4096, torch.bfloat16, False, device="cuda")
+    args = (t["h"], t["delta"], t["norm_w"], EPS, t["w"])
+    gemv.add_rms_norm_linear(*args)  # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y, h_new = gemv.add_rms_norm_linear(*args)
+    t["h"].normal_()
+    graph.replay()
+    ref_y, ref_h = gemv.ref_add_rms_norm_linear(t["h"], t["delta"], t["norm_w"], EPS, t["w"])
+    assert torch.equal(h_new, ref_h)
+    gpu_close(y, ref_y)
