@@ -215,10 +215,16 @@ def bench_skinny(ceil, quick):
     return rows
 
 
+PARTS = {"linear": bench_linear, "skinny": bench_skinny, "decode": bench_decode,
+         "prefill": bench_prefill, "prepare_qkv": bench_prepare_qkv, "moe": bench_moe}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     parser.add_argument("--quick", action="store_true", help="fewer sizes")
+    parser.add_argument("--only", nargs="+", metavar="PART", choices=sorted(PARTS),
+                        help="run only these parts")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("rankserve.kernels.benchmark needs a CUDA GPU: torch.cuda.is_available() is False",
@@ -229,9 +235,8 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name()}: copy {gbps:.0f} GB/s, bf16 matmul {tflops:.0f} "
           f"TFLOP/s (ceilings)")
     rows = []
-    for part in (bench_linear, bench_skinny, bench_decode, bench_prefill, bench_prepare_qkv,
-                 bench_moe):
-        rows += part((gbps, tflops), args.quick)
+    for name in args.only or PARTS:
+        rows += PARTS[name]((gbps, tflops), args.quick)
         torch.cuda.empty_cache()
     print(f"{'kernel':<20} {'shape':<30} {'ms':>9} {'graph ms':>9} {'GB/s':>8} {'TFLOP/s':>8}"
           "  of ceiling")

@@ -22,13 +22,19 @@ F.linear. Without CUDA or the Triton interpreter, everything is the plain-torch 
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-MAX_M = 16  # rows up to which the skinny kernel beats cuBLAS (weight-bandwidth bound)
+from rankserve.kernels.attention import rms_norm
+
+# rows up to which the skinny kernel beats cuBLAS (weight-bandwidth bound); 0 turns it off, to
+# compare (the prologue kernels + cuBLAS run instead)
+MAX_M = int(os.environ.get("RANKSERVE_SKINNY_MAX_M", "16"))
 
 LINEAR, ADD_RMS_NORM, SILU_MUL = 0, 1, 2  # prologues
 
@@ -41,20 +47,13 @@ def ref_skinny_linear(x, w, bias=None):
     return F.linear(x, w, bias)
 
 
-def rms_norm_ref(h_new, norm_w, eps):
-    """models/layers.py RMSNorm.forward."""
-    xf = h_new.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return norm_w * xf.to(h_new.dtype)
-
-
 def ref_add_rms_norm_linear(h, delta, norm_w, eps, w, bias=None):
     h_new = h + delta
-    return F.linear(rms_norm_ref(h_new, norm_w, eps), w, bias), h_new
+    return F.linear(rms_norm(h_new, norm_w, eps), w, bias), h_new
 
 
 def silu_mul_ref(gu):
-    """models/layers.py GatedMLP: silu(gate) rounded to the dtype, then times up."""
+    """SwiGLU as HF computes it: silu(gate) rounded to the dtype, then times up."""
     gate, up = gu.chunk(2, dim=-1)
     return F.silu(gate) * up
 

@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from rankserve.kernels.attention import attention, rms_norm
+from rankserve.kernels.gemv import add_rms_norm_linear, silu_mul_linear, skinny_linear
 
 
 @dataclass
@@ -103,7 +104,13 @@ class ColumnParallelLinear(nn.Module):
         param.data[off:off + n].copy_(_read(src, slice(start, start + n)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return skinny_linear(x, self.weight, self.bias)
+
+    def add_norm_forward(self, h: torch.Tensor, delta: torch.Tensor, norm: "RMSNorm"
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(h + delta) W^T, h + delta): the residual add and the norm ride in the GEMM's
+        prologue at decode sizes (kernels/gemv.py)."""
+        return add_rms_norm_linear(h, delta, norm.weight, norm.eps, self.weight, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -152,7 +159,13 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(_read(src, (slice(None), slice(start, start + self.in_per_rank))))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        return self._reduce(skinny_linear(x, self.weight))
+
+    def silu_mul_forward(self, gu: torch.Tensor) -> torch.Tensor:
+        """(silu(gate) * up) W^T for gu = [gate | up], the product in the GEMM's prologue."""
+        return self._reduce(silu_mul_linear(gu, self.weight))
+
+    def _reduce(self, y: torch.Tensor) -> torch.Tensor:
         if self.reduce:
             y = tp_all_reduce(y, self.pi)
         return y + self.bias if self.bias is not None else y
@@ -265,13 +278,16 @@ class Attention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttnMeta) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, delta: torch.Tensor, norm: RMSNorm, positions: torch.Tensor,
+                attn: AttnMeta) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm block on the residual stream h + delta: (attn(norm(h + delta)), h + delta)."""
+        qkv, h = self.qkv_proj.add_norm_forward(h, delta, norm)
         qn, kn = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
         eps = 0.0 if self.q_norm is None else self.q_norm.eps
-        o = attention(self.qkv_proj(x), positions, self.cos_sin, qn, kn, eps, self.k_cache,
-                      self.v_cache, attn.slot_mapping, attn.query_start_loc, attn.seq_lens,
-                      attn.block_table, self.qkv_proj.num_heads, self.scale)
-        return self.o_proj(o)
+        o = attention(qkv, positions, self.cos_sin, qn, kn, eps, self.k_cache, self.v_cache,
+                      attn.slot_mapping, attn.query_start_loc, attn.seq_lens, attn.block_table,
+                      self.qkv_proj.num_heads, self.scale)
+        return self.o_proj(o), h
 
 
 class GatedMLP(nn.Module):
@@ -282,6 +298,8 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(hidden, [intermediate, intermediate], bias, pi, dtype)
         self.down_proj = RowParallelLinear(intermediate, hidden, bias, pi, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, h: torch.Tensor, delta: torch.Tensor, norm: RMSNorm
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm block on the residual stream h + delta: (mlp(norm(h + delta)), h + delta)."""
+        gu, h = self.gate_up_proj.add_norm_forward(h, delta, norm)
+        return self.down_proj.silu_mul_forward(gu), h

@@ -52,13 +52,13 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, delta: torch.Tensor, positions: torch.Tensor,
                 attn: AttnMeta) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h, delta) -> (h', delta'): the residual stream is h + delta. The previous layer's MLP
-        output is added here, so that the add fuses with this layer's norm when each layer is
-        compiled on its own (the runner compiles layers, not the model: one compilation serves
-        all of them)."""
-        x = h + delta
-        h = x + self.self_attn(self.input_layernorm(x), positions, attn)
-        return h, self.mlp(self.post_attention_layernorm(h))
+        """(h, delta) -> (h', delta'): the residual stream is h + delta. Each block adds the
+        previous block's output itself, so that the add fuses with its norm (and, at decode
+        sizes, with its first GEMM: kernels/gemv.py) also when each layer is compiled on its own
+        (the runner compiles layers, not the model: one compilation serves all of them)."""
+        a, h = self.self_attn(h, delta, self.input_layernorm, positions, attn)
+        y, h = self.mlp(h, a, self.post_attention_layernorm)
+        return h, y
 
 
 class Decoder(nn.Module):

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # One GPU-machine session: correctness, then the two standard workloads, with a table at the end.
 # Run from the repo root on the GPU machine: `bash runtime/bench/gpu_session.sh STAGE` where STAGE
-# is one of: w2 w2warm w1 w2hf w1hf tests e2e2 kernels (several may be given; e2e2 = the level-2
-# end-to-end tests alone). Results land in $OUT
+# is one of: w2 w2warm w2cublas w1 w2hf w1hf tests e2e2 kernels kdecode (several may be given;
+# e2e2 = the level-2 end-to-end tests alone; w2cublas = W2 with the skinny decode GEMMs off;
+# kdecode = the kernel benchmark's skinny-GEMM and prepare_qkv parts). Results land in $OUT
 # (or ./bench_results). Each stage has its own time limit; one device call runs at most 10
 # minutes, so split a session, e.g.: `w2 w2warm w1 tests` | `kernels w2hf w1hf`. w2 is the cold
-# start (empty --cache-dir), w2warm the same command again. PROFILE_DIR=dir adds a profiled run
-# of W1 (kernel table in the log, trace in dir).
+# start (empty --cache-dir), w2warm the same command again. PROFILE_DIR=dir profiles W1 and W2
+# (kernel table in the log, trace in dir).
 set -u
 OUT=${OUT:-bench_results}; mkdir -p "$OUT"
 CACHE=${RANKSERVE_CACHE_DIR:-/tmp/rankserve-cache}
@@ -19,7 +20,11 @@ run() { local name=$1 limit=$2; shift 2; local t0=$(date +%s)
   tail -n 25 "$OUT/$name.log"; }
 for stage in "$@"; do case $stage in
   w2) run w2 150 python3 -m rankserve.launch bench latency llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 \
-        --num-iters 3 --max-num-seqs 8 --cache-dir "$CACHE" --output-json "$OUT/w2.json" ;;
+        --num-iters 3 --max-num-seqs 8 --cache-dir "$CACHE" --output-json "$OUT/w2.json" \
+        ${PROFILE_DIR:+--profile-dir "$PROFILE_DIR"} ;;
+  w2cublas) RANKSERVE_SKINNY_MAX_M=0 run w2cublas 100 python3 -m rankserve.launch bench latency llama-3.1-8b \
+        --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 --max-num-seqs 8 --cache-dir "$CACHE" \
+        --output-json "$OUT/w2cublas.json" ;;
   w2warm) run w2warm 80 python3 -m rankserve.launch bench latency llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 \
         --num-iters 3 --max-num-seqs 8 --cache-dir "$CACHE" --output-json "$OUT/w2warm.json" ;;
   w1) run w1 170 python3 -m rankserve.launch bench throughput qwen3-0.6b --workload w1 --max-num-seqs 256 \
@@ -28,9 +33,10 @@ for stage in "$@"; do case $stage in
         --num-iters 2 --backend hf --output-json "$OUT/w2hf.json" ;;
   w1hf) run w1hf 300 python3 -m rankserve.launch bench throughput qwen3-0.6b --num-prompts 32 --input-len 100 1024 \
         --output-len 100 1024 --backend hf --output-json "$OUT/w1hf.json" ;;
-  tests) run tests 180 python3 -m pytest -q -x -m gpu tests/test_kernels.py tests/test_gpu.py ;;
+  tests) run tests 200 python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_gemv.py tests/test_gpu.py ;;
   e2e2) run e2e2 100 python3 -m pytest -q -x -m gpu tests/test_gpu.py -k "match_eager and 2" ;;
   kernels) run kernels 240 python3 -m rankserve.kernels.benchmark --json "$OUT/kernels.json" ;;
+  kdecode) run kdecode 150 python3 -m rankserve.kernels.benchmark --only skinny prepare_qkv --json "$OUT/kdecode.json" ;;
   *) echo "unknown stage $stage" ;;
 esac; done
 echo "== summary"; cat "$OUT/summary.txt"
