@@ -11,14 +11,15 @@ Rounding follows models/layers.py exactly (RMSNorm: normalise in fp32, cast, the
 weight; GatedMLP: silu rounded to the dtype, then the product), so the fused layer equals the
 unfused one up to the GEMM's summation order.
 
-Kernel: one program per BLOCK_N output columns; it walks K in BLOCK_K chunks, builds the
-[BLOCK_M, BLOCK_K] activation chunk (with its prologue) from the small, L2-resident activations and
-multiplies it into the [BLOCK_N, BLOCK_K] weight tile. M == 1 accumulates products elementwise and
-reduces once after the loop; 2..MAX_M rows pad to 16 and use tl.dot (tensor-core work is free
-here, the weight stream is the cost). Configs are picked from shapes, not autotuned, so nothing is
-benchmarked under CUDA-graph capture (the first call of each shape still compiles: warm up first).
-Above MAX_M the weight is reused across rows and cuBLAS wins: one Triton prologue kernel, then
-F.linear. Without CUDA or the Triton interpreter, everything is the plain-torch reference.
+Kernel: one program per (row, BLOCK_N output columns); it walks K in BLOCK_K chunks, builds the
+row's activation chunk (with its prologue) from the small, L2-resident activations, multiplies it
+elementwise into the [BLOCK_N, BLOCK_K] weight tile and reduces once after the loop. The rows of a
+column tile are adjacent in launch order, so HBM sees each weight tile once. (A padded tl.dot
+version for 2..16 rows measured 3-8x slower with the prologues on an H200.) Configs are picked
+from shapes, not autotuned, so nothing is benchmarked under CUDA-graph capture (the first call of
+each shape still compiles: warm up first). Above MAX_M the L2 re-reads grow and cuBLAS wins: one
+Triton prologue kernel, then F.linear. Without CUDA or the Triton interpreter, everything is the
+plain-torch reference.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from rankserve.kernels.attention import rms_norm
 
 # rows up to which the skinny kernel beats cuBLAS (weight-bandwidth bound); 0 turns it off, to
 # compare (the prologue kernels + cuBLAS run instead)
-MAX_M = int(os.environ.get("RANKSERVE_SKINNY_MAX_M", "16"))
+MAX_M = int(os.environ.get("RANKSERVE_SKINNY_MAX_M", "4"))
 
 LINEAR, ADD_RMS_NORM, SILU_MUL = 0, 1, 2  # prologues
 
@@ -86,82 +87,65 @@ def _silu_mul(g, u):
 
 
 @triton.jit
-def _rstd(h_ptr, d_ptr, rows, row_mask, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    # every program recomputes the rows' rstd (a pass over h, delta in L2): no cross-program sync
+def _rstd(h_ptr, d_ptr, row, K, eps, BLOCK_K: tl.constexpr):
+    # every program recomputes its row's rstd (a pass over h, delta in L2): no cross-program sync
     offs_k = tl.arange(0, BLOCK_K)
-    ss = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
+    ss = tl.zeros([BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        offs = rows[:, None] * K + (k0 + offs_k)[None, :]
-        mask = row_mask[:, None] & (k0 + offs_k < K)[None, :]
-        hn = _add(tl.load(h_ptr + offs, mask=mask, other=0.0),
-                  tl.load(d_ptr + offs, mask=mask, other=0.0)).to(tl.float32)
+        mask = k0 + offs_k < K
+        hn = _add(tl.load(h_ptr + row * K + k0 + offs_k, mask=mask, other=0.0),
+                  tl.load(d_ptr + row * K + k0 + offs_k, mask=mask, other=0.0)).to(tl.float32)
         ss += hn * hn
-    return tl.math.rsqrt(tl.sum(ss, 1) / K + eps)
+    return tl.math.rsqrt(tl.sum(ss, 0) / K + eps)
 
 
 @triton.jit
-def _act_chunk(a_ptr, b_ptr, nw_ptr, h_out_ptr, rows, offs_k, mask, K, rstd, write_h,
+def _act_chunk(a_ptr, b_ptr, nw_ptr, h_out_ptr, row, offs_k, mask, K, rstd, write_h,
                PROLOGUE: tl.constexpr):
-    """Activation chunk [BLOCK_M, BLOCK_K] at columns offs_k, in the activation dtype."""
-    offs = rows[:, None] * K + offs_k[None, :]
+    """Activation chunk [BLOCK_K] of one row at columns offs_k, in the activation dtype."""
     if PROLOGUE == 0:  # LINEAR: a = x
-        x = tl.load(a_ptr + offs, mask=mask, other=0.0)
+        x = tl.load(a_ptr + row * K + offs_k, mask=mask, other=0.0)
     elif PROLOGUE == 1:  # ADD_RMS_NORM: a = h, b = delta
-        hn = _add(tl.load(a_ptr + offs, mask=mask, other=0.0),
-                  tl.load(b_ptr + offs, mask=mask, other=0.0))
+        hn = _add(tl.load(a_ptr + row * K + offs_k, mask=mask, other=0.0),
+                  tl.load(b_ptr + row * K + offs_k, mask=mask, other=0.0))
         if write_h:  # one program column writes h_new
-            tl.store(h_out_ptr + offs, hn, mask=mask)
-        nw = tl.load(nw_ptr + offs_k, mask=offs_k < K, other=0.0)
-        x = _rms_scale(hn, rstd[:, None], nw[None, :])
+            tl.store(h_out_ptr + row * K + offs_k, hn, mask=mask)
+        nw = tl.load(nw_ptr + offs_k, mask=mask, other=0.0)
+        x = _rms_scale(hn, rstd, nw)
     else:  # SILU_MUL: a = gu [M, 2K], gate then up
-        offs += rows[:, None] * K
-        x = _silu_mul(tl.load(a_ptr + offs, mask=mask, other=0.0),
-                      tl.load(a_ptr + offs + K, mask=mask, other=0.0))
+        x = _silu_mul(tl.load(a_ptr + row * 2 * K + offs_k, mask=mask, other=0.0),
+                      tl.load(a_ptr + row * 2 * K + K + offs_k, mask=mask, other=0.0))
     return x
 
 
-@triton.jit(do_not_specialize=["M"])
-def _skinny_kernel(a_ptr, b_ptr, nw_ptr, w_ptr, bias_ptr, y_ptr, h_out_ptr, M, N, K, eps,
-                   PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, F32_DOT: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   NUM_STAGES: tl.constexpr):
-    pid_n = tl.program_id(0)
-    rows = tl.arange(0, BLOCK_M)
-    row_mask = rows < M
+@triton.jit
+def _skinny_kernel(a_ptr, b_ptr, nw_ptr, w_ptr, bias_ptr, y_ptr, h_out_ptr, N, K, eps,
+                   PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    # Program (row, column tile). Rows vary fastest in launch order, so the programs of one
+    # column tile run together and all but the first read its weight tile from L2: HBM sees the
+    # weight once for any small M.
+    row = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    rstd = tl.zeros([BLOCK_M], tl.float32)
+    rstd = 0.0
     if PROLOGUE == 1:
-        rstd = _rstd(a_ptr, b_ptr, rows, row_mask, K, eps, BLOCK_M, BLOCK_K)
+        rstd = _rstd(a_ptr, b_ptr, row, K, eps, BLOCK_K)
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
-    if BLOCK_M == 1:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    # an explicit num_stages lets Triton pipeline (cp.async) the loads of the dot-free M == 1 loop
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # elementwise partial sums, reduced once
+    # an explicit num_stages lets Triton pipeline (cp.async) the loads of this dot-free loop
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         k_mask = k0 + offs_k < K
-        a = _act_chunk(a_ptr, b_ptr, nw_ptr, h_out_ptr, rows, k0 + offs_k,
-                       row_mask[:, None] & k_mask[None, :], K, rstd, pid_n == 0, PROLOGUE)
-        # the weight is read once: keep it from evicting the activations (and whatever else) in L2
-        w = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0,
-                    eviction_policy="evict_first")
-        if BLOCK_M == 1:  # elementwise fp32 partial sums; one cross-thread reduction at the end
-            acc += w.to(tl.float32) * a.to(tl.float32)
-        elif F32_DOT:  # fp32 weights, or the interpreter (its bf16 dot is broken)
-            acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc,
-                         input_precision="ieee")
-        else:
-            acc = tl.dot(a, tl.trans(w), acc)
-    if BLOCK_M == 1:
-        out = tl.sum(acc, 1)[None, :]
-    else:
-        out = acc
+        a = _act_chunk(a_ptr, b_ptr, nw_ptr, h_out_ptr, row, k0 + offs_k, k_mask, K, rstd,
+                       pid_n == 0, PROLOGUE)
+        w = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
+    out = tl.sum(acc, 1)
     if HAS_BIAS:
-        out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rows[:, None] * N + offs_n[None, :], out.to(y_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & n_mask[None, :])
+        out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * N + offs_n, out.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
@@ -199,24 +183,15 @@ def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or (_INTERPRET and t.device.type == "cpu")
 
 
-def _config(M: int, on_gpu: bool) -> dict:
-    """Block shapes from M only (no autotuning, see module doc).
-
-    M == 1: 16 columns a program (Llama-8B: 256 programs for o_proj/down, 384 for qkv, 1792 for
-    gate_up, so >= 2 per SM of 132) and a [16, 256] bf16 tile (8 KB): 4 stages give ~24 KB of
-    loads in flight per program, ~50 KB per SM, above the ~25 KB an SM needs to cover HBM
-    latency at its 1/132 share of ~4.3 TB/s. More columns per program would cut the grid below
-    2 waves; fewer would re-read x (K * 2 bytes per program) relatively more.
-    2..4 rows: same grid; activations (read once per program from L2) are <= 4/16 of the weight.
-    5..16 rows: 32 columns a program halves that L2 re-read at the cost of a ~1-wave grid for the
-    N=4096 GEMMs (128 programs), with a fifth stage to keep ~32 KB in flight per program.
-    """
-    block_m = 1 if M == 1 else 16
+def _config(N: int, on_gpu: bool) -> dict:
+    """Block shapes from N only (no autotuning, see module doc). 16 columns a program gives
+    Llama-8B's qkv / o_proj / down 256..384 column tiles (>= 2 per SM of 132); gate_up (N 28672)
+    takes 32, which halves the programs that each re-read the activations (and, with the norm
+    prologue, recompute rstd). A [16, 256] bf16 weight tile is 8 KB: 4 stages keep ~24 KB of loads
+    in flight per program, above what an SM needs at its 1/132 share of ~4.3 TB/s."""
     if not on_gpu:  # interpreter: small tiles, several K steps and ragged edges on small tests
-        return dict(BLOCK_M=block_m, BLOCK_N=16, BLOCK_K=32, NUM_STAGES=1, num_warps=4)
-    if M <= 4:
-        return dict(BLOCK_M=block_m, BLOCK_N=16, BLOCK_K=256, NUM_STAGES=4, num_warps=4)
-    return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, NUM_STAGES=5, num_warps=4)
+        return dict(BLOCK_N=16, BLOCK_K=32, NUM_STAGES=1, num_warps=4)
+    return dict(BLOCK_N=32 if N >= 16384 else 16, BLOCK_K=256, NUM_STAGES=4, num_warps=4)
 
 
 def _skinny(prologue, a, w, bias, K, b=None, norm_w=None, eps=0.0, h_out=None):
@@ -224,11 +199,10 @@ def _skinny(prologue, a, w, bias, K, b=None, norm_w=None, eps=0.0, h_out=None):
     assert w.shape[1] == K and w.dtype == a.dtype, "skinny GEMM: weight shape or dtype mismatch"
     w = w.contiguous()
     y = a.new_empty(M, N)
-    cfg = _config(M, a.is_cuda)
-    f32_dot = a.dtype == torch.float32 or not a.is_cuda
-    _skinny_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
-        a, b, norm_w, w, bias, y, h_out, M, N, K, eps, PROLOGUE=prologue,
-        HAS_BIAS=bias is not None, F32_DOT=f32_dot, **cfg)
+    cfg = _config(N, a.is_cuda)
+    _skinny_kernel[(M, triton.cdiv(N, cfg["BLOCK_N"]))](
+        a, b, norm_w, w, bias, y, h_out, N, K, eps, PROLOGUE=prologue,
+        HAS_BIAS=bias is not None, **cfg)
     return y
 
 

@@ -33,54 +33,57 @@ def _prepare_qkv_kernel(qkv_ptr, pos_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, q
                         stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
                         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
+                        BLOCK_HEADS: tl.constexpr, BLOCK_KV: tl.constexpr,
                         BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
-    # Program (token, head): heads 0..H-1 are q heads, H..H+KH-1 k heads (which also move v).
+    # Program per token: rows 0..H-1 of the [heads, D/2] tiles are q heads, H..H+KH-1 k heads.
     # Rounding follows the torch reference step by step (norm -> dtype -> * weight -> dtype ->
-    # fp32 RoPE -> dtype), so compiled and eager runs agree bit for bit on the same device.
+    # fp32 RoPE -> dtype), so compiled and eager runs agree on the same device.
     tok = tl.program_id(0).to(tl.int64)
-    hh = tl.program_id(1)
-    is_q = hh < NUM_HEADS
-    is_k = hh >= NUM_HEADS
-    slot = tl.load(slot_ptr + tok)
-    if is_k & (slot < 0):  # padding token: its k/v go nowhere
-        return
     HALF: tl.constexpr = HEAD_DIM // 2
     dt = q_ptr.dtype.element_ty
+    heads = tl.arange(0, BLOCK_HEADS)
+    is_q = heads < NUM_HEADS
     d = tl.arange(0, BLOCK_HALF)
     dm = d < HALF
-    src = qkv_ptr + tok * stride_t + hh * HEAD_DIM
-    x1 = tl.load(src + d, mask=dm, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF + d, mask=dm, other=0.0).to(tl.float32)
+    mask = (heads < NUM_HEADS + NUM_KV_HEADS)[:, None] & dm[None, :]
+    src = qkv_ptr + tok * stride_t + heads[:, None] * HEAD_DIM + d[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:
-        r = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / HEAD_DIM + eps)
-        # both weights are tiny and cached: load both and select, rather than select pointers
-        w1 = tl.where(is_q, tl.load(q_norm_ptr + d, mask=dm, other=0.0),
-                      tl.load(k_norm_ptr + d, mask=dm, other=0.0)).to(tl.float32)
-        w2 = tl.where(is_q, tl.load(q_norm_ptr + HALF + d, mask=dm, other=0.0),
-                      tl.load(k_norm_ptr + HALF + d, mask=dm, other=0.0)).to(tl.float32)
+        r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)[:, None]
+        w1 = tl.where(is_q[:, None], tl.load(q_norm_ptr + d, mask=dm, other=0.0)[None, :],
+                      tl.load(k_norm_ptr + d, mask=dm, other=0.0)[None, :]).to(tl.float32)
+        w2 = tl.where(is_q[:, None], tl.load(q_norm_ptr + HALF + d, mask=dm, other=0.0)[None, :],
+                      tl.load(k_norm_ptr + HALF + d, mask=dm, other=0.0)[None, :]).to(tl.float32)
         x1 = ((x1 * r).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
         x2 = ((x2 * r).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + d, mask=dm, other=0.0)
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + d, mask=dm, other=0.0)
-    o1 = x1 * cos - x2 * sin
-    o2 = x2 * cos + x1 * sin
-    if is_q:
-        dst = q_ptr + tok * stride_qt + hh * stride_qh
-        tl.store(dst + d, o1.to(dt), mask=dm)
-        tl.store(dst + HALF + d, o2.to(dt), mask=dm)
-    else:
-        kh = hh - NUM_HEADS
-        blk = slot.to(tl.int64) // BLOCK_SIZE
-        off = slot.to(tl.int64) % BLOCK_SIZE
-        kdst = k_cache_ptr + blk * stride_kcb + off * stride_kcs + kh * stride_kch
-        cdt = k_cache_ptr.dtype.element_ty
-        tl.store(kdst + d, o1.to(dt).to(cdt), mask=dm)
-        tl.store(kdst + HALF + d, o2.to(dt).to(cdt), mask=dm)
-        dv = tl.arange(0, BLOCK_D)
-        v = tl.load(src + NUM_KV_HEADS * HEAD_DIM + dv, mask=dv < HEAD_DIM)
-        tl.store(v_cache_ptr + blk * stride_vcb + off * stride_vcs + kh * stride_vch + dv,
-                 v.to(v_cache_ptr.dtype.element_ty), mask=dv < HEAD_DIM)
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + d, mask=dm, other=0.0)[None, :]
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + d, mask=dm, other=0.0)[None, :]
+    o1 = (x1 * cos - x2 * sin).to(dt)
+    o2 = (x2 * cos + x1 * sin).to(dt)
+    q_dst = q_ptr + tok * stride_qt + heads[:, None] * stride_qh + d[None, :]
+    q_mask = is_q[:, None] & dm[None, :]
+    tl.store(q_dst, o1, mask=q_mask)
+    tl.store(q_dst + HALF, o2, mask=q_mask)
+
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    # k rows; none for a padding token (slot -1: its k/v go nowhere)
+    kh = heads - NUM_HEADS
+    k_rows = (heads >= NUM_HEADS) & (kh < tl.where(slot >= 0, NUM_KV_HEADS, 0))
+    k_dst = k_cache_ptr + blk * stride_kcb + off * stride_kcs + kh[:, None] * stride_kch + d[None, :]
+    cdt = k_cache_ptr.dtype.element_ty
+    tl.store(k_dst, o1.to(cdt), mask=k_rows[:, None] & dm[None, :])
+    tl.store(k_dst + HALF, o2.to(cdt), mask=k_rows[:, None] & dm[None, :])
+    vh = tl.arange(0, BLOCK_KV)
+    dv = tl.arange(0, BLOCK_D)
+    v_mask = (vh < tl.where(slot >= 0, NUM_KV_HEADS, 0))[:, None] & (dv < HEAD_DIM)[None, :]
+    v = tl.load(qkv_ptr + tok * stride_t + (NUM_HEADS + NUM_KV_HEADS + vh[:, None]) * HEAD_DIM
+                + dv[None, :], mask=v_mask)
+    tl.store(v_cache_ptr + blk * stride_vcb + off * stride_vcs + vh[:, None] * stride_vch
+             + dv[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
 
 
 def prepare_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
@@ -96,15 +99,16 @@ def prepare_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tenso
     if T == 0:
         return q
     has_norm = q_norm is not None
-    _prepare_qkv_kernel[(T, num_heads + KH)](
+    _prepare_qkv_kernel[(T,)](
         qkv, positions, cos_sin, q_norm if has_norm else cos_sin, k_norm if has_norm else cos_sin,
         q, k_cache, v_cache, slot_mapping, eps,
         qkv.stride(0), cos_sin.stride(0), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_HEADS=num_heads, NUM_KV_HEADS=KH, HEAD_DIM=D, BLOCK_SIZE=block_size,
-        HAS_NORM=has_norm, BLOCK_HALF=triton.next_power_of_2(D // 2),
-        BLOCK_D=triton.next_power_of_2(D), num_warps=1)
+        HAS_NORM=has_norm, BLOCK_HEADS=triton.next_power_of_2(num_heads + KH),
+        BLOCK_KV=triton.next_power_of_2(KH), BLOCK_HALF=triton.next_power_of_2(D // 2),
+        BLOCK_D=triton.next_power_of_2(D), num_warps=4)
     return q
 
 

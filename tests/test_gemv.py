@@ -1,8 +1,8 @@
 """Skinny-GEMM ops (kernels/gemv.py) vs their plain-torch references.
 
 CPU: the Triton kernels run in Triton's interpreter in one spawned worker (TRITON_INTERPRET must be
-set before triton is imported; see test_kernels.py). M <= MAX_M takes the skinny kernel (M == 1 its
-elementwise path, more rows its tl.dot path), M > MAX_M the prologue kernel + F.linear. Rounding
+set before triton is imported; see test_kernels.py). M <= MAX_M takes the skinny kernel (one program
+per row and column tile), M > MAX_M the prologue kernel + F.linear. Rounding
 is checked exactly in fp32 / fp16; the interpreter truncates fp32 -> bf16 instead of rounding to
 nearest, so bf16 there is checked to a tolerance (exact on the GPU).
 GPU (`-m gpu`): bf16 at Llama-3.1-8B decode sizes, plus CUDA-graph capture.
@@ -84,14 +84,13 @@ def ops_case(M, N, K, dtype, bias):
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 
 
-# (M, N, K): ragged against the interpreter's BLOCK_N=16, BLOCK_K=32; M=40 > MAX_M: fallback
+# (M, N, K): ragged against the interpreter's BLOCK_N=16, BLOCK_K=32; M > MAX_M: fallback
 @pytest.mark.parametrize("M,N,K,dtype,bias", [
     (1, 200, 100, F32, True), (1, 72, 136, BF16, False), (1, 200, 100, F16, True),
-    (3, 200, 100, F32, False), (3, 40, 136, BF16, True), (3, 24, 96, F16, False),
-    (16, 200, 100, F32, True), (16, 72, 136, BF16, False), (16, 40, 100, F16, True),
-    (40, 200, 100, F32, False), (40, 72, 136, BF16, True), (40, 24, 100, F16, False)])
+    (3, 200, 100, F32, False), (3, 40, 136, BF16, True), (4, 24, 96, F16, False),
+    (16, 200, 100, F32, True), (16, 72, 136, BF16, False), (40, 24, 100, F16, False)])
 def test_ops_match_reference(interp, M, N, K, dtype, bias):
-    assert gemv.MAX_M == 16
+    assert gemv.MAX_M == 4
     interp(ops_case, M, N, K, dtype, bias)
 
 
@@ -114,7 +113,7 @@ def compile_case():
                    b_down=r(H))
     compiled = torch.compile(layer, fullgraph=True, dynamic=True)
     dynamo_utils.counters.clear()
-    for M in (5, 40, 1):  # dot path, fallback, elementwise path
+    for M in (3, 40, 1):  # skinny kernel, fallback, skinny kernel at M == 1
         t = dict(weights, h=r(M, H), delta=r(M, H))
         for got, want in zip(compiled(t), layer(t)):
             torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
@@ -152,7 +151,7 @@ def gpu_close(out, ref):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("M", [1, 4, 16, 33])  # 33: fallback
+@pytest.mark.parametrize("M", [1, 2, 4, 16])  # 16: fallback
 @pytest.mark.parametrize("N,K", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
 def test_gpu_ops_bf16(M, N, K):
     t = make_inputs(M, N, K, torch.bfloat16, bias=K == 4096 and N == 6144, device="cuda", seed=M)

@@ -33,7 +33,7 @@ for stage in "$@"; do case $stage in
         --num-iters 2 --backend hf --output-json "$OUT/w2hf.json" ;;
   w1hf) run w1hf 300 python3 -m rankserve.launch bench throughput qwen3-0.6b --num-prompts 32 --input-len 100 1024 \
         --output-len 100 1024 --backend hf --output-json "$OUT/w1hf.json" ;;
-  tests) run tests 200 python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_gemv.py tests/test_gpu.py ;;
+  tests) run tests 280 python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_gemv.py tests/test_gpu.py ;;
   e2e2) run e2e2 100 python3 -m pytest -q -x -m gpu tests/test_gpu.py -k "match_eager and 2" ;;
   kernels) run kernels 240 python3 -m rankserve.kernels.benchmark --json "$OUT/kernels.json" ;;
   kdecode) run kdecode 150 python3 -m rankserve.kernels.benchmark --only skinny prepare_qkv --json "$OUT/kdecode.json" ;;
