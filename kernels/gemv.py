@@ -33,9 +33,12 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from rankserve.kernels.attention import rms_norm
 
-# rows up to which the skinny kernel beats cuBLAS (weight-bandwidth bound); 0 turns it off, to
-# compare (the prologue kernels + cuBLAS run instead)
-MAX_M = int(os.environ.get("RANKSERVE_SKINNY_MAX_M", "4"))
+# Rows up to which the skinny kernel runs; 0 turns it off (the prologue kernels + cuBLAS run
+# instead). Measured on an H200 at Llama-8B sizes (runtime/bench/results): at one row the fused
+# ops beat cuBLAS plus a separate norm / SiLU kernel (~5 us a layer); at 2 and 4 rows the
+# per-row prologue work makes them slower, so the default is 1. (Compiled CUDA graphs pad decode
+# to 2 rows, so this path serves eager and --compilation-level 1 runs.)
+MAX_M = int(os.environ.get("RANKSERVE_SKINNY_MAX_M", "1"))
 
 LINEAR, ADD_RMS_NORM, SILU_MUL = 0, 1, 2  # prologues
 

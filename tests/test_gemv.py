@@ -66,6 +66,7 @@ def check(out, ref, dtype, exact=False):
 
 
 def ops_case(M, N, K, dtype, bias):
+    gemv.MAX_M = 4  # the multi-row grid too (RANKSERVE_SKINNY_MAX_M; this worker only)
     t = make_inputs(M, N, K, dtype, bias, seed=M * 1000 + N + K)
     w, b = t["w"], t["bias"]
     check(gemv.skinny_linear(t["x"], w, b), gemv.ref_skinny_linear(t["x"], w, b), dtype)
@@ -90,7 +91,7 @@ F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
     (3, 200, 100, F32, False), (3, 40, 136, BF16, True), (4, 24, 96, F16, False),
     (16, 200, 100, F32, True), (16, 72, 136, BF16, False), (40, 24, 100, F16, False)])
 def test_ops_match_reference(interp, M, N, K, dtype, bias):
-    assert gemv.MAX_M == 4
+    assert gemv.MAX_M == 1  # the default
     interp(ops_case, M, N, K, dtype, bias)
 
 
@@ -113,6 +114,7 @@ def compile_case():
                    b_down=r(H))
     compiled = torch.compile(layer, fullgraph=True, dynamic=True)
     dynamo_utils.counters.clear()
+    gemv.MAX_M = 4  # this worker only
     for M in (3, 40, 1):  # skinny kernel, fallback, skinny kernel at M == 1
         t = dict(weights, h=r(M, H), delta=r(M, H))
         for got, want in zip(compiled(t), layer(t)):
