@@ -1,4 +1,4 @@
-"""Triton kernels behind `rankserve::paged_attention` (layout and semantics: kernels/attention.py).
+"""Triton kernels behind `rankserve::attention` (layout and semantics: kernels/attention.py).
 
 - `prepare_qkv`: q/k RMSNorm (Qwen3) + RoPE on the fused qkv rows, q to a buffer, k/v scattered
   into their cache slots (slot -1 = padding, skipped), in one launch.
