@@ -1,4 +1,6 @@
+import multiprocessing
 import os
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -93,3 +95,28 @@ def qwen3_chat_dir(tmp_path_factory):
     for f in tok.iterdir():
         shutil.copy(f, path / f.name)
     return path
+
+
+def triton_interpreting() -> bool:
+    """True in a process that imported triton with TRITON_INTERPRET=1."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from rankserve.kernels import triton_attention
+    return isinstance(triton_attention._unified_attention_kernel, InterpretedFunction)
+
+
+@pytest.fixture(scope="module")
+def interp():
+    """Runs fn(*args) in a worker that imported triton with TRITON_INTERPRET=1 (it must be set
+    before triton is imported, so the kernel tests' bodies run there; pytest never sees it)."""
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"  # inherited by the worker started just below
+    try:
+        pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        assert pool.submit(triton_interpreting).result(), "worker is not using the Triton interpreter"
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+    yield lambda fn, *args: pool.submit(fn, *args).result()
+    pool.shutdown()

@@ -1,17 +1,13 @@
 """Skinny-GEMM ops (kernels/gemv.py) vs their plain-torch references.
 
 CPU: the Triton kernels run in Triton's interpreter in one spawned worker (TRITON_INTERPRET must be
-set before triton is imported; see test_kernels.py). M <= MAX_M takes the skinny kernel (one program
+set before triton is imported: the `interp` fixture of conftest.py). M <= MAX_M takes the skinny kernel (one program
 per row and column tile), M > MAX_M the prologue kernel + F.linear. Rounding
 is checked exactly in fp32 / fp16; the interpreter truncates fp32 -> bf16 instead of rounding to
 nearest, so bf16 there is checked to a tolerance (exact on the GPU).
 GPU (`-m gpu`): bf16 at Llama-3.1-8B decode sizes, plus CUDA-graph capture.
 """
 from __future__ import annotations
-
-import multiprocessing
-import os
-from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
@@ -23,27 +19,6 @@ from rankserve.kernels.attention import rms_norm
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 EPS = 1e-5
-
-
-@pytest.fixture(scope="module")
-def interp():
-    """Runs fn(*args) in a worker that imported triton with TRITON_INTERPRET=1."""
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"  # inherited by the worker started just below
-    try:
-        pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-        assert pool.submit(_interpreting).result(), "worker is not using the Triton interpreter"
-    finally:
-        if old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-    yield lambda fn, *args: pool.submit(fn, *args).result()
-    pool.shutdown()
-
-
-def _interpreting() -> bool:
-    return gemv._INTERPRET
 
 
 def make_inputs(M, N, K, dtype, bias, device="cpu", seed=0):
@@ -66,6 +41,7 @@ def check(out, ref, dtype, exact=False):
 
 
 def ops_case(M, N, K, dtype, bias):
+    assert gemv._INTERPRET, "the ops would compare the reference with itself"
     gemv.MAX_M = 4  # the multi-row grid too (RANKSERVE_SKINNY_MAX_M; this worker only)
     t = make_inputs(M, N, K, dtype, bias, seed=M * 1000 + N + K)
     w, b = t["w"], t["bias"]
@@ -114,6 +90,7 @@ def compile_case():
                    b_down=r(H))
     compiled = torch.compile(layer, fullgraph=True, dynamic=True)
     dynamo_utils.counters.clear()
+    assert gemv._INTERPRET
     gemv.MAX_M = 4  # this worker only
     for M in (3, 40, 1):  # skinny kernel, fallback, skinny kernel at M == 1
         t = dict(weights, h=r(M, H), delta=r(M, H))

@@ -8,9 +8,7 @@ GPU (`-m gpu`): the compiled kernels in bf16 at real model sizes, plus CUDA-grap
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import os
-from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
@@ -27,23 +25,6 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 def _interpreting() -> bool:
     return isinstance(ta._unified_attention_kernel, InterpretedFunction)
-
-
-@pytest.fixture(scope="module")
-def interp():
-    """Runs fn(*args) in a worker that imported triton with TRITON_INTERPRET=1."""
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"  # inherited by the worker started just below
-    try:
-        pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-        assert pool.submit(_interpreting).result(), "worker is not using the Triton interpreter"
-    finally:
-        if old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-    yield lambda fn, *args: pool.submit(fn, *args).result()
-    pool.shutdown()
 
 
 @contextlib.contextmanager
