@@ -99,7 +99,7 @@ def attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
     """qkv projection -> attention output [T, num_heads * head_dim] (see module doc)."""
     T = qkv.shape[0]
     if qkv.is_cuda:
-        from rankserve.kernels import triton_attention as ta
+        from . import triton_attention as ta
         q = ta.prepare_qkv(qkv, positions, cos_sin, q_norm, k_norm, eps, k_cache, v_cache,
                            slot_mapping, num_heads)
         out = ta.paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale)

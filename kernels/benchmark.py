@@ -17,7 +17,7 @@ import sys
 import torch
 import triton
 
-from rankserve.kernels import gemv, moe, triton_attention as ta
+from . import gemv, moe, triton_attention as ta
 
 H, KH, D, BLOCK = 32, 8, 128, 16
 E, TOPK, HID, INTER = 128, 8, 2048, 768

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from rankserve.kernels.attention import rms_norm
+from .attention import rms_norm
 
 # Rows up to which the skinny kernel runs; 0 turns it off (the prologue kernels + cuBLAS run
 # instead). Measured on an H200 at Llama-8B sizes (runtime/bench/results): at one row the fused

@@ -1,3 +1,3 @@
-from rankserve.launch.cli import main
+from .cli import main
 
 main()

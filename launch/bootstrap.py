@@ -35,7 +35,7 @@ import subprocess
 import time
 from typing import Any
 
-from rankserve.launch.discovery import RankInfo, expand_hostlist
+from .discovery import RankInfo, expand_hostlist
 
 log = logging.getLogger(__name__)
 

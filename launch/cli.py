@@ -11,7 +11,7 @@ import typing
 
 import click
 
-from rankserve.runtime.config import ConfigError, EngineConfig
+from ..runtime.config import ConfigError, EngineConfig
 
 
 def _click_type(f: dataclasses.Field):
@@ -73,7 +73,7 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except ValueError as e:
-            from rankserve.launch.discovery import detect_launcher
+            from .discovery import detect_launcher
             if detect_launcher(os.environ) != "single":
                 raise
             raise click.ClickException(str(e)) from None
@@ -100,8 +100,8 @@ def main():
 def generate(prompts, max_tokens, temperature, top_p, top_k, sampling_seed, ignore_eos, as_json,
              **kwargs):
     """Generate text offline for one or more prompts."""
-    from rankserve.launch.startup import run_on_ranks
-    from rankserve.runtime.sampling_params import SamplingParams
+    from .startup import run_on_ranks
+    from ..runtime.sampling_params import SamplingParams
     cfg = build_config(kwargs)
     sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                         seed=sampling_seed, ignore_eos=ignore_eos)
@@ -126,7 +126,7 @@ def bench():
 
 def _bench_config(kwargs: dict):
     """EngineConfig for a bench: MODEL may also name a shipped config (dummy weights implied)."""
-    from rankserve.runtime.bench.common import resolve_model
+    from ..runtime.bench.common import resolve_model
     try:
         path, named = resolve_model(kwargs.get("model"))
     except ValueError as e:
@@ -139,7 +139,7 @@ def _bench_config(kwargs: dict):
 
 
 def _multi_process() -> bool:
-    from rankserve.launch.discovery import discover
+    from .discovery import discover
     return discover().world_size > 1
 
 
@@ -161,7 +161,7 @@ def _bench_outputs(func):
 
 
 def _run_bench(module, cfg, args) -> None:
-    from rankserve.launch.startup import run_on_ranks
+    from .startup import run_on_ranks
     try:
         sys.exit(module.run(cfg, args, run_on_ranks, _multi_process()))
     except (ValueError, ConfigError) as e:
@@ -185,8 +185,8 @@ def bench_throughput(workload, num_prompts, input_len, output_len, backends, hf_
 
     MODEL is a checkpoint directory or a shipped config (qwen3-0.6b, llama-3.1-8b, llama-3.1-70b,
     qwen3-30b-a3b) run with dummy weights; the workload seed is --seed."""
-    from rankserve.runtime.bench import throughput
-    from rankserve.runtime.bench.common import WORKLOADS
+    from ..runtime.bench import throughput
+    from ..runtime.bench.common import WORKLOADS
     cfg, name = _bench_config(kwargs)
     preset = WORKLOADS[workload or "w1"]
     for flag, v in (("--input-len", input_len), ("--output-len", output_len)):
@@ -212,7 +212,7 @@ def bench_throughput(workload, num_prompts, input_len, output_len, backends, hf_
 def bench_latency(batch_size, input_len, output_len, num_iters, num_iters_warmup, backends,
                   hf_compile, output_json, plot, profile_dir, **kwargs):
     """One batch end to end: latency, TTFT (prefill alone), decode tok/s; medians and the floor."""
-    from rankserve.runtime.bench import latency
+    from ..runtime.bench import latency
     cfg, name = _bench_config(kwargs)
     args = latency.LatencyArgs(batch_size=batch_size, input_len=input_len, output_len=output_len,
                                num_iters=num_iters, num_iters_warmup=num_iters_warmup,
@@ -235,7 +235,7 @@ def bench_scaling(paths, output_dir, plot):
     PATHS are directories (every *.json in them, e.g. the output of slurm/scaling.sbatch) or
     --output-json files. Runs are grouped by kind, model and workload; the baseline of a group is
     its run on the fewest GPUs. Prints a table and writes scaling.md, scaling.json, scaling.png."""
-    from rankserve.runtime.bench import scaling
+    from ..runtime.bench import scaling
     try:
         scaling.run(paths, output_dir, plot)
     except ValueError as e:
@@ -266,9 +266,9 @@ def bench_comm(sizes, ops, iters, warmup, json_path, **kwargs):
     Without --tp/--pp every rank joins one TP group."""
     import torch
 
-    from rankserve.launch.discovery import discover
-    from rankserve.launch.startup import start_ranks
-    from rankserve.runtime.bench.comm import OPS, model_message_sizes, run_comm_bench
+    from .discovery import discover
+    from .startup import start_ranks
+    from ..runtime.bench.comm import OPS, model_message_sizes, run_comm_bench
     if kwargs.get("tensor_parallel_size") is None and kwargs.get("pipeline_parallel_size") is None:
         kwargs["tensor_parallel_size"] = discover().world_size
     cfg, _ = _bench_config(kwargs)
@@ -283,7 +283,7 @@ def bench_comm(sizes, ops, iters, warmup, json_path, **kwargs):
     if sizes:
         per_op = {op: [_parse_size(s) for s in sizes.split(",")] for op in op_list}
     else:
-        from rankserve.models.loader import load_hf_config
+        from ..models.loader import load_hf_config
         hf = load_hf_config(cfg.model.model)
         topk = getattr(hf, "num_experts_per_tok", None) if cfg.parallel.enable_expert_parallel else None
         per_op = model_message_sizes(hf.hidden_size, [1, 64, 8192], dtype.itemsize,
@@ -298,7 +298,7 @@ def bench_comm(sizes, ops, iters, warmup, json_path, **kwargs):
             rows += run_comm_bench(op_sizes, ops=(op,), dtype=dtype, iters=iters, warmup=warmup,
                                    device=device)
     if info.rank == 0 and json_path:
-        from rankserve.runtime.bench.common import environment, write_json
+        from ..runtime.bench.common import environment, write_json
         write_json(json_path, {"env": environment(), "world_size": info.world_size, "results": rows})
         click.echo(f"wrote {json_path}")
     control.barrier()
@@ -307,7 +307,7 @@ def bench_comm(sizes, ops, iters, warmup, json_path, **kwargs):
 # ---- serve --------------------------------------------------------------------------------------
 def server_options(func):
     """One click option per ServerArgs field (host, port, api key, parsers ...)."""
-    from rankserve.runtime.serve.args import ServerArgs
+    from ..runtime.serve.args import ServerArgs
     for f in reversed(dataclasses.fields(ServerArgs)):
         ctype, base = _click_type(f)
         name = "--" + f.name.replace("_", "-")
@@ -329,10 +329,10 @@ def serve(**kwargs):
     and the other ranks run the model with it."""
     import os
 
-    from rankserve.launch.discovery import scrub_launcher_env
-    from rankserve.launch.startup import run_multi_rank, start_ranks
-    from rankserve.runtime.serve.args import ServerArgs
-    from rankserve.runtime.serve.engine_proc import serve_engine
+    from .discovery import scrub_launcher_env
+    from .startup import run_multi_rank, start_ranks
+    from ..runtime.serve.args import ServerArgs
+    from ..runtime.serve.engine_proc import serve_engine
     names = [f.name for f in dataclasses.fields(ServerArgs)]
     try:
         args = ServerArgs(**{n: kwargs.pop(n) for n in names}).validate()
@@ -342,7 +342,7 @@ def serve(**kwargs):
     env = scrub_launcher_env(os.environ)  # the API child must not take itself for an MPI rank
     started = start_ranks(cfg)
     if started is None:
-        from rankserve.runtime.executor import UniprocExecutor
+        from ..runtime.executor import UniprocExecutor
         executor = UniprocExecutor(cfg)
         try:
             sys.exit(serve_engine(cfg, args, executor, api_env=env))

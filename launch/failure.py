@@ -37,7 +37,7 @@ import threading
 import time
 import traceback
 
-from rankserve.launch.discovery import RankInfo
+from .discovery import RankInfo
 
 log = logging.getLogger(__name__)
 

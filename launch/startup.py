@@ -15,13 +15,13 @@ from typing import Callable
 
 import torch
 
-from rankserve.runtime.config import ConfigError, EngineConfig
+from ..runtime.config import ConfigError, EngineConfig
 
 log = logging.getLogger("rankserve.startup")
 
 
 def make_llm(cfg: EngineConfig, executor=None):
-    from rankserve.runtime.llm import LLM
+    from ..runtime.llm import LLM
     return LLM(config=cfg, executor=executor)
 
 
@@ -37,7 +37,7 @@ def parse_device_ids(spec: str | None) -> list[int] | None:
 def start_ranks(cfg: EngineConfig):
     """Discover, pin, bootstrap. Returns (info, control, parallel info, device) or None for a
     single process without parallelism."""
-    from rankserve.launch.discovery import discover, select_device
+    from .discovery import discover, select_device
     info = discover()
     pc = cfg.parallel
     if info.world_size == 1:
@@ -47,9 +47,9 @@ def start_ranks(cfg: EngineConfig):
                 f"{pc.pipeline_parallel_size} needs {pc.world_size} ranks; launch with "
                 f"`mpirun -np {pc.world_size} rankserve ...` (or srun)")
         return None
-    from rankserve.launch.bootstrap import init_distributed
-    from rankserve.launch.failure import install_failure_handlers
-    from rankserve.runtime.parallel import build_parallel_info
+    from .bootstrap import init_distributed
+    from .failure import install_failure_handlers
+    from ..runtime.parallel import build_parallel_info
     want_cuda = cfg.device.device != "cpu" and torch.cuda.is_available()
     device = select_device(info.local_rank, parse_device_ids(cfg.device.device_ids), want_cuda)
     if device.startswith("cuda"):
@@ -76,8 +76,8 @@ def run_on_ranks(cfg: EngineConfig, body: Callable[[object], None]) -> int:
 
 def run_multi_rank(cfg: EngineConfig, started, driver: Callable[[object], object]) -> int:
     """Rank 0 runs `driver(executor)`; the others serve as workers until it shuts them down."""
-    from rankserve.runtime.executor import MultiRankExecutor
-    from rankserve.runtime.worker import run_worker
+    from ..runtime.executor import MultiRankExecutor
+    from ..runtime.worker import run_worker
     info, control, pi, device = started
     if info.rank != 0:
         return run_worker(cfg, control, pi, device)

@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from rankserve.kernels.attention import attention, rms_norm
-from rankserve.kernels.gemv import add_rms_norm_linear, silu_mul_linear, skinny_linear
+from ..kernels.attention import attention, rms_norm
+from ..kernels.gemv import add_rms_norm_linear, silu_mul_linear, skinny_linear
 
 
 @dataclass

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from rankserve.models.layers import (
+from .layers import (
     Attention, AttnMeta, GatedMLP, ParallelInfo, ParallelLMHead, RMSNorm, VocabParallelEmbedding)
-from rankserve.models.registry import Registry
+from .registry import Registry
 
 MODELS: Registry[type] = Registry("model architecture")
 

@@ -12,8 +12,8 @@ import os
 import torch
 from tqdm import tqdm
 
-from rankserve.models.layers import ParallelInfo
-from rankserve.models.llama import MODELS
+from .layers import ParallelInfo
+from .llama import MODELS
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -36,7 +36,7 @@ def resolve_dtype(name: str, hf_config, device_type: str) -> torch.dtype:
 
 
 def model_class(hf_config):
-    import rankserve.models.moe  # noqa: F401  (registers the MoE families)
+    from . import moe  # noqa: F401  (registers the MoE families)
     archs = getattr(hf_config, "architectures", None) or []
     if not archs:
         raise ValueError("the model config has no 'architectures' field")

@@ -14,9 +14,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from rankserve.kernels.moe import fused_moe
-from rankserve.models.layers import GatedMLP, ParallelInfo, _read, divide, tp_all_reduce
-from rankserve.models.llama import MODELS, CausalLM
+from ..kernels.moe import fused_moe
+from .layers import GatedMLP, ParallelInfo, _read, divide, tp_all_reduce
+from .llama import MODELS, CausalLM
 
 
 class FusedExperts(nn.Module):

@@ -9,10 +9,10 @@ import collections
 import logging
 import time
 
-from rankserve.runtime.config import EngineConfig
-from rankserve.runtime.messages import EngineCoreOutputs, EngineCoreRequest, FinishReason
-from rankserve.runtime.request import Request
-from rankserve.runtime.scheduler import Scheduler
+from .config import EngineConfig
+from .messages import EngineCoreOutputs, EngineCoreRequest, FinishReason
+from .request import Request
+from .scheduler import Scheduler
 
 log = logging.getLogger("rankserve.engine")
 

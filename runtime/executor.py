@@ -11,10 +11,10 @@ import time
 
 import torch
 
-from rankserve.models.layers import ParallelInfo
-from rankserve.runtime.config import EngineConfig
-from rankserve.runtime.model_runner import ModelRunner
-from rankserve.runtime.scheduler import ModelRunnerOutput, SchedulerOutput
+from ..models.layers import ParallelInfo
+from .config import EngineConfig
+from .model_runner import ModelRunner
+from .scheduler import ModelRunnerOutput, SchedulerOutput
 
 log = logging.getLogger("rankserve.executor")
 
@@ -66,7 +66,7 @@ class MultiRankExecutor:
     """Rank 0's executor; `control` is the launcher's control channel (MPI or gloo)."""
 
     def __init__(self, cfg: EngineConfig, control, pi: ParallelInfo, device: torch.device):
-        from rankserve.runtime.worker import Worker
+        from .worker import Worker
         self.control = control
         self.device = device
         self.worker = Worker(cfg, control, pi, device)

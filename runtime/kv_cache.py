@@ -12,7 +12,7 @@ import hashlib
 import pickle
 from collections import OrderedDict
 
-from rankserve.runtime.request import Request
+from .request import Request
 
 
 def make_hasher(algo: str):

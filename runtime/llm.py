@@ -11,11 +11,11 @@ import msgspec
 
 from tqdm import tqdm
 
-from rankserve.runtime.config import DEFAULT_MODEL, EngineConfig
-from rankserve.runtime.engine_core import EngineCore
-from rankserve.runtime.messages import EngineCoreRequest
-from rankserve.runtime.outputs import OutputProcessor, RequestOutput, child_request_id
-from rankserve.runtime.sampling_params import SamplingParams
+from .config import DEFAULT_MODEL, EngineConfig
+from .engine_core import EngineCore
+from .messages import EngineCoreRequest
+from .outputs import OutputProcessor, RequestOutput, child_request_id
+from .sampling_params import SamplingParams
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tekken.json")
@@ -73,7 +73,7 @@ class LLM:
         self.eos_token_ids = eos_token_ids_of(self.tokenizer, m.model) if self.tokenizer else []
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
         if executor is None:
-            from rankserve.runtime.executor import UniprocExecutor
+            from .executor import UniprocExecutor
             executor = UniprocExecutor(self.config)
         self.engine = EngineCore(self.config, executor)
         self.processor = OutputProcessor(self.tokenizer)

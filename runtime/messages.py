@@ -8,7 +8,7 @@ import enum
 
 import msgspec
 
-from rankserve.runtime.sampling_params import SamplingParams
+from .sampling_params import SamplingParams
 
 
 class FinishReason(str, enum.Enum):

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rankserve.models.layers import AttnMeta, ParallelInfo
-from rankserve.models.loader import build_model, init_dummy_weights, load_hf_config, load_weights, resolve_dtype
-from rankserve.runtime.config import EngineConfig
-from rankserve.runtime.sampler import SamplingMetadata, gather_logprobs, sample
-from rankserve.runtime.sampling_params import SamplingParams
-from rankserve.runtime.scheduler import ModelRunnerOutput, SchedulerOutput
+from ..models.layers import AttnMeta, ParallelInfo
+from ..models.loader import build_model, init_dummy_weights, load_hf_config, load_weights, resolve_dtype
+from .config import EngineConfig
+from .sampler import SamplingMetadata, gather_logprobs, sample
+from .sampling_params import SamplingParams
+from .scheduler import ModelRunnerOutput, SchedulerOutput
 
 log = logging.getLogger("rankserve.runner")
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rankserve.runtime.detokenize import IncrementalDetokenizer
-from rankserve.runtime.messages import EngineCoreOutput, FinishReason, LogprobsEntry
-from rankserve.runtime.sampling_params import SamplingParams
+from .detokenize import IncrementalDetokenizer
+from .messages import EngineCoreOutput, FinishReason, LogprobsEntry
+from .sampling_params import SamplingParams
 
 
 @dataclass

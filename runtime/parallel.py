@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from rankserve.models.layers import ParallelInfo
-from rankserve.runtime.config import ConfigError, ParallelConfig
+from ..models.layers import ParallelInfo
+from .config import ConfigError, ParallelConfig
 
 
 def build_parallel_info(rank: int, world_size: int, pc: ParallelConfig) -> ParallelInfo:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import enum
 
-from rankserve.runtime.messages import EngineCoreRequest, FinishReason
-from rankserve.runtime.sampling_params import SamplingParams
+from .messages import EngineCoreRequest, FinishReason
+from .sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

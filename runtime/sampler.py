@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rankserve.runtime.messages import LogprobsEntry
+from .messages import LogprobsEntry
 
 
 @dataclass

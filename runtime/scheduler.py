@@ -14,12 +14,12 @@ import bisect
 import time
 from dataclasses import dataclass, field
 
-from rankserve.runtime.config import CacheConfig, SchedulerConfig
-from rankserve.runtime.kv_cache import KVCacheManager
-from rankserve.runtime.messages import (
+from .config import CacheConfig, SchedulerConfig
+from .kv_cache import KVCacheManager
+from .messages import (
     EngineCoreOutput, EngineCoreOutputs, FinishReason, LogprobsEntry, SchedulerStats)
-from rankserve.runtime.request import Request, RequestStatus
-from rankserve.runtime.sampling_params import SamplingParams
+from .request import Request, RequestStatus
+from .sampling_params import SamplingParams
 
 
 @dataclass

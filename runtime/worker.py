@@ -10,11 +10,11 @@ import os
 
 import torch
 
-from rankserve.models.layers import ParallelInfo
-from rankserve.runtime.config import EngineConfig
-from rankserve.runtime.model_runner import ModelRunner
-from rankserve.runtime.parallel import global_rank, recv_hidden, send_hidden
-from rankserve.runtime.scheduler import ModelRunnerOutput, SchedulerOutput
+from ..models.layers import ParallelInfo
+from .config import EngineConfig
+from .model_runner import ModelRunner
+from .parallel import global_rank, recv_hidden, send_hidden
+from .scheduler import ModelRunnerOutput, SchedulerOutput
 
 log = logging.getLogger("rankserve.worker")
 

@@ -2,7 +2,7 @@
 
 API (the `rankserve bench comm` command wraps it; every rank calls it, it is collective):
 
-    from rankserve.runtime.bench.comm import run_comm_bench, model_message_sizes
+    from .comm import run_comm_bench, model_message_sizes
 
     sizes = model_message_sizes(hidden_size=8192, num_tokens_list=[1, 64, 8192], dtype_bytes=2,
                                 tp=8, moe_topk=None, vocab_size=128256)

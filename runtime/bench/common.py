@@ -100,8 +100,8 @@ class ModelStats:
 
 def model_stats(hf_config) -> ModelStats:
     """Count parameters by building the rankserve model on the meta device (no memory)."""
-    from rankserve.models.layers import ParallelInfo
-    from rankserve.models.loader import build_model
+    from ...models.layers import ParallelInfo
+    from ...models.loader import build_model
     model = build_model(hf_config, ParallelInfo(), torch.bfloat16, torch.device("meta"))
     total = body = experts = 0
     for name, p in model.named_parameters():  # tied weights appear once
@@ -422,8 +422,8 @@ def drive(cfg, hf_config, backends, on_ranks, multi_process: bool, engine_bench,
     frees the device, since the engine then claims most of its memory. `on_ranks(cfg, body)` is
     the launcher's `run_on_ranks` (runtime does not import launch). Returns (exit code,
     {backend: result} — empty on worker ranks —, ceilings)."""
-    from rankserve.models.loader import resolve_dtype
-    from rankserve.runtime.executor import resolve_device
+    from ...models.loader import resolve_dtype
+    from ..executor import resolve_device
     state: dict = {"ceilings": None}
     results: dict = {}
 

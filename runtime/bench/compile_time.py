@@ -19,8 +19,8 @@ def one(mode: str, layers: int, device: str) -> None:
     import torch
     import transformers
 
-    from rankserve.models.layers import AttnMeta, ParallelInfo
-    from rankserve.models.loader import build_model
+    from ...models.layers import AttnMeta, ParallelInfo
+    from ...models.loader import build_model
     cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
                                    num_hidden_layers=layers, num_attention_heads=4,
                                    num_key_value_heads=2, max_position_embeddings=512)

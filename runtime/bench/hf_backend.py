@@ -24,7 +24,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from rankserve.runtime.bench.common import Workload
+from .common import Workload
 
 
 # its INFO chatter (and a psutil "ERROR" on CPU) would drown the benchmark's own output

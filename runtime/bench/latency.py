@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from rankserve.runtime.bench import common
-from rankserve.runtime.bench.throughput import engine_runner, observe_steps, run_engine
+from . import common
+from .throughput import engine_runner, observe_steps, run_engine
 
 
 @dataclass
@@ -89,7 +89,7 @@ def rankserve_latency(llm, args: LatencyArgs, stats, ceilings) -> dict:
 
 
 def hf_latency(model_dir: str, device, dtype, args: LatencyArgs, vocab: int, stats, ceilings) -> dict:
-    from rankserve.runtime.bench.hf_backend import HFBackend
+    from .hf_backend import HFBackend
     hf = HFBackend(model_dir, device, dtype, args.hf_compile)
     results = {}
     try:

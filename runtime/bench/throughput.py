@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rankserve.runtime.bench import common
-from rankserve.runtime.sampling_params import SamplingParams
+from . import common
+from ..sampling_params import SamplingParams
 
 
 @dataclass
@@ -104,7 +104,7 @@ def rankserve_throughput(llm, wl: common.Workload, warm: common.Workload,
 
 def hf_throughput(model_dir: str, device: torch.device, dtype: torch.dtype, wl, warm, stats,
                   ceilings: dict, compile_: bool) -> dict:
-    from rankserve.runtime.bench.hf_backend import HFBackend
+    from .hf_backend import HFBackend
     hf = HFBackend(model_dir, device, dtype, compile_)
     try:
         hf.run_batch(warm)

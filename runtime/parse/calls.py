@@ -5,7 +5,7 @@ Modes: "args" (the whole value is the arguments), "object" ({"name": ..., "argum
 ("name", str), ("args", str), ("call_end",), ("error",)."""
 from __future__ import annotations
 
-from rankserve.runtime.parse.json_scan import JsonScanner
+from .json_scan import JsonScanner
 
 NAME_KEYS = ("name",)
 ARGS_KEYS = ("arguments", "parameters")

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import re
 
-from rankserve.runtime.parse.calls import CallReader
-from rankserve.runtime.parse.grammar import TEXT_KINDS, TOOL_KINDS, Grammar, Rule, State
-from rankserve.runtime.parse.types import (ContentDelta, Delta, ParsedMessage, ReasoningDelta,
+from .calls import CallReader
+from .grammar import TEXT_KINDS, TOOL_KINDS, Grammar, Rule, State
+from .types import (ContentDelta, Delta, ParsedMessage, ReasoningDelta,
                                            ToolCall, ToolCallDelta, new_tool_call_id)
 
 _NAME = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")

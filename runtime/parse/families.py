@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from rankserve.models.registry import Registry
-from rankserve.runtime.parse.engine import StreamingParser
-from rankserve.runtime.parse.grammar import Piece, Rule, State, Terminal, combine
+from ...models.registry import Registry
+from .engine import StreamingParser
+from .grammar import Piece, Rule, State, Terminal, combine
 
 
 def token_id(tokenizer: Any, text: str) -> int | None:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from rankserve.runtime.render import deepseek_v3, hf, mistral  # noqa: F401  (fill RENDERERS)
-from rankserve.runtime.render.base import RENDERERS, Renderer, normalize_messages
+from . import deepseek_v3, hf, mistral  # noqa: F401  (fill RENDERERS)
+from .base import RENDERERS, Renderer, normalize_messages
 
 __all__ = ["RENDERERS", "Renderer", "get_renderer", "is_mistral_tokenizer", "normalize_messages"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from rankserve.models.registry import Registry
+from ...models.registry import Registry
 
 RENDERERS: Registry[type["Renderer"]] = Registry("renderer")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from rankserve.runtime.render.base import RENDERERS
-from rankserve.runtime.render.hf import HfRenderer
+from .base import RENDERERS
+from .hf import HfRenderer
 
 TOOL_FORMAT = (
     "IMPORTANT: ALWAYS adhere to this exact format for tool use:\n"

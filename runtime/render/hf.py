@@ -1,7 +1,7 @@
 """`hf`: the tokenizer's own chat template (transformers' apply_chat_template)."""
 from __future__ import annotations
 
-from rankserve.runtime.render.base import RENDERERS, Renderer
+from .base import RENDERERS, Renderer
 
 
 @RENDERERS.register("hf")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import re
 
-from rankserve.runtime.render.base import RENDERERS, Renderer
+from .base import RENDERERS, Renderer
 
 
 def mistral_call_id(call_id: str) -> str:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 from typing import AsyncIterator
 
-from rankserve.runtime.parse import ContentDelta, Delta, ParsedMessage, ReasoningDelta, ToolCallDelta
-from rankserve.runtime.serve.context import ChatRun, ServeContext, sse
-from rankserve.runtime.serve.protocol import (APIError, CountTokensRequest, MessagesRequest,
+from ..parse import ContentDelta, Delta, ParsedMessage, ReasoningDelta, ToolCallDelta
+from .context import ChatRun, ServeContext, sse
+from .protocol import (APIError, CountTokensRequest, MessagesRequest,
                                               SamplingRequest, random_id, sampling_params)
 
 TOOL_CHOICE = {"auto": "auto", "none": "none", "any": "required"}

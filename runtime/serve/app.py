@@ -19,14 +19,14 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
-from rankserve import __version__
-from rankserve.runtime.llm import eos_token_ids_of, load_tokenizer
-from rankserve.runtime.serve import anthropic_api, openai_api, responses_api
-from rankserve.runtime.serve.args import ServerArgs
-from rankserve.runtime.serve.client import EngineClient, EngineDeadError
-from rankserve.runtime.serve.context import ServeContext, cancel_on_disconnect
-from rankserve.runtime.serve.metrics import Metrics
-from rankserve.runtime.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
+from ... import __version__
+from ..llm import eos_token_ids_of, load_tokenizer
+from . import anthropic_api, openai_api, responses_api
+from .args import ServerArgs
+from .client import EngineClient, EngineDeadError
+from .context import ServeContext, cancel_on_disconnect
+from .metrics import Metrics
+from .protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                               CountTokensRequest, DerenderRequest,
                                               DetokenizeRequest, MessagesRequest,
                                               ResponsesRequest, TokenizeRequest, now)

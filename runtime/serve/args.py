@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from rankserve.runtime.config import opt
+from ..config import opt
 
 
 @dataclass
@@ -37,8 +37,8 @@ class ServerArgs:
         if self.engine_address and not self.engine_address.startswith(("ipc://", "tcp://")):
             raise ValueError(f"--engine-address must start with ipc:// or tcp://, "
                              f"got {self.engine_address!r}")
-        from rankserve.runtime.parse import PARSERS
-        from rankserve.runtime.render import RENDERERS
+        from ..parse import PARSERS
+        from ..render import RENDERERS
         for flag, registry, name in (("--renderer", RENDERERS, self.renderer),
                                      ("--tool-call-parser", PARSERS, self.tool_call_parser),
                                      ("--reasoning-parser", PARSERS, self.reasoning_parser)):

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from rankserve.runtime.llm import engine_request
-from rankserve.runtime.messages import (EngineCoreOutputs, EngineCoreRequestType, LogprobsEntry,
+from ..llm import engine_request
+from ..messages import (EngineCoreOutputs, EngineCoreRequestType, LogprobsEntry,
                                         encoder, outputs_decoder)
-from rankserve.runtime.outputs import OutputProcessor
-from rankserve.runtime.sampling_params import SamplingParams
-from rankserve.runtime.serve.metrics import Metrics
+from ..outputs import OutputProcessor
+from ..sampling_params import SamplingParams
+from .metrics import Metrics
 
 log = logging.getLogger("rankserve.serve")
 

@@ -11,12 +11,12 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import msgspec
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from rankserve.runtime.parse import ContentDelta, Delta, ParsedMessage, ToolCallDelta, make_parser
-from rankserve.runtime.render import get_renderer
-from rankserve.runtime.serve.args import ServerArgs
-from rankserve.runtime.serve.client import (EngineClient, EngineDeadError, RequestError,
+from ..parse import ContentDelta, Delta, ParsedMessage, ToolCallDelta, make_parser
+from ..render import get_renderer
+from .args import ServerArgs
+from .client import (EngineClient, EngineDeadError, RequestError,
                                             RequestStream, Update)
-from rankserve.runtime.serve.protocol import APIError
+from .protocol import APIError
 
 log = logging.getLogger("rankserve.serve")
 

@@ -23,11 +23,11 @@ import uuid
 import msgspec
 import zmq
 
-from rankserve.runtime.config import EngineConfig
-from rankserve.runtime.engine_core import EngineCore
-from rankserve.runtime.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequestType,
+from ..config import EngineConfig
+from ..engine_core import EngineCore
+from ..messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequestType,
                                         FinishReason, encoder, request_decoder)
-from rankserve.runtime.serve.args import ServerArgs
+from .args import ServerArgs
 
 log = logging.getLogger("rankserve.serve")
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator
 
-from rankserve.runtime.messages import LogprobsEntry
-from rankserve.runtime.parse import (ContentDelta, Delta, ParsedMessage, ReasoningDelta,
+from ..messages import LogprobsEntry
+from ..parse import (ContentDelta, Delta, ParsedMessage, ReasoningDelta,
                                      ToolCallDelta)
-from rankserve.runtime.serve.client import RequestStream, Update
-from rankserve.runtime.serve.context import SSE_DONE, ChatRun, ServeContext, sse, usage
-from rankserve.runtime.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
+from .client import RequestStream, Update
+from .context import SSE_DONE, ChatRun, ServeContext, sse, usage
+from .protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                               DerenderRequest, DetokenizeRequest, TokenizeRequest,
                                               now, random_id, sampling_params)
 

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rankserve.runtime.sampling_params import SamplingParams
+from ..sampling_params import SamplingParams
 
 
 class APIError(Exception):

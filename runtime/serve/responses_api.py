@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import AsyncIterator
 
-from rankserve.runtime.parse import ContentDelta, Delta, ReasoningDelta, ToolCallDelta
-from rankserve.runtime.serve.context import ChatRun, ServeContext, sse
-from rankserve.runtime.serve.protocol import (APIError, ResponsesRequest, SamplingRequest, now,
+from ..parse import ContentDelta, Delta, ReasoningDelta, ToolCallDelta
+from .context import ChatRun, ServeContext, sse
+from .protocol import (APIError, ResponsesRequest, SamplingRequest, now,
                                               random_id, sampling_params)
 
 TEXT_PARTS = ("input_text", "output_text", "text")
