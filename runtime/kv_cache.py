@@ -49,9 +49,7 @@ class BlockPool:
         for _ in range(n):
             _, block = self.free.popitem(last=False)  # least recently used first
             if block.block_hash is not None:  # evict it from the prefix cache
-                if self.cached.get(block.block_hash) is block:
-                    del self.cached[block.block_hash]
-                block.block_hash = None
+                self.forget(block)
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -69,6 +67,11 @@ class BlockPool:
             assert b.ref_cnt >= 0, f"block {b.block_id} freed twice"
             if b.ref_cnt == 0:
                 self.free[b.block_id] = b
+
+    def forget(self, block: Block) -> None:
+        if self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        block.block_hash = None
 
     def lookup(self, block_hash: bytes) -> Block | None:
         return self.cached.get(block_hash)
@@ -141,9 +144,8 @@ class KVCacheManager:
         """Reserve blocks for `num_new_tokens` more tokens (after the cached prefix `computed`).
         Returns the ids of newly added blocks, or None if the pool cannot supply them."""
         if not computed:  # the common decode case: usually no new block, nothing to register
-            blocks = self.req_blocks.setdefault(req.request_id, [])
             total = req.num_computed_tokens + num_new_tokens
-            need = -(-total // self.block_size) - len(blocks)
+            need = -(-total // self.block_size) - len(self.req_blocks.get(req.request_id, ()))
             if need <= 0:
                 if self.enable_caching and total // self.block_size > self.num_registered.get(req.request_id, 0):
                     self._register_full_blocks(req, total)
@@ -172,10 +174,30 @@ class KVCacheManager:
             self.pool.register(blocks[i], req.block_hashes[i])
         self.num_registered[req.request_id] = max(start, end)
 
-    def free(self, req: Request) -> None:
+    def free(self, req: Request, num_valid_tokens: int | None = None) -> None:
+        """Release the request's blocks. Blocks past `num_valid_tokens` were allocated for a step
+        that will not run: drop them from the prefix cache, their KV was never written."""
         blocks = self.req_blocks.pop(req.request_id, [])
         self.num_registered.pop(req.request_id, None)
+        if num_valid_tokens is not None:
+            for b in blocks[num_valid_tokens // self.block_size:]:
+                if b.ref_cnt == 1 and b.block_hash is not None:
+                    self.pool.forget(b)
         self.pool.release(list(reversed(blocks)))
+
+    def check_invariants(self) -> None:
+        """Every block is owned (ref_cnt = number of holders) or free, exactly once."""
+        holders: dict[int, int] = {}
+        for blocks in self.req_blocks.values():
+            assert len({b.block_id for b in blocks}) == len(blocks), "a block held twice"
+            for b in blocks:
+                holders[b.block_id] = holders.get(b.block_id, 0) + 1
+        for b in self.pool.blocks:
+            assert b.ref_cnt == holders.get(b.block_id, 0), f"block {b.block_id} ref_cnt"
+            assert (b.block_id in self.pool.free) == (b.ref_cnt == 0), f"block {b.block_id} free"
+            if b.block_hash is not None:
+                assert self.pool.cached.get(b.block_hash) is b, f"block {b.block_id} hash"
+        assert len(self.pool.free) + len(holders) == self.num_blocks
 
     def block_ids(self, req: Request) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(req.request_id, ())]

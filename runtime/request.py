@@ -29,7 +29,11 @@ class Request:
         room = max_model_len - self.num_prompt_tokens
         self.max_tokens = room if sp.max_tokens is None else min(sp.max_tokens, room)
         self.status = RequestStatus.WAITING
-        self.num_computed_tokens = 0
+        # scheduling state: read and written by the scheduler alone
+        self.num_computed_tokens = 0  # tokens whose KV is (or is being) computed
+        self.num_pending = 0  # tokens that in-flight steps will sample
+        self.num_in_flight = 0  # scheduled steps whose results are not back
+        self.num_sent: int | None = None  # tokens the runners know; None: they hold no state
         self.num_cached_tokens = -1  # prefix-cache hit at first schedule; -1 until then
         self.block_hashes: list[bytes] = []
         self.finish_reason: FinishReason | None = None
@@ -56,6 +60,15 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+
+    def preempt(self) -> None:
+        """Back to the queue; its KV is recomputed when it is scheduled again. Only a request
+        with no step in flight is preempted, so nothing is pending."""
+        assert self.num_in_flight == 0 and self.num_pending == 0, self.request_id
+        self.status = RequestStatus.PREEMPTED
+        self.num_computed_tokens = 0
+        self.num_sent = None
+        self.num_preemptions += 1
 
     def sort_key(self, policy: str):
         """Order in which requests are served (and the reverse: preemption victims)."""

@@ -94,15 +94,12 @@ class Scheduler:
         self.cfg = sched
         # schedule a decode before its previous token is back (the runner fills it in on device)
         self.async_scheduling = async_scheduling
-        self.pending: dict[str, int] = {}  # tokens in-flight steps will sample, per request
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
                                  cache.prefix_caching_hash_algo)
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by policy key
         self.running: list[Request] = []
-        self.num_sent: dict[str, int] = {}  # tokens of each request the runners know
-        self.in_flight: dict[str, int] = {}  # request → scheduled steps whose results are pending
         self.finished_ids: list[str] = []
         self.num_preemptions = 0
         self._step_prompt_tokens = 0
@@ -114,7 +111,7 @@ class Scheduler:
         self._enqueue(req)
 
     def _enqueue(self, req: Request) -> None:
-        key = lambda r: r.sort_key(self.cfg.policy)
+        key = lambda r: r.sort_key(self.cfg.policy)  # noqa: E731
         bisect.insort(self.waiting, req, key=key)
 
     def finish_requests(self, req_ids, reason: FinishReason) -> list[Request]:
@@ -133,12 +130,11 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: FinishReason, stop_reason=None) -> None:
         req.status = RequestStatus.FINISHED
-        self.pending.pop(req.request_id, None)
         req.finish_reason = reason
         req.stop_reason = stop_reason
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
-        if self.num_sent.pop(req.request_id, None) is not None:
+        if req.num_sent is not None:  # the runners hold its state: tell them to drop it
             self.finished_ids.append(req.request_id)
 
     @property
@@ -147,28 +143,32 @@ class Scheduler:
 
     # ---- the step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """Decide the step (request → tokens), preempting when blocks run out, then commit it.
+        Nothing about a request changes until the commit, so preempting a request that was
+        already picked for this step only has to drop it from `step`."""
         out = SchedulerOutput(finished_req_ids=self.finished_ids)
         self.finished_ids = []
         budget = self.cfg.max_num_batched_tokens
+        step: dict[str, tuple[Request, int, list[int], bool]] = {}  # id → (req, n, new blocks, new)
         preempted = False
 
         # running requests first: decodes and unfinished prefills
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            pending = self.pending.get(req.request_id, 0)
-            n = min(req.num_tokens + pending - req.num_computed_tokens, budget)
-            if n == 0 or (pending and not self._can_run_ahead(req, pending)):
+            n = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
+            if n <= 0 or (req.num_pending and not self._can_run_ahead(req)):
                 i += 1  # its last step is still in flight
                 continue
             new_blocks = self.kv.allocate_slots(req, n)
             while new_blocks is None:
-                victims = [r for r in self.running if r.request_id not in self.in_flight]
-                victim = max(victims, key=lambda r: r.sort_key(self.cfg.policy), default=None)
+                victim = max((r for r in self.running if r.num_in_flight == 0),
+                             key=lambda r: r.sort_key(self.cfg.policy), default=None)
                 if victim is None:  # everything else is in flight: try again next step
                     break
-                if self.running.index(victim) < i:  # already scheduled this step: undo it
-                    budget += out.num_scheduled_tokens[victim.request_id]
+                if victim.request_id in step:
+                    budget += step.pop(victim.request_id)[1]
+                if self.running.index(victim) < i:
                     i -= 1
                 self._preempt(victim, out)
                 preempted = True
@@ -179,7 +179,7 @@ class Scheduler:
                 if req.status == RequestStatus.RUNNING:
                     i += 1
                 continue  # else req itself was preempted; running[i] is now the next one
-            self._schedule(req, n, new_blocks, out, new=False)
+            step[req.request_id] = (req, n, new_blocks, False)
             budget -= n
             i += 1
 
@@ -202,71 +202,81 @@ class Scheduler:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
             self.running.append(req)
-            self._schedule(req, n, new_blocks, out, new=True)
+            step[req.request_id] = (req, n, new_blocks, True)
             budget -= n
 
+        for req, n, new_blocks, new in step.values():
+            self._commit(req, n, new_blocks, new, out)
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         if out.is_empty:  # an empty plan is not sent: keep the ids for the next one
             self.finished_ids = out.finished_req_ids + self.finished_ids
             out.finished_req_ids = []
-        for rid in out.num_scheduled_tokens:
-            self.in_flight[rid] = self.in_flight.get(rid, 0) + 1
-        for rid, n in out.num_scheduled_tokens.items():
-            req = self.requests[rid]
-            self._step_prompt_tokens += max(0, min(req.num_computed_tokens, req.num_prompt_tokens)
-                                            - (req.num_computed_tokens - n))
         return out
 
-    def _can_run_ahead(self, req: Request, pending: int) -> bool:
+    def _can_run_ahead(self, req: Request) -> bool:
         """May `req` be scheduled again before its pending token is known?"""
         return (self.async_scheduling and not req.sampling_params.needs_penalties
-                and req.num_output_tokens + pending < req.max_tokens
-                and req.num_tokens + pending < self.max_model_len)
+                and req.num_output_tokens + req.num_pending < req.max_tokens
+                and req.num_tokens + req.num_pending < self.max_model_len)
 
-    def _schedule(self, req: Request, n: int, new_blocks: list[int], out: SchedulerOutput,
-                  new: bool) -> None:
+    def _commit(self, req: Request, n: int, new_blocks: list[int], new: bool,
+                out: SchedulerOutput) -> None:
+        rid = req.request_id
         if new:
             out.new_reqs.append(NewRequestData(
-                req.request_id, list(req.all_token_ids), req.sampling_params,
-                self.kv.block_ids(req), req.num_computed_tokens, req.num_prompt_tokens,
-                req.eos_token_id))
+                rid, list(req.all_token_ids), req.sampling_params, self.kv.block_ids(req),
+                req.num_computed_tokens, req.num_prompt_tokens, req.eos_token_id))
         else:
-            sent = self.num_sent[req.request_id]
             out.cached_reqs.append(CachedRequestData(
-                req.request_id, req.all_token_ids[sent:], new_blocks, req.num_computed_tokens))
-        self.num_sent[req.request_id] = req.num_tokens
-        out.num_scheduled_tokens[req.request_id] = n
-        pending = self.pending.get(req.request_id, 0)
+                rid, req.all_token_ids[req.num_sent:], new_blocks, req.num_computed_tokens))
+        req.num_sent = req.num_tokens
+        out.num_scheduled_tokens[rid] = n
+        start = req.num_computed_tokens
+        self._step_prompt_tokens += max(0, min(start + n, req.num_prompt_tokens) - start)
         req.num_computed_tokens += n
-        if req.num_computed_tokens >= req.num_tokens + pending:  # this step samples a token
-            self.pending[req.request_id] = pending + 1
+        if req.num_computed_tokens >= req.num_tokens + req.num_pending:  # this step samples
+            req.num_pending += 1
+        req.num_in_flight += 1
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
-        self.kv.free(req)
-        req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
-        req.num_preemptions += 1
-        self.num_preemptions += 1
-        if self.num_sent.pop(req.request_id, None) is not None:
+        # blocks this step allocated hold no KV yet: they must not stay findable in the cache
+        self.kv.free(req, num_valid_tokens=req.num_computed_tokens)
+        if req.num_sent is not None:
             out.finished_req_ids.append(req.request_id)
-        if out.num_scheduled_tokens.pop(req.request_id, None) is not None:
-            out.new_reqs = [r for r in out.new_reqs if r.req_id != req.request_id]
-            out.cached_reqs = [r for r in out.cached_reqs if r.req_id != req.request_id]
+        req.preempt()
+        self.num_preemptions += 1
         self._enqueue(req)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent (tests call it every step)."""
+        assert not set(map(id, self.running)) & set(map(id, self.waiting)), "running ∩ waiting"
+        live = self.running + self.waiting
+        assert len(live) == len(self.requests), "requests ≠ running ∪ waiting"
+        assert len(self.running) <= self.cfg.max_num_seqs
+        for r in self.running:
+            assert r.status == RequestStatus.RUNNING, r.request_id
+        for r in self.waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r.request_id
+            assert r.num_in_flight == 0 and r.num_pending == 0 and r.num_sent is None, r.request_id
+            assert r.request_id not in self.kv.req_blocks, r.request_id
+        for r in live:
+            assert r.num_pending <= r.num_in_flight, f"{r.request_id}: pending ⊄ in flight"
+            assert r.num_computed_tokens <= r.num_tokens + r.num_pending, r.request_id
+        self.kv.check_invariants()
 
     def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> EngineCoreOutputs:
         """Append sampled tokens, apply stop conditions, build the outputs for the frontend."""
         for rid in sched.num_scheduled_tokens:
-            left = self.in_flight.pop(rid, 1) - 1
-            if left:
-                self.in_flight[rid] = left
+            req = self.requests.get(rid)
+            if req is not None:  # else it finished while the step ran
+                req.num_in_flight -= 1
         outputs = []
         logprobs = result.logprobs or [None] * len(result.req_ids)
         for rid in result.req_ids:
-            left = self.pending.pop(rid, 1) - 1
-            if left > 0:
-                self.pending[rid] = left
+            req = self.requests.get(rid)
+            if req is not None:
+                req.num_pending -= 1
         for rid, tok, lp in zip(result.req_ids, result.sampled_token_ids, logprobs):
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:

@@ -1,0 +1,211 @@
+"""The real EngineCore under pressure: seeded, bounded random traces (arrivals, aborts, n > 1,
+stop strings, priorities, tight KV budgets that force preemption) through every combination of
+policy × async scheduling × chunked prefill × prefix caching. After every step the scheduler's
+and the KV cache's invariants are checked; at the end every request has finished and the greedy
+outputs equal those of an unconstrained run.
+
+`CheckingExecutor` is a model whose next token is a hash of the whole sequence, and a runner
+that keeps the same per-request state as `ModelRunner` (token ids, block table, async
+placeholders) plus a shadow KV cache: every step it checks that each sampled position attends to
+exactly the tokens of its own sequence, so a block handed out twice, a prefix-cache hit on a
+block that was never written, or a placeholder that differs from the token the scheduler later
+sends, fails the test. One combination per policy also runs the real stories260K model.
+"""
+import itertools
+import random
+import zlib
+
+import numpy as np
+import pytest
+
+from rankserve.runtime.config import EngineConfig
+from rankserve.runtime.engine_core import EngineCore
+from rankserve.runtime.messages import EngineCoreRequest
+from rankserve.runtime.outputs import OutputProcessor, child_request_id
+from rankserve.runtime.sampling_params import SamplingParams
+from rankserve.runtime.scheduler import ModelRunnerOutput
+
+from conftest import STORIES_EMBEDDED
+
+VOCAB = 512  # stories260K's tokenizer, so stop strings are matched on real text
+EOS = 2
+
+
+class CheckingExecutor:
+    device = None
+    max_in_flight = 1
+    timings: dict = {}
+
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int):
+        self.num_blocks, self.bs = num_blocks, block_size
+        self.max_model_len, self.vocab_size = max_model_len, VOCAB
+        self.reqs: dict[str, dict] = {}
+        self.kv: dict[tuple[int, int], tuple[int, int]] = {}  # (block, offset) → (pos, token)
+
+    def determine_num_blocks(self):
+        return self.num_blocks
+
+    def initialize(self, num_blocks):
+        pass
+
+    def shutdown(self):
+        pass
+
+    def collect(self, out):
+        return out
+
+    @staticmethod
+    def next_token(seq) -> int:
+        return zlib.crc32(np.asarray(seq, dtype=np.int64).tobytes()) % VOCAB
+
+    def submit(self, plan) -> ModelRunnerOutput:
+        for rid in plan.finished_req_ids:
+            self.reqs.pop(rid, None)
+        start = {}
+        for r in plan.new_reqs:
+            assert r.req_id not in self.reqs, f"{r.req_id} sent as new twice"
+            self.reqs[r.req_id] = dict(tokens=list(r.token_ids), known=len(r.token_ids),
+                                       blocks=list(r.block_ids))
+            start[r.req_id] = r.num_computed_tokens
+        for r in plan.cached_reqs:
+            st = self.reqs[r.req_id]
+            for k, t in enumerate(r.new_token_ids):  # placeholders must have been right
+                pos = st["known"] + k
+                if pos < len(st["tokens"]):
+                    assert st["tokens"][pos] == t, f"{r.req_id}: placeholder {pos} differs"
+                else:
+                    st["tokens"].append(t)
+            st["known"] += len(r.new_token_ids)
+            st["blocks"] += r.new_block_ids
+            start[r.req_id] = r.num_computed_tokens
+        req_ids, sampled = [], []
+        for rid, n in plan.num_scheduled_tokens.items():
+            st, s = self.reqs[rid], start[rid]
+            end = s + n
+            assert len(st["blocks"]) * self.bs >= end, f"{rid}: too few blocks"
+            assert end <= len(st["tokens"]), f"{rid}: input token {len(st['tokens'])} unknown"
+            for pos in range(s, end):
+                self.kv[(st["blocks"][pos // self.bs], pos % self.bs)] = (pos, st["tokens"][pos])
+            if end >= st["known"]:
+                for pos in range(end):  # what attention reads
+                    got = self.kv.get((st["blocks"][pos // self.bs], pos % self.bs))
+                    assert got == (pos, st["tokens"][pos]), f"{rid}: KV of position {pos} is {got}"
+                tok = self.next_token(st["tokens"][:end])
+                if end == len(st["tokens"]):
+                    st["tokens"].append(tok)
+                req_ids.append(rid)
+                sampled.append(tok)
+        return ModelRunnerOutput(req_ids, sampled)
+
+
+COMBOS = list(itertools.product(("fcfs", "priority"), (False, True), (False, True), (False, True)))
+
+
+def make_trace(seed: int, max_model_len: int):
+    """[(arrival step, request id, prompt ids, SamplingParams, priority)] and abort steps."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(8, 40))] for _ in range(3)]
+    reqs, step = [], 0
+    for i in range(rng.randrange(8, 20)):
+        step += rng.choice((0, 0, 1, 3))
+        prompt = (rng.choice(prefixes) if rng.random() < 0.6 else []) + \
+            [rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 24))]
+        prompt = prompt[:max_model_len - 2]
+        sp = SamplingParams(temperature=0, max_tokens=rng.randrange(1, 30),
+                            n=rng.choice((1, 1, 1, 2)), ignore_eos=rng.random() < 0.5,
+                            stop=["e "] if rng.random() < 0.2 else [],
+                            stop_token_ids=[rng.randrange(3, VOCAB)] if rng.random() < 0.2 else [])
+        reqs.append((step, f"r{i}", prompt, sp, rng.randrange(4)))
+    aborts = {rng.randrange(0, step + 30): rng.randrange(len(reqs)) for _ in range(rng.randrange(3))}
+    return reqs, aborts
+
+
+def run_trace(engine: EngineCore, trace, aborts, tokenizer, max_steps=4000):
+    proc = OutputProcessor(tokenizer)
+    pending = list(trace)
+    results, live, aborted = {}, {}, set()
+    for step in range(max_steps):
+        while pending and pending[0][0] <= step:
+            _, rid, prompt, sp, prio = pending.pop(0)
+            children = proc.add_request(rid, None, prompt, sp)
+            live[rid] = children
+            for i, cid in enumerate(children):
+                engine.add_request(EngineCoreRequest(cid, prompt, sp, float(step), prio,
+                                                     eos_token_id=EOS))
+        if step in aborts:
+            rid = trace[aborts[step]][1]
+            if rid in live:
+                engine.abort_requests(live[rid])
+                proc.abort(live.pop(rid))
+                aborted.add(rid)
+        outs = engine.step()
+        engine.scheduler.check_invariants()
+        for o in outs.outputs:
+            ro, abort = proc.process(o)
+            if abort:
+                engine.abort_requests([o.request_id])
+            if ro is not None and ro.finished and ro.request_id in live:
+                del live[ro.request_id]
+                results[ro.request_id] = [(c.token_ids, c.text, c.finish_reason) for c in ro.outputs]
+        if not pending and not live and not engine.has_work:
+            break
+    assert not live and not engine.has_work, f"stuck after {max_steps} steps: {sorted(live)}"
+    kv = engine.scheduler.kv
+    assert kv.num_free_blocks == kv.num_blocks, "KV blocks leaked"
+    return results, aborted
+
+
+def engine_for(combo, num_blocks, block_size=8, max_model_len=96, executor=None, **extra):
+    policy, use_async, chunked, caching = combo
+    cfg = EngineConfig.from_kwargs(
+        model=str(STORIES_EMBEDDED), scheduling_policy=policy, async_scheduling=use_async,
+        enable_chunked_prefill=chunked, enable_prefix_caching=caching, block_size=block_size,
+        max_model_len=max_model_len, num_gpu_blocks_override=num_blocks,
+        max_num_batched_tokens=max_model_len if not chunked else 24, max_num_seqs=6, **extra)
+    return EngineCore(cfg, executor or CheckingExecutor(num_blocks, block_size, max_model_len))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(STORIES_EMBEDDED))
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=lambda c: "-".join(
+    [c[0], "async" if c[1] else "sync", "chunked" if c[2] else "whole", "cache" if c[3] else "nocache"]))
+def test_random_traces_keep_invariants_and_outputs(combo, tokenizer):
+    for seed in range(6):
+        trace, aborts = make_trace(seed, 96)
+        try:
+            tight = engine_for(combo, num_blocks=13)  # 104 slots: one full-length request + a bit
+            got, aborted = run_trace(tight, trace, aborts, tokenizer)
+            assert tight.scheduler.num_preemptions > 0 or seed > 0 or not combo[2]
+            free = engine_for(("fcfs", False, True, False), num_blocks=1000)
+            want, _ = run_trace(free, trace, {}, tokenizer)
+            for rid, outs in want.items():
+                if rid in aborted:
+                    continue
+                assert got[rid] == outs, rid
+        except AssertionError as e:
+            raise AssertionError(f"seed {seed}, combo {combo}: {e}") from e
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_real_model_under_pressure(policy, tokenizer):
+    """The same traces through the real stories260K runner (async + chunked + cached)."""
+    from rankserve.runtime.executor import UniprocExecutor
+    combo = (policy, True, True, True)
+    for seed in range(2):
+        trace, aborts = make_trace(100 + seed, 96)
+        try:
+            cfg = engine_for(combo, 13).cfg
+            tight = EngineCore(cfg, UniprocExecutor(cfg))
+            got, aborted = run_trace(tight, trace, aborts, tokenizer)
+            assert len(tight.executor.runner.reqs) == 0 or not tight.has_work
+            cfg = engine_for(("fcfs", False, True, False), 400).cfg
+            want, _ = run_trace(EngineCore(cfg, UniprocExecutor(cfg)), trace, {}, tokenizer)
+            for rid, outs in want.items():
+                if rid not in aborted:
+                    assert got[rid] == outs, rid
+        except AssertionError as e:
+            raise AssertionError(f"seed {100 + seed}, policy {policy}: {e}") from e
