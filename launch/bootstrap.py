@@ -1,7 +1,7 @@
 """Join torch.distributed and build the control plane.
 
 `init_distributed(info, device, timeout_s)` is collective: every rank calls it once, after
-`discover()` and `select_device()`. It returns a `ControlChannel`, the small-message control plane
+`discover()` and `DeviceConfig.resolve()`. It returns a `ControlChannel`, the small-message control plane
 used every engine step (step plans out, sampled token ids back); tensors go over the default
 torch.distributed group (NCCL on GPU, gloo on CPU).
 

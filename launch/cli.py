@@ -49,17 +49,15 @@ def engine_options(func):
 
 def build_config(kwargs: dict) -> EngineConfig:
     """EngineConfig from CLI kwargs (None means: not given); errors name the flag."""
-    given = {k: v for k, v in kwargs.items() if v is not None}
     cfg = EngineConfig()
+    given = {}
     for section, f in cfg.flat_fields():
-        if f.name in given:
-            value = given.pop(f.name)
+        value = kwargs.get(f.name)
+        if value is not None:
             ctype, base = _click_type(f)
-            if isinstance(ctype, click.Choice) and base is int:
-                value = int(value)
-            setattr(getattr(cfg, section), f.name, value)
+            given[f.name] = int(value) if isinstance(ctype, click.Choice) and base is int else value
     try:
-        return cfg.validate()
+        return EngineConfig.from_kwargs(**given)
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
 

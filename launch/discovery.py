@@ -142,49 +142,6 @@ def scrub_launcher_env(env: Mapping[str, str]) -> dict[str, str]:
             if not k.startswith(_SCRUB_PREFIXES) and k not in _SCRUB_NAMES}
 
 
-def select_device(local_rank: int, device_ids: list[int] | None, backend_has_cuda: bool,
-                  env: Mapping[str, str] | None = None) -> str:
-    """Pick this rank's torch device string.
-
-    Precedence:
-    1. no CUDA: "cpu".
-    2. `--device-ids 4,5,6,7`: physical device `device_ids[local_rank]`. When CUDA_VISIBLE_DEVICES
-       is also set, the physical id is translated to its index in that list (torch numbers only
-       the visible devices). Fewer ids than local ranks is an error naming `--device-ids`.
-    3. CUDA_VISIBLE_DEVICES set by the launcher or Slurm: if it lists exactly one device (one GPU
-       per task, e.g. `--gpus-per-task=1`) use "cuda:0", else "cuda:<local_rank>" (e.g.
-       `--gpus-per-node=8`, where every task sees the whole node).
-    4. otherwise "cuda:<local_rank>".
-    """
-    if not backend_has_cuda:
-        return "cpu"
-    env = os.environ if env is None else env
-    cvd = env.get("CUDA_VISIBLE_DEVICES")
-    visible = None if cvd is None else [d.strip() for d in cvd.split(",") if d.strip()]
-    if device_ids:
-        if local_rank >= len(device_ids):
-            raise ValueError(
-                f"--device-ids {','.join(map(str, device_ids))} lists {len(device_ids)} device(s) but "
-                f"this host runs local rank {local_rank}; give one id per rank on the node")
-        phys = device_ids[local_rank]
-        if visible is None:
-            return f"cuda:{phys}"
-        if str(phys) not in visible:
-            raise ValueError(
-                f"--device-ids: device {phys} is not in CUDA_VISIBLE_DEVICES={cvd!r}; pass ids from "
-                "that list or unset CUDA_VISIBLE_DEVICES")
-        return f"cuda:{visible.index(str(phys))}"
-    if visible is not None:
-        if len(visible) == 1:
-            return "cuda:0"
-        if local_rank >= len(visible):
-            raise ValueError(
-                f"CUDA_VISIBLE_DEVICES={cvd!r} shows {len(visible)} device(s) but this is local rank "
-                f"{local_rank}; start fewer ranks per node or pass --device-ids")
-        return f"cuda:{local_rank}"
-    return f"cuda:{local_rank}"
-
-
 def expand_hostlist(nodelist: str) -> list[str]:
     """Expand a Slurm hostlist such as "gpu[01-03,07],login1" (no scontrol needed)."""
     hosts: list[str] = []

@@ -25,19 +25,10 @@ def make_llm(cfg: EngineConfig, executor=None):
     return LLM(config=cfg, executor=executor)
 
 
-def parse_device_ids(spec: str | None) -> list[int] | None:
-    if not spec:
-        return None
-    try:
-        return [int(x) for x in spec.split(",") if x.strip()]
-    except ValueError:
-        raise ConfigError(f"--device-ids must be a comma-separated list of integers, got {spec!r}") from None
-
-
 def start_ranks(cfg: EngineConfig):
     """Discover, pin, bootstrap. Returns (info, control, parallel info, device) or None for a
     single process without parallelism."""
-    from .discovery import discover, select_device
+    from .discovery import discover
     info = discover()
     pc = cfg.parallel
     if info.world_size == 1:
@@ -50,8 +41,7 @@ def start_ranks(cfg: EngineConfig):
     from .bootstrap import init_distributed
     from .failure import install_failure_handlers
     from ..runtime.parallel import build_parallel_info
-    want_cuda = cfg.device.device != "cpu" and torch.cuda.is_available()
-    device = select_device(info.local_rank, parse_device_ids(cfg.device.device_ids), want_cuda)
+    device = cfg.device.resolve(info.local_rank)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     control = init_distributed(info, device)

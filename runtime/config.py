@@ -36,7 +36,7 @@ def _check(cond: bool, name: str, rule: str, value) -> None:
         raise ConfigError(f"{_flag(name)} must be {rule}, got {value!r}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     model: str = opt(DEFAULT_MODEL, "HF checkpoint directory (default: the embedded stories260K)",
                      positional=True)
@@ -55,13 +55,13 @@ class ModelConfig:
                               "pass a Hugging Face checkpoint directory")
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoadConfig:
     load_format: str = opt("auto", "weights: safetensors from the checkpoint, or random (dummy)",
                            choices=("auto", "safetensors", "dummy"))
 
 
-@dataclass
+@dataclass(frozen=True)
 class CacheConfig:
     block_size: int = opt(16, "tokens per KV-cache block", choices=(8, 16, 32, 64, 128))
     gpu_memory_utilization: float = opt(0.9, "fraction of device memory for weights, activations and KV cache")
@@ -79,7 +79,7 @@ class CacheConfig:
         _check(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", "> 0", self.kv_cache_memory_gb)
 
 
-@dataclass
+@dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = opt(256, "most requests in one step")
     max_num_batched_tokens: int = opt(8192, "token budget of one step")
@@ -95,7 +95,7 @@ class SchedulerConfig:
                self.max_num_batched_tokens)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = opt(1, "tensor-parallel ranks", alias="tp")
     pipeline_parallel_size: int = opt(1, "pipeline stages", alias="pp")
@@ -112,7 +112,7 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
-@dataclass
+@dataclass(frozen=True)
 class CompilationConfig:
     enforce_eager: bool = opt(False, "no torch.compile and no CUDA graphs")
     compilation_level: int = opt(-1, "0: eager, 1: CUDA graphs of the eager model, 2: torch.compile "
@@ -136,7 +136,7 @@ class CompilationConfig:
         return 1 if device_type == "cuda" else 0
 
 
-@dataclass
+@dataclass(frozen=True)
 class DeviceConfig:
     device: str = opt("auto", "cpu, cuda, or auto", choices=("auto", "cpu", "cuda"))
     device_ids: str | None = opt(None, "physical device per local rank, e.g. 4,5,6,7")
@@ -145,8 +145,64 @@ class DeviceConfig:
         ok = self.device_ids is None or all(x.strip().isdigit() for x in self.device_ids.split(","))
         _check(ok, "device_ids", "a comma-separated list of device numbers", self.device_ids)
 
+    @property
+    def ids(self) -> list[int] | None:
+        return [int(x) for x in self.device_ids.split(",")] if self.device_ids else None
 
-@dataclass
+    def resolve(self, local_rank: int = 0, env=None) -> str:
+        """This rank's torch device string: the one device resolver, for a single process and
+        for every rank of an mpirun/srun job."""
+        import torch
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("--device cuda was given but no CUDA device is available")
+        return select_device(local_rank, self.ids, self.device != "cpu" and torch.cuda.is_available(),
+                             env)
+
+
+def select_device(local_rank: int, device_ids: list[int] | None, has_cuda: bool,
+                  env=None) -> str:
+    """Precedence:
+    1. no CUDA (or `--device cpu`): "cpu".
+    2. `--device-ids 4,5,6,7`: physical device `device_ids[local_rank]`. When CUDA_VISIBLE_DEVICES
+       is also set, the physical id is translated to its index in that list (torch numbers only
+       the visible devices). Fewer ids than local ranks is an error naming `--device-ids`.
+    3. CUDA_VISIBLE_DEVICES set by the launcher or Slurm: if it lists exactly one device (one GPU
+       per task, e.g. `--gpus-per-task=1`) use "cuda:0", else "cuda:<local_rank>" (e.g.
+       `--gpus-per-node=8`, where every task sees the whole node).
+    4. otherwise "cuda:<local_rank>".
+    """
+    if not has_cuda:
+        if device_ids:
+            raise ConfigError(f"--device-ids {','.join(map(str, device_ids))} was given but no "
+                              "CUDA device is available (or --device cpu)")
+        return "cpu"
+    env = os.environ if env is None else env
+    cvd = env.get("CUDA_VISIBLE_DEVICES")
+    visible = None if cvd is None else [d.strip() for d in cvd.split(",") if d.strip()]
+    if device_ids:
+        if local_rank >= len(device_ids):
+            raise ConfigError(
+                f"--device-ids {','.join(map(str, device_ids))} lists {len(device_ids)} device(s) but "
+                f"this host runs local rank {local_rank}; give one id per rank on the node")
+        phys = device_ids[local_rank]
+        if visible is None:
+            return f"cuda:{phys}"
+        if str(phys) not in visible:
+            raise ConfigError(
+                f"--device-ids: device {phys} is not in CUDA_VISIBLE_DEVICES={cvd!r}; pass ids from "
+                "that list or unset CUDA_VISIBLE_DEVICES")
+        return f"cuda:{visible.index(str(phys))}"
+    if visible is not None:
+        if len(visible) == 1:
+            return "cuda:0"
+        if local_rank >= len(visible):
+            raise ConfigError(
+                f"CUDA_VISIBLE_DEVICES={cvd!r} shows {len(visible)} device(s) but this is local rank "
+                f"{local_rank}; start fewer ranks per node or pass --device-ids")
+    return f"cuda:{local_rank}"
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     load: LoadConfig = field(default_factory=LoadConfig)
@@ -160,17 +216,23 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
-        """Build from flat keyword arguments (`max_num_seqs=8`, `tp=2` ...)."""
-        cfg = cls()
+        """The one builder: flat keyword arguments (`max_num_seqs=8`, `tp=2` ...; None means
+        not given) → a frozen, validated config. Unknown names and bad values name the flag."""
+        fields: dict[str, dict] = {s: {} for s in cls.SECTIONS}
         for key, value in kwargs.items():
-            section, name = cfg._locate(key)
-            setattr(getattr(cfg, section), name, value)
-        cfg.validate()
-        return cfg
+            if value is None:
+                continue
+            section, name = cls._locate(key)
+            fields[section][name] = value
+        cfg = cls()
+        cfg = dataclasses.replace(cfg, **{
+            s: dataclasses.replace(getattr(cfg, s), **kw) for s, kw in fields.items() if kw})
+        return cfg.validate()
 
-    def _locate(self, key: str) -> tuple[str, str]:
-        for section in self.SECTIONS:
-            for f in dataclasses.fields(getattr(self, section)):
+    @classmethod
+    def _locate(cls, key: str) -> tuple[str, str]:
+        for section in cls.SECTIONS:
+            for f in dataclasses.fields(cls.__dataclass_fields__[section].default_factory):
                 if key in (f.name, f.metadata.get("alias")):
                     return section, f.name
         raise ConfigError(f"unknown engine option {key!r}")
@@ -186,7 +248,33 @@ class EngineConfig:
                                       f"{', '.join(map(str, choices))}; got {value!r}")
             if hasattr(sub, "validate"):
                 sub.validate()
+        # combinations no engine can run
+        if self.scheduler.async_scheduling and self.parallel.pipeline_parallel_size > 1:
+            raise ConfigError("--async-scheduling does not work with --pipeline-parallel-size > 1 "
+                              "(pipeline stages already keep one step in flight each); drop one")
+        if self.device.device == "cpu" and self.device.device_ids:
+            raise ConfigError("--device-ids selects CUDA devices; it cannot go with --device cpu")
         return self
+
+    def check_kv_capacity(self, num_blocks: int, max_model_len: int) -> None:
+        """A request may grow to max_model_len tokens: a KV cache smaller than that would leave
+        it waiting forever, so refuse the configuration (as vLLM does)."""
+        capacity = num_blocks * self.cache.block_size
+        if capacity < max_model_len:
+            raise ConfigError(
+                f"the KV cache holds {capacity} tokens ({num_blocks} blocks of "
+                f"{self.cache.block_size}), fewer than one request of --max-model-len "
+                f"{max_model_len} needs; raise --gpu-memory-utilization (--kv-cache-memory-gb on "
+                f"CPU) or --num-gpu-blocks-override, or lower --max-model-len to {capacity} or less")
+
+    def summary(self) -> str:
+        """One line of every option that differs from its default (logged once at startup)."""
+        parts = []
+        for section, f in self.flat_fields():
+            value = getattr(getattr(self, section), f.name)
+            if value != f.default:
+                parts.append(f"{f.name}={value}")
+        return "config: " + (", ".join(parts) or "defaults")
 
     def flat_fields(self):
         """(section, dataclasses.Field) for every option, in CLI order."""

@@ -21,7 +21,9 @@ class EngineCore:
     def __init__(self, cfg: EngineConfig, executor):
         self.cfg = cfg
         self.executor = executor
+        log.info("%s", cfg.summary())
         num_blocks = executor.determine_num_blocks()
+        cfg.check_kv_capacity(num_blocks, executor.max_model_len)
         executor.initialize(num_blocks)
         self.timings = dict(executor.timings)  # startup phases in seconds
         self.max_model_len = executor.max_model_len
@@ -29,8 +31,8 @@ class EngineCore:
         self.num_blocks = num_blocks
         use_async = cfg.scheduler.async_scheduling
         if use_async is None:
-            use_async = getattr(executor, "device", None) is not None and executor.device.type == "cuda"
-        use_async = use_async and cfg.parallel.pipeline_parallel_size == 1
+            use_async = (getattr(executor, "device", None) is not None
+                         and executor.device.type == "cuda" and cfg.parallel.pipeline_parallel_size == 1)
         self.scheduler = Scheduler(cfg.scheduler, cfg.cache, num_blocks, self.max_model_len,
                                    async_scheduling=use_async)
         # steps kept in flight: one per pipeline stage, or two to overlap host and device work

@@ -19,22 +19,14 @@ from .scheduler import ModelRunnerOutput, SchedulerOutput
 log = logging.getLogger("rankserve.executor")
 
 
-def resolve_device(cfg: EngineConfig, local_index: int = 0) -> torch.device:
-    kind = cfg.device.device
-    if kind == "auto":
-        kind = "cuda" if torch.cuda.is_available() else "cpu"
-    if kind == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("--device cuda was given but no CUDA device is available")
-        torch.cuda.set_device(local_index)
-        return torch.device("cuda", local_index)
-    return torch.device("cpu")
-
-
 class UniprocExecutor:
     def __init__(self, cfg: EngineConfig, device: torch.device | None = None,
                  pi: ParallelInfo | None = None):
-        self.device = device or resolve_device(cfg)
+        if device is None:
+            device = torch.device(cfg.device.resolve(0))
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+        self.device = device
         self.runner = ModelRunner(cfg, pi or ParallelInfo(), self.device)
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.vocab_size

@@ -12,7 +12,8 @@ import pytest
 
 from rankserve.launch import bootstrap, discovery
 from rankserve.launch.discovery import (RankInfo, detect_launcher, discover, expand_hostlist,
-                                        scrub_launcher_env, select_device)
+                                        scrub_launcher_env)
+from rankserve.runtime.config import select_device
 
 SLURM_STEP = {
     "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": "5", "SLURM_NTASKS": "8",
@@ -94,7 +95,9 @@ def test_scrub_launcher_env():
 # --- select_device precedence ---------------------------------------------------------------
 
 def test_cpu_without_cuda():
-    assert select_device(3, [4, 5], False, env={"CUDA_VISIBLE_DEVICES": "1"}) == "cpu"
+    assert select_device(3, None, False, env={"CUDA_VISIBLE_DEVICES": "1"}) == "cpu"
+    with pytest.raises(ValueError, match="--device-ids 4,5 was given but no CUDA"):
+        select_device(3, [4, 5], False, env={})  # never silently ignored
 
 
 def test_device_ids_pick_by_local_rank():

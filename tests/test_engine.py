@@ -49,7 +49,8 @@ def test_cli_generate_default_model():
     dict(enable_prefix_caching=False),
     dict(max_num_seqs=1),
     dict(block_size=8),
-    dict(num_gpu_blocks_override=6, block_size=8),  # 48 tokens of KV for 4 requests: preemption
+    # 48 tokens of KV for 4 requests: preemption
+    dict(num_gpu_blocks_override=6, block_size=8, max_model_len=48),
 ])
 def test_same_greedy_tokens(reference, kwargs):
     llm = LLM(str(STORIES_EMBEDDED), **kwargs)
@@ -94,12 +95,67 @@ def test_cache_salt_isolates_tenants(stories_llm):
         assert cached == expect, salt
 
 
-def test_priority_policy_serves_lower_value_first():
-    llm = LLM(str(STORIES_EMBEDDED), max_num_seqs=1, scheduling_policy="priority")
-    outs = llm.generate(["a", "b"], SamplingParams(temperature=0, max_tokens=2), priority=[5, 1])
-    assert all(o.finished for o in outs)
-    sched = llm.engine.scheduler
-    assert not sched.running and not sched.waiting
+@pytest.mark.parametrize("policy, expect", [("priority", ["p1", "p2", "p5"]),
+                                            ("fcfs", ["p5", "p1", "p2"])])
+def test_policy_decides_the_order(policy, expect):
+    """One request at a time: priority serves the lowest value first, fcfs the first arrival."""
+    llm = LLM(str(STORIES_EMBEDDED), max_num_seqs=1, scheduling_policy=policy)
+    # arrival order p5, p1, p2 (arrival_time from the id's last character is not it: set below)
+    from rankserve.runtime.messages import EngineCoreRequest
+    eng = llm.engine
+    for t, (rid, prio) in enumerate([("p5", 5), ("p1", 1), ("p2", 2)]):
+        eng.add_request(EngineCoreRequest(rid, [1, 5, 9], SamplingParams(temperature=0, max_tokens=3),
+                                          arrival_time=float(t), priority=prio))
+    order = []
+    while eng.has_work:
+        order += [o.request_id for o in eng.step().outputs if o.finished]
+    assert order == expect
+
+
+def test_kv_cache_smaller_than_one_request_is_refused():
+    """A KV cache below max_model_len would leave a long request waiting forever."""
+    with pytest.raises(ConfigError, match=r"holds 16 tokens.*--max-model-len 512.*"
+                                          r"--num-gpu-blocks-override.*--max-model-len to 16"):
+        LLM(str(STORIES_EMBEDDED), num_gpu_blocks_override=1)
+    r = subprocess.run([sys.executable, "-m", "rankserve.launch", "generate", "--prompt", "x",
+                        "--num-gpu-blocks-override", "1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "--gpu-memory-utilization" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    # the same cache with a context that fits: a request that would outgrow it ends at the limit
+    llm = LLM(str(STORIES_EMBEDDED), num_gpu_blocks_override=2, block_size=8, max_model_len=16)
+    out = llm.generate({"prompt_token_ids": list(range(3, 13))},
+                       SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].outputs[0]
+    assert (len(out.token_ids), out.finish_reason) == (6, "length")
+
+
+def test_device_ids_pick_the_device_of_a_single_process(monkeypatch):
+    import torch
+
+    from rankserve.runtime.config import EngineConfig
+    from rankserve.runtime.executor import UniprocExecutor
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    cfg = EngineConfig.from_kwargs(device_ids="3")
+    assert cfg.device.resolve(0) == "cuda:3"
+    seen = {}
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: seen.setdefault("set", str(d)))
+    monkeypatch.setattr("rankserve.runtime.executor.ModelRunner",
+                        lambda cfg, pi, device: seen.setdefault("runner", str(device)))
+    with pytest.raises(AttributeError):  # the stub runner has no max_model_len
+        UniprocExecutor(cfg)
+    assert seen == {"set": "cuda:3", "runner": "cuda:3"}
+
+
+def test_device_ids_without_cuda_is_an_error(monkeypatch):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="--device-ids 1 was given but no CUDA"):
+        LLM(str(STORIES_EMBEDDED), device_ids="1")
+
+
+def test_async_scheduling_with_pipeline_parallelism_is_refused():
+    with pytest.raises(ConfigError, match="--async-scheduling does not work with --pipeline"):
+        LLM(str(STORIES_EMBEDDED), async_scheduling=True, pp=2)
 
 
 @pytest.mark.parametrize("bad, msg", [

@@ -423,7 +423,6 @@ def drive(cfg, hf_config, backends, on_ranks, multi_process: bool, engine_bench,
     the launcher's `run_on_ranks` (runtime does not import launch). Returns (exit code,
     {backend: result} — empty on worker ranks —, ceilings)."""
     from ...models.loader import resolve_dtype
-    from ..executor import resolve_device
     state: dict = {"ceilings": None}
     results: dict = {}
 
@@ -436,7 +435,7 @@ def drive(cfg, hf_config, backends, on_ranks, multi_process: bool, engine_bench,
         return state["ceilings"]
 
     if not multi_process:
-        device = resolve_device(cfg)
+        device = torch.device(cfg.device.resolve(0))
         ceilings(device)
         if "hf" in backends:
             t0 = time.perf_counter()
