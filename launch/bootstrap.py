@@ -35,6 +35,7 @@ import subprocess
 import time
 from typing import Any
 
+from ..runtime import envs
 from .discovery import RankInfo, expand_hostlist
 
 log = logging.getLogger(__name__)
@@ -281,8 +282,8 @@ def _destroy_process_group() -> None:
 
 
 def _master_host(info: RankInfo) -> str:
-    if os.environ.get("RANKSERVE_MASTER_ADDR"):
-        return os.environ["RANKSERVE_MASTER_ADDR"]
+    if envs.get("RANKSERVE_MASTER_ADDR"):
+        return envs.get("RANKSERVE_MASTER_ADDR")
     if info.local_world_size == info.world_size:
         return "127.0.0.1"  # one node: works even where the hostname does not resolve
     return socket.gethostname()

@@ -24,6 +24,8 @@ import socket
 from dataclasses import dataclass
 from typing import Mapping
 
+from ..runtime import envs
+
 log = logging.getLogger(__name__)
 
 LAUNCHERS = ("mpi", "slurm", "torchrun", "single")
@@ -67,7 +69,7 @@ _mpi_info: RankInfo | None = None  # Split_type is collective: compute it once p
 def discover(env: Mapping[str, str] | None = None) -> RankInfo:
     """Find rank, world size and local rank from the launcher (see the module docstring)."""
     env = os.environ if env is None else env
-    launcher = env.get("RANKSERVE_LAUNCHER") or detect_launcher(env)
+    launcher = envs.get("RANKSERVE_LAUNCHER", env) or detect_launcher(env)
     if launcher not in LAUNCHERS:
         raise ValueError(f"RANKSERVE_LAUNCHER={launcher!r}; expected one of {LAUNCHERS}")
     host = socket.gethostname()

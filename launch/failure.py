@@ -37,6 +37,7 @@ import threading
 import time
 import traceback
 
+from ..runtime import envs
 from .discovery import RankInfo
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ def install_failure_handlers(info: RankInfo, control, on_shutdown=None) -> None:
         register_shutdown(on_shutdown)
     sys.excepthook = _excepthook
     threading.excepthook = lambda a: _excepthook(a.exc_type, a.exc_value, a.exc_traceback)
-    heartbeat = info.world_size > 1 and os.environ.get("RANKSERVE_HEARTBEAT", "1") != "0"
+    heartbeat = info.world_size > 1 and envs.get("RANKSERVE_HEARTBEAT")
     wake_r = None
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -148,7 +149,7 @@ class _Heartbeat:
 
     def __init__(self, info: RankInfo, control, wake_r):
         self.info = info
-        self.timeout = float(os.environ.get("RANKSERVE_HEARTBEAT_TIMEOUT", "30"))
+        self.timeout = envs.get("RANKSERVE_HEARTBEAT_TIMEOUT")
         self.interval = min(3.0, self.timeout / 5)
         self.peers: dict[socket.socket, list] = {}  # conn -> [rank, host, last_seen]
         self.lock = threading.Lock()
@@ -273,8 +274,8 @@ class _Heartbeat:
 
 
 def _reachable_host(info: RankInfo) -> str:
-    if os.environ.get("RANKSERVE_MASTER_ADDR"):
-        return os.environ["RANKSERVE_MASTER_ADDR"]
+    if envs.get("RANKSERVE_MASTER_ADDR"):
+        return envs.get("RANKSERVE_MASTER_ADDR")
     return "127.0.0.1" if info.local_world_size == info.world_size else info.host
 
 

@@ -6,11 +6,11 @@ The same `Worker` object serves rank 0 (inside `MultiRankExecutor`) and the othe
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
 from ..models.layers import ParallelInfo
+from . import envs
 from .config import EngineConfig
 from .model_runner import ModelRunner
 from .parallel import global_rank, recv_hidden, send_hidden
@@ -63,7 +63,7 @@ class Worker:
 
 def _fault_step(rank: int) -> int | None:
     """`RANKSERVE_INJECT_FAULT=rank:step` makes that rank raise at that step (failure tests)."""
-    spec = os.environ.get("RANKSERVE_INJECT_FAULT")
+    spec = envs.get("RANKSERVE_INJECT_FAULT")
     if spec:
         r, step = spec.split(":")
         if int(r) == rank:

@@ -35,6 +35,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from .. import envs
+
 log = logging.getLogger(__name__)
 
 OPS = ("all_reduce", "all_gather", "all_to_all")
@@ -84,7 +86,7 @@ class _DeepSpeedComm:
 
 
 def _comm_lib():
-    if os.environ.get("RANKSERVE_COMM_LIB") != "torch":
+    if envs.get("RANKSERVE_COMM_LIB") != "torch":
         try:
             import deepspeed.comm as ds
         except ImportError:

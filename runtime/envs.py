@@ -1,0 +1,52 @@
+"""Every `RANKSERVE_*` environment variable, in one table. Read when used (not at import), so a
+launcher, a test or a child process may set them; nothing here writes to `os.environ`.
+Flags are the way to configure the engine; these are for what must reach every rank of a job
+before any flag is parsed, and for tests and experiments. The README lists them all."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+
+@dataclass(frozen=True)
+class Knob:
+    default: object
+    parse: Callable[[str], object]
+    doc: str
+
+
+def _flag(v: str) -> bool:
+    return v not in ("0", "false", "no", "off")
+
+
+KNOBS: dict[str, Knob] = {
+    "RANKSERVE_LAUNCHER": Knob(None, str, "force the launcher (mpi, slurm, torchrun, single) "
+                               "instead of detecting it from the environment"),
+    "RANKSERVE_MASTER_ADDR": Knob(None, str, "address ranks use to reach rank 0 (default: "
+                                  "127.0.0.1 on one node, else rank 0's hostname)"),
+    "RANKSERVE_HEARTBEAT": Knob(True, _flag, "0 turns off the rank heartbeat (failure detection "
+                                "of ranks that die without MPI noticing)"),
+    "RANKSERVE_HEARTBEAT_TIMEOUT": Knob(30.0, float, "seconds without a heartbeat before a rank "
+                                        "is declared dead and the job is taken down"),
+    "RANKSERVE_INJECT_FAULT": Knob(None, str, "RANK:STEP makes that rank raise at that step "
+                                   "(failure drills and tests)"),
+    "RANKSERVE_SKINNY_MAX_M": Knob(1, int, "rows up to which decode GEMMs use the fused skinny "
+                                   "Triton kernels (0: off, cuBLAS + prologue kernels)"),
+    "RANKSERVE_COMM_LIB": Knob(None, str, "`torch` makes `rankserve bench comm` use "
+                               "torch.distributed even where deepspeed is installed"),
+    "RANKSERVE_API_KEY": Knob(None, str, "API key of `rankserve serve` (instead of --api-key, "
+                              "which `ps` shows); VLLM_API_KEY is read too"),
+}
+
+
+def get(name: str, env: Mapping[str, str] | None = None):
+    """The knob's value from `env` (default: this process's environment), parsed."""
+    knob = KNOBS[name]
+    raw = (os.environ if env is None else env).get(name)
+    if raw is None or raw == "":
+        return knob.default
+    try:
+        return knob.parse(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not valid: {knob.doc}") from None
