@@ -89,7 +89,7 @@ def bench_decode(ceil, quick):
             nbytes = 2 * B * ctx * KH * D * 2 + 2 * B * H * D * 2  # K+V read, q read, out write
             flops = 4 * B * ctx * H * D
             rows.append(row("decode_attention", f"B={B} ctx={ctx}", fn, nbytes, flops, ceil))
-            del args
+            args = None  # free the inputs before the next size
     return rows
 
 
@@ -162,7 +162,7 @@ def bench_linear(ceil, quick):
             fn = lambda: torch.nn.functional.linear(x, w)  # noqa: E731
             rows.append(row("linear", f"{name} M={M} {N}x{K}", fn, (N * K + M * (N + K)) * 2,
                             2 * M * N * K, ceil))
-            del w
+            w = None
     return rows
 
 

@@ -28,7 +28,7 @@ def _click_type(f: dataclasses.Field):
 def engine_options(func):
     """Add one click option per EngineConfig field (and the positional MODEL)."""
     cfg = EngineConfig()
-    for section, f in reversed(list(cfg.flat_fields())):
+    for _section, f in reversed(list(cfg.flat_fields())):
         if f.metadata.get("positional"):
             func = click.argument("model", required=False)(func)
             continue
@@ -51,7 +51,7 @@ def build_config(kwargs: dict) -> EngineConfig:
     """EngineConfig from CLI kwargs (None means: not given); errors name the flag."""
     cfg = EngineConfig()
     given = {}
-    for section, f in cfg.flat_fields():
+    for _section, f in cfg.flat_fields():
         value = kwargs.get(f.name)
         if value is not None:
             ctype, base = _click_type(f)

@@ -240,7 +240,7 @@ class _Heartbeat:
                 elif not self.leaving:  # leave() owns the sockets now
                     self._read(key.fileobj, sel)
             now = time.monotonic()
-            for conn, (rank, host, seen) in list(self.peers.items()):
+            for rank, host, seen in list(self.peers.values()):
                 if now - seen > self.timeout and not self.leaving:
                     self._lost(rank, host, f"no heartbeat for {now - seen:.0f} s")
 

@@ -6,7 +6,6 @@ never materialises a full tensor on a rank that does not need it.
 from __future__ import annotations
 
 import glob
-import json
 import os
 
 import torch

@@ -8,11 +8,12 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from typing import Callable
 
 from .config import EngineConfig
 from .messages import EngineCoreOutputs, EngineCoreRequest, FinishReason
 from .request import Request
-from .scheduler import Scheduler
+from .scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger("rankserve.engine")
 
@@ -38,6 +39,8 @@ class EngineCore:
         # steps kept in flight: one per pipeline stage, or two to overlap host and device work
         self.depth = max(executor.max_in_flight, 2 if use_async else 1)
         self.in_flight: collections.deque = collections.deque()  # (plan, executor handle)
+        # observers of every plan that runs a forward, called before it is submitted (benchmarks)
+        self.step_hooks: list[Callable[[SchedulerOutput], None]] = []
         bs = cfg.cache.block_size
         log.info("KV cache: %d blocks of %d tokens = %d tokens; max concurrency %.1f requests "
                  "of max_model_len %d", num_blocks, bs, num_blocks * bs,
@@ -85,6 +88,8 @@ class EngineCore:
         if len(self.in_flight) < self.depth:
             plan = self.scheduler.schedule()
             if not plan.is_empty:
+                for hook in self.step_hooks:
+                    hook(plan)
                 self.in_flight.append((plan, self.executor.submit(plan)))
                 if len(self.in_flight) < self.depth:
                     return EngineCoreOutputs(timestamp=time.time())

@@ -43,7 +43,7 @@ def make_checkpoint(path: Path, arch: str, **overrides) -> str:
     cfg.architectures = [arch]
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():  # larger weights than the default init so logits are far from flat
-        for name, p in model.named_parameters():
+        for _name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0, 0.1)
     model.save_pretrained(path)

@@ -90,7 +90,7 @@ def test_latency_cli_rankserve_and_hf(tmp_path):
     prof = rec["results"]["rankserve"]["profile"]  # 6 steps: the window is steps 1..4
     assert prof["first_step"] == 1 and prof["steps"] == 3 and prof["wall_s"] > 0
     assert (tmp_path / "prof" / "trace-latency.json.gz").stat().st_size > 1000
-    for name, r in rec["results"].items():
+    for _name, r in rec["results"].items():
         assert len(r["latencies_s"]) == len(r["ttfts_s"]) == 2
         assert r["ttft_s"] > 0  # no timing comparisons: a loaded CI box reorders them
         assert r["ttft_floor"]["floor_s"] < r["floor"]["floor_s"]

@@ -21,7 +21,7 @@ import pytest
 from rankserve.runtime.config import EngineConfig
 from rankserve.runtime.engine_core import EngineCore
 from rankserve.runtime.messages import EngineCoreRequest
-from rankserve.runtime.outputs import OutputProcessor, child_request_id
+from rankserve.runtime.outputs import OutputProcessor
 from rankserve.runtime.sampling_params import SamplingParams
 from rankserve.runtime.scheduler import ModelRunnerOutput
 
@@ -129,7 +129,7 @@ def run_trace(engine: EngineCore, trace, aborts, tokenizer, max_steps=4000):
             _, rid, prompt, sp, prio = pending.pop(0)
             children = proc.add_request(rid, None, prompt, sp)
             live[rid] = children
-            for i, cid in enumerate(children):
+            for _i, cid in enumerate(children):
                 engine.add_request(EngineCoreRequest(cid, prompt, sp, float(step), prio,
                                                      eos_token_id=EOS))
         if step in aborts:

@@ -42,7 +42,7 @@ def test_random_mix_of_finish_abort_preempt_returns_every_block():
                       CacheConfig(block_size=4), num_blocks=20, max_model_len=512)
     prefixes = [list(range(k, k + 9)) for k in (0, 50)]
     n = 0
-    for step in range(400):
+    for _step in range(400):
         if rng.random() < 0.3 and n < 60:
             ids = rng.choice(prefixes) + [rng.randrange(500) for _ in range(rng.randrange(1, 12))]
             sched.add_request(mkreq(f"r{n}", ids, max_tokens=rng.randrange(1, 15)))

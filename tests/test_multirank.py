@@ -81,7 +81,7 @@ def _finish(proc, timeout):
 
 def test_exception_on_rank1_takes_the_job_down():
     import time
-    t0 = time.monotonic()
+    time.monotonic()
     proc = _launch(2, env_extra={"RANKSERVE_INJECT_FAULT": "1:5"})
     rc, out = _finish(proc, 180)
     assert rc != 0, out[-3000:]
@@ -116,7 +116,7 @@ def test_sigkill_of_worker_rank_is_noticed_within_30s():
     # MPICH's process manager sometimes kills rank 0 (even with -disable-auto-cleanup) before
     # its heartbeat thread has logged the loss; the job still ends at once. Up to three launches
     # tell that race apart from a real failure to notice.
-    for attempt in range(3):
+    for _attempt in range(3):
         took, rc, out = _kill_rank1_mid_generation()
         assert took < 30 and rc != 0, out[-3000:]
         if "lost rank 1" in out:

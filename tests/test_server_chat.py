@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 from pathlib import Path
 
@@ -14,7 +13,6 @@ import anthropic
 import httpx
 import openai
 import pytest
-import torch
 import transformers
 
 from test_server import Server

@@ -198,11 +198,11 @@ def measure_ceilings(device: torch.device, reps: int = 5) -> dict:
         except torch.OutOfMemoryError:  # the engine already holds most of the device
             nbytes //= 2
     copy_s = _time(lambda: dst.copy_(src), device, reps)
-    del src, dst
+    src = dst = None
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     mm_s = _time(lambda: torch.matmul(a, b), device, reps)
-    del a, b
+    a = b = None
     if cuda:
         torch.cuda.empty_cache()
     return dict(device=device_name(device), hbm_GBps=2 * nbytes / copy_s / 1e9,
@@ -220,7 +220,7 @@ def device_name(device: torch.device) -> str:
 # ---- the floor ------------------------------------------------------------------------------
 @dataclass
 class StepLog:
-    """Tokens processed by each engine step that ran a forward (filled by a wrapper/hook)."""
+    """Tokens processed by each engine step that ran a forward (filled by an engine step hook)."""
     tokens: list[int] = field(default_factory=list)
 
     def clear(self):
@@ -355,21 +355,17 @@ def profile_steps(llm, run, total_steps: int, out_dir: str, label: str, row_limi
     start, active = max(1, total_steps // 4), max(1, min(40, total_steps // 2))
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     prof = profile(activities=acts, schedule=schedule(wait=start - 1, warmup=1, active=active, repeat=1))
-    ex = llm.engine.executor
-    name = "submit" if hasattr(ex, "submit") else "execute"
-    inner = getattr(ex, name)
     marks: list[float] = []
 
-    def wrapped(plan):
+    def hook(plan):
         marks.append(time.perf_counter())  # before step(): the last one stops and collects the trace
         prof.step()
-        return inner(plan)
-    setattr(ex, name, wrapped)
+    llm.engine.step_hooks.append(hook)
     try:
         with prof:
             run()
     finally:
-        setattr(ex, name, inner)
+        llm.engine.step_hooks.remove(hook)
     # active steps start..start+active-1 run from step() call #start to #start+active, and call
     # #k happens at marks[k - 1]
     last = min(start + active, len(marks)) - 1

@@ -41,14 +41,7 @@ def observe_steps(llm) -> common.StepLog:
     """Record the tokens of every step the engine hands to its executor: only plans that run a
     forward get there (`EngineCore.step` skips empty ones)."""
     log = common.StepLog()
-    ex = llm.engine.executor
-    name = "submit" if hasattr(ex, "submit") else "execute"  # pipelined / older executors
-    inner = getattr(ex, name)
-
-    def wrapped(plan):
-        log.tokens.append(plan.total_num_scheduled_tokens)
-        return inner(plan)
-    setattr(ex, name, wrapped)
+    llm.engine.step_hooks.append(lambda plan: log.tokens.append(plan.total_num_scheduled_tokens))
     return log
 
 
