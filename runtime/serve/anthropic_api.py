@@ -87,6 +87,9 @@ def to_tools(tools: list[dict] | None) -> list[dict] | None:
 def _tool_choice(tc: dict | None):
     if tc is None:
         return None
+    if tc.get("disable_parallel_tool_use"):
+        raise APIError("tool_choice.disable_parallel_tool_use is not supported yet",
+                       param="tool_choice")
     kind = tc.get("type")
     if kind == "tool":
         return {"type": "function", "function": {"name": tc.get("name")}}
