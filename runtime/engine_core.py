@@ -59,7 +59,7 @@ class EngineCore:
                              f"is {self.max_model_len}; it must leave room for at least one new token")
         if min(req.prompt_token_ids) < 0 or max(req.prompt_token_ids) >= self.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
-        req.sampling_params.validate()
+        req.sampling_params.validate(self.vocab_size)  # ids out of range would crash the sampler
         capacity = self.num_blocks * self.cfg.cache.block_size
         if n + 1 > capacity:
             raise ValueError(f"the prompt has {n} tokens, more than the KV cache holds ({capacity})")

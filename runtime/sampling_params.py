@@ -3,6 +3,16 @@ from __future__ import annotations
 
 import msgspec
 
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+
+
+class ParamError(ValueError):
+    """A bad sampling parameter; `param` names the field."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
 
 class SamplingParams(msgspec.Struct, omit_defaults=True):
     n: int = 1
@@ -31,10 +41,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         if self.top_k == -1:
             self.top_k = 0
 
-    def validate(self) -> None:
-        """Raise ValueError naming the field and the allowed range."""
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError (ParamError) naming the field and the allowed range. With the
+        vocabulary size, token ids are checked too: an id out of range would crash the sampler."""
         def bad(name, rule):
-            raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+            raise ParamError(f"{name} must be {rule}, got {getattr(self, name)!r}", name)
         if self.n < 1:
             bad("n", ">= 1")
         if self.temperature < 0:
@@ -62,7 +73,14 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
             bad("prompt_logprobs", "in [0, 20]")
         if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+            raise ParamError("stop strings must be non-empty", "stop")
+        if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX - self.n:
+            bad("seed", f"a 64-bit integer (at most {INT64_MAX - self.n} with n={self.n})")
+        if self.max_tokens is not None and self.max_tokens > INT64_MAX:
+            bad("max_tokens", "a 64-bit integer")
+        hi = vocab_size if vocab_size else INT64_MAX + 1
+        if any(not 0 <= t < hi for t in self.stop_token_ids):
+            bad("stop_token_ids", f"token ids in [0, {hi})")
 
     @property
     def greedy(self) -> bool:

@@ -320,4 +320,4 @@ def test_registry_and_toggles():
     assert out == [ReasoningDelta("a"), ContentDelta("b")]
     # neither toggle: everything is content, untouched
     p = make_parser(None)
-    assert p.parse([], "<think>a</think> b ") .content == "<think>a</think> b"
+    assert p.parse([], "<think>a</think> b ") .content == "<think>a</think> b "

@@ -23,7 +23,7 @@ from rankserve.runtime.serve.context import ChatRun, ServeContext
 from rankserve.runtime.serve.engine_proc import engine_addresses
 from rankserve.runtime.serve.metrics import Metrics
 from rankserve.runtime.serve.openai_api import chat_events
-from rankserve.runtime.serve.protocol import APIError
+from rankserve.runtime.serve.protocol import APIError, ChatCompletionRequest
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 EOS = 151645
@@ -47,6 +47,11 @@ def make_ctx(tok, **args) -> ServeContext:
     args = ServerArgs(**{"reasoning_parser": "qwen3", "tool_call_parser": "hermes",
                          "enable_auto_tool_choice": True, **args})
     return ServeContext(args, "m", "/m", tok, make_client(tok))
+
+
+def chat_req(include_usage: bool) -> ChatCompletionRequest:
+    return ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], stream=True,
+                                 stream_options={"include_usage": include_usage})
 
 
 def feed(client, request_id: str, token_ids: list[int], finish=FinishReason.STOP, stop=None):
@@ -86,7 +91,7 @@ def test_chat_stream_with_tool_call_and_reasoning(tok):
         params = SamplingParams(max_tokens=100, skip_special_tokens=False)
         stream = ctx.client.generate(prompt, params, request_id="r1")
         feed(ctx.client, "r1", tok.encode(ANSWER) + [EOS])
-        return await collect(chat_events(ctx, run, stream, "chatcmpl-1", 0, None, True))
+        return await collect(chat_events(ctx, run, stream, "chatcmpl-1", 0, None, chat_req(True)))
     events = [d for _, d in sse_events(asyncio.run(main()))]
     assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == \
         len(tok.encode(ANSWER)) + 1
@@ -282,7 +287,7 @@ def test_engine_death_mid_stream_ends_the_stream_with_an_error(tok):
         stream = ctx.client.generate([1, 2], SamplingParams(max_tokens=50), request_id="r")
         feed(ctx.client, "r", tok.encode("Hello there"), finish=None)
         ctx.client._handle(EngineCoreOutputs(engine_dead="RuntimeError: CUDA error"))
-        return await collect(_guarded(chat_events(ctx, run, stream, "c", 0, None, False),
+        return await collect(_guarded(chat_events(ctx, run, stream, "c", 0, None, chat_req(False)),
                                       E.openai_body))
     events = [d for _, d in sse_events(asyncio.run(main()))]
     assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1]) == \

@@ -34,7 +34,9 @@ class StreamingParser:
         self._content: list[str] = []
         self._reasoning: list[str] = []
         self.tool_calls: list[ToolCall] = []
-        self._lstrip = True  # drop whitespace right after a terminal
+        # drop whitespace right after a terminal (a prompt-opened block counts as one); the
+        # output's own leading and trailing whitespace is content and stays
+        self._lstrip = start is not None
         self._held_ws = ""  # trailing whitespace, dropped if a terminal follows
         self._raw: str | None = None  # text of the tool region so far; None outside one
         self._call: _Call | None = None
@@ -54,7 +56,9 @@ class StreamingParser:
         self._run(final=False)
         return self._take()
 
-    def finish(self) -> list[Delta]:
+    def finish(self, truncated: bool = False) -> list[Delta]:
+        """End of output. `truncated`: it was cut (stop string, max_tokens), so an unfinished
+        tool call is dropped rather than given back as text (its markup is no answer)."""
         self._run(final=True)
         st = self.g.states[self.state]
         if st.emit in TOOL_KINDS:
@@ -62,8 +66,15 @@ class StreamingParser:
                 for act in self._reader.finish():
                     self._act(act)
             complete = self._reader is not None and self._reader.done and self._call is None
-            if self._broken or not complete:
+            if truncated and not complete:
+                self._raw, self._call, self._reader = None, None, None
+                self._enter("content")
+            elif self._broken or not complete:
                 self._break()
+        elif st.emit in TEXT_KINDS and self._held_ws:  # no terminal followed: it is text
+            cls = ContentDelta if st.emit == "content" else ReasoningDelta
+            self._emit(cls(self._held_ws))
+            self._held_ws = ""
         return self._take()
 
     def result(self) -> ParsedMessage:

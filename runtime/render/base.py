@@ -3,6 +3,7 @@ the (validated, normalised) messages into tokens."""
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 from ...models.registry import Registry
@@ -16,13 +17,30 @@ RESERVED_KWARGS = {"conversation", "messages", "tools", "documents", "add_genera
                    "chat_template", "tokenizer_kwargs"}
 
 
+def load_chat_template(value: str) -> str:
+    """`--chat-template` / `chat_template`, as vLLM takes it: a file path, or the template
+    itself (anything with Jinja-ish characters)."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if any(c in value for c in "{}\n"):
+        return value
+    raise ValueError(f"chat template {value!r} looks like a file path, but it cannot be read")
+
+
 class Renderer:
-    def __init__(self, tokenizer: Any):
+    uses_chat_template = True  # renderers with their own encoder (mistral) take no template
+
+    def __init__(self, tokenizer: Any, chat_template: str | None = None):
         self.tokenizer = tokenizer
+        self.chat_template = load_chat_template(chat_template) if chat_template else None
+        if self.chat_template and not self.uses_chat_template:
+            raise ValueError(f"renderer {type(self).__name__} does not use chat templates")
 
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
                     chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
-                    continue_final_message: bool = False) -> list[int]:
+                    continue_final_message: bool = False,
+                    chat_template: str | None = None) -> list[int]:
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         msgs = normalize_messages(messages)
@@ -31,6 +49,12 @@ class Renderer:
         kwargs = dict(chat_template_kwargs or {})
         if clash := RESERVED_KWARGS & kwargs.keys():
             raise ValueError(f"chat_template_kwargs may not set {sorted(clash)}")
+        template = chat_template or self.chat_template  # the request's, then the server's
+        if template:
+            if not self.uses_chat_template:
+                raise ValueError("this model's renderer does not use chat templates; "
+                                 "chat_template cannot be set")
+            kwargs["chat_template"] = template
         return self._render(msgs, validate_tools(tools), kwargs, add_generation_prompt,
                             continue_final_message)
 

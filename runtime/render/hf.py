@@ -7,7 +7,7 @@ from .base import RENDERERS, Renderer
 @RENDERERS.register("hf")
 class HfRenderer(Renderer):
     def _render(self, messages, tools, kwargs, add_generation_prompt, continue_final_message):
-        if not getattr(self.tokenizer, "chat_template", None):
+        if not kwargs.get("chat_template") and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template; use /v1/completions")
         try:
             ids = self.tokenizer.apply_chat_template(

@@ -15,6 +15,7 @@ def mistral_call_id(call_id: str) -> str:
 
 @RENDERERS.register("mistral")
 class MistralRenderer(Renderer):
+    uses_chat_template = False
     def _render(self, messages, tools, kwargs, add_generation_prompt, continue_final_message):
         from mistral_common.protocol.instruct.request import ChatCompletionRequest
 

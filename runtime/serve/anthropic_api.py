@@ -9,8 +9,8 @@ from typing import AsyncIterator
 
 from ..parse import ContentDelta, Delta, ParsedMessage, ReasoningDelta, ToolCallDelta
 from .context import ChatRun, ServeContext, sse
-from .protocol import (APIError, CountTokensRequest, MessagesRequest,
-                                              SamplingRequest, random_id, sampling_params)
+from .protocol import (APIError, CountTokensRequest, MessagesRequest, SamplingRequest,
+                       check_prompts, check_tool_schemas, random_id, sampling_params)
 
 TOOL_CHOICE = {"auto": "auto", "none": "none", "any": "required"}
 
@@ -87,6 +87,9 @@ def to_tools(tools: list[dict] | None) -> list[dict] | None:
 def _tool_choice(tc: dict | None):
     if tc is None:
         return None
+    if tc.get("disable_parallel_tool_use"):
+        raise APIError("tool_choice.disable_parallel_tool_use is not supported yet",
+                       param="tool_choice")
     kind = tc.get("type")
     if kind == "tool":
         return {"type": "function", "function": {"name": tc.get("name")}}
@@ -95,11 +98,27 @@ def _tool_choice(tc: dict | None):
     return TOOL_CHOICE[kind]
 
 
+def _tools_enabled(ctx: ServeContext, tools, choice, tc: dict | None) -> bool:
+    """ctx.tools_enabled, with its refusals told in Anthropic's terms."""
+    try:
+        return ctx.tools_enabled(tools, choice)
+    except APIError:
+        kind = json.dumps({"type": (tc or {}).get("type", "auto")})
+        if choice in (None, "auto"):
+            raise APIError(f"tool_choice {kind} needs the server started with "
+                           "--enable-auto-tool-choice and --tool-call-parser",
+                           param="tool_choice") from None
+        raise APIError(f"tool_choice {kind} is not supported yet (it needs guided decoding); "
+                       'use {"type": "auto"} or {"type": "none"}', param="tool_choice") from None
+
+
 def _render(ctx: ServeContext, req) -> tuple[list[int], bool]:
     ctx.check_model(req.model)
+    check_tool_schemas(req.tools, "input_schema", "tools[{i}].input_schema")
     tools = to_tools(req.tools)
-    choice = _tool_choice(getattr(req, "tool_choice", None))
-    tools_on = ctx.tools_enabled(tools, choice) if hasattr(req, "tool_choice") else False
+    choice = _tool_choice(req.tool_choice)
+    counting = isinstance(req, CountTokensRequest)  # counting calls nothing
+    tools_on = False if counting else _tools_enabled(ctx, tools, choice, req.tool_choice)
     thinking = (req.thinking or {}).get("type") not in (None, "disabled")  # enabled, adaptive
     ids = ctx.render_chat(to_chat(req.system, req.messages), tools if choice != "none" else None,
                           {"enable_thinking": thinking})
@@ -182,29 +201,35 @@ class BlockStream:
 
 async def create_message(ctx: ServeContext, req: MessagesRequest):
     prompt_ids, tools_on = _render(ctx, req)
+    check_prompts([prompt_ids], ctx.client.model_info, req.max_tokens, prompt_param="messages")
     run = ChatRun(ctx, prompt_ids, 1, tools_on)
     sreq = SamplingRequest(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                            stop=req.stop_sequences)
     params = sampling_params(sreq, ctx.defaults, req.max_tokens, None,
-                             run.parsers[0].skip_special_tokens)
+                             run.parsers[0].skip_special_tokens,
+                             ctx.client.model_info.get("vocab_size"))
     stream = ctx.client.generate(prompt_ids, params)
     mid = random_id("msg_")
 
-    def message(content, reason=None, seq=None, output_tokens=0) -> dict:
+    def message(content, reason=None, seq=None, output_tokens=0, cached=0) -> dict:
+        # Anthropic counts cache reads apart from input_tokens (clients add the two)
         return {"id": mid, "type": "message", "role": "assistant", "model": ctx.model_name,
                 "content": content, "stop_reason": reason, "stop_sequence": seq,
-                "usage": {"input_tokens": len(prompt_ids), "output_tokens": output_tokens,
-                          "cache_read_input_tokens": run.num_cached_tokens}}
+                "usage": {"input_tokens": len(prompt_ids) - cached,
+                          "output_tokens": output_tokens, "cache_read_input_tokens": cached}}
 
     async def collect() -> dict:
         async for upd in stream:
             run.update(upd)
         msg = run.result(0)
         reason, seq = stop_reason(run.finish_reasons[0], run.stop_reasons[0], bool(msg.tool_calls))
-        return message(content_blocks(msg), reason, seq, run.completion_tokens)
+        return message(content_blocks(msg), reason, seq, run.completion_tokens,
+                       run.num_cached_tokens)
 
     async def events() -> AsyncIterator[bytes]:
-        yield sse({"type": "message_start", "message": message([])}, "message_start")
+        cached = (await stream.peek()).num_cached_tokens
+        yield sse({"type": "message_start", "message": message([], cached=cached)},
+                  "message_start")
         blocks = BlockStream()
         async for upd in stream:
             for chunk in blocks.feed(run.update(upd)):
@@ -212,7 +237,7 @@ async def create_message(ctx: ServeContext, req: MessagesRequest):
         for chunk in blocks.close():
             yield chunk
         reason, seq = stop_reason(run.finish_reasons[0], run.stop_reasons[0],
-                                  run.tool_calls_seen[0])
+                                  bool(run.result(0).tool_calls))
         yield sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
                    "usage": {"output_tokens": run.completion_tokens}}, "message_delta")
         yield sse({"type": "message_stop"}, "message_stop")

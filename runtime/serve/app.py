@@ -29,7 +29,8 @@ from .metrics import Metrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                               CountTokensRequest, DerenderRequest,
                                               DetokenizeRequest, MessagesRequest,
-                                              ResponsesRequest, TokenizeRequest, now)
+                                              RequestIdMiddleware, ResponsesRequest,
+                                              TokenizeRequest, validation_param)
 
 log = logging.getLogger("rankserve.serve")
 
@@ -81,7 +82,8 @@ def build_app(ctx: ServeContext, metrics: Metrics) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
-        return error_response(request.url.path, APIError(validation_message(exc)))
+        return error_response(request.url.path, APIError(validation_message(exc),
+                                                         param=validation_param(exc.errors())))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -128,10 +130,11 @@ def build_app(ctx: ServeContext, metrics: Metrics) -> FastAPI:
 
     @v1.get("/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": ctx.model_name, "object": "model", "created": now(), "owned_by": "rankserve",
-            "root": ctx.model_path, "parent": None,
-            "max_model_len": client.model_info.get("max_model_len")}]}
+        return {"object": "list", "data": [openai_api.model_card(ctx)]}
+
+    @v1.get("/models/{model_id:path}")
+    async def model(model_id: str):
+        return openai_api.model_card(ctx, model_id)
 
     @v1.post("/completions")
     async def completions(req: CompletionRequest, request: Request):
@@ -169,6 +172,7 @@ def build_app(ctx: ServeContext, metrics: Metrics) -> FastAPI:
     app.include_router(v1)
     if ctx.args.api_key:
         app.add_middleware(APIKeyMiddleware, key=ctx.args.api_key)
+    app.add_middleware(RequestIdMiddleware)  # outermost: 401s carry the id too
     return app
 
 

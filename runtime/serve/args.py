@@ -23,6 +23,8 @@ class ServerArgs:
                                              "deepseek_v3")
     enable_auto_tool_choice: bool = opt(False, "let the model decide to call tools "
                                                "(tool_choice auto; needs --tool-call-parser)")
+    chat_template: str | None = opt(None, "chat template for chat requests instead of the "
+                                          "tokenizer's: a file path or the template itself")
     engine_address: str | None = opt(None, "ZMQ address the engine binds for the API process: "
                                            "ipc://PATH or tcp://HOST:PORT (default: a private "
                                            "ipc:// socket)")
@@ -38,7 +40,9 @@ class ServerArgs:
             raise ValueError(f"--engine-address must start with ipc:// or tcp://, "
                              f"got {self.engine_address!r}")
         from ..parse import PARSERS
-        from ..render import RENDERERS
+        from ..render import RENDERERS, load_chat_template
+        if self.chat_template:
+            load_chat_template(self.chat_template)  # an unreadable path fails at the CLI
         for flag, registry, name in (("--renderer", RENDERERS, self.renderer),
                                      ("--tool-call-parser", PARSERS, self.tool_call_parser),
                                      ("--reasoning-parser", PARSERS, self.reasoning_parser)):

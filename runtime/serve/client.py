@@ -42,6 +42,7 @@ class Update:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list[LogprobsEntry | None] | None = None  # with the first update only
 
 
 class RequestStream:
@@ -209,7 +210,8 @@ class EngineClient:
                 child.last = now
             stream.queue.put_nowait(Update(child.index, out.delta_text, list(out.delta_token_ids),
                                            out.delta_logprobs, out.finish_reason, out.stop_reason,
-                                           ro.num_cached_tokens))
+                                           ro.num_cached_tokens,
+                                           ro.prompt_logprobs if o.prompt_logprobs else None))
             if out.finish_reason is not None:
                 del self.children[o.request_id]
                 stream.unfinished.discard(o.request_id)

@@ -35,7 +35,7 @@ class PlainParser:
         self.parts.append(text)
         return [ContentDelta(text)]
 
-    def finish(self) -> list[Delta]:
+    def finish(self, truncated: bool = False) -> list[Delta]:
         return []
 
     def result(self) -> ParsedMessage:
@@ -49,7 +49,8 @@ class ServeContext:
         self.args, self.model_name, self.model_path = args, model_name, model_path
         self.tokenizer, self.client = tokenizer, client
         self.defaults = generation_defaults or {}
-        self.renderer = get_renderer(args.renderer, tokenizer, model_type) if tokenizer else None
+        self.renderer = get_renderer(args.renderer, tokenizer, model_type,
+                                     args.chat_template) if tokenizer else None
         if args.tool_call_parser or args.reasoning_parser:  # fail at startup on unknown names
             make_parser(tokenizer, args.tool_call_parser, args.reasoning_parser)
         self._token_text: dict[int, str] = {}
@@ -74,11 +75,13 @@ class ServeContext:
 
     def render_chat(self, messages: list[dict], tools: list[dict] | None,
                     template_kwargs: dict | None = None, add_generation_prompt: bool = True,
-                    continue_final_message: bool = False) -> list[int]:
+                    continue_final_message: bool = False,
+                    chat_template: str | None = None) -> list[int]:
         self.need_tokenizer()
         try:
             return self.renderer.render_chat(messages, tools, template_kwargs,
-                                             add_generation_prompt, continue_final_message)
+                                             add_generation_prompt, continue_final_message,
+                                             chat_template)
         except ValueError as e:
             raise APIError(str(e), param="messages") from None
 
@@ -162,7 +165,8 @@ class ChatRun:
         self.num_tokens[upd.index] += len(upd.token_ids)
         self.num_cached_tokens = upd.num_cached_tokens
         if upd.finish_reason is not None:
-            deltas += p.finish()
+            # cut by a stop string or max_tokens: an unfinished tool call is dropped
+            deltas += p.finish(upd.finish_reason == "length" or isinstance(upd.stop_reason, str))
             self.finish_reasons[upd.index] = upd.finish_reason
             self.stop_reasons[upd.index] = upd.stop_reason
         if any(isinstance(d, ToolCallDelta) for d in deltas):
@@ -171,7 +175,7 @@ class ChatRun:
 
     def finish_reason(self, i: int) -> str | None:
         fr = self.finish_reasons[i]
-        return "tool_calls" if fr == "stop" and self.tool_calls_seen[i] else fr
+        return "tool_calls" if fr == "stop" and self.result(i).tool_calls else fr
 
     def result(self, i: int) -> ParsedMessage:
         return self.parsers[i].result()

@@ -10,9 +10,9 @@ from ..parse import (ContentDelta, Delta, ParsedMessage, ReasoningDelta,
                                      ToolCallDelta)
 from .client import RequestStream, Update
 from .context import SSE_DONE, ChatRun, ServeContext, sse, usage
-from .protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                              DerenderRequest, DetokenizeRequest, TokenizeRequest,
-                                              now, random_id, sampling_params)
+from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DerenderRequest,
+                       DetokenizeRequest, TokenizeRequest, check_prompts, check_token_ids, now,
+                       random_id, sampling_params)
 
 
 # ---- logprobs ---------------------------------------------------------------------------------
@@ -43,6 +43,37 @@ def completion_logprobs(ctx: ServeContext, entries: list[LogprobsEntry] | None,
         out["text_offset"].append(text_offset)
         text_offset += len(text)
     return out
+
+
+def prompt_logprobs(ctx: ServeContext, entries: list[LogprobsEntry | None] | None) -> list | None:
+    """vLLM's `prompt_logprobs`: one entry per prompt token (the first is null), each a dict
+    token id → {logprob, rank, decoded_token} with the prompt token and the top alternatives."""
+    if entries is None:
+        return None
+    return [None if e is None else {
+        str(t): {"logprob": max(lp, -9999.0), "rank": r, "decoded_token": ctx.token_text(t)}
+        for t, lp, r in zip(e.token_ids, e.logprobs, e.ranks)} for e in entries]
+
+
+class AlignedLogprobs:
+    """Streamed completion logprobs leave with the text their tokens produced: while the
+    detokenizer holds text back (it may start a stop string), the entries wait too, so each
+    chunk's tokens and text_offset line up with its text (as they do without streaming)."""
+
+    def __init__(self, ctx: ServeContext):
+        self.ctx, self.pending, self.sent, self.covered = ctx, [], 0, 0
+
+    def take(self, entries: list[LogprobsEntry] | None, text: str, final: bool) -> dict:
+        self.pending += entries or []
+        self.sent += len(text)
+        start, out = self.covered, []
+        while self.pending:
+            size = len(self.ctx.token_text(self.pending[0].token_ids[0]))
+            if not final and self.covered + size > self.sent:
+                break
+            out.append(self.pending.pop(0))
+            self.covered += size
+        return completion_logprobs(self.ctx, out, start)
 
 
 # ---- completions ------------------------------------------------------------------------------
@@ -79,54 +110,83 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Updat
             fut.cancel()
 
 
-async def create_completion(ctx: ServeContext, req: CompletionRequest):
+def prepare_completion(ctx: ServeContext, req: CompletionRequest):
+    """Validate the whole request (every prompt and choice) before anything is sent."""
     ctx.check_model(req.model)
     req.check_unsupported()
-    prompts = completion_prompts(ctx, req.prompt)
-    params = sampling_params(req, ctx.defaults, req.max_tokens, req.logprobs)
-    streams = [ctx.client.generate(p, params) for p in prompts]
+    info = ctx.client.model_info
+    prompts = check_prompts(completion_prompts(ctx, req.prompt), info, req.max_tokens, req.n,
+                            truncate=req.truncate_prompt_tokens)
+    params = sampling_params(req, ctx.defaults, req.max_tokens, req.logprobs,
+                             vocab_size=info.get("vocab_size"))
+    return prompts, params
+
+
+async def create_completion(ctx: ServeContext, req: CompletionRequest):
+    prompts, params = prepare_completion(ctx, req)
+    streams = [ctx.client.generate(p, params, priority=req.priority) for p in prompts]
     rid, created, n = random_id("cmpl-"), now(), req.n
     num_prompt = sum(len(p) for p in prompts)
+    null_usage = {"usage": None} if req.include_usage else {}  # OpenAI: null until the last
 
-    def choice(index, text, logprobs, finish, stop_reason):
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
-                "stop_reason": stop_reason}
+    def choice(index, text, logprobs, finish, stop_reason, token_ids=None, plps=None,
+               first=False):
+        out = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
+               "stop_reason": stop_reason}
+        if req.prompt_logprobs is not None and (first or not req.stream):
+            out["prompt_logprobs"] = prompt_logprobs(ctx, plps)
+        if req.return_token_ids:
+            if first or not req.stream:
+                out["prompt_token_ids"] = prompts[index // n]
+            out["token_ids"] = token_ids
+        return out
 
     async def collect() -> dict:
         texts = [[] for _ in range(len(prompts) * n)]
+        ids = [[] for _ in texts]
         lps: list[list | None] = [[] if req.logprobs is not None else None for _ in texts]
+        plps: list = [None] * len(prompts)
         ends: list = [(None, None)] * len(texts)
         tokens = cached = 0
         async for i, upd in _merge(streams):
             k = i * n + upd.index
             texts[k].append(upd.text)
+            ids[k] += upd.token_ids
             if upd.logprobs is not None and lps[k] is not None:
                 lps[k].extend(upd.logprobs)
+            if upd.prompt_logprobs is not None:
+                plps[i] = upd.prompt_logprobs
             tokens += len(upd.token_ids)
             cached = max(cached, upd.num_cached_tokens)
             if upd.finish_reason:
                 ends[k] = (upd.finish_reason, upd.stop_reason)
-        choices = [choice(k, "".join(t), completion_logprobs(ctx, lps[k], 0), *ends[k])
-                   for k, t in enumerate(texts)]
+        choices = [choice(k, "".join(t), completion_logprobs(ctx, lps[k], 0), *ends[k], ids[k],
+                          plps[k // n]) for k, t in enumerate(texts)]
         return {"id": rid, "object": "text_completion", "created": created,
                 "model": ctx.model_name, "choices": choices,
                 "usage": usage(num_prompt, tokens, cached)}
 
     async def events():
-        offsets = [0] * (len(prompts) * n)
+        aligned = [AlignedLogprobs(ctx) for _ in range(len(prompts) * n)]
+        started = [False] * len(aligned)
+        plps: list = [None] * len(prompts)
         tokens = cached = 0
         async for i, upd in _merge(streams):
             k = i * n + upd.index
             tokens += len(upd.token_ids)
             cached = max(cached, upd.num_cached_tokens)
-            lp = completion_logprobs(ctx, upd.logprobs, offsets[k]) \
+            if upd.prompt_logprobs is not None:
+                plps[i] = upd.prompt_logprobs
+            lp = aligned[k].take(upd.logprobs, upd.text, upd.finish_reason is not None) \
                 if req.logprobs is not None else None
-            offsets[k] += len(upd.text)
-            if not upd.text and not upd.finish_reason and lp is None:
+            if not upd.text and not upd.finish_reason and not (lp and lp["tokens"]) \
+                    and not (req.return_token_ids and upd.token_ids):
                 continue
+            first, started[k] = not started[k], True
             yield sse({"id": rid, "object": "text_completion", "created": created,
-                       "model": ctx.model_name,
-                       "choices": [choice(k, upd.text, lp, upd.finish_reason, upd.stop_reason)]})
+                       "model": ctx.model_name, **null_usage,
+                       "choices": [choice(k, upd.text, lp, upd.finish_reason, upd.stop_reason,
+                                          upd.token_ids, plps[i], first)]})
         if req.include_usage:
             yield sse({"id": rid, "object": "text_completion", "created": created,
                        "model": ctx.model_name, "choices": [],
@@ -138,13 +198,20 @@ async def create_completion(ctx: ServeContext, req: CompletionRequest):
 
 # ---- chat -------------------------------------------------------------------------------------
 def prepare_chat(ctx: ServeContext, req: ChatCompletionRequest) -> tuple[list[int], bool]:
+    """Render and validate the whole request before anything is sent."""
     ctx.check_model(req.model)
     req.check_unsupported()
     tools_on = ctx.tools_enabled(req.tools, req.tool_choice)
     tools = req.tools if req.tool_choice != "none" else None
-    ids = ctx.render_chat(req.messages, tools, req.chat_template_kwargs,
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:  # as for the Responses API's reasoning.effort
+        kwargs.setdefault("enable_thinking", req.reasoning_effort not in ("none", "minimal"))
+    ids = ctx.render_chat(req.messages, tools, kwargs,
                           req.add_generation_prompt and not req.continue_final_message,
-                          req.continue_final_message)
+                          req.continue_final_message, req.chat_template)
+    tokens_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+    [ids] = check_prompts([ids], ctx.client.model_info, req.max_completion_tokens or req.max_tokens,
+                          req.n, "messages", tokens_param, req.truncate_prompt_tokens)
     return ids, tools_on
 
 
@@ -154,7 +221,19 @@ def chat_sampling_params(ctx: ServeContext, req: ChatCompletionRequest, run_pars
         raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
     skip = run_parser.skip_special_tokens  # markers such as <tool_call> are special tokens
     return sampling_params(req, ctx.defaults, req.max_completion_tokens or req.max_tokens,
-                           logprobs, skip)
+                           logprobs, skip, ctx.client.model_info.get("vocab_size"))
+
+
+def echo_text(req: ChatCompletionRequest) -> str:
+    """`echo` (vLLM): the last message's content is prepended when it is the assistant's own
+    (the answer continues it)."""
+    last = req.messages[-1]
+    if not req.echo or last.get("role") != "assistant":
+        return ""
+    content = last.get("content")
+    if isinstance(content, list):
+        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content or ""
 
 
 def message_dict(msg: ParsedMessage) -> dict:
@@ -196,25 +275,41 @@ def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict,
 
 
 async def chat_events(ctx: ServeContext, run: ChatRun, stream: RequestStream, rid: str,
-                      created: int, top: int | None, include_usage: bool) -> AsyncIterator[bytes]:
-    """SSE chunks of a streamed chat completion: a role chunk per choice, then one chunk per
-    update that says something, the last one with finish_reason; usage; [DONE]."""
+                      created: int, top: int | None, req: ChatCompletionRequest
+                      ) -> AsyncIterator[bytes]:
+    """SSE chunks of a streamed chat completion: a role chunk per choice (with the echo), then
+    one chunk per update that says something, the last one with finish_reason; usage; [DONE]."""
     n = len(run.parsers)
+    extra = {"usage": None} if req.include_usage else {}  # OpenAI: null until the last chunk
+
+    def chunk(i, delta, finish=None, lp=None, stop=None, **more) -> bytes:
+        c = chat_chunk(rid, created, ctx.model_name, i, delta, finish, lp, stop)
+        c["choices"][0].update(more)
+        return sse({**c, **extra})
+    head = {"prompt_token_ids": run.prompt_token_ids} if req.return_token_ids else {}
+    if req.prompt_logprobs is not None:
+        head["prompt_logprobs"] = prompt_logprobs(ctx, (await stream.peek()).prompt_logprobs)
+    echo = echo_text(req)
     for i in range(n):
-        yield sse(chat_chunk(rid, created, ctx.model_name, i, {"role": "assistant", "content": ""}))
+        yield sse({**chat_chunk(rid, created, ctx.model_name, i,
+                                {"role": "assistant", "content": ""}), **head, **extra})
+        if echo:
+            yield chunk(i, {"content": echo})
     held: list[list] = [[] for _ in range(n)]  # logprobs of tokens whose text is held back
+    ids = {"token_ids": []} if req.return_token_ids else {}
     async for upd in stream:
         delta = delta_dict(run.update(upd))
         if top is not None and upd.logprobs:
             held[upd.index].extend(upd.logprobs)
         finish = run.finish_reason(upd.index) if upd.finish_reason else None
-        if not delta and finish is None:
+        if req.return_token_ids:
+            ids = {"token_ids": upd.token_ids}
+        if not delta and finish is None and not (ids and upd.token_ids):
             continue
         lp = chat_logprobs(ctx, held[upd.index], top) if top is not None else None
         held[upd.index] = []
-        yield sse(chat_chunk(rid, created, ctx.model_name, upd.index, delta, finish, lp,
-                             upd.stop_reason if finish else None))
-    if include_usage:
+        yield chunk(upd.index, delta, finish, lp, upd.stop_reason if finish else None, **ids)
+    if req.include_usage:
         yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                    "model": ctx.model_name, "choices": [],
                    "usage": usage(len(run.prompt_token_ids), run.completion_tokens,
@@ -229,24 +324,40 @@ async def create_chat_completion(ctx: ServeContext, req: ChatCompletionRequest):
     stream = ctx.client.generate(prompt_ids, params, priority=req.priority)
     rid, created = random_id("chatcmpl-"), now()
     top = (req.top_logprobs or 0) if req.logprobs else None
+    echo = echo_text(req)
 
     async def collect() -> dict:
         lps = [[] for _ in range(req.n)]
+        ids = [[] for _ in range(req.n)]
+        plps = None
         async for upd in stream:
             run.update(upd)
+            ids[upd.index] += upd.token_ids
+            plps = upd.prompt_logprobs if upd.prompt_logprobs is not None else plps
             if top is not None and upd.logprobs:
                 lps[upd.index].extend(upd.logprobs)
-        choices = [{"index": i, "message": message_dict(run.result(i)),
-                    "logprobs": chat_logprobs(ctx, lps[i], top) if top is not None else None,
-                    "finish_reason": run.finish_reason(i), "stop_reason": run.stop_reasons[i]}
-                   for i in range(req.n)]
-        return {"id": rid, "object": "chat.completion", "created": created,
-                "model": ctx.model_name, "choices": choices,
-                "usage": usage(len(prompt_ids), run.completion_tokens, run.num_cached_tokens)}
+        choices = []
+        for i in range(req.n):
+            msg = message_dict(run.result(i))
+            if echo:
+                msg["content"] = echo + (msg["content"] or "")
+            choices.append({"index": i, "message": msg,
+                            "logprobs": chat_logprobs(ctx, lps[i], top) if top is not None
+                            else None, "finish_reason": run.finish_reason(i),
+                            "stop_reason": run.stop_reasons[i]})
+            if req.return_token_ids:
+                choices[-1]["token_ids"] = ids[i]
+        out = {"id": rid, "object": "chat.completion", "created": created,
+               "model": ctx.model_name, "choices": choices,
+               "usage": usage(len(prompt_ids), run.completion_tokens, run.num_cached_tokens)}
+        if req.prompt_logprobs is not None:
+            out["prompt_logprobs"] = prompt_logprobs(ctx, plps)
+        if req.return_token_ids:
+            out["prompt_token_ids"] = prompt_ids
+        return out
 
     return await ctx.respond([stream], req.stream, collect,
-                             lambda: chat_events(ctx, run, stream, rid, created, top,
-                                                 req.include_usage))
+                             lambda: chat_events(ctx, run, stream, rid, created, top, req))
 
 
 # ---- render / derender / tokenize -------------------------------------------------------------
@@ -256,17 +367,20 @@ def render_chat(ctx: ServeContext, req: ChatCompletionRequest) -> dict:
 
 
 def render_completion(ctx: ServeContext, req: CompletionRequest) -> dict:
-    ctx.check_model(req.model)
+    prompts, _ = prepare_completion(ctx, req)
     return {"model": ctx.model_name,
             "prompts": [{"prompt_token_ids": ids,
                          "prompt": ctx.tokenizer.decode(ids) if ctx.tokenizer else None}
-                        for ids in completion_prompts(ctx, req.prompt)]}
+                        for ids in prompts]}
 
 
 def derender(ctx: ServeContext, req: DerenderRequest) -> dict:
     """Token ids of a model answer → the message the API would return for them."""
     ctx.check_model(req.model)
     ctx.need_tokenizer()
+    vocab = ctx.client.model_info.get("vocab_size") or len(ctx.tokenizer)
+    check_token_ids(req.token_ids, vocab, "token_ids")
+    check_token_ids(req.prompt_token_ids or [], vocab, "prompt_token_ids")
     parser = ctx.new_parser(req.prompt_token_ids or [], bool(ctx.args.tool_call_parser))
     ids = list(req.token_ids)
     eos = set(ctx.client.eos_token_ids)
@@ -287,10 +401,11 @@ def tokenize(ctx: ServeContext, req: TokenizeRequest) -> dict:
     ctx.check_model(req.model)
     ctx.need_tokenizer()
     if (req.prompt is None) == (req.messages is None):
-        raise APIError("give exactly one of prompt and messages")
+        raise APIError("give exactly one of prompt and messages", param="prompt")
     if req.messages is not None:
         ids = ctx.render_chat(req.messages, req.tools, req.chat_template_kwargs,
-                              req.add_generation_prompt)
+                              req.add_generation_prompt and not req.continue_final_message,
+                              req.continue_final_message, req.chat_template)
     else:
         ids = ctx.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     return {"count": len(ids), "max_model_len": ctx.client.model_info.get("max_model_len"),
@@ -300,7 +415,14 @@ def tokenize(ctx: ServeContext, req: TokenizeRequest) -> dict:
 def detokenize(ctx: ServeContext, req: DetokenizeRequest) -> dict:
     ctx.check_model(req.model)
     ctx.need_tokenizer()
-    vocab = ctx.client.model_info.get("vocab_size")
-    if any(t < 0 or (vocab and t >= vocab) for t in req.tokens):
-        raise APIError(f"token ids must be in [0, {vocab})", param="tokens")
+    check_token_ids(req.tokens, ctx.client.model_info.get("vocab_size") or len(ctx.tokenizer),
+                    "tokens")
     return {"prompt": ctx.tokenizer.decode(req.tokens)}
+
+
+def model_card(ctx: ServeContext, model_id: str | None = None) -> dict:
+    """GET /v1/models/{id} (openai's models.retrieve); 404 for other ids."""
+    ctx.check_model(model_id)
+    return {"id": ctx.model_name, "object": "model", "created": now(), "owned_by": "rankserve",
+            "root": ctx.model_path, "parent": None,
+            "max_model_len": ctx.client.model_info.get("max_model_len")}

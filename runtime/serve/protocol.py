@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
-from ..sampling_params import SamplingParams
+from ..sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+
+# every integer a client sends must fit the 64-bit fields of the engine messages
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+Bool = StrictBool  # "stream": "yes" is an error, not true
+MAX_SEQS_PER_REQUEST = 256  # n × prompts: one request must not flood the queue
+NO_OP = (None, False, [], {}, "")  # values of unsupported fields that change nothing
 
 
 class APIError(Exception):
@@ -19,6 +25,8 @@ class APIError(Exception):
 
     def __init__(self, message: str, status: int = 400, param: str | None = None,
                  code: str | None = None):
+        # a lone surrogate from the request must not make the error itself unencodable
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.message, self.status, self.param, self.code = message, status, param, code
 
@@ -34,6 +42,25 @@ class APIError(Exception):
         return {"type": "error", "error": {"type": self.type, "message": self.message}}
 
 
+class RequestIdMiddleware:
+    """Echo the client's `X-Request-Id` on the response (or give one), as vLLM does; pure ASGI
+    so streaming and disconnect detection are untouched."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        rid = dict(scope["headers"]).get(b"x-request-id") or secrets.token_hex(16).encode()
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid)]
+            await send(message)
+        await self.app(scope, receive, send_with_id)
+
+
 def random_id(prefix: str) -> str:
     return f"{prefix}{secrets.token_hex(12)}"
 
@@ -42,62 +69,116 @@ def now() -> int:
     return int(time.time())
 
 
+def _check_text(value: Any, where: str) -> None:
+    """Lone surrogates (valid JSON escapes, invalid Unicode) anywhere in the body are a 400."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(f"{where or 'body'}: the text contains a lone surrogate (invalid "
+                           "Unicode)", param=where or None) from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_text(k, where)
+            _check_text(v, f"{where}.{k}" if where else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_text(v, f"{where}[{i}]")
+
+
 class Request(BaseModel):
-    # unknown fields are ignored, as vLLM and OpenAI do
-    model_config = ConfigDict(extra="ignore")
+    """Strict on purpose: an unknown field is a 400 naming it (a field the server would drop
+    could change the output the client expects). Known fields the server does not implement
+    are listed in UNSUPPORTED with the reason; they pass only with a value that changes nothing."""
+    model_config = ConfigDict(extra="forbid")
+    UNSUPPORTED: ClassVar[dict[str, str]] = {}
     model: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _screen(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        _check_text(data, "")
+        for name in cls.UNSUPPORTED.keys() & data.keys():
+            if data[name] not in NO_OP:
+                raise APIError(f"{name} is not supported by this server: "
+                               f"{cls.UNSUPPORTED[name]}", param=name)
+        return {k: v for k, v in data.items() if k not in cls.UNSUPPORTED}
+
+
+GUIDED = "no structured output / guided decoding yet"
+SAMPLING_UNSUPPORTED = {
+    "structured_outputs": GUIDED, "guided_json": GUIDED, "guided_regex": GUIDED,
+    "guided_choice": GUIDED, "guided_grammar": GUIDED, "guided_decoding_backend": GUIDED,
+    "guided_whitespace_pattern": GUIDED, "allowed_token_ids": "no token masks yet",
+    "bad_words": "no token masks yet", "logits_processors": "no custom logits processors",
+    "use_beam_search": "no beam search", "length_penalty": "no beam search",
+    "return_tokens_as_token_ids": "use return_token_ids", "cache_salt": "not exposed yet",
+    "kv_transfer_params": "no disaggregated serving", "vllm_xargs": "no extra arguments",
+    "functions": "use tools", "function_call": "use tool_choice",
+    "prediction": "no predicted outputs", "audio": "text only",
+    "web_search_options": "no built-in tools", "documents": "no document templates",
+    "mm_processor_kwargs": "text only", "logit_bias": "no logit bias yet",
+}
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    model_config = ConfigDict(extra="forbid")
+    include_usage: Bool = False
 
 
 class SamplingRequest(Request):
     """Sampling fields shared by completions and chat (OpenAI's, then vLLM's extras)."""
+    UNSUPPORTED = SAMPLING_UNSUPPORTED
     n: int = Field(1, ge=1, le=128)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: Bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
     user: str | None = None
     # vLLM extras
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    priority: int = 0
+    stop_token_ids: list[Int64] | None = None
+    ignore_eos: Bool = False
+    min_tokens: Int64 = Field(0, ge=0)
+    skip_special_tokens: Bool = True
+    include_stop_str_in_output: Bool = False
+    priority: Int64 = 0
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    return_token_ids: Bool = False
+    truncate_prompt_tokens: Int64 | None = Field(None, ge=-1)  # -1: max_model_len
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def check_unsupported(self) -> None:
-        if self.logit_bias:
-            raise APIError("logit_bias is not supported yet", param="logit_bias")
         fmt = (self.response_format or {}).get("type", "text")
         if fmt != "text":
             raise APIError(f"response_format {fmt!r} is not supported yet (no structured output "
                            "/ guided decoding); only 'text'", param="response_format")
         if self.stream_options and not self.stream:
             raise APIError("stream_options is only allowed with stream=true", param="stream_options")
+        if self.truncate_prompt_tokens == 0:
+            raise APIError("truncate_prompt_tokens must be >= 1 (or -1)",
+                           param="truncate_prompt_tokens")
 
 
 def sampling_params(req: SamplingRequest, defaults: dict, max_tokens: int | None,
-                    logprobs: int | None, skip_special_tokens: bool | None = None) -> SamplingParams:
+                    logprobs: int | None, skip_special_tokens: bool | None = None,
+                    vocab_size: int | None = None) -> SamplingParams:
     """Request fields → SamplingParams; fields the client left out take the model's
     generation_config defaults (as vLLM does), then the OpenAI defaults."""
     def pick(name, fallback):
-        v = getattr(req, name)
+        v = getattr(req, name, None)
         return v if v is not None else defaults.get(name, fallback)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     sp = SamplingParams(
@@ -107,22 +188,86 @@ def sampling_params(req: SamplingRequest, defaults: dict, max_tokens: int | None
         repetition_penalty=pick("repetition_penalty", 1.0), seed=req.seed, max_tokens=max_tokens,
         min_tokens=req.min_tokens, stop=stop, stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
-        logprobs=logprobs,
+        logprobs=logprobs, prompt_logprobs=req.prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens if skip_special_tokens is None
         else skip_special_tokens)
     try:
-        sp.validate()
+        sp.validate(vocab_size)
     except ValueError as e:
-        raise APIError(str(e)) from None
+        raise APIError(str(e), param=getattr(e, "param", None)) from None
     return sp
+
+
+def check_prompts(prompts: list[list[int]], info: dict, max_tokens: int | None, n: int = 1,
+                  prompt_param: str = "prompt", tokens_param: str = "max_tokens",
+                  truncate: int | None = None) -> list[list[int]]:
+    """Everything the engine would refuse, checked for the WHOLE request before any of it is
+    sent: token ids in the vocabulary, prompt and max_tokens within the context (a 400, as vLLM,
+    never a silent clamp), n × prompts within MAX_SEQS_PER_REQUEST. Applies
+    truncate_prompt_tokens (keep the last k tokens)."""
+    if n * len(prompts) > MAX_SEQS_PER_REQUEST:
+        raise APIError(f"n × prompts is {n * len(prompts)}; at most {MAX_SEQS_PER_REQUEST} "
+                       "sequences per request", param="n")
+    vocab, limit = info.get("vocab_size"), info.get("max_model_len")
+    if truncate is not None:
+        keep = limit if truncate == -1 and limit else truncate
+        prompts = [p[-keep:] for p in prompts]
+    for p in prompts:
+        if not p:
+            raise APIError("the prompt is empty", param=prompt_param)
+        if vocab:
+            check_token_ids(p, vocab, prompt_param)
+        if limit and len(p) >= limit:
+            raise APIError(f"This model's maximum context length (max_model_len) is {limit} "
+                           f"tokens, but the prompt has {len(p)} tokens; it must leave room for "
+                           "at least one new token", param=prompt_param)
+        if limit and max_tokens is not None and len(p) + max_tokens > limit:
+            raise APIError(f"This model's maximum context length (max_model_len) is {limit} "
+                           f"tokens. However, you requested {len(p) + max_tokens} tokens "
+                           f"({len(p)} in the prompt, {max_tokens} for the completion). Reduce "
+                           f"the prompt or {tokens_param}.", param=tokens_param)
+    return prompts
+
+
+def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise APIError(f"{param}: token ids must be in [0, {vocab_size}), got {bad}", param=param)
+
+
+def check_tool_schemas(tools: list[dict] | None, key: str = "parameters",
+                       where: str = "tools[{i}].function.parameters") -> None:
+    """A tool's parameters must be a valid JSON schema (the model is shown it verbatim)."""
+    import jsonschema  # a dependency of mistral-common
+    for i, t in enumerate(tools or []):
+        fn = t.get("function", t) if isinstance(t, dict) else None
+        schema = fn.get(key) if isinstance(fn, dict) else None
+        if schema is None:
+            continue
+        name = where.format(i=i)
+        if not isinstance(schema, dict):
+            raise APIError(f"{name} must be a JSON schema object", param=name)
+        try:
+            jsonschema.validators.validator_for(schema).check_schema(schema)
+        except jsonschema.SchemaError as e:
+            raise APIError(f"{name} is not a valid JSON schema: {e.message}", param=name) from None
+
+
+def validation_param(errors: list[dict]) -> str | None:
+    """The field a pydantic validation error is about, for the error body's `param`."""
+    for e in errors:
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        if loc:
+            return ".".join(loc)
+    return None
 
 
 # ---- OpenAI -------------------------------------------------------------------------------------
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    prompt: str | list[str] | list[Int64] | list[list[Int64]]
+    max_tokens: Int64 | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    echo: Bool = False
     suffix: str | None = None
     best_of: int | None = None
 
@@ -138,21 +283,39 @@ class CompletionRequest(SamplingRequest):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[dict[str, Any]] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
+    max_tokens: Int64 | None = Field(None, ge=1)
+    max_completion_tokens: Int64 | None = Field(None, ge=1)
+    logprobs: Bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: Bool = True
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
+    echo: Bool = False
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    include_reasoning: Bool = True
+    metadata: dict[str, Any] | None = None
+    store: Literal[False] | None = None  # nothing is stored
+    service_tier: str | None = None
+    modalities: list[Literal["text"]] | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.tools and self.tool_choice != "none" and not self.parallel_tool_calls:
+            raise APIError("parallel_tool_calls=false is not supported yet",
+                           param="parallel_tool_calls")
+        if not self.include_reasoning:
+            raise APIError("include_reasoning=false is not supported yet",
+                           param="include_reasoning")
+        check_tool_schemas(self.tools)
 
 
 class DerenderRequest(Request):
-    token_ids: list[int] = Field(min_length=1)
-    prompt_token_ids: list[int] | None = None  # decides whether the output starts in reasoning
+    token_ids: list[Int64] = Field(min_length=1)
+    prompt_token_ids: list[Int64] | None = None  # decides whether the output starts in reasoning
     tools: list[dict[str, Any]] | None = None
 
 
@@ -160,30 +323,34 @@ class TokenizeRequest(Request):
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    add_special_tokens: Bool = True
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(Request):
-    tokens: list[int]
+    tokens: list[Int64]
 
 
 # ---- Anthropic ----------------------------------------------------------------------------------
 class MessagesRequest(Request):
+    UNSUPPORTED = {"container": "no code execution", "mcp_servers": "no MCP servers"}
     model: str
-    max_tokens: int = Field(ge=1)
+    max_tokens: Int64 = Field(ge=1)
     messages: list[dict[str, Any]] = Field(min_length=1)
     system: str | list[dict[str, Any]] | None = None
     stop_sequences: list[str] | None = None
-    stream: bool = False
+    stream: Bool = False
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=0, le=INT64_MAX)
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
 
 
 class CountTokensRequest(Request):
@@ -191,23 +358,40 @@ class CountTokensRequest(Request):
     messages: list[dict[str, Any]] = Field(min_length=1)
     system: str | list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
 
 
 # ---- Responses ----------------------------------------------------------------------------------
 class ResponsesRequest(Request):
+    UNSUPPORTED = {"background": "responses are not stored", "include": "nothing to include",
+                   "conversation": "responses are not stored", "prompt": "no stored prompts",
+                   "top_logprobs": "no logprobs in responses yet",
+                   "max_tool_calls": "not enforced yet"}
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: Int64 | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
-    stream: bool = False
+    stream: Bool = False
     reasoning: dict[str, Any] | None = None
     previous_response_id: str | None = None
     text: dict[str, Any] | None = None
-    parallel_tool_calls: bool = True
-    store: bool | None = None
+    parallel_tool_calls: Bool = True
+    store: Bool | None = None
+    truncation: Literal["disabled"] | None = None
     metadata: dict[str, Any] | None = None
     user: str | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+
+    def check_unsupported(self) -> None:
+        if self.store:
+            raise APIError("store=true is not supported: responses are not stored", param="store")
+        if self.tools and self.tool_choice != "none" and not self.parallel_tool_calls:
+            raise APIError("parallel_tool_calls=false is not supported yet",
+                           param="parallel_tool_calls")
+        check_tool_schemas(self.tools, where="tools[{i}].parameters")

@@ -8,8 +8,8 @@ from typing import AsyncIterator
 
 from ..parse import ContentDelta, Delta, ReasoningDelta, ToolCallDelta
 from .context import ChatRun, ServeContext, sse
-from .protocol import (APIError, ResponsesRequest, SamplingRequest, now,
-                                              random_id, sampling_params)
+from .protocol import (APIError, ResponsesRequest, SamplingRequest, check_prompts, now,
+                       random_id, sampling_params)
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -17,12 +17,16 @@ TEXT_PARTS = ("input_text", "output_text", "text")
 def _text(content, where: str) -> str:
     if isinstance(content, str):
         return content
+    if not isinstance(content, list):
+        raise APIError(f"{where}: content must be a string or a list of parts", param="input")
     parts = []
-    for p in content or []:
+    for p in content:
         if not isinstance(p, dict) or p.get("type") not in TEXT_PARTS:
             kind = p.get("type") if isinstance(p, dict) else type(p).__name__
             raise APIError(f"{where}: content part {kind!r} is not supported (only text)",
                            param="input")
+        if not isinstance(p.get("text", ""), str):
+            raise APIError(f"{where}: a text part's text must be a string", param="input")
         parts.append(p.get("text", ""))
     return "".join(parts)
 
@@ -42,6 +46,9 @@ def to_chat(instructions: str | None, items) -> list[dict]:
         where, kind = f"input[{i}]", item.get("type", "message")
         if kind == "message":
             role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise APIError(f"{where}: role must be user, assistant, system or developer, "
+                               f"got {role!r}", param="input")
             text = _text(item.get("content"), where)
             last = msgs[-1] if msgs else None
             if role == "assistant" and last and last["role"] == "assistant" \
@@ -51,11 +58,18 @@ def to_chat(instructions: str | None, items) -> list[dict]:
                 msgs.append({"role": role, "content": text})
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
-            assistant()["reasoning_content"] = "".join(p.get("text", "") for p in parts)
+            assistant()["reasoning_content"] = _text(
+                [dict(p, type="text") if isinstance(p, dict) else p for p in parts]
+                if isinstance(parts, list) else parts, where)
         elif kind == "function_call":
+            fields = {k: item.get(k, d) for k, d in
+                      (("call_id", ""), ("name", ""), ("arguments", "{}"))}
+            if not all(isinstance(v, str) for v in fields.values()):
+                raise APIError(f"{where}: call_id, name and arguments must be strings",
+                               param="input")
             assistant().setdefault("tool_calls", []).append({
-                "id": item.get("call_id", ""), "type": "function",
-                "function": {"name": item.get("name", ""), "arguments": item.get("arguments", "{}")}})
+                "id": fields["call_id"], "type": "function",
+                "function": {"name": fields["name"], "arguments": fields["arguments"]}})
         elif kind == "function_call_output":
             out = item.get("output", "")
             msgs.append({"role": "tool", "tool_call_id": item.get("call_id", ""),
@@ -70,7 +84,7 @@ def to_tools(tools: list[dict] | None) -> list[dict] | None:
         return None
     out = []
     for i, t in enumerate(tools):
-        if t.get("type") != "function" or not t.get("name"):
+        if not isinstance(t, dict) or t.get("type") != "function" or not t.get("name"):
             raise APIError(f"tools[{i}]: only function tools are supported", param="tools")
         out.append({"type": "function", "function": {
             "name": t["name"], "description": t.get("description") or "",
@@ -181,6 +195,7 @@ class ItemStream:
 
 async def create_response(ctx: ServeContext, req: ResponsesRequest):
     ctx.check_model(req.model)
+    req.check_unsupported()
     if req.previous_response_id:
         raise APIError("previous_response_id is not supported: responses are not stored; send "
                        "the whole conversation as input", param="previous_response_id")
@@ -195,10 +210,13 @@ async def create_response(ctx: ServeContext, req: ResponsesRequest):
         kwargs["enable_thinking"] = req.reasoning["effort"] not in ("none", "minimal")
     prompt_ids = ctx.render_chat(to_chat(req.instructions, req.input),
                                  tools if choice != "none" else None, kwargs)
+    check_prompts([prompt_ids], ctx.client.model_info, req.max_output_tokens,
+                  prompt_param="input", tokens_param="max_output_tokens")
     run = ChatRun(ctx, prompt_ids, 1, tools_on)
     params = sampling_params(SamplingRequest(temperature=req.temperature, top_p=req.top_p),
                              ctx.defaults, req.max_output_tokens, None,
-                             run.parsers[0].skip_special_tokens)
+                             run.parsers[0].skip_special_tokens,
+                             ctx.client.model_info.get("vocab_size"))
     stream = ctx.client.generate(prompt_ids, params)
     rid, created = random_id("resp_"), now()
 

@@ -1,0 +1,415 @@
+"""API hardening (issue 12, part A): no request can hurt the server, nothing is silently ignored.
+A live server on the embedded stories260K (vocab 512, with a --chat-template so chat works),
+plus the pure pieces (parser, sampling params, whole-request validation) without processes."""
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from rankserve.runtime.parse import make_parser
+from rankserve.runtime.sampling_params import SamplingParams
+from test_server import STORIES_TEXT, Server
+
+TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}}}}}]
+CHAT = [{"role": "user", "content": "Once upon a time"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--chat-template", TEMPLATE, "--max-num-seqs", "64", "--served-model-name",
+               "stories260K")
+    yield s
+    assert s.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    return anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
+
+
+def post(http, path: str, body) -> httpx.Response:
+    """POST with ASCII-escaped JSON (so lone surrogates travel as valid JSON escapes)."""
+    return http.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+
+
+def bad(r: httpx.Response, param: str | None = None, status: int = 400) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+def alive(http):
+    assert http.get("/health").status_code == 200
+    r = post(http, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+# ---- defect 1: token ids out of the vocabulary --------------------------------------------------
+@pytest.mark.parametrize("ids", [[600], [-1], [-600], [10**6], [2**70]])
+def test_out_of_vocab_stop_token_ids_are_400(http, ids):
+    for path, body in (("/v1/completions", {"prompt": "Once"}),
+                       ("/v1/chat/completions", {"messages": CHAT})):
+        r = post(http, path, {**body, "max_tokens": 4, "min_tokens": 1, "stop_token_ids": ids})
+        err = bad(r, "stop_token_ids" if abs(ids[0]) < 2**63 else None)
+        assert "stop_token_ids" in err["message"] or "stop_token_ids" in err["param"]
+    alive(http)
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": [1, 600]}, "prompt"),
+    ("/v1/completions", {"prompt": [[1, 2], [1, -5]]}, "prompt"),
+    ("/v1/chat/completions/derender", {"token_ids": [-1]}, "token_ids"),
+    ("/v1/chat/completions/derender", {"token_ids": [1], "prompt_token_ids": [512]},
+     "prompt_token_ids"),
+    ("/detokenize", {"tokens": [-3]}, "tokens"),
+])
+def test_every_token_id_is_range_checked(http, path, body, param):
+    bad(post(http, path, body), param)
+
+
+def test_engine_side_checks_token_ids_too():
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=[600], min_tokens=1).validate(512)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=[-1]).validate(512)
+    SamplingParams(stop_token_ids=[511]).validate(512)
+
+
+# ---- defect 2: 500s that are 400s ---------------------------------------------------------------
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": "a", "max_tokens": 2**70}, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 2**63 - 1}, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "seed": 2**64}, "seed"),
+    ("/v1/completions", {"prompt": "a", "n": 2, "seed": 2**63 - 1}, "seed"),
+    ("/v1/completions", {"prompt": [1, 2**70]}, "prompt"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 2**64},
+     "max_completion_tokens"),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 2**70}, "max_output_tokens"),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 10**6}, "max_output_tokens"),
+])
+def test_huge_integers_are_400(http, path, body, param):
+    err = bad(post(http, path, body))
+    assert param in (err["param"] or "") or param in err["message"]
+    alive(http)
+
+
+@pytest.mark.parametrize("path,body,status", [
+    ("/v1/completions", {"prompt": "Once \ud800 upon"}, 400),
+    ("/v1/completions", {"prompt": ["ok", "\udfff"]}, 400),
+    ("/tokenize", {"prompt": "x\ud800"}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud83d"}]}, 400),
+    ("/v1/completions", {"model": "\ud800", "prompt": "a"}, 400),
+    ("/v1/completions", {"prompt": "a", "\ud800": 1}, 400),
+])
+def test_lone_surrogates_are_400(http, path, body, status):
+    err = bad(post(http, path, body), status=status)
+    assert "surrogate" in err["message"]
+
+
+def test_unknown_model_404_is_openai_format(http, client):
+    err = bad(post(http, "/v1/completions", {"model": "gpt-17", "prompt": "a"}), "model", 404)
+    assert err["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("input_", [
+    [{"role": "user", "content": 5}],
+    [{"role": "user", "content": [{"type": "input_text", "text": 5}]}],
+    [{"role": "user", "content": [5]}],
+    [{"type": "function_call", "name": 3, "arguments": {}, "call_id": "c"}],
+    [{"role": "robot", "content": "hi"}],
+])
+def test_responses_input_of_the_wrong_type_is_400(http, input_):
+    bad(post(http, "/v1/responses", {"input": input_}), "input")
+
+
+def test_whole_request_is_validated_before_anything_is_sent():
+    """n=2 with a seed that fits choice 0 but not choice 1: nothing reaches the engine."""
+    from rankserve.runtime.serve import openai_api
+    from rankserve.runtime.serve.protocol import APIError, CompletionRequest
+    from test_server_unit import make_ctx
+    import transformers
+    tok = transformers.AutoTokenizer.from_pretrained(
+        Path(__file__).resolve().parents[1] / "models" / "default" / "stories260K")
+    ctx = make_ctx(tok, reasoning_parser=None, tool_call_parser=None,
+                   enable_auto_tool_choice=False)
+    ctx.client.model_info = {"vocab_size": 512, "max_model_len": 256}
+    for body in ({"prompt": ["Once", "upon"], "n": 2, "seed": 2**63 - 1},
+                 {"prompt": [[1, 2], [1, 600]]},
+                 {"prompt": ["Once", "word " * 300]},
+                 {"prompt": ["Once"] * 3, "n": 128}):
+        with pytest.raises(APIError):
+            asyncio.run(openai_api.create_completion(ctx, CompletionRequest(**body)))
+        assert ctx.client.sent == [], body
+
+
+# ---- defect 7: nothing silently ignored ---------------------------------------------------------
+@pytest.mark.parametrize("field,value", [
+    ("structured_outputs", {"json": {}}), ("guided_json", {"type": "object"}),
+    ("guided_regex", "a+"), ("guided_choice", ["a", "b"]), ("guided_grammar", "root ::= a"),
+    ("guided_decoding_backend", "xgrammar"), ("allowed_token_ids", [1, 2]),
+    ("bad_words", ["Lily"]), ("use_beam_search", True), ("logit_bias", {"5": 1.0}),
+    ("frobnicate", 1),
+])
+def test_unimplemented_fields_are_400(http, field, value):
+    for path, body in (("/v1/completions", {"prompt": "a"}),
+                       ("/v1/chat/completions", {"messages": CHAT})):
+        bad(post(http, path, {**body, field: value}), field)
+
+
+def test_unimplemented_fields_with_noop_values_pass(http):
+    r = post(http, "/v1/completions", {"prompt": "Once", "max_tokens": 2,
+                                       "use_beam_search": False, "bad_words": []})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema"}},
+     "response_format"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}},
+     "response_format"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": TOOLS, "tool_choice": "none",
+                              "parallel_tool_calls": False, "tool_choice_x": 1}, "tool_choice_x"),
+    ("/v1/responses", {"input": "hi", "store": True}, "store"),
+    ("/v1/responses", {"input": "hi", "background": True}, "background"),
+    ("/v1/chat/completions", {"messages": CHAT, "reasoning_effort": "extreme"},
+     "reasoning_effort"),
+])
+def test_other_unimplemented_values_are_400(http, path, body, param):
+    bad(post(http, path, body), param)
+
+
+def test_parallel_tool_calls_false_is_400(server):
+    """Needs tools turned on: checked through the request model (stories has no tool parser)."""
+    from rankserve.runtime.serve.protocol import APIError, ChatCompletionRequest
+    req = ChatCompletionRequest(messages=CHAT, tools=TOOLS, parallel_tool_calls=False)
+    with pytest.raises(APIError) as e:
+        req.check_unsupported()
+    assert e.value.param == "parallel_tool_calls"
+
+
+def test_prompt_logprobs(client, http):
+    prompt = "Lily saw a big red ball in the park"
+    ids = post(http, "/tokenize", {"prompt": prompt}).json()["tokens"]
+    r = post(http, "/v1/completions", {"prompt": prompt, "max_tokens": 2,
+                                       "prompt_logprobs": 2}).json()
+    plp = r["choices"][0]["prompt_logprobs"]
+    assert len(plp) == len(ids) and plp[0] is None
+    for tid, entry in zip(ids[1:], plp[1:]):
+        assert str(tid) in entry and 1 <= len(entry) <= 3
+        assert {"logprob", "rank", "decoded_token"} <= set(entry[str(tid)])
+    r = post(http, "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}],
+                                            "max_tokens": 2, "prompt_logprobs": 0}).json()
+    assert r["prompt_logprobs"][0] is None and len(r["prompt_logprobs"]) > 1
+    # streamed: on the first chunk of the choice
+    with client.completions.create(model="stories260K", prompt=prompt + " again", max_tokens=3,
+                                   stream=True, extra_body={"prompt_logprobs": 1}) as s:
+        chunks = [c.model_dump() for c in s]
+    assert chunks[0]["choices"][0]["prompt_logprobs"][0] is None
+
+
+def test_return_token_ids(client, http):
+    ids = post(http, "/tokenize", {"prompt": "Once upon a time"}).json()["tokens"]
+    r = client.completions.create(model="stories260K", prompt="Once upon a time", max_tokens=5,
+                                  temperature=0, extra_body={"return_token_ids": True})
+    c = r.choices[0].model_dump()
+    assert c["prompt_token_ids"] == ids and len(c["token_ids"]) == r.usage.completion_tokens
+    r = post(http, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 4,
+                                            "return_token_ids": True}).json()
+    assert len(r["prompt_token_ids"]) == r["usage"]["prompt_tokens"]
+    assert len(r["choices"][0]["token_ids"]) == r["usage"]["completion_tokens"]
+    with client.completions.create(model="stories260K", prompt="Once upon a time", max_tokens=5,
+                                   stream=True, extra_body={"return_token_ids": True}) as s:
+        chunks = [c.model_dump()["choices"] for c in s]
+    streamed = [t for ch in chunks for c in ch for t in c["token_ids"]]
+    assert chunks[0][0]["prompt_token_ids"] == ids and len(streamed) == 5
+
+
+def test_truncate_prompt_tokens(client):
+    r = client.completions.create(model="stories260K", prompt="word " * 400, max_tokens=2,
+                                  extra_body={"truncate_prompt_tokens": 10})
+    assert r.usage.prompt_tokens == 10
+
+
+def test_chat_template_per_request_and_flag(http):
+    r = post(http, "/v1/chat/completions/render", {"messages": CHAT}).json()
+    assert r["prompt"].strip() == "Once upon a time"  # the --chat-template flag
+    r = post(http, "/v1/chat/completions/render",
+             {"messages": CHAT, "chat_template": "Lily {{ messages[0]['content'] }}"}).json()
+    assert r["prompt"].strip() == "Lily Once upon a time"
+    bad(post(http, "/v1/chat/completions/render",
+             {"messages": CHAT, "chat_template": "{% if %}"}), "messages")
+
+
+def test_chat_template_flag_value():
+    from rankserve.runtime.render import load_chat_template
+    assert load_chat_template(TEMPLATE) == TEMPLATE
+    with pytest.raises(ValueError, match="file path"):
+        load_chat_template("/no/such/template.jinja")
+
+
+def test_chat_echo(client):
+    msgs = CHAT + [{"role": "assistant", "content": "Lily"}]
+    kw = dict(model="stories260K", messages=msgs, max_tokens=3, temperature=0,
+              extra_body={"echo": True, "continue_final_message": True,
+                          "add_generation_prompt": False})
+    r = client.chat.completions.create(**kw)
+    assert r.choices[0].message.content.startswith("Lily")
+    with client.chat.completions.create(**kw, stream=True) as s:
+        text = "".join(c.choices[0].delta.content or "" for c in s if c.choices)
+    assert text == r.choices[0].message.content
+
+
+# ---- defect 8: semantics ------------------------------------------------------------------------
+def test_max_tokens_beyond_the_context_is_400(http):
+    err = bad(post(http, "/v1/completions", {"prompt": "Once", "max_tokens": 10_000}),
+              "max_tokens")
+    assert "context length" in err["message"]
+    bad(post(http, "/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 10_000}),
+        "max_completion_tokens")
+
+
+def test_streamed_logprobs_stay_in_line_with_held_back_text(client):
+    kw = dict(model="stories260K", prompt="Once upon a time", max_tokens=40, temperature=0,
+              logprobs=1, stop=["in the park"])
+    whole = client.completions.create(**kw).choices[0]
+    with client.completions.create(**kw, stream=True) as s:
+        chunks = [c.choices[0] for c in s if c.choices]
+    text, tokens, offsets = "", [], []
+    for c in chunks:
+        text += c.text
+        lp = c.logprobs
+        if lp and lp.tokens:
+            if c.finish_reason is None:  # a chunk's tokens never run ahead of its text
+                assert lp.text_offset[-1] + len(lp.tokens[-1]) <= len(text)
+            tokens += lp.tokens
+            offsets += lp.text_offset
+    assert text == whole.text and whole.finish_reason == "stop"
+    assert tokens == whole.logprobs.tokens and offsets == whole.logprobs.text_offset
+
+
+def test_include_usage_is_null_until_the_last_chunk(http):
+    for path, body in (("/v1/completions", {"prompt": "Once"}),
+                       ("/v1/chat/completions", {"messages": CHAT})):
+        with http.stream("POST", path, json={**body, "max_tokens": 3, "stream": True,
+                                             "stream_options": {"include_usage": True}}) as r:
+            data = [json.loads(line[6:]) for line in r.iter_lines()
+                    if line.startswith("data: {")]
+        assert all("usage" in d and d["usage"] is None for d in data[:-1]), path
+        assert data[-1]["usage"]["completion_tokens"] == 3
+
+
+def test_anthropic_input_tokens_exclude_cached(claude):
+    text = STORIES_TEXT * 2
+    kw = dict(model="stories260K", max_tokens=2, messages=[{"role": "user", "content": text}])
+    first = claude.messages.create(**kw).usage
+    second = claude.messages.create(**kw).usage
+    assert second.cache_read_input_tokens > 0
+    assert second.input_tokens + second.cache_read_input_tokens == \
+        first.input_tokens + first.cache_read_input_tokens
+
+
+def test_parser_keeps_whitespace_content():
+    for tools, reasoning in (("hermes", None), (None, "qwen3"), ("hermes", "qwen3")):
+        for text in ("  Hi  ", "\n\n\n", " a\n"):
+            assert make_parser(None, tools, reasoning).parse([], text).content == text
+    # whitespace around markers is still layout, not content
+    msg = make_parser(None, "hermes", "qwen3").parse([], "<think>a</think>\n\nHi\n")
+    assert msg.reasoning == "a" and msg.content == "Hi\n"
+
+
+def test_stop_inside_a_tool_call_drops_the_partial_call():
+    cut = 'Sure.\n<tool_call>\n{"name": "get_weather", "argum'
+    p = make_parser(None, "hermes")
+    p.feed([], cut)
+    p.finish(truncated=True)
+    msg = p.result()
+    assert msg.content == "Sure." and msg.tool_calls == []
+    p = make_parser(None, "hermes")  # the model itself ended there: its text is given back
+    msg = p.parse([], cut)
+    assert "<tool_call>" in msg.content
+
+
+@pytest.mark.parametrize("schema", [{"type": "banana"}, {"properties": 3}, "string"])
+def test_invalid_tool_schemas_are_400(http, claude, schema):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    bad(post(http, "/v1/chat/completions", {"messages": CHAT, "tools": tools,
+                                            "tool_choice": "none"}),
+        "tools[0].function.parameters")
+    bad(post(http, "/v1/responses", {"input": "hi", "tool_choice": "none", "tools": [
+        {"type": "function", "name": "f", "parameters": schema}]}), "tools[0].parameters")
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model="stories260K", max_tokens=2, messages=CHAT,
+                               tools=[{"name": "f", "input_schema": schema}])
+    assert "input_schema" in str(e.value)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "a", "stream": "yes"}, "stream"),
+    ({"prompt": "a", "echo": 1}, "echo"),
+    ({"prompt": "a", "max_tokens": "many"}, "max_tokens"),
+    ({"prompt": "a", "stream": True, "stream_options": {"include_usage": "true"}},
+     "stream_options.include_usage"),
+    ({"max_tokens": 3}, "prompt"),
+])
+def test_validation_errors_name_the_field_and_booleans_are_strict(http, body, param):
+    bad(post(http, "/v1/completions", body), param)
+
+
+def test_anthropic_errors_use_anthropic_terms(server):
+    r = httpx.post(server.url + "/v1/messages", json={
+        "model": "stories260K", "max_tokens": 2, "messages": CHAT,
+        "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+        "tool_choice": {"type": "any"}})
+    assert r.status_code == 400
+    body = r.json()
+    assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
+    msg = body["error"]["message"]
+    assert '"any"' in msg and "required" not in msg and "function" not in msg
+    r = httpx.post(server.url + "/v1/messages", json={"model": "stories260K", "messages": CHAT})
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    assert "max_tokens" in r.json()["error"]["message"]
+
+
+def test_sequences_per_request_are_capped(http):
+    err = bad(post(http, "/v1/completions", {"prompt": ["a"] * 200, "n": 2, "max_tokens": 1}),
+              "n")
+    assert "256" in err["message"]
+
+
+def test_request_id_is_echoed(http):
+    r = http.post("/v1/completions", json={"prompt": "Once", "max_tokens": 1},
+                  headers={"X-Request-Id": "abc-123"})
+    assert r.headers["x-request-id"] == "abc-123"
+    r = http.post("/v1/completions", json={"prompt": 1})
+    assert r.status_code == 400 and r.headers.get("x-request-id")
+
+
+# ---- defect 9 -----------------------------------------------------------------------------------
+def test_models_retrieve(client):
+    assert client.models.retrieve("stories260K").id == "stories260K"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-17")
+    assert e.value.body["code"] == "model_not_found"
