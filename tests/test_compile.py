@@ -60,3 +60,28 @@ def test_runner_compiles_one_layer_graph_for_all_steps(checkpoint, arch):
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
     assert dynamo_utils.counters["stats"]["unique_graphs"] == 1  # and no step recompiled
     assert got == eager
+
+
+def level2_two_new_tokens_case(path: str):
+    """Runs in the Triton-interpreter worker, with paged attention routed through the Triton
+    kernel as on a GPU: a 10-token prompt on an 8-token budget ends with a chunk of 2 new tokens
+    after 8 cached, one request alone, which level 2 pads to T = B = 2 (issue 11). Greedy tokens
+    and their logprobs equal eager's."""
+    from rankserve import LLM, SamplingParams
+    from rankserve.kernels import attention as ref, triton_attention as ta
+    ref.paged_attention_ref = ta.paged_attention  # same signature
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
+    prompt = [{"prompt_token_ids": list(range(3, 13))}]
+    common = dict(max_num_seqs=2, max_num_batched_tokens=8, kv_cache_memory_gb=0.01)
+    runs = []
+    for kw in (dict(enforce_eager=True), dict(compilation_level=2)):
+        torch._dynamo.reset()
+        out = LLM(path, **common, **kw).generate(prompt, sp)[0].outputs[0]
+        runs.append((out.token_ids, [e.logprobs[0] for e in out.logprobs]))
+    (eager_ids, eager_lp), (got_ids, got_lp) = runs
+    assert got_ids == eager_ids
+    torch.testing.assert_close(torch.tensor(got_lp), torch.tensor(eager_lp), atol=1e-4, rtol=1e-4)
+
+
+def test_level2_one_request_two_new_tokens(checkpoint, interp):
+    interp(level2_two_new_tokens_case, checkpoint("Qwen3ForCausalLM"))

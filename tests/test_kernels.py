@@ -137,6 +137,17 @@ def test_decode_one_split(interp):
     interp(decode_one_split_case)
 
 
+def padded_prefill_case():
+    # the compiled path pads one request with 2 new tokens (after 5 cached) to two requests:
+    # T == B == 2, yet not a decode step (issue 11: the kernel took the decode path by shape)
+    batch = make_batch([2, 0], [7, 0], kv_heads=2, group=2, head_dim=16, block_size=16, seed=11)
+    check_attention(batch, 1e-5, 1e-5)
+
+
+def test_padded_prefill_is_not_decode(interp):
+    interp(padded_prefill_case)
+
+
 def make_qkv(T, H, KH, D, nb, bs, *, norm, dtype=torch.float32, device="cpu", seed=1):
     """Fused qkv rows, RoPE table, q/k norm weights, poisoned caches, slots with padding."""
     g = torch.Generator().manual_seed(seed)
