@@ -257,6 +257,9 @@ class AttnMeta:
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     block_table: torch.Tensor
+    # every request has at most one query token (and T == B): the split-KV decode kernel. A
+    # Python bool, so torch.compile guards on it: one graph per mode, no recompiles per step
+    is_decode: bool = False
 
 
 class Attention(nn.Module):
@@ -286,7 +289,7 @@ class Attention(nn.Module):
         eps = 0.0 if self.q_norm is None else self.q_norm.eps
         o = attention(qkv, positions, self.cos_sin, qn, kn, eps, self.k_cache, self.v_cache,
                       attn.slot_mapping, attn.query_start_loc, attn.seq_lens, attn.block_table,
-                      self.qkv_proj.num_heads, self.scale)
+                      self.qkv_proj.num_heads, self.scale, attn.is_decode)
         return self.o_proj(o), h
 
 

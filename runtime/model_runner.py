@@ -195,11 +195,12 @@ class ModelRunner:
     @torch.inference_mode()
     def warmup(self) -> None:
         """One mixed step per attention tile shape (mean query length >= 256, 16..255, < 16:
-        kernels/triton_attention.py), so that compilation (torch.compile at level 2, Triton
-        variants at every level) happens now and not under the first requests. Padding slots
-        write nothing; the KV cache is read but left as it is."""
+        kernels/triton_attention.py) and one decode step (the other attention mode: a graph of
+        its own at level 2), so that compilation (torch.compile at level 2, Triton variants at
+        every level) happens now and not under the first requests. Padding slots write nothing;
+        the KV cache is read but left as it is."""
         budget = self.cfg.scheduler.max_num_batched_tokens
-        for q_len in (300, 20, 3):
+        for q_len in (300, 20, 3, 1):
             q_len = max(1, min(q_len, budget // 2, self.max_model_len - 1))
             T, B = 2 * q_len, 2
             # the persistent buffers, as in a real step (other tensors would guard differently)
@@ -210,7 +211,7 @@ class ModelRunner:
             self.buf_seq_lens[:B].fill_(q_len)
             self.buf_table[:B].zero_()
             attn = AttnMeta(self.buf_slots[:T], self.buf_qsl[:B + 1], self.buf_seq_lens[:B],
-                            self.buf_table[:B])
+                            self.buf_table[:B], is_decode=q_len == 1)
             hidden = None if self.buf_hidden is None else self.buf_hidden[:T]
             self.forward(self.buf_ids[:T], self.buf_pos[:T], attn, hidden)
         if self.device.type == "cuda":
@@ -226,7 +227,8 @@ class ModelRunner:
 
     def _run_compiled(self, inp: StepInputs, hidden_in: torch.Tensor | None) -> torch.Tensor:
         """The compiled forward, with the token and request counts padded to at least 2: a size
-        of 1 would be specialised by torch.compile and cost a second compilation."""
+        of 1 would be specialised by torch.compile and cost a second compilation. The padding
+        request has no query, so the step keeps its attention mode (T == B says nothing)."""
         T, B = inp.input_ids.shape[0], inp.attn.seq_lens.shape[0]
         if T >= 2 and B >= 2:
             return self.forward(inp.input_ids, inp.positions, inp.attn, hidden_in)
@@ -240,7 +242,7 @@ class ModelRunner:
             self.buf_hidden[:T].copy_(hidden_in)
             hidden_in = self.buf_hidden[:T2]
         attn = AttnMeta(self.buf_slots[:T2], self.buf_qsl[:B2 + 1], self.buf_seq_lens[:B2],
-                        self.buf_table[:B2])
+                        self.buf_table[:B2], is_decode=inp.attn.is_decode)
         return self.forward(self.buf_ids[:T2], self.buf_pos[:T2], attn, hidden_in)[:T]
 
     @torch.inference_mode()
@@ -269,14 +271,14 @@ class ModelRunner:
 
     def _graph_args(self, bs: int):
         attn = AttnMeta(self.buf_slots[:bs], self.buf_qsl[:bs + 1], self.buf_seq_lens[:bs],
-                        self.buf_table[:bs])
+                        self.buf_table[:bs], is_decode=True)
         hidden = None if self.buf_hidden is None else self.buf_hidden[:bs]
         return self.buf_ids[:bs], self.buf_pos[:bs], attn, hidden
 
     def _run_graph(self, inp: StepInputs, hidden_in: torch.Tensor | None) -> torch.Tensor | None:
         """Replay the smallest captured graph that fits a decode-only step, else None."""
         B, T = inp.attn.seq_lens.shape[0], inp.input_ids.shape[0]
-        if not self.graphs or T != B:
+        if not self.graphs or not inp.attn.is_decode:  # graphs are captured in decode mode only
             return None
         bs = next((s for s in sorted(self.graphs) if s >= B), None)
         if bs is None:
@@ -360,7 +362,8 @@ class ModelRunner:
         width = int(-(-seq_lens.max() // self.block_size)) if B else 0
         self.stage(self.block_table[rows, :width], self.buf_table[:B, :width])
         attn = AttnMeta(put(slots, self.buf_slots), put(cu.astype(np.int32), self.buf_qsl),
-                        put(seq_lens.astype(np.int32), self.buf_seq_lens), self.buf_table[:B])
+                        put(seq_lens.astype(np.int32), self.buf_seq_lens), self.buf_table[:B],
+                        is_decode=B > 0 and int(counts.max()) == 1)  # the plan decides the mode
         ids = put(input_ids, self.buf_ids)
         if len(placeholder):
             src = np.array([self.prev_index[req_ids[i]] for i in req_of_tok[placeholder]])

@@ -42,9 +42,9 @@ def test_fullgraph_compile_matches_eager(checkpoint):
 
 @pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen3MoeForCausalLM"])
 def test_runner_compiles_one_layer_graph_for_all_steps(checkpoint, arch):
-    """Level 2 through the engine: every layer shares one compiled graph (the start-up warm-up
-    compiles it), and prefill, chunked, mixed and decode steps of any size reuse it with no
-    recompilation; greedy tokens equal eager."""
+    """Level 2 through the engine: every layer shares one compiled graph per attention mode
+    (mixed, decode; the start-up warm-up compiles both), and prefill, chunked, mixed and decode
+    steps of any size reuse them with no recompilation; greedy tokens equal eager."""
     import torch._dynamo.utils as dynamo_utils
 
     from rankserve import LLM, SamplingParams
@@ -56,9 +56,9 @@ def test_runner_compiles_one_layer_graph_for_all_steps(checkpoint, arch):
     torch._dynamo.reset()
     dynamo_utils.counters.clear()
     llm = LLM(path, compilation_level=2, **common)
-    assert dynamo_utils.counters["stats"]["unique_graphs"] == 1  # 3 layers, one compilation
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 2  # 3 layers, one per mode
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
-    assert dynamo_utils.counters["stats"]["unique_graphs"] == 1  # and no step recompiled
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 2  # and no step recompiled
     assert got == eager
 
 
