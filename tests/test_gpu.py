@@ -27,7 +27,7 @@ def test_graphs_match_eager(checkpoint, model, level):
     common = dict(dtype="float32", max_num_seqs=16, gpu_memory_utilization=0.3)
     eager = greedy(LLM(path, enforce_eager=True, **common))
     fast_llm = LLM(path, compilation_level=level, **common)
-    assert fast_llm.engine.executor.runner.graphs, "no CUDA graph was captured"
+    assert fast_llm.engine.executor.runner.compiled_model.graphs, "no CUDA graph was captured"
     assert greedy(fast_llm) == eager
     if model == "stories":
         out = fast_llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=40))
