@@ -69,15 +69,18 @@ def level2_two_new_tokens_case(path: str):
     and their logprobs equal eager's."""
     from rankserve import LLM, SamplingParams
     from rankserve.kernels import attention as ref, triton_attention as ta
-    ref.paged_attention_ref = ta.paged_attention  # same signature
     sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
     prompt = [{"prompt_token_ids": list(range(3, 13))}]
     common = dict(max_num_seqs=2, max_num_batched_tokens=8, kv_cache_memory_gb=0.01)
     runs = []
-    for kw in (dict(enforce_eager=True), dict(compilation_level=2)):
-        torch._dynamo.reset()
-        out = LLM(path, **common, **kw).generate(prompt, sp)[0].outputs[0]
-        runs.append((out.token_ids, [e.logprobs[0] for e in out.logprobs]))
+    torch_ref, ref.paged_attention_ref = ref.paged_attention_ref, ta.paged_attention  # same signature
+    try:
+        for kw in (dict(enforce_eager=True), dict(compilation_level=2)):
+            torch._dynamo.reset()
+            out = LLM(path, **common, **kw).generate(prompt, sp)[0].outputs[0]
+            runs.append((out.token_ids, [e.logprobs[0] for e in out.logprobs]))
+    finally:
+        ref.paged_attention_ref = torch_ref
     (eager_ids, eager_lp), (got_ids, got_lp) = runs
     assert got_ids == eager_ids
     torch.testing.assert_close(torch.tensor(got_lp), torch.tensor(eager_lp), atol=1e-4, rtol=1e-4)
