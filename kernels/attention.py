@@ -14,6 +14,9 @@ Layout (shared by the KV-cache allocator, the model runner and the kernels):
       q[query_start_loc[i]:query_start_loc[i+1]])
   seq_lens: int32 [B], context length of request i *including* this step's tokens
   block_table: int32 [B, max_blocks]
+  is_decode: the caller's promise that every request has at most one query token and T == B
+      (padding requests have none); it selects the split-KV decode kernel. Decided by the model
+      runner from the plan, never from shapes: padding can make T == B in a prefill step.
 Query token j of request i sits at position seq_lens[i] - q_len_i + j and attends causally to
 every cached or new key up to that position. Rows past query_start_loc[-1] are padding: 0.
 
@@ -46,14 +49,19 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                        block_table: torch.Tensor, scale: float) -> torch.Tensor:
-    """Plain-torch reference (caches already hold this step's keys and values)."""
+                        block_table: torch.Tensor, scale: float, *, is_decode: bool = False
+                        ) -> torch.Tensor:
+    """Plain-torch reference (caches already hold this step's keys and values). Any mode
+    computes the same; `is_decode` is only checked, so the CPU path enforces the kernel contract."""
     out = torch.zeros_like(q)
     block_size = k_cache.shape[1]
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
+    if is_decode:
+        assert q.shape[0] == len(lens) and all(b - a <= 1 for a, b in zip(qsl, qsl[1:])), \
+            "decode attention needs at most one query token per request and T == B"
     for i, seq_len in enumerate(lens):
         start, end = qsl[i], qsl[i + 1]
         q_len = end - start
@@ -95,23 +103,24 @@ def attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
               q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
               k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
               query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-              num_heads: int, scale: float) -> torch.Tensor:
+              num_heads: int, scale: float, is_decode: bool) -> torch.Tensor:
     """qkv projection -> attention output [T, num_heads * head_dim] (see module doc)."""
     T = qkv.shape[0]
     if qkv.is_cuda:
         from . import triton_attention as ta
         q = ta.prepare_qkv(qkv, positions, cos_sin, q_norm, k_norm, eps, k_cache, v_cache,
                            slot_mapping, num_heads)
-        out = ta.paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale)
+        out = ta.paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
+                                 scale, is_decode=is_decode)
     else:
         q = prepare_qkv_ref(qkv, positions, cos_sin, q_norm, k_norm, eps, k_cache, v_cache,
                             slot_mapping, num_heads)
         out = paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
-                                  scale)
+                                  scale, is_decode=is_decode)
     return out.view(T, -1)
 
 
 @attention.register_fake
 def _(qkv, positions, cos_sin, q_norm, k_norm, eps, k_cache, v_cache, slot_mapping,
-      query_start_loc, seq_lens, block_table, num_heads, scale):
+      query_start_loc, seq_lens, block_table, num_heads, scale, is_decode):
     return qkv.new_empty(qkv.shape[0], num_heads * k_cache.shape[3])

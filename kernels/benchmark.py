@@ -85,7 +85,7 @@ def bench_decode(ceil, quick):
     for ctx in ([1024, 8192] if quick else [1024, 2048, 4096, 8192]):
         for B in ([1, 64, 256] if quick else [1, 4, 16, 64, 128, 256]):
             args = attention_inputs([1] * B, [ctx] * B)
-            fn = lambda: ta.paged_attention(*args, D ** -0.5)  # noqa: E731
+            fn = lambda: ta.paged_attention(*args, D ** -0.5, is_decode=True)  # noqa: E731
             nbytes = 2 * B * ctx * KH * D * 2 + 2 * B * H * D * 2  # K+V read, q read, out write
             flops = 4 * B * ctx * H * D
             rows.append(row("decode_attention", f"B={B} ctx={ctx}", fn, nbytes, flops, ceil))
@@ -99,13 +99,13 @@ def bench_prefill(ceil, quick):
         [(1, 1024), (1, 2048), (1, 4096), (1, 8192), (8, 1024), (4, 4096)]
     for B, L in cases:
         args = attention_inputs([L] * B, [L] * B)
-        fn = lambda: ta.paged_attention(*args, D ** -0.5)  # noqa: E731
+        fn = lambda: ta.paged_attention(*args, D ** -0.5, is_decode=False)  # noqa: E731
         flops = 4 * B * H * D * L * (L + 1) / 2  # causal: QK^T and PV over the lower triangle
         nbytes = B * L * (2 * H + 2 * KH) * D * 2  # q, out, k, v once each (lower bound)
         rows.append(row("prefill_attention", f"B={B} L={L}", fn, nbytes, flops, ceil))
     # chunked prefill: 2048 new tokens after 6144 cached, mixed with 64 decodes at 4k
     args = attention_inputs([2048] + [1] * 64, [8192] + [4096] * 64)
-    fn = lambda: ta.paged_attention(*args, D ** -0.5)  # noqa: E731
+    fn = lambda: ta.paged_attention(*args, D ** -0.5, is_decode=False)  # noqa: E731
     flops = 4 * H * D * (2048 * (6144 + 1024.5) + 64 * 4096)
     nbytes = (8192 + 64 * 4096) * 2 * KH * D * 2
     rows.append(row("mixed_attention", "chunk 2048@8k + 64 decodes@4k", fn, nbytes, flops, ceil))

@@ -3,7 +3,7 @@
 - `prepare_qkv`: q/k RMSNorm (Qwen3) + RoPE on the fused qkv rows, q to a buffer, k/v scattered
   into their cache slots (slot -1 = padding, skipped), in one launch.
 - `paged_attention`: one unified kernel for any mix of prefill, chunked prefill, prefix extension
-  and decode; decode-only batches (`q.shape[0] == seq_lens.shape[0]`) take a split-KV
+  and decode; decode-only batches (`is_decode`, decided by the caller) take a split-KV
   (flash-decoding) path instead, so that small batches with long contexts fill the GPU.
 
 Every grid size is a function of tensor shapes only and nothing is read back to the host, so both
@@ -373,11 +373,12 @@ def _num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int,
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                    block_table: torch.Tensor, scale: float) -> torch.Tensor:
+                    block_table: torch.Tensor, scale: float, *, is_decode: bool
+                    ) -> torch.Tensor:
     """q: [T, H, D]; caches [num_blocks, block_size, KH, D] (already holding this step's k/v).
 
-    Decode-only batches are detected by shape (T == B); the caller then guarantees that every
-    request has at most one query token (padding requests have none).
+    `is_decode`: the caller guarantees that every request has at most one query token (padding
+    requests have none) and T == B. Never inferred from T == B: a padded prefill has that shape.
     """
     T, H, D = q.shape
     B = seq_lens.shape[0]
@@ -395,7 +396,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     common = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0))
 
-    if T == B:
+    if is_decode:
+        assert T == B, f"decode attention needs one query row per request (T={T}, B={B})"
         block_n = 64 if on_gpu else 16
         max_context = block_table.shape[1] * block_size
         splits = _num_splits(B, KH, max_context, block_n, q.device)

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..kernels.attention import attention, rms_norm
-from ..kernels.gemv import add_rms_norm_linear, silu_mul_linear, skinny_linear
+from ..kernels.gemv import silu_mul_linear, skinny_linear
 
 
 @dataclass
@@ -105,12 +105,6 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return skinny_linear(x, self.weight, self.bias)
-
-    def add_norm_forward(self, h: torch.Tensor, delta: torch.Tensor, norm: "RMSNorm"
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(h + delta) W^T, h + delta): the residual add and the norm ride in the GEMM's
-        prologue at decode sizes (kernels/gemv.py)."""
-        return add_rms_norm_linear(h, delta, norm.weight, norm.eps, self.weight, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -257,6 +251,9 @@ class AttnMeta:
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     block_table: torch.Tensor
+    # every request has at most one query token (and T == B): the split-KV decode kernel. A
+    # Python bool, so torch.compile guards on it: one graph per mode, no recompiles per step
+    is_decode: bool = False
 
 
 class Attention(nn.Module):
@@ -278,16 +275,22 @@ class Attention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def forward(self, h: torch.Tensor, delta: torch.Tensor, norm: RMSNorm, positions: torch.Tensor,
-                attn: AttnMeta) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pre-norm block on the residual stream h + delta: (attn(norm(h + delta)), h + delta)."""
-        qkv, h = self.qkv_proj.add_norm_forward(h, delta, norm)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttnMeta) -> torch.Tensor:
+        return self.from_in_proj(self.qkv_proj(x), positions, attn)
+
+    @property
+    def in_proj(self) -> ColumnParallelLinear:
+        """The first GEMM, for the fused residual path (models/fused.py)."""
+        return self.qkv_proj
+
+    def from_in_proj(self, qkv: torch.Tensor, positions: torch.Tensor, attn: AttnMeta
+                     ) -> torch.Tensor:
         qn, kn = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
         eps = 0.0 if self.q_norm is None else self.q_norm.eps
         o = attention(qkv, positions, self.cos_sin, qn, kn, eps, self.k_cache, self.v_cache,
                       attn.slot_mapping, attn.query_start_loc, attn.seq_lens, attn.block_table,
-                      self.qkv_proj.num_heads, self.scale)
-        return self.o_proj(o), h
+                      self.qkv_proj.num_heads, self.scale, attn.is_decode)
+        return self.o_proj(o)
 
 
 class GatedMLP(nn.Module):
@@ -298,8 +301,13 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(hidden, [intermediate, intermediate], bias, pi, dtype)
         self.down_proj = RowParallelLinear(intermediate, hidden, bias, pi, dtype)
 
-    def forward(self, h: torch.Tensor, delta: torch.Tensor, norm: RMSNorm
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pre-norm block on the residual stream h + delta: (mlp(norm(h + delta)), h + delta)."""
-        gu, h = self.gate_up_proj.add_norm_forward(h, delta, norm)
-        return self.down_proj.silu_mul_forward(gu), h
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.from_in_proj(self.gate_up_proj(x))
+
+    @property
+    def in_proj(self) -> ColumnParallelLinear:
+        """The first GEMM, for the fused residual path (models/fused.py)."""
+        return self.gate_up_proj
+
+    def from_in_proj(self, gu: torch.Tensor) -> torch.Tensor:
+        return self.down_proj.silu_mul_forward(gu)

@@ -3,12 +3,16 @@
 Written for torch.compile(fullgraph=True): no data-dependent Python control flow, the token
 dimension is the only dynamic one. Parameter names follow the HF checkpoints, with q/k/v and
 gate/up fused (see `STACKED`). Pipeline parallelism builds only this stage's layers.
+
+The blocks are plain pre-norm blocks; the family opts in to the fused residual/norm fast path
+(models/fused.py), which runs the same blocks on a (h, delta) residual stream.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
+from .fused import FusedResidualDecoder, FusedResidualLayer
 from .layers import (
     Attention, AttnMeta, GatedMLP, ParallelInfo, ParallelLMHead, RMSNorm, VocabParallelEmbedding)
 from .registry import Registry
@@ -50,15 +54,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, h: torch.Tensor, delta: torch.Tensor, positions: torch.Tensor,
-                attn: AttnMeta) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h, delta) -> (h', delta'): the residual stream is h + delta. Each block adds the
-        previous block's output itself, so that the add fuses with its norm (and, at decode
-        sizes, with its first GEMM: kernels/gemv.py) also when each layer is compiled on its own
-        (the runner compiles layers, not the model: one compilation serves all of them)."""
-        a, h = self.self_attn(h, delta, self.input_layernorm, positions, attn)
-        y, h = self.mlp(h, a, self.post_attention_layernorm)
-        return h, y
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttnMeta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Decoder(nn.Module):
@@ -74,23 +72,34 @@ class Decoder(nn.Module):
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, input_ids, positions, attn, hidden_states=None):
-        h = self.embed_tokens(input_ids) if self.pi.is_first_stage else hidden_states
-        delta = torch.zeros_like(h)  # h + 0 is exact: the first layer sees h unchanged
+        x = self.embed_tokens(input_ids) if self.pi.is_first_stage else hidden_states
         for layer in self.layers.values():
-            h, delta = layer(h, delta, positions, attn)
-        h = h + delta
-        return self.norm(h) if self.pi.is_last_stage else h
+            x = layer(x, positions, attn)
+        return self.norm(x) if self.pi.is_last_stage else x
+
+
+class FusedDecoderLayer(FusedResidualLayer, DecoderLayer):
+    """DecoderLayer on the fused residual stream (models/fused.py)."""
+
+
+class FusedDecoder(FusedResidualDecoder, Decoder):
+    """Decoder threading the fused residual stream (models/fused.py)."""
 
 
 @MODELS.register("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 class CausalLM(nn.Module):
+    # Opt in to the fused residual/norm fast path (models/fused.py); same outputs as the plain
+    # blocks above, fewer kernels per layer. The MoE families inherit it.
+    fused_residual = True
+
     def __init__(self, cfg, pi: ParallelInfo, dtype: torch.dtype):
         super().__init__()
         self.cfg, self.pi = cfg, pi
         arch = cfg.architectures[0]
         qkv_bias = arch == "Qwen2ForCausalLM" or bool(getattr(cfg, "attention_bias", False))
         qk_norm = arch.startswith("Qwen3")
-        self.model = Decoder(cfg, pi, dtype, lambda i: DecoderLayer(
+        decoder, layer = (FusedDecoder, FusedDecoderLayer) if self.fused_residual else (Decoder, DecoderLayer)
+        self.model = decoder(cfg, pi, dtype, lambda i: layer(
             cfg, i, pi, dtype, self.make_mlp(cfg, i, pi, dtype), qkv_bias, qk_norm))
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
         if pi.is_last_stage:

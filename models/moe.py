@@ -59,13 +59,7 @@ class SparseMoE(nn.Module):
         self.gate.weight.requires_grad_(False)
         self.experts = FusedExperts(num_experts, hidden, intermediate, pi, dtype)
 
-    def forward(self, h: torch.Tensor, delta: torch.Tensor, norm: nn.Module
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pre-norm block, like GatedMLP: (moe(norm(h + delta)), h + delta)."""
-        h = h + delta
-        return self._moe(norm(h)), h
-
-    def _moe(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = F.softmax(self.gate(x).float(), dim=-1)
         weights, ids = probs.topk(self.top_k, dim=-1)
         if self.renormalize:

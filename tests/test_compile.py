@@ -42,9 +42,9 @@ def test_fullgraph_compile_matches_eager(checkpoint):
 
 @pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen3MoeForCausalLM"])
 def test_runner_compiles_one_layer_graph_for_all_steps(checkpoint, arch):
-    """Level 2 through the engine: every layer shares one compiled graph (the start-up warm-up
-    compiles it), and prefill, chunked, mixed and decode steps of any size reuse it with no
-    recompilation; greedy tokens equal eager."""
+    """Level 2 through the engine: every layer shares one compiled graph per attention mode
+    (mixed, decode; the start-up warm-up compiles both), and prefill, chunked, mixed and decode
+    steps of any size reuse them with no recompilation; greedy tokens equal eager."""
     import torch._dynamo.utils as dynamo_utils
 
     from rankserve import LLM, SamplingParams
@@ -56,7 +56,35 @@ def test_runner_compiles_one_layer_graph_for_all_steps(checkpoint, arch):
     torch._dynamo.reset()
     dynamo_utils.counters.clear()
     llm = LLM(path, compilation_level=2, **common)
-    assert dynamo_utils.counters["stats"]["unique_graphs"] == 1  # 3 layers, one compilation
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 2  # 3 layers, one per mode
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
-    assert dynamo_utils.counters["stats"]["unique_graphs"] == 1  # and no step recompiled
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 2  # and no step recompiled
     assert got == eager
+
+
+def level2_two_new_tokens_case(path: str):
+    """Runs in the Triton-interpreter worker, with paged attention routed through the Triton
+    kernel as on a GPU: a 10-token prompt on an 8-token budget ends with a chunk of 2 new tokens
+    after 8 cached, one request alone, which level 2 pads to T = B = 2 (issue 11). Greedy tokens
+    and their logprobs equal eager's."""
+    from rankserve import LLM, SamplingParams
+    from rankserve.kernels import attention as ref, triton_attention as ta
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
+    prompt = [{"prompt_token_ids": list(range(3, 13))}]
+    common = dict(max_num_seqs=2, max_num_batched_tokens=8, kv_cache_memory_gb=0.01)
+    runs = []
+    torch_ref, ref.paged_attention_ref = ref.paged_attention_ref, ta.paged_attention  # same signature
+    try:
+        for kw in (dict(enforce_eager=True), dict(compilation_level=2)):
+            torch._dynamo.reset()
+            out = LLM(path, **common, **kw).generate(prompt, sp)[0].outputs[0]
+            runs.append((out.token_ids, [e.logprobs[0] for e in out.logprobs]))
+    finally:
+        ref.paged_attention_ref = torch_ref
+    (eager_ids, eager_lp), (got_ids, got_lp) = runs
+    assert got_ids == eager_ids
+    torch.testing.assert_close(torch.tensor(got_lp), torch.tensor(eager_lp), atol=1e-4, rtol=1e-4)
+
+
+def test_level2_one_request_two_new_tokens(checkpoint, interp):
+    interp(level2_two_new_tokens_case, checkpoint("Qwen3ForCausalLM"))

@@ -27,7 +27,7 @@ def test_graphs_match_eager(checkpoint, model, level):
     common = dict(dtype="float32", max_num_seqs=16, gpu_memory_utilization=0.3)
     eager = greedy(LLM(path, enforce_eager=True, **common))
     fast_llm = LLM(path, compilation_level=level, **common)
-    assert fast_llm.engine.executor.runner.graphs, "no CUDA graph was captured"
+    assert fast_llm.engine.executor.runner.compiled_model.graphs, "no CUDA graph was captured"
     assert greedy(fast_llm) == eager
     if model == "stories":
         out = fast_llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=40))
@@ -41,3 +41,25 @@ def test_bf16_graphs_close_to_eager(checkpoint):
     b = greedy(LLM(path, **common), 8)
     same = sum(x[:4] == y[:4] for x, y in zip(a, b))
     assert same >= len(a) - 2  # bf16 rounding may flip a near-tie
+
+
+def test_level2_two_new_tokens_equal_eager(checkpoint):
+    """Issue 11: a request alone in a step with 2 new tokens after a prefix (the last chunk of an
+    18-token prompt on an 8-token budget; a prefix-cache hit of 16 tokens plus 2) is padded by
+    level 2 to T = B = 2 and must still run as a prefill, not as decode: tokens and logprobs
+    equal eager's."""
+    path = checkpoint("Qwen3ForCausalLM")
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    a = list(range(3, 21))
+    prompts = [a, a[:16] + [40, 41]]  # run one at a time: each step has one request
+    common = dict(dtype="float32", max_num_seqs=2, max_num_batched_tokens=8,
+                  gpu_memory_utilization=0.3)
+    runs = []
+    for kw in (dict(enforce_eager=True), dict(compilation_level=2)):
+        llm = LLM(path, **common, **kw)
+        outs = [llm.generate([{"prompt_token_ids": p}], sp)[0].outputs[0] for p in prompts]
+        runs.append([(o.token_ids, [e.logprobs[0] for e in o.logprobs]) for o in outs])
+        del llm
+    for (eager_ids, eager_lp), (got_ids, got_lp) in zip(*runs):
+        assert got_ids == eager_ids
+        torch.testing.assert_close(torch.tensor(got_lp), torch.tensor(eager_lp), atol=1e-3, rtol=1e-3)

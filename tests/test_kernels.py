@@ -66,9 +66,13 @@ def make_batch(q_lens, seq_lens, *, kv_heads, group, head_dim, block_size, pad_t
 def check_attention(batch, atol, rtol):
     q, k_cache, v_cache, qsl, seq_lens, block_table = batch
     scale = q.shape[-1] ** -0.5
+    # the model runner's rule: decode mode when no request has more than one query token
+    is_decode = int((qsl[1:] - qsl[:-1]).max()) <= 1
     with poisoned_empty_like():
-        out = ta.paged_attention(q, k_cache, v_cache, qsl, seq_lens, block_table, scale)
-    ref = paged_attention_ref(q, k_cache, v_cache, qsl, seq_lens, block_table, scale)
+        out = ta.paged_attention(q, k_cache, v_cache, qsl, seq_lens, block_table, scale,
+                                 is_decode=is_decode)
+    ref = paged_attention_ref(q, k_cache, v_cache, qsl, seq_lens, block_table, scale,
+                              is_decode=is_decode)
     n = int(qsl[-1])
     torch.testing.assert_close(out[:n].float(), ref[:n].float(), atol=atol, rtol=rtol)
     assert torch.all(out[n:] == 0), "padding rows must be zero"
@@ -135,6 +139,25 @@ def decode_one_split_case():
 
 def test_decode_one_split(interp):
     interp(decode_one_split_case)
+
+
+def padded_prefill_case():
+    # the compiled path pads one request with 2 new tokens (after 5 cached) to two requests:
+    # T == B == 2, yet not a decode step (issue 11: the kernel took the decode path by shape)
+    batch = make_batch([2, 0], [7, 0], kv_heads=2, group=2, head_dim=16, block_size=16, seed=11)
+    check_attention(batch, 1e-5, 1e-5)
+
+
+def test_padded_prefill_is_not_decode(interp):
+    interp(padded_prefill_case)
+
+
+def test_decode_contract_checked():
+    """The reference path refuses decode mode for a request with two query tokens."""
+    q, kc, vc, qsl, sl, bt = make_batch([2, 0], [7, 0], kv_heads=1, group=1, head_dim=8,
+                                        block_size=16)
+    with pytest.raises(AssertionError, match="one query token"):
+        paged_attention_ref(q, kc, vc, qsl, sl, bt, 1.0, is_decode=True)
 
 
 def make_qkv(T, H, KH, D, nb, bs, *, norm, dtype=torch.float32, device="cpu", seed=1):
@@ -318,7 +341,7 @@ def test_gpu_cuda_graph_capture(decode):
     positions = torch.zeros(T, dtype=torch.int64, device="cuda")
     slots = torch.full((T,), -1, dtype=torch.int64, device="cuda")
     op = lambda: torch.ops.rankserve.attention(  # noqa: E731
-        qkv, positions, cos_sin, None, None, 0.0, kc, vc, slots, qsl, sl, bt, H, 0.1)
+        qkv, positions, cos_sin, None, None, 0.0, kc, vc, slots, qsl, sl, bt, H, 0.1, decode)
     op()  # compile outside capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -47,3 +47,41 @@ def test_greedy_and_logits_match_transformers(checkpoint, arch):
             ref = hf(torch.tensor([p])).logits[0, -1]
         ours = model_logits(llm, p)
         torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen3MoeForCausalLM"])
+def test_plain_blocks_equal_fused(checkpoint, arch):
+    """The family built as plain blocks (`x = x + attn(norm(x)); x = x + mlp(norm(x))`, without
+    the fused residual stream of models/fused.py) gives the fast path's logits, step by step: two
+    prefills, then a chunk after a prefix beside a decode, then a decode step."""
+    from rankserve.models.layers import ParallelInfo
+    from rankserve.models.loader import load_hf_config, load_weights, model_class
+    path = checkpoint(arch)
+    cfg = load_hf_config(path)
+    fused_cls = model_class(cfg)
+    plain_cls = type("Plain" + fused_cls.__name__, (fused_cls,), {"fused_residual": False})
+    # (ids, positions, slots, query_start_loc, seq_lens, is_decode); request i owns block i
+    steps = [(torch.arange(3, 23), torch.cat([torch.arange(7), torch.arange(13)]),
+              torch.cat([torch.arange(7), 16 + torch.arange(13)]), [0, 7, 20], [7, 13], False),
+             (torch.tensor([40, 41, 42, 43]), torch.tensor([7, 8, 9, 13]),
+              torch.tensor([7, 8, 9, 29]), [0, 3, 4], [10, 14], False),
+             (torch.tensor([50, 51]), torch.tensor([10, 14]), torch.tensor([10, 30]), [0, 1, 2],
+              [11, 15], True)]
+    outs = []
+    for cls in (fused_cls, plain_cls):
+        model = cls(cfg, ParallelInfo(), torch.float32).eval()
+        assert model.model.layers["0"].__class__.__name__ == (
+            "FusedDecoderLayer" if cls is fused_cls else "DecoderLayer")
+        load_weights(model, path, progress=False)
+        for a in model.attention_layers():
+            a.k_cache = torch.zeros(4, 16, a.qkv_proj.num_kv_heads, a.head_dim)
+            a.v_cache = torch.zeros_like(a.k_cache)
+        logits = []
+        with torch.inference_mode():
+            for ids, pos, slots, qsl, lens, decode in steps:
+                attn = AttnMeta(slots, torch.tensor(qsl, dtype=torch.int32),
+                                torch.tensor(lens, dtype=torch.int32),
+                                torch.tensor([[0], [1]], dtype=torch.int32), is_decode=decode)
+                logits.append(model.compute_logits(model(ids, pos, attn)))
+        outs.append(torch.cat(logits))
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)

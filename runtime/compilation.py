@@ -1,0 +1,160 @@
+"""How a step's forward runs: a replayed CUDA graph (decode batches up to the largest captured
+size), the torch.compile'd decoder layers (level 2), or the eager model. Everything reads the
+input batch's persistent device buffers, so graphs captured once serve every step.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.nn as nn
+
+from ..models.layers import AttnMeta
+from .config import EngineConfig
+from .input_batch import InputBatch
+
+
+class CompiledModel:
+    def __init__(self, model: nn.Module, cfg: EngineConfig, batch: InputBatch, max_model_len: int,
+                 device: torch.device, show_progress: bool):
+        self.model, self.cfg, self.batch = model, cfg, batch
+        self.max_model_len = max_model_len
+        self.device = device
+        self.show_progress = show_progress
+        self.forward = model.forward
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.compiled = False
+
+    def compile(self) -> dict[str, float]:
+        """Level 2: torch.compile each decoder layer; level ≥ 1 on CUDA: capture decode CUDA
+        graphs. Compilation happens in `warmup`, before the capture. Returns phase timings."""
+        timings = {}
+        level = self.cfg.compilation.level(self.device.type)
+        self.compiled = level >= 2
+        if level >= 2:
+            cache = self.cfg.compilation.cache_dir
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache, "inductor"))
+            os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(cache, "triton"))
+            # one model per process, but tests build many: do not fall back to eager silently
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            # equal sizes (e.g. tokens == requests in a decode step) must not be merged into one
+            # symbol: the next step breaks the equality and would recompile
+            torch.fx.experimental._config.use_duck_shape = False
+            # Regional compilation: every decoder layer runs the same compiled code (parameters
+            # are graph inputs, so the guards hold for all layers): one compilation instead of
+            # one graph holding every layer cuts cold and warm start-up several times over.
+            for layer in self.model.model.layers.values():
+                layer.compile(fullgraph=True, dynamic=True)
+        if level >= 2 or self.device.type == "cuda":
+            t0 = time.perf_counter()
+            self.warmup()
+            timings["compile" if level >= 2 else "warmup"] = time.perf_counter() - t0
+        if level >= 1 and self.device.type == "cuda":
+            t0 = time.perf_counter()
+            self.capture_cuda_graphs()
+            timings["cuda_graphs"] = time.perf_counter() - t0
+        return timings
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """One mixed step per attention tile shape (mean query length >= 256, 16..255, < 16:
+        kernels/triton_attention.py) and one decode step (the other attention mode: a graph of
+        its own at level 2), so that compilation (torch.compile at level 2, Triton variants at
+        every level) happens now and not under the first requests. Padding slots write nothing;
+        the KV cache is read but left as it is."""
+        b = self.batch
+        budget = self.cfg.scheduler.max_num_batched_tokens
+        for q_len in (300, 20, 3, 1):
+            q_len = max(1, min(q_len, budget // 2, self.max_model_len - 1))
+            T, B = 2 * q_len, 2
+            # the persistent buffers, as in a real step (other tensors would guard differently)
+            b.ids[:T].zero_()
+            b.pos[:T].zero_()
+            b.slots[:T].fill_(-1)
+            b.qsl[:B + 1].copy_(torch.tensor([0, q_len, T]))
+            b.seq_lens[:B].fill_(q_len)
+            b.table[:B].zero_()
+            hidden = None if b.hidden is None else b.hidden[:T]
+            self.forward(b.ids[:T], b.pos[:T], b.attn(T, B, is_decode=q_len == 1), hidden)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnMeta,
+                 hidden_in: torch.Tensor | None) -> torch.Tensor:
+        """One step's forward; the inputs are prefixes of the input batch's buffers."""
+        hidden = self._run_graph(input_ids.shape[0], attn, hidden_in)
+        if hidden is not None:
+            return hidden
+        if self.compiled:
+            return self._run_compiled(input_ids, positions, attn, hidden_in)
+        return self.forward(input_ids, positions, attn, hidden_in)
+
+    def _run_compiled(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnMeta,
+                      hidden_in: torch.Tensor | None) -> torch.Tensor:
+        """The compiled forward, with the token and request counts padded to at least 2: a size
+        of 1 would be specialised by torch.compile and cost a second compilation. The padding
+        request has no query, so the step keeps its attention mode (T == B says nothing)."""
+        T, B = input_ids.shape[0], attn.seq_lens.shape[0]
+        if T >= 2 and B >= 2:
+            return self.forward(input_ids, positions, attn, hidden_in)
+        b = self.batch
+        T2, B2 = max(T, 2), max(B, 2)
+        b.pad(T, T2, B, B2)
+        if hidden_in is not None:
+            b.hidden[:T].copy_(hidden_in)
+            hidden_in = b.hidden[:T2]
+        attn = b.attn(T2, B2, attn.is_decode)
+        return self.forward(b.ids[:T2], b.pos[:T2], attn, hidden_in)[:T]
+
+    # ---- CUDA graphs ------------------------------------------------------------------------
+    def capture_sizes(self) -> list[int]:
+        c, s = self.cfg.compilation, self.cfg.scheduler
+        top = min(c.cuda_graph_max_bs or s.max_num_seqs, s.max_num_seqs, 512)
+        # compiled graphs never see a dimension of size 1 (see _run_compiled): start at 2
+        sizes = [n for n in [1, 2, 4] + list(range(8, 513, 8))
+                 if n <= max(top, 2) and not (self.compiled and n == 1)]
+        return sizes if max(top, 2 if self.compiled else 1) in sizes else sizes + [top]
+
+    @torch.inference_mode()
+    def capture_cuda_graphs(self) -> None:
+        """One graph per padded decode batch size; padding requests have no query and no
+        context, padding tokens write to slot -1 (nowhere)."""
+        from tqdm import tqdm
+        b = self.batch
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        sizes = sorted(self.capture_sizes(), reverse=True)
+        for bs in tqdm(sizes, desc="Capturing CUDA graphs", disable=not self.show_progress):
+            b.slots[:bs].fill_(-1)
+            b.qsl[:bs + 1].copy_(torch.arange(bs + 1, device=self.device))
+            b.seq_lens[:bs].fill_(1)
+            hidden = None if b.hidden is None else b.hidden[:bs]
+            args = (b.ids[:bs], b.pos[:bs], b.attn(bs, bs, is_decode=True), hidden)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # compile for this size / warm up outside the capture
+                    self.forward(*args)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                out = self.forward(*args)
+            self.graphs[bs] = (graph, out)
+        torch.cuda.synchronize()
+
+    def _run_graph(self, T: int, attn: AttnMeta, hidden_in: torch.Tensor | None
+                   ) -> torch.Tensor | None:
+        """Replay the smallest captured graph that fits a decode-only step, else None."""
+        B = attn.seq_lens.shape[0]
+        if not self.graphs or not attn.is_decode:  # graphs are captured in decode mode only
+            return None
+        bs = next((s for s in sorted(self.graphs) if s >= B), None)
+        if bs is None:
+            return None
+        b = self.batch
+        b.pad(T, bs, B, bs)  # T == B
+        if hidden_in is not None:
+            b.hidden[:B].copy_(hidden_in)
+        graph, out = self.graphs[bs]
+        graph.replay()
+        return out[:B]

@@ -1,0 +1,86 @@
+"""Builds a step's `SamplingMetadata` from per-row sampling parameters, set once when a request
+joins the batch, so that a step's metadata is a vectorised gather (plus penalty tensors and
+banned tokens only when some request needs them).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .input_batch import InputBatch, ReqState
+from .sampler import SamplingMetadata
+
+# columns of the per-row parameter table
+P_TEMP, P_TOP_K, P_TOP_P, P_MIN_P, P_MIN_TOKENS, P_PENALTY, P_LOGPROBS, P_SEEDED = range(8)
+
+
+class SamplingMetadataBuilder:
+    def __init__(self, batch: InputBatch, max_num_seqs: int, vocab_size: int):
+        self.batch = batch
+        self.vocab_size = vocab_size
+        self.device = batch.device
+        self.row_params = np.zeros((max_num_seqs, 8), dtype=np.float32)
+
+    def add(self, st: ReqState) -> None:
+        sp = st.sampling_params
+        self.row_params[st.row] = (0.0 if sp.greedy else sp.temperature, sp.top_k, sp.top_p,
+                                   sp.min_p, sp.min_tokens, sp.needs_penalties,
+                                   -1 if sp.logprobs is None else sp.logprobs,
+                                   st.generator is not None)
+
+    def build(self, req_ids: list[str], out_counts: np.ndarray) -> SamplingMetadata:
+        """Metadata for sampling `req_ids` (in order); `out_counts`: their outputs so far."""
+        reqs, stage, dev = self.batch.reqs, self.batch.stage, self.device
+        rows = np.array([reqs[r].row for r in req_ids], dtype=np.int64)
+        p = self.row_params[rows]
+        temp = p[:, P_TEMP]
+        md = SamplingMetadata(temperature=stage(temp), all_greedy=not temp.any())
+        if not md.all_greedy:
+            if (p[:, P_TOP_K] > 0).any():
+                md.top_k = stage(p[:, P_TOP_K].astype(np.int64))
+            if (p[:, P_TOP_P] < 1).any():
+                md.top_p = stage(p[:, P_TOP_P])
+            if (p[:, P_MIN_P] > 0).any():
+                md.min_p = stage(p[:, P_MIN_P])
+            if p[:, P_SEEDED].any():
+                md.generators = {i: reqs[req_ids[i]].generator for i in np.flatnonzero(p[:, P_SEEDED])}
+        if p[:, P_PENALTY].any():
+            self._penalty_tensors(md, [reqs[r] for r in req_ids])
+        under_min = np.flatnonzero(out_counts < p[:, P_MIN_TOKENS])
+        if len(under_min):  # EOS and stop tokens may not end the output yet
+            banned_rows, banned_toks = [], []
+            for i in under_min:
+                s = reqs[req_ids[i]]
+                eos = [] if s.sampling_params.ignore_eos else [s.eos_token_id]
+                for tok in eos + list(s.sampling_params.stop_token_ids):
+                    if tok is not None:
+                        banned_rows.append(int(i))
+                        banned_toks.append(tok)
+            if banned_rows:
+                md.banned = (torch.tensor(banned_rows, device=dev), torch.tensor(banned_toks, device=dev))
+        max_lp = p[:, P_LOGPROBS].max()
+        md.max_num_logprobs = int(max_lp) if max_lp >= 0 else None
+        return md
+
+    def _penalty_tensors(self, md: SamplingMetadata, states: list[ReqState]) -> None:
+        dev, V, token_ids = self.device, self.vocab_size, self.batch.token_ids
+        B = len(states)
+        sps = [s.sampling_params for s in states]
+        f32 = dict(dtype=torch.float32, device=dev)
+        md.presence_penalty = torch.tensor([sp.presence_penalty for sp in sps], **f32)
+        md.frequency_penalty = torch.tensor([sp.frequency_penalty for sp in sps], **f32)
+        md.repetition_penalty = torch.tensor([sp.repetition_penalty for sp in sps], **f32)
+        max_out = max(s.num_tokens - s.num_prompt_tokens for s in states)
+        max_prompt = max(s.num_prompt_tokens for s in states)
+        out_ids = np.full((B, max(max_out, 1)), V, dtype=np.int64)  # V: a padding column
+        prompt_ids = np.full((B, max_prompt), V, dtype=np.int64)
+        for i, s in enumerate(states):
+            out_ids[i, :s.num_tokens - s.num_prompt_tokens] = token_ids[s.row, s.num_prompt_tokens:s.num_tokens]
+            prompt_ids[i, :s.num_prompt_tokens] = token_ids[s.row, :s.num_prompt_tokens]
+        counts = torch.zeros(B, V + 1, dtype=torch.int32, device=dev)
+        counts.scatter_add_(1, torch.from_numpy(out_ids).to(dev),
+                            torch.ones(out_ids.shape, dtype=torch.int32, device=dev))
+        md.output_counts = counts[:, :V]
+        mask = torch.zeros(B, V + 1, dtype=torch.bool, device=dev)
+        mask.scatter_(1, torch.from_numpy(prompt_ids).to(dev), True)
+        md.prompt_mask = mask[:, :V]
