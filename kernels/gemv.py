@@ -23,7 +23,6 @@ plain-torch reference.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
@@ -34,11 +33,11 @@ from triton.runtime.interpreter import InterpretedFunction
 from .attention import rms_norm
 
 # Rows up to which the skinny kernel runs; 0 turns it off (the prologue kernels + cuBLAS run
-# instead). Measured on an H200 at Llama-8B sizes (runtime/bench/results): at one row the fused
+# instead). Measured on an H200 at Llama-8B sizes (benchmarks/): at one row the fused
 # ops beat cuBLAS plus a separate norm / SiLU kernel (~5 us a layer); at 2 and 4 rows the
 # per-row prologue work makes them slower, so the default is 1. (Compiled CUDA graphs pad decode
 # to 2 rows, so this path serves eager and --compilation-level 1 runs.)
-MAX_M = int(os.environ.get("RANKSERVE_SKINNY_MAX_M", "1"))
+MAX_M = 1  # the runtime sets it from RANKSERVE_SKINNY_MAX_M (runtime/envs.py) at start-up
 
 LINEAR, ADD_RMS_NORM, SILU_MUL = 0, 1, 2  # prologues
 

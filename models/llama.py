@@ -15,9 +15,8 @@ import torch.nn as nn
 from .fused import FusedResidualDecoder, FusedResidualLayer
 from .layers import (
     Attention, AttnMeta, GatedMLP, ParallelInfo, ParallelLMHead, RMSNorm, VocabParallelEmbedding)
-from .registry import Registry
+from .registry import MODELS
 
-MODELS: Registry[type] = Registry("model architecture")
 
 # (fused param, checkpoint name, shard id)
 STACKED = [("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", 1), ("qkv_proj", "v_proj", 2),

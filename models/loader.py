@@ -11,8 +11,8 @@ import os
 import torch
 from tqdm import tqdm
 
-from .layers import ParallelInfo
-from .llama import MODELS
+from .parallel import ParallelInfo
+from .registry import MODELS
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -15,8 +15,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..kernels.moe import fused_moe
-from .layers import GatedMLP, ParallelInfo, _read, divide, tp_all_reduce
-from .llama import MODELS, CausalLM
+from .layers import GatedMLP, _read, divide
+from .parallel import ParallelInfo, tp_all_reduce
+from .llama import CausalLM
+from .registry import MODELS
 
 
 class FusedExperts(nn.Module):

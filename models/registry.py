@@ -31,3 +31,7 @@ class Registry(Generic[T]):
 
     def names(self) -> list[str]:
         return sorted(self._entries)
+
+
+# HF `architectures` name → model class (families register themselves)
+MODELS: Registry[type] = Registry("model architecture")

@@ -11,10 +11,11 @@ import time
 
 import torch
 
-from ..models.layers import ParallelInfo
+from ..models.parallel import ParallelInfo
 from .config import EngineConfig
 from .model_runner import ModelRunner
-from .scheduler import ModelRunnerOutput, SchedulerOutput
+from .model_runner import ModelRunnerOutput
+from .scheduler import SchedulerOutput
 
 log = logging.getLogger("rankserve.executor")
 

@@ -11,21 +11,59 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from ..models.layers import AttnMeta, ParallelInfo
+from ..kernels import gemv
+from ..models.layers import AttnMeta
+from ..models.parallel import ParallelInfo
 from ..models.loader import build_model, init_dummy_weights, load_hf_config, load_weights, resolve_dtype
+from . import envs
 from .compilation import CompiledModel
 from .config import EngineConfig
 from .input_batch import InputBatch, ReqState
 from .sampler import SamplingMetadata, gather_logprobs, sample
 from .sampling_metadata import SamplingMetadataBuilder
-from .scheduler import ModelRunnerOutput, SchedulerOutput
+from .messages import LogprobsEntry
+from .scheduler import SchedulerOutput
 
 log = logging.getLogger("rankserve.runner")
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the last pipeline stage returns for one step."""
+    req_ids: list[str]  # requests that produced a token (their prefill is complete)
+    sampled_token_ids: list[int]
+    logprobs: list[LogprobsEntry] | None = None  # aligned with req_ids, for requests that asked
+    prompt_logprobs: dict[str, list[LogprobsEntry]] = field(default_factory=dict)
+    _pending: tuple | None = None  # (pinned host copy, CUDA event) until resolve()
+
+    def defer(self, ids) -> None:
+        """Start the device→host copy of the sampled ids; `resolve` waits for it."""
+        if not ids.is_cuda:
+            self.sampled_token_ids = ids.tolist()
+            return
+        import torch
+        host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+        host.copy_(ids, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._pending = (host, event)
+
+    def resolve(self) -> "ModelRunnerOutput":
+        if self._pending is not None:
+            host, event = self._pending
+            event.synchronize()
+            self.sampled_token_ids = host.tolist()
+            self._pending = None
+        return self
+
+    def __getstate__(self):  # sent between ranks: resolved first
+        self.resolve()
+        return self.__dict__
 
 
 @dataclass
@@ -41,6 +79,7 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, pi: ParallelInfo, device: torch.device):
+        gemv.MAX_M = envs.get("RANKSERVE_SKINNY_MAX_M")  # a process-wide kernel choice
         self.cfg = cfg
         self.pi = pi
         self.device = device

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..models.layers import ParallelInfo
+from ..models.parallel import ParallelInfo
 from .config import ConfigError, ParallelConfig
 
 

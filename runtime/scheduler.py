@@ -13,13 +13,17 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .config import CacheConfig, SchedulerConfig
 from .kv_cache import KVCacheManager
 from .messages import (
-    EngineCoreOutput, EngineCoreOutputs, FinishReason, LogprobsEntry, SchedulerStats)
+    EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats)
 from .request import Request, RequestStatus
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .model_runner import ModelRunnerOutput
 
 
 @dataclass
@@ -52,40 +56,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
-
-
-@dataclass
-class ModelRunnerOutput:
-    """What the last pipeline stage returns for one step."""
-    req_ids: list[str]  # requests that produced a token (their prefill is complete)
-    sampled_token_ids: list[int]
-    logprobs: list[LogprobsEntry] | None = None  # aligned with req_ids, for requests that asked
-    prompt_logprobs: dict[str, list[LogprobsEntry]] = field(default_factory=dict)
-    _pending: tuple | None = None  # (pinned host copy, CUDA event) until resolve()
-
-    def defer(self, ids) -> None:
-        """Start the device→host copy of the sampled ids; `resolve` waits for it."""
-        if not ids.is_cuda:
-            self.sampled_token_ids = ids.tolist()
-            return
-        import torch
-        host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-        host.copy_(ids, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._pending = (host, event)
-
-    def resolve(self) -> "ModelRunnerOutput":
-        if self._pending is not None:
-            host, event = self._pending
-            event.synchronize()
-            self.sampled_token_ids = host.tolist()
-            self._pending = None
-        return self
-
-    def __getstate__(self):  # sent between ranks: resolved first
-        self.resolve()
-        return self.__dict__
 
 
 class Scheduler:

@@ -9,12 +9,13 @@ import logging
 
 import torch
 
-from ..models.layers import ParallelInfo
+from ..models.parallel import ParallelInfo
 from . import envs
 from .config import EngineConfig
 from .model_runner import ModelRunner
 from .parallel import global_rank, recv_hidden, send_hidden
-from .scheduler import ModelRunnerOutput, SchedulerOutput
+from .model_runner import ModelRunnerOutput
+from .scheduler import SchedulerOutput
 
 log = logging.getLogger("rankserve.worker")
 

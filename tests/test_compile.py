@@ -3,7 +3,8 @@ runner compiles one graph shared by every decoder layer."""
 import pytest
 import torch
 
-from rankserve.models.layers import AttnMeta, ParallelInfo
+from rankserve.models.layers import AttnMeta
+from rankserve.models.parallel import ParallelInfo
 from rankserve.models.loader import build_model, load_hf_config, load_weights
 
 

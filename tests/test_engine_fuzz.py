@@ -23,7 +23,7 @@ from rankserve.runtime.engine_core import EngineCore
 from rankserve.runtime.messages import EngineCoreRequest
 from rankserve.runtime.outputs import OutputProcessor
 from rankserve.runtime.sampling_params import SamplingParams
-from rankserve.runtime.scheduler import ModelRunnerOutput
+from rankserve.runtime.model_runner import ModelRunnerOutput
 
 from conftest import STORIES_EMBEDDED
 

@@ -7,7 +7,8 @@ from rankserve.runtime.kv_cache import KVCacheManager
 from rankserve.runtime.messages import EngineCoreRequest, FinishReason
 from rankserve.runtime.request import Request
 from rankserve.runtime.sampling_params import SamplingParams
-from rankserve.runtime.scheduler import ModelRunnerOutput, Scheduler
+from rankserve.runtime.model_runner import ModelRunnerOutput
+from rankserve.runtime.scheduler import Scheduler
 
 
 def mkreq(rid, ids, max_tokens=8, salt=None):

@@ -54,7 +54,7 @@ def test_plain_blocks_equal_fused(checkpoint, arch):
     """The family built as plain blocks (`x = x + attn(norm(x)); x = x + mlp(norm(x))`, without
     the fused residual stream of models/fused.py) gives the fast path's logits, step by step: two
     prefills, then a chunk after a prefix beside a decode, then a decode step."""
-    from rankserve.models.layers import ParallelInfo
+    from rankserve.models.parallel import ParallelInfo
     from rankserve.models.loader import load_hf_config, load_weights, model_class
     path = checkpoint(arch)
     cfg = load_hf_config(path)

@@ -100,7 +100,7 @@ class ModelStats:
 
 def model_stats(hf_config) -> ModelStats:
     """Count parameters by building the rankserve model on the meta device (no memory)."""
-    from ...models.layers import ParallelInfo
+    from ...models.parallel import ParallelInfo
     from ...models.loader import build_model
     model = build_model(hf_config, ParallelInfo(), torch.bfloat16, torch.device("meta"))
     total = body = experts = 0

@@ -19,7 +19,8 @@ def one(mode: str, layers: int, device: str) -> None:
     import torch
     import transformers
 
-    from ...models.layers import AttnMeta, ParallelInfo
+    from ...models.layers import AttnMeta
+    from ...models.parallel import ParallelInfo
     from ...models.loader import build_model
     cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
                                    num_hidden_layers=layers, num_attention_heads=4,
