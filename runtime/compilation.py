@@ -33,14 +33,12 @@ class CompiledModel:
         level = self.cfg.compilation.level(self.device.type)
         self.compiled = level >= 2
         if level >= 2:
+            # --cache-dir wins over the environment: Inductor and Triton take their cache
+            # directories only from these variables (Inductor itself writes its own back)
             cache = self.cfg.compilation.cache_dir
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache, "inductor"))
-            os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(cache, "triton"))
-            # one model per process, but tests build many: do not fall back to eager silently
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            # equal sizes (e.g. tokens == requests in a decode step) must not be merged into one
-            # symbol: the next step breaks the equality and would recompile
-            torch.fx.experimental._config.use_duck_shape = False
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache, "inductor")
+            os.environ["TRITON_CACHE_DIR"] = os.path.join(cache, "triton")
+            self.forward = self._with_compile_settings(self.model.forward)
             # Regional compilation: every decoder layer runs the same compiled code (parameters
             # are graph inputs, so the guards hold for all layers): one compilation instead of
             # one graph holding every layer cuts cold and warm start-up several times over.
@@ -55,6 +53,19 @@ class CompiledModel:
             self.capture_cuda_graphs()
             timings["cuda_graphs"] = time.perf_counter() - t0
         return timings
+
+    @staticmethod
+    def _with_compile_settings(forward):
+        """The engine's torch.compile settings, applied around each compiled call rather than
+        changed for the whole process (other models in the process keep the defaults)."""
+        def run(*args):
+            # one model per process, but tests build many: never fall back to eager silently;
+            # equal sizes (tokens == requests in a decode step) must not share one symbol, or
+            # the next step breaks the equality and recompiles
+            with torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, 64)), \
+                    torch.fx.experimental._config.patch(use_duck_shape=False):
+                return forward(*args)
+        return run
 
     @torch.inference_mode()
     def warmup(self) -> None:
