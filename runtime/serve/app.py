@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 from ... import __version__
-from ..llm import eos_token_ids_of, load_tokenizer
+from ..inputs import eos_token_ids_of, load_tokenizer
 from . import anthropic_api, openai_api, responses_api
 from .args import ServerArgs
 from .client import EngineClient, EngineDeadError

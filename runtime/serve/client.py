@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from ..llm import engine_request
+from ..inputs import engine_request
 from ..messages import (EngineCoreOutputs, EngineCoreRequestType, LogprobsEntry,
                                         encoder, outputs_decoder)
 from ..outputs import OutputProcessor
