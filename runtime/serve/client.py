@@ -28,6 +28,10 @@ class EngineDeadError(RuntimeError):
     """The engine is gone; the API answers 503."""
 
 
+class ServerShutdownError(EngineDeadError):
+    """The server is shutting down and the request ran out of time (503)."""
+
+
 class RequestError(ValueError):
     """The engine refused the request (e.g. the prompt is longer than the context)."""
 
@@ -104,6 +108,7 @@ class EngineClient:
         self.calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self.dead: str | None = None
+        self.closing: str | None = None  # set when shutting down: no new requests
         self.on_dead = None  # callback: the app schedules its own shutdown
         self.model_info: dict = {}
 
@@ -126,8 +131,8 @@ class EngineClient:
     def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                  prompt: str | None = None, priority: int = 0,
                  request_id: str | None = None) -> RequestStream:
-        if self.dead:
-            raise EngineDeadError(self.dead)
+        if self.dead or self.closing:
+            raise (EngineDeadError(self.dead) if self.dead else ServerShutdownError(self.closing))
         rid = request_id or uuid.uuid4().hex
         child_ids = self.processor.add_request(rid, prompt, prompt_token_ids, params)
         stream = RequestStream(self, rid, child_ids)
@@ -223,6 +228,14 @@ class EngineClient:
             await asyncio.sleep(0.5)
             if os.getppid() != self.engine_pid:
                 self._mark_dead("the engine process exited")
+
+    def end_all(self, why: str) -> None:
+        """Shutdown: every unfinished request ends with ServerShutdownError (its handler
+        aborts it in the engine), and no new one is accepted."""
+        self.closing = why
+        for stream in list(self.streams.values()):
+            if stream.unfinished:
+                stream.queue.put_nowait(ServerShutdownError(why))
 
     def _mark_dead(self, why: str) -> None:
         if self.dead:
