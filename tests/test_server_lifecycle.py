@@ -4,9 +4,14 @@ teardown of test_server.py.)"""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
+import subprocess
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -254,3 +259,83 @@ def _ignore(fn):
         fn()
     except httpx.HTTPError:
         pass
+
+
+# ---- SIGTERM: drain, then end what is left with an error --------------------------------------
+def _sse_stream(url: str, body: dict, out: dict) -> None:
+    """Read a streamed completion; out: events (parsed), times, status."""
+    out["events"], out["times"] = [], []
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True},
+                          timeout=60) as r:
+            out["status"] = r.status_code
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    data = line[6:]
+                    out["events"].append(data if data == "[DONE]" else json.loads(data))
+                    out["times"].append(time.monotonic())
+    except httpx.HTTPError as e:
+        out["exc"] = repr(e)
+
+
+def test_sigterm_drains_then_ends_the_rest_with_errors():
+    grace = 3.0
+    s = Server("--shutdown-timeout", str(grace), "--max-num-seqs", "2")
+    long = {"prompt": "Once", "max_tokens": 500, "ignore_eos": True, "n": 16}  # ≫ grace
+    short, streamed, plain = {}, {}, {}
+
+    def post_plain():
+        r = httpx.post(s.url + "/v1/completions", json=long, timeout=60)
+        plain.update(status=r.status_code, body=r.json(), t=time.monotonic())
+    threads = [threading.Thread(target=_sse_stream, args=(s.url, {"prompt": "Once upon a time",
+                                "max_tokens": 60, "ignore_eos": True}, short)),
+               threading.Thread(target=_sse_stream, args=(s.url, long, streamed)),
+               threading.Thread(target=post_plain)]
+    try:
+        for t in threads:
+            t.start()
+            time.sleep(0.2)
+        assert wait_for(lambda: short.get("events") and streamed.get("events"), 30)
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        assert wait_for(lambda: httpx.post(s.url + "/v1/completions", json={
+            "prompt": "Once", "max_tokens": 2}).status_code == 503, 5)  # no new work
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "Once", "max_tokens": 2})
+        assert "shutting down" in r.json()["error"]["message"]
+        assert httpx.get(s.url + "/health").status_code == 503
+        for t in threads:
+            t.join(30)
+        # in flight and short: finished normally within the grace period
+        assert short["events"][-1] == "[DONE]"
+        assert short["events"][-2]["choices"][0]["finish_reason"] == "length"
+        # too long: an error event, then [DONE], once the grace period is over
+        assert streamed["events"][-1] == "[DONE]", streamed
+        err = streamed["events"][-2]["error"]
+        assert err["type"] == "service_unavailable" and "shutting down" in err["message"]
+        assert grace - 0.5 < streamed["times"][-1] - t0 < grace + 4
+        assert plain["status"] == 503 and "shutting down" in plain["body"]["error"]["message"]
+        assert s.proc.wait(15) == 0
+        assert time.monotonic() - t0 < grace + 8
+        assert not list(Path(tempfile.gettempdir()).glob(f"rankserve-{s.proc.pid}-*"))
+    finally:
+        s.stop()
+        for t in threads:
+            t.join(5)
+
+
+def test_stale_ipc_sockets_are_removed(tmp_path):
+    from rankserve.runtime.serve.engine_proc import remove_stale_sockets
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+
+    def sock(name):
+        with socket.socket(socket.AF_UNIX) as u:
+            u.bind(str(tmp_path / name))  # the file outlives the socket, as after a crash
+        return tmp_path / name
+    stale = sock(f"rankserve-{dead.pid}-0123abcd")
+    live = sock(f"rankserve-{os.getpid()}-0123abcd")
+    other = sock("unrelated-1-x")
+    plain = tmp_path / f"rankserve-{dead.pid}-notasocket"
+    plain.write_text("")
+    assert remove_stale_sockets(str(tmp_path)) == [str(stale)]
+    assert live.exists() and other.exists() and plain.exists() and not stale.exists()
