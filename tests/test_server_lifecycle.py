@@ -15,7 +15,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from test_server import REPO, STORIES_TEXT, Server, free_port
 
 
@@ -59,7 +58,6 @@ STORIES = REPO / "models" / "default" / "stories260K"
 class InProcess:
     def __init__(self, **args):
         import uvicorn
-
         from rankserve.runtime.inputs import load_tokenizer
         from rankserve.runtime.serve.app import build_app
         from rankserve.runtime.serve.args import ServerArgs
