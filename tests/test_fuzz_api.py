@@ -28,7 +28,8 @@ MAX_MODEL_LEN = 64  # keeps every generated request short
 # Known 500s (or engine crashes) in part A's request validation (issue 12, defects 1 and 2: in
 # protocol.py / openai_api.py / anthropic_api.py / responses_api.py, not in the server plumbing).
 # Inputs that match are NOT sent (an engine crash would end the run) until they are fixed there;
-# then delete the entry. Each: (name, predicate on (path, JSON body)).
+# then delete the entry. Each: (name, predicate on (path, JSON body)). All were confirmed
+# against a live server: a 500 each, and the last one kills the engine (then every route 503s).
 KNOWN_PART_A_500S: list[tuple[str, object]] = [
     # found by this suite: OverflowError from the tokenizer ("number too small to fit")
     ("derender: negative or out-of-range token ids (defect 2)",
@@ -37,8 +38,12 @@ KNOWN_PART_A_500S: list[tuple[str, object]] = [
     # listed in the issue; hypothesis finds them easily
     ("integers beyond 64 bits in max_tokens / seed / prompt ids (defect 2)",
      lambda path, body: any(abs(i) >= 1 << 63 for i in _ints(body))),
-    ("lone surrogates in a prompt, /tokenize or model (defect 2)",
+    ("lone surrogates in a prompt or /tokenize (defect 2; in `model` fixed: errors escape them)",
      lambda path, body: any(0xD800 <= ord(c) <= 0xDFFF for s in _strs(body) for c in s)),
+    ("Responses input content of the wrong type, e.g. a number (defect 2)",
+     lambda path, body: path == "/v1/responses" and isinstance(body.get("input"), list) and any(
+         not isinstance(item.get("content", ""), (str, list)) for item in body["input"]
+         if isinstance(item, dict))),
     ("stop_token_ids outside the vocabulary with min_tokens: the engine dies (defect 1)",
      lambda path, body: isinstance(body, dict) and any(
          not 0 <= i < 512 for i in _ints(body.get("stop_token_ids") or []))),

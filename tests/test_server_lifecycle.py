@@ -121,7 +121,7 @@ def test_unexpected_exception_is_json_in_the_routes_format_and_keeps_the_connect
     from rankserve.runtime.serve import anthropic_api, openai_api
 
     def boom(*a, **k):
-        raise RuntimeError("boom")
+        raise RuntimeError("boom \ud800")  # even a message that cannot be UTF-8 encoded
     monkeypatch.setattr(openai_api, "detokenize", boom)
     monkeypatch.setattr(anthropic_api, "count_tokens", boom)
     app = inproc()
@@ -138,6 +138,9 @@ def test_unexpected_exception_is_json_in_the_routes_format_and_keeps_the_connect
     assert s3 == 500 and json.loads(b3)["type"] == "error"  # Anthropic's format on /v1/messages
     assert json.loads(b3)["error"]["type"] == "server_error"
     assert s4 == 200
+    r = httpx.post(app.url + "/v1/completions", content=b'{"prompt": "x", "model": "\\ud800"}',
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
 def test_api_key_guards_every_compute_and_state_route(inproc):

@@ -42,9 +42,20 @@ FINAL_FLUSH_S = 2.0  # after the shutdown grace: time to send the error endings,
 GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
+class SafeJSONResponse(JSONResponse):
+    """JSON that renders whatever the message quotes back (e.g. a lone surrogate from the
+    request): \\u escapes instead of a UnicodeEncodeError while answering an error."""
+
+    def render(self, content) -> bytes:
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return json.dumps(content, separators=(",", ":")).encode()
+
+
 def error_response(path: str, err: APIError) -> JSONResponse:
     body = err.anthropic_body() if path.startswith("/v1/messages") else err.openai_body()
-    return JSONResponse(body, status_code=err.status)
+    return SafeJSONResponse(body, status_code=err.status)
 
 
 def validation_message(exc: RequestValidationError) -> str:
