@@ -30,10 +30,18 @@ from .args import ServerArgs
 from .client import EngineClient, EngineDeadError
 from .context import ServeContext, cancel_on_disconnect
 from .metrics import Metrics
-from .protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                              CountTokensRequest, DerenderRequest,
-                                              DetokenizeRequest, MessagesRequest,
-                                              ResponsesRequest, TokenizeRequest, now)
+from .protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    CountTokensRequest,
+    DerenderRequest,
+    DetokenizeRequest,
+    MessagesRequest,
+    ResponsesRequest,
+    TokenizeRequest,
+    now,
+)
 
 log = logging.getLogger("rankserve.serve")
 
@@ -128,7 +136,7 @@ class ServeMiddleware:
                         f"the request body is larger than {self.max_body} bytes "
                         "(--max-request-body-bytes)", 413, code="request_too_large"), close=True)
             await self.app(scope, receive, send_)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             log.exception("internal error on %s", path)
             if not started:
                 await reply(APIError(f"internal error: {type(e).__name__}: {e}", 500))

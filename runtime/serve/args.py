@@ -38,7 +38,7 @@ class ServerArgs:
     uvicorn_log_level: str = opt("warning", "uvicorn's log level",
                                  choices=("critical", "error", "warning", "info", "debug"))
 
-    def validate(self) -> "ServerArgs":
+    def validate(self) -> ServerArgs:
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
         if self.max_request_body_bytes < 1:
@@ -62,7 +62,7 @@ class ServerArgs:
                     raise ValueError(f"{flag}: {e}") from None
         return self
 
-    def resolve_api_key(self, environ: dict | None = None) -> "ServerArgs":
+    def resolve_api_key(self, environ: dict | None = None) -> ServerArgs:
         """The key from, in order: --api-key, --api-key-file, RANKSERVE_API_KEY, VLLM_API_KEY
         (an empty value counts as unset). Returns a copy that carries it in `api_key`."""
         env = os.environ if environ is None else environ

@@ -15,8 +15,13 @@ import zmq
 import zmq.asyncio
 
 from ..inputs import engine_request
-from ..messages import (EngineCoreOutputs, EngineCoreRequestType, LogprobsEntry,
-                                        encoder, outputs_decoder)
+from ..messages import (
+    EngineCoreOutputs,
+    EngineCoreRequestType,
+    LogprobsEntry,
+    encoder,
+    outputs_decoder,
+)
 from ..outputs import OutputProcessor
 from ..sampling_params import SamplingParams
 from .metrics import Metrics
@@ -52,7 +57,7 @@ class RequestStream:
     """The updates of one request (all its choices) in arrival order. `close()` aborts whatever
     has not finished; call it when the client goes away."""
 
-    def __init__(self, client: "EngineClient", request_id: str, child_ids: list[str]):
+    def __init__(self, client: EngineClient, request_id: str, child_ids: list[str]):
         self.client, self.request_id, self.child_ids = client, request_id, child_ids
         self.queue: asyncio.Queue = asyncio.Queue()
         self.unfinished = set(child_ids)
@@ -88,7 +93,7 @@ class RequestStream:
 
 
 class _Child:
-    __slots__ = ("stream", "index", "first", "last", "num_prompt")
+    __slots__ = ("first", "index", "last", "num_prompt", "stream")
 
     def __init__(self, stream: RequestStream, index: int, num_prompt: int):
         self.stream, self.index, self.num_prompt = stream, index, num_prompt
@@ -176,7 +181,7 @@ class EngineClient:
             msg = await self.sock.recv()
             try:
                 self._handle(outputs_decoder.decode(msg))
-            except Exception:  # noqa: BLE001  (keep serving the other requests)
+            except Exception:
                 log.exception("failed to process engine outputs")
 
     def _handle(self, outs: EngineCoreOutputs) -> None:

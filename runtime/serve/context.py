@@ -7,8 +7,9 @@ import asyncio
 import contextvars
 import json
 import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import msgspec
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -16,8 +17,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from ..parse import ContentDelta, Delta, ParsedMessage, ToolCallDelta, make_parser
 from ..render import get_renderer
 from .args import ServerArgs
-from .client import (EngineClient, EngineDeadError, RequestError,
-                                            RequestStream, Update)
+from .client import EngineClient, EngineDeadError, RequestError, RequestStream, Update
 from .protocol import APIError
 
 log = logging.getLogger("rankserve.serve")
@@ -130,8 +130,8 @@ class ServeContext:
             token = _RENDERS.set(renders)
             try:
                 fn(*args)
-            except Exception:  # noqa: BLE001  (recorded; raised again by the handler)
-                pass
+            except Exception as e:  # noqa: BLE001  (the handler raises it again, in its order)
+                log.debug("rendering ahead failed: %s", e)
             finally:
                 _RENDERS.reset(token)
         await self.run_sync(record)
@@ -310,7 +310,7 @@ async def _guarded(events: AsyncIterator[bytes], error_body) -> AsyncIterator[by
         async for chunk in events:
             named = named or chunk.startswith(b"event: ")
             yield chunk
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         if isinstance(e, (EngineDeadError, RequestError)):
             err = APIError(str(e), 503 if isinstance(e, EngineDeadError) else 400)
         else:

@@ -26,8 +26,14 @@ import zmq
 
 from ..config import EngineConfig
 from ..engine_core import EngineCore
-from ..messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequestType,
-                                        FinishReason, encoder, request_decoder)
+from ..messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequestType,
+    FinishReason,
+    encoder,
+    request_decoder,
+)
 from .args import ServerArgs
 
 log = logging.getLogger("rankserve.serve")
@@ -135,7 +141,7 @@ class EngineServer:
             kind, payload = frames[1], frames[2] if len(frames) > 2 else b""
             try:
                 self.handle(EngineCoreRequestType(kind), payload)
-            except Exception:  # noqa: BLE001  (one bad message must not stop the engine)
+            except Exception:
                 log.exception("bad message from the API process")
 
     def handle(self, kind: EngineCoreRequestType, payload: bytes) -> None:
