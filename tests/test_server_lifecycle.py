@@ -299,6 +299,7 @@ def test_sigterm_drains_then_ends_the_rest_with_errors():
         assert wait_for(lambda: short.get("events") and streamed.get("events"), 30)
         t0 = time.monotonic()
         s.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)  # the engine passes it on to the API process
         assert wait_for(lambda: httpx.post(s.url + "/v1/completions", json={
             "prompt": "Once", "max_tokens": 2}).status_code == 503, 5)  # no new work
         r = httpx.post(s.url + "/v1/completions", json={"prompt": "Once", "max_tokens": 2})
