@@ -131,6 +131,8 @@ class ServeMiddleware:
         try:
             if scope["method"] not in ("GET", "HEAD", "OPTIONS"):
                 receive = await self._read_body(headers, receive)
+                if receive is _GONE:  # the client left before its body was complete
+                    return
                 if receive is None:
                     return await reply(APIError(
                         f"the request body is larger than {self.max_body} bytes "
@@ -155,9 +157,8 @@ class ServeMiddleware:
         chunks, size = [], 0
         while True:
             message = await receive()
-            if message["type"] != "http.request":  # a disconnect: let the app see it
-                first = message
-                break
+            if message["type"] != "http.request":
+                return _GONE
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body:
@@ -171,6 +172,9 @@ class ServeMiddleware:
         async def receive_():
             return pending.pop() if pending else await receive()
         return receive_
+
+
+_GONE = object()
 
 
 def _replier(scope, send):
