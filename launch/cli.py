@@ -333,7 +333,7 @@ def serve(**kwargs):
     from ..runtime.serve.engine_proc import serve_engine
     names = [f.name for f in dataclasses.fields(ServerArgs)]
     try:
-        args = ServerArgs(**{n: kwargs.pop(n) for n in names}).validate()
+        args = ServerArgs(**{n: kwargs.pop(n) for n in names}).validate().resolve_api_key()
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     cfg = build_config(kwargs)

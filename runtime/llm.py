@@ -5,63 +5,14 @@ Drives the same EngineCore loop (schedule → execute → update) that the serve
 from __future__ import annotations
 
 import itertools
-import time
-
-import msgspec
 
 from tqdm import tqdm
 
 from .config import DEFAULT_MODEL, EngineConfig
 from .engine_core import EngineCore
-from .messages import EngineCoreRequest
+from .inputs import TOKENIZER_FILES, engine_request, eos_token_ids_of, load_tokenizer  # noqa: F401
 from .outputs import OutputProcessor, RequestOutput, child_request_id
 from .sampling_params import SamplingParams
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tekken.json")
-
-
-def load_tokenizer(path: str):
-    """The HF tokenizer, or None for a model directory without one (e.g. a dummy-weight
-    benchmark config): such an engine takes token ids and returns token ids."""
-    import os
-    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
-        return None
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path)
-
-
-def eos_token_ids_of(tokenizer, model_dir: str) -> list[int]:
-    """All end-of-sequence ids (generation_config may list several, e.g. Llama 3's eot/eom)."""
-    ids: list[int] = []
-    try:
-        from transformers import GenerationConfig
-        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
-        ids = list(eos) if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else [])
-    except (OSError, ValueError):
-        pass
-    tok_eos = getattr(tokenizer, "eos_token_id", None)
-    if tok_eos is not None and tok_eos not in ids:
-        ids.append(tok_eos)
-    return ids
-
-
-def engine_request(request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                   eos_token_ids: list[int], priority: int = 0, cache_salt: str | None = None,
-                   index: int = 0) -> EngineCoreRequest:
-    """The EngineCoreRequest for choice `index` of a request: extra EOS ids become stop tokens,
-    and seeded choices get seed + index so they still differ from each other."""
-    changes = {}
-    if len(eos_token_ids) > 1 and not params.ignore_eos:
-        extra = [t for t in eos_token_ids[1:] if t not in params.stop_token_ids]
-        if extra:
-            changes["stop_token_ids"] = params.stop_token_ids + extra
-    if params.seed is not None and index:
-        changes["seed"] = params.seed + index
-    if changes:
-        params = msgspec.structs.replace(params, **changes)
-    return EngineCoreRequest(request_id, prompt_token_ids, params, time.monotonic(), priority,
-                             cache_salt, eos_token_ids[0] if eos_token_ids else None)
 
 
 class LLM:

@@ -1,13 +1,21 @@
-"""Process lifecycle: with the engine reached over tcp://, the API answers 503 once the engine
+"""Process lifecycle and hardening: with the engine reached over tcp://, the API answers 503 once the engine
 died, then exits. (API death stopping the engine: end of test_server_chat.py; SIGTERM: the
 teardown of test_server.py.)"""
 from __future__ import annotations
 
+import json
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
 import time
+from pathlib import Path
 
 import httpx
-
-from test_server import STORIES_TEXT, Server, free_port
+import pytest
+from test_server import REPO, STORIES_TEXT, Server, free_port
 
 
 def wait_for(cond, timeout: float) -> bool:
@@ -40,3 +48,296 @@ def test_engine_death_gives_503_then_api_exits():
         assert wait_for(gone, 30)  # the orphaned API process does not linger
     finally:
         s.stop()
+
+
+# ---- the API app in-process: uvicorn in a thread, stories' tokenizer, an engine client without
+# an engine (nothing that reaches the engine is awaited here) ------------------------------------
+STORIES = REPO / "models" / "default" / "stories260K"
+
+
+class InProcess:
+    def __init__(self, **args):
+        import uvicorn
+        from rankserve.runtime.inputs import load_tokenizer
+        from rankserve.runtime.serve.app import build_app
+        from rankserve.runtime.serve.args import ServerArgs
+        from rankserve.runtime.serve.client import EngineClient
+        from rankserve.runtime.serve.context import ServeContext
+        from rankserve.runtime.serve.metrics import Metrics
+        tok = load_tokenizer(str(STORIES))
+        client = EngineClient("ipc://unused", tok, [2], Metrics("m"))
+        client._send = lambda kind, payload: None
+        client.model_info = {"max_model_len": 512, "vocab_size": 512}
+        self.ctx = ServeContext(ServerArgs(**args), "m", str(STORIES), tok, client)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(build_app(self.ctx, Metrics("m")),
+                                                    host="127.0.0.1", port=self.port,
+                                                    log_level="critical"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        assert wait_for(lambda: self.server.started, 20)
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture
+def inproc(request):
+    apps = []
+
+    def make(**args):
+        apps.append(InProcess(**args))
+        return apps[-1]
+    yield make
+    for a in apps:
+        a.close()
+
+
+def raw_exchange(port: int, requests: list[bytes]) -> list[tuple[int, dict, bytes]]:
+    """Send HTTP/1.1 requests one after another on ONE connection; (status, headers, body) each."""
+    out = []
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        f = s.makefile("rb")
+        for req in requests:
+            s.sendall(req)
+            status = int(f.readline().split()[1])
+            headers = {}
+            while (line := f.readline().strip()):
+                k, _, v = line.decode().partition(":")
+                headers[k.strip().lower()] = v.strip()
+            out.append((status, headers, f.read(int(headers.get("content-length", 0)))))
+    return out
+
+
+def http_req(method: str, path: str, body: bytes = b"", headers: str = "") -> bytes:
+    return (f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n{headers}\r\n").encode() + body
+
+
+def test_unexpected_exception_is_json_in_the_routes_format_and_keeps_the_connection(
+        inproc, monkeypatch):
+    from rankserve.runtime.serve import anthropic_api, openai_api
+
+    def boom(*a, **k):
+        raise RuntimeError("boom \ud800")  # even a message that cannot be UTF-8 encoded
+    monkeypatch.setattr(openai_api, "detokenize", boom)
+    monkeypatch.setattr(anthropic_api, "count_tokens", boom)
+    app = inproc()
+    (s1, h1, b1), (s2, _, _), (s3, _, b3), (s4, _, _) = raw_exchange(app.port, [
+        http_req("POST", "/detokenize", b'{"tokens": [1, 2]}'),
+        http_req("GET", "/health"),
+        http_req("POST", "/v1/messages/count_tokens", b'{"model": "m", "messages": [{"role": "user", '
+                 b'"content": "hi"}]}'),
+        http_req("GET", "/version")])
+    assert s1 == 500 and json.loads(b1)["error"]["type"] == "server_error"
+    assert "boom" in json.loads(b1)["error"]["message"]
+    assert h1.get("connection") != "close"
+    assert s2 == 200  # the same connection, still usable
+    assert s3 == 500 and json.loads(b3)["type"] == "error"  # Anthropic's format on /v1/messages
+    assert json.loads(b3)["error"]["type"] == "server_error"
+    assert s4 == 200
+    r = httpx.post(app.url + "/v1/completions", content=b'{"prompt": "x", "model": "\\ud800"}',
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_api_key_guards_every_compute_and_state_route(inproc):
+    app = inproc(api_key="k3y")
+    for method, path, body in [("POST", "/reset_prefix_cache", None),
+                               ("POST", "/tokenize", {"prompt": "hi"}),
+                               ("POST", "/detokenize", {"tokens": [1]}),
+                               ("POST", "/v1/completions/render", {"prompt": "hi"}),
+                               ("POST", "/v1/chat/completions/derender", {"token_ids": [1]}),
+                               ("POST", "/v1/completions", {"prompt": "hi"}),
+                               ("GET", "/v1/models", None), ("GET", "/openapi.json", None),
+                               ("GET", "/nope", None)]:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"x-api-key": "k3y-"}):
+            r = httpx.request(method, app.url + path, json=body, headers=headers)
+            assert r.status_code == 401, (path, headers, r.text)
+            assert r.json()["error"]["code"] == "invalid_api_key"
+    r = httpx.post(app.url + "/v1/messages", json={}, headers={"x-api-key": "bad"})
+    assert r.status_code == 401 and r.json()["type"] == "error"  # Anthropic's format
+    for path in ("/health", "/version", "/metrics"):  # open, documented in the README
+        assert httpx.get(app.url + path).status_code == 200
+    for headers in ({"Authorization": "Bearer k3y"}, {"x-api-key": "k3y"}):
+        r = httpx.post(app.url + "/tokenize", json={"prompt": "Once"}, headers=headers)
+        assert r.status_code == 200 and r.json()["tokens"]
+
+
+def test_api_key_sources(tmp_path):
+    from rankserve.runtime.serve.args import ServerArgs
+    f = tmp_path / "key"
+    f.write_text("from-file\n")
+    assert ServerArgs(api_key="cli", api_key_file=str(f)).resolve_api_key({}).api_key == "cli"
+    assert ServerArgs(api_key_file=str(f)).resolve_api_key(
+        {"RANKSERVE_API_KEY": "env"}).api_key == "from-file"
+    assert ServerArgs().resolve_api_key({"RANKSERVE_API_KEY": "env", "VLLM_API_KEY": "v"}
+                                        ).api_key == "env"
+    assert ServerArgs().resolve_api_key({"VLLM_API_KEY": "v"}).api_key == "v"
+    assert ServerArgs().resolve_api_key({"VLLM_API_KEY": ""}).api_key is None
+    (tmp_path / "empty").write_text("\n")
+    for path in (tmp_path / "empty", tmp_path / "missing"):
+        with pytest.raises(ValueError, match="--api-key-file"):
+            ServerArgs(api_key_file=str(path)).resolve_api_key({})
+
+
+def test_body_limit_413_in_the_routes_format(inproc):
+    app = inproc(max_request_body_bytes=1000)
+    big = {"prompt": "x" * 2000}
+    r = httpx.post(app.url + "/v1/completions", json=big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    r = httpx.post(app.url + "/v1/messages", json={"messages": [{"role": "user",
+                                                                  "content": "x" * 2000}]})
+    assert r.status_code == 413 and r.json()["type"] == "error"
+
+    def chunks():  # no Content-Length: counted as it arrives
+        for _ in range(10):
+            yield b" " * 200
+    r = httpx.post(app.url + "/tokenize", content=chunks())
+    assert r.status_code == 413
+    assert httpx.post(app.url + "/tokenize", json={"prompt": "Once"}).status_code == 200
+
+
+def test_too_long_prompt_refused_before_tokenizing(inproc, monkeypatch):
+    app = inproc()
+    calls = []
+    render = app.ctx.renderer.render_completion
+    monkeypatch.setattr(app.ctx.renderer, "render_completion",
+                        lambda p: calls.append(p) or render(p))
+    limit = app.ctx.max_prompt_chars
+    assert limit and limit < 100_000
+    for path, body in [("/v1/completions", {"prompt": "a " * limit}),
+                       ("/tokenize", {"prompt": "a " * limit}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user",
+                                                               "content": "a " * limit}]}),
+                       ("/v1/messages", {"model": "m", "max_tokens": 5, "messages": [
+                           {"role": "user", "content": "a " * limit}]})]:
+        t = time.monotonic()
+        r = httpx.post(app.url + path, json=body, timeout=30)
+        assert r.status_code == 400, (path, r.text)
+        assert "too long" in r.text and time.monotonic() - t < 5
+    assert not calls
+
+
+def test_tokenization_runs_off_the_event_loop(inproc, monkeypatch):
+    from rankserve.runtime.serve import openai_api
+    app = inproc()
+
+    def slow(p):
+        time.sleep(1.5)
+        return [1, 2, 3]
+    monkeypatch.setattr(app.ctx.renderer, "render_completion", slow)
+    slow_tokenize = openai_api.tokenize
+
+    def tokenize(ctx, req):
+        time.sleep(1.5)
+        return slow_tokenize(ctx, req)
+    monkeypatch.setattr(openai_api, "tokenize", tokenize)
+    threads = [threading.Thread(target=lambda: httpx.post(app.url + "/tokenize",
+                                                          json={"prompt": "Once"}, timeout=10)),
+               threading.Thread(target=lambda: httpx.post(
+                   app.url + "/v1/completions", json={"prompt": "Once", "stream": True},
+                   timeout=3).status_code if False else _ignore(lambda: httpx.post(
+                       app.url + "/v1/completions", json={"prompt": "Once"}, timeout=3)))]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    worst = 0.0
+    for _ in range(5):  # both slow steps are running now
+        t = time.monotonic()
+        assert httpx.get(app.url + "/health", timeout=5).status_code == 200
+        worst = max(worst, time.monotonic() - t)
+        time.sleep(0.1)
+    assert worst < 0.5, worst
+    for t in threads:
+        t.join()
+
+
+def _ignore(fn):
+    try:
+        fn()
+    except httpx.HTTPError:
+        pass
+
+
+# ---- SIGTERM: drain, then end what is left with an error --------------------------------------
+def _sse_stream(url: str, body: dict, out: dict) -> None:
+    """Read a streamed completion; out: events (parsed), times, status."""
+    out["events"], out["times"] = [], []
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True},
+                          timeout=60) as r:
+            out["status"] = r.status_code
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    data = line[6:]
+                    out["events"].append(data if data == "[DONE]" else json.loads(data))
+                    out["times"].append(time.monotonic())
+    except httpx.HTTPError as e:
+        out["exc"] = repr(e)
+
+
+def test_sigterm_drains_then_ends_the_rest_with_errors():
+    grace = 3.0
+    s = Server("--shutdown-timeout", str(grace), "--max-num-seqs", "2")
+    long = {"prompt": "Once", "max_tokens": 500, "ignore_eos": True, "n": 16}  # ≫ grace
+    short, streamed, plain = {}, {}, {}
+
+    def post_plain():
+        r = httpx.post(s.url + "/v1/completions", json=long, timeout=60)
+        plain.update(status=r.status_code, body=r.json(), t=time.monotonic())
+    threads = [threading.Thread(target=_sse_stream, args=(s.url, {"prompt": "Once upon a time",
+                                "max_tokens": 60, "ignore_eos": True}, short)),
+               threading.Thread(target=_sse_stream, args=(s.url, long, streamed)),
+               threading.Thread(target=post_plain)]
+    try:
+        for t in threads:
+            t.start()
+            time.sleep(0.2)
+        assert wait_for(lambda: short.get("events") and streamed.get("events"), 30)
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)  # the engine passes it on to the API process
+        assert wait_for(lambda: httpx.post(s.url + "/v1/completions", json={
+            "prompt": "Once", "max_tokens": 2}).status_code == 503, 5)  # no new work
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "Once", "max_tokens": 2})
+        assert "shutting down" in r.json()["error"]["message"]
+        assert httpx.get(s.url + "/health").status_code == 503
+        for t in threads:
+            t.join(30)
+        # in flight and short: finished normally within the grace period
+        assert short["events"][-1] == "[DONE]"
+        assert short["events"][-2]["choices"][0]["finish_reason"] == "length"
+        # too long: an error event, then [DONE], once the grace period is over
+        assert streamed["events"][-1] == "[DONE]", streamed
+        err = streamed["events"][-2]["error"]
+        assert err["type"] == "service_unavailable" and "shutting down" in err["message"]
+        assert grace - 0.5 < streamed["times"][-1] - t0 < grace + 4
+        assert plain["status"] == 503 and "shutting down" in plain["body"]["error"]["message"]
+        assert s.proc.wait(15) == 0
+        assert time.monotonic() - t0 < grace + 8
+        assert not list(Path(tempfile.gettempdir()).glob(f"rankserve-{s.proc.pid}-*"))
+    finally:
+        s.stop()
+        for t in threads:
+            t.join(5)
+
+
+def test_stale_ipc_sockets_are_removed(tmp_path):
+    from rankserve.runtime.serve.engine_proc import remove_stale_sockets
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+
+    def sock(name):
+        with socket.socket(socket.AF_UNIX) as u:
+            u.bind(str(tmp_path / name))  # the file outlives the socket, as after a crash
+        return tmp_path / name
+    stale = sock(f"rankserve-{dead.pid}-0123abcd")
+    live = sock(f"rankserve-{os.getpid()}-0123abcd")
+    other = sock("unrelated-1-x")
+    plain = tmp_path / f"rankserve-{dead.pid}-notasocket"
+    plain.write_text("")
+    assert remove_stale_sockets(str(tmp_path)) == [str(stale)]
+    assert live.exists() and other.exists() and plain.exists() and not stale.exists()

@@ -4,12 +4,16 @@ uvicorn, talking to the engine process over ZMQ. Started by `engine_proc.serve_e
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import hmac
 import json
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
 
 import msgspec
 import prometheus_client
@@ -20,27 +24,47 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 from ... import __version__
-from ..llm import eos_token_ids_of, load_tokenizer
+from ..inputs import eos_token_ids_of, load_tokenizer
 from . import anthropic_api, openai_api, responses_api
 from .args import ServerArgs
 from .client import EngineClient, EngineDeadError
 from .context import ServeContext, cancel_on_disconnect
 from .metrics import Metrics
-from .protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                              CountTokensRequest, DerenderRequest,
-                                              DetokenizeRequest, MessagesRequest,
-                                              RequestIdMiddleware, ResponsesRequest,
-                                              TokenizeRequest, validation_param)
+from .protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    CountTokensRequest,
+    DerenderRequest,
+    DetokenizeRequest,
+    MessagesRequest,
+    RequestIdMiddleware,
+    ResponsesRequest,
+    TokenizeRequest,
+    validation_param,
+)
 
 log = logging.getLogger("rankserve.serve")
 
 DEAD_EXIT_S = 5.0  # after the engine died: answer 503 this long, then exit
+FINAL_FLUSH_S = 2.0  # after the shutdown grace: time to send the error endings, then exit
 GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+class SafeJSONResponse(JSONResponse):
+    """JSON that renders whatever the message quotes back (e.g. a lone surrogate from the
+    request): \\u escapes instead of a UnicodeEncodeError while answering an error."""
+
+    def render(self, content) -> bytes:
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return json.dumps(content, separators=(",", ":")).encode()
 
 
 def error_response(path: str, err: APIError) -> JSONResponse:
     body = err.anthropic_body() if path.startswith("/v1/messages") else err.openai_body()
-    return JSONResponse(body, status_code=err.status)
+    return SafeJSONResponse(body, status_code=err.status)
 
 
 def validation_message(exc: RequestValidationError) -> str:
@@ -53,28 +77,122 @@ def validation_message(exc: RequestValidationError) -> str:
     return "; ".join(msgs) or "invalid request"
 
 
-class APIKeyMiddleware:
-    """`--api-key`: /v1 endpoints need `Authorization: Bearer KEY` (OpenAI clients) or
-    `x-api-key: KEY` (Anthropic clients). Checked before the body is read."""
+OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})  # no API key needed (documented)
+SHUTDOWN_OPEN_PATHS = frozenset({"/version", "/metrics"})  # still answered while draining
 
-    def __init__(self, app, key: str):
-        self.app, self.key = app, key.encode()
+
+def _key_digest(key: bytes) -> bytes:
+    return hashlib.sha256(key).digest()  # equal lengths: compare_digest then leaks nothing
+
+
+class ServeState:
+    """What the middleware and the shutdown share: requests in flight, and whether we drain."""
+
+    def __init__(self):
+        self.inflight = 0
+        self.draining: str | None = None  # why new requests get a 503
+
+
+class ServeMiddleware:
+    """Outermost layer of every HTTP request, in this order:
+    - while shutting down, new requests get a 503 (`/version`, `/metrics` still answer);
+    - the API key (`--api-key`, env, file) on every route but /health, /version and /metrics:
+      `Authorization: Bearer KEY` (OpenAI clients) or `x-api-key: KEY` (Anthropic clients),
+      checked before the body is read;
+    - the body limit (`--max-request-body-bytes`): 413 from Content-Length, or as soon as a
+      chunked body grows past it; the body is read here, then handed to the app;
+    - any unexpected exception becomes a JSON 500 in the route's error format, and the
+      connection stays usable (raising into uvicorn would reset it)."""
+
+    def __init__(self, app, state: ServeState, key: str | None, max_body: int):
+        self.app, self.state, self.max_body = app, state, max_body
+        self.key = _key_digest(key.encode()) if key else None
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            headers = dict(scope["headers"])
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        reply = _replier(scope, send)
+        if self.state.draining and path not in SHUTDOWN_OPEN_PATHS:
+            return await reply(APIError(self.state.draining, 503), close=True)
+        headers = dict(scope["headers"])
+        if self.key is not None and path not in OPEN_PATHS:
             auth = headers.get(b"authorization", b"")
             given = auth[7:] if auth[:7].lower() == b"bearer " else headers.get(b"x-api-key", b"")
-            if not hmac.compare_digest(given.strip(), self.key):
-                err = APIError("Invalid or missing API key", 401, code="invalid_api_key")
-                await error_response(scope["path"], err)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+            if not hmac.compare_digest(_key_digest(given.strip()), self.key):
+                return await reply(APIError("Invalid or missing API key", 401,
+                                            code="invalid_api_key"))
+        self.state.inflight += 1
+        started = False
+
+        async def send_(message):
+            nonlocal started
+            started = True
+            await send(message)
+        try:
+            if scope["method"] not in ("GET", "HEAD", "OPTIONS"):
+                receive = await self._read_body(headers, receive)
+                if receive is _GONE:  # the client left before its body was complete
+                    return
+                if receive is None:
+                    return await reply(APIError(
+                        f"the request body is larger than {self.max_body} bytes "
+                        "(--max-request-body-bytes)", 413, code="request_too_large"), close=True)
+            await self.app(scope, receive, send_)
+        except Exception as e:
+            log.exception("internal error on %s", path)
+            if not started:
+                await reply(APIError(f"internal error: {type(e).__name__}: {e}", 500))
+            # else: the response is under way; uvicorn closes the connection after it
+        finally:
+            self.state.inflight -= 1
+
+    async def _read_body(self, headers: dict, receive):
+        """The whole body (None if over the limit), then the app gets it back from a receive
+        that afterwards passes through (disconnect notices)."""
+        try:
+            if int(headers.get(b"content-length", b"0")) > self.max_body:
+                return None
+        except ValueError:
+            pass
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return _GONE
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body:
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                first = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                break
+        pending = [first]
+
+        async def receive_():
+            return pending.pop() if pending else await receive()
+        return receive_
 
 
-def build_app(ctx: ServeContext, metrics: Metrics) -> FastAPI:
+_GONE = object()
+
+
+def _replier(scope, send):
+    async def reply(err: APIError, close: bool = False):
+        resp = error_response(scope["path"], err)
+        if close:  # the rest of the body is not read: this connection cannot be reused
+            resp.headers["Connection"] = "close"
+        await resp(scope, None, send)
+    return reply
+
+
+def build_app(ctx: ServeContext, metrics: Metrics, state: ServeState | None = None) -> FastAPI:
+    """The app; /openapi.json (behind the API key) describes it (the fuzz suite reads it)."""
     app = FastAPI(title="rankserve", version=__version__, docs_url=None, redoc_url=None)
     client = ctx.client
+    state = state or ServeState()
+    app.state.serve = state
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -92,11 +210,6 @@ def build_app(ctx: ServeContext, metrics: Metrics) -> FastAPI:
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(request: Request, exc: EngineDeadError):
         return error_response(request.url.path, APIError(str(exc), 503))
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception):
-        log.exception("internal error on %s", request.url.path)
-        return error_response(request.url.path, APIError(f"internal error: {exc}", 500))
 
     # ---- service ------------------------------------------------------------------------------
     @app.get("/health")
@@ -117,13 +230,16 @@ def build_app(ctx: ServeContext, metrics: Metrics) -> FastAPI:
     async def reset_prefix_cache():
         return {"reset": await client.call("reset_prefix_cache")}
 
+    # tokenization, chat templates and decoding run in ctx's threads, never on the event loop;
+    # the generation routes render ahead of their handler (ctx.prepare)
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
-        return openai_api.tokenize(ctx, req)
+        ctx.check_prompt_chars(req.prompt, "prompt")
+        return await ctx.run_sync(openai_api.tokenize, ctx, req)
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
-        return openai_api.detokenize(ctx, req)
+        return await ctx.run_sync(openai_api.detokenize, ctx, req)
 
     # ---- /v1 ----------------------------------------------------------------------------------
     v1 = APIRouter(prefix="/v1")
@@ -138,42 +254,56 @@ def build_app(ctx: ServeContext, metrics: Metrics) -> FastAPI:
 
     @v1.post("/completions")
     async def completions(req: CompletionRequest, request: Request):
+        await ctx.prepare(openai_api.completion_prompts, ctx, req.prompt)
         return await cancel_on_disconnect(request.receive, openai_api.create_completion(ctx, req))
 
     @v1.post("/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request):
+        await ctx.prepare(openai_api.prepare_chat, ctx, req)
         return await cancel_on_disconnect(request.receive,
                                           openai_api.create_chat_completion(ctx, req))
 
     @v1.post("/completions/render")
     async def render_completion(req: CompletionRequest):
-        return openai_api.render_completion(ctx, req)
+        return await ctx.run_sync(openai_api.render_completion, ctx, req)
 
     @v1.post("/chat/completions/render")
     async def render_chat(req: ChatCompletionRequest):
-        return openai_api.render_chat(ctx, req)
+        return await ctx.run_sync(openai_api.render_chat, ctx, req)
 
     @v1.post("/chat/completions/derender")
     async def derender(req: DerenderRequest):
-        return openai_api.derender(ctx, req)
+        return await ctx.run_sync(openai_api.derender, ctx, req)
 
     @v1.post("/messages")
     async def messages(req: MessagesRequest, request: Request):
+        await ctx.prepare(anthropic_api._render, ctx, req)
         return await cancel_on_disconnect(request.receive, anthropic_api.create_message(ctx, req))
 
     @v1.post("/messages/count_tokens")
     async def count_tokens(req: CountTokensRequest):
-        return anthropic_api.count_tokens(ctx, req)
+        return await ctx.run_sync(anthropic_api.count_tokens, ctx, req)
 
     @v1.post("/responses")
     async def responses(req: ResponsesRequest, request: Request):
+        await ctx.prepare(_render_response, ctx, req)
         return await cancel_on_disconnect(request.receive, responses_api.create_response(ctx, req))
 
     app.include_router(v1)
-    if ctx.args.api_key:
-        app.add_middleware(APIKeyMiddleware, key=ctx.args.api_key)
-    app.add_middleware(RequestIdMiddleware)  # outermost: 401s carry the id too
+    app.add_middleware(ServeMiddleware, state=state, key=ctx.args.api_key,
+                       max_body=ctx.args.max_request_body_bytes)
+    app.add_middleware(RequestIdMiddleware)  # outermost: errors and 401s carry the id too
     return app
+
+
+def _render_response(ctx: ServeContext, req: ResponsesRequest) -> None:
+    """The chat rendering that responses_api.create_response does (run ahead, off the loop)."""
+    tools, choice = responses_api.to_tools(req.tools), responses_api._tool_choice(req.tool_choice)
+    kwargs = {}
+    if req.reasoning is not None and req.reasoning.get("effort") is not None:
+        kwargs["enable_thinking"] = req.reasoning["effort"] not in ("none", "minimal")
+    ctx.render_chat(responses_api.to_chat(req.instructions, req.input),
+                    tools if choice != "none" else None, kwargs)
 
 
 def _model_files(model: str) -> tuple[str | None, dict]:
@@ -195,6 +325,61 @@ def public_url(host: str, port: int) -> str:
     return f"http://{host}:{port}"
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn with a graceful SIGTERM/SIGINT: new requests get a 503 at once, requests in flight
+    get `--shutdown-timeout` seconds to finish, then the rest end with an error (an SSE error
+    event, or a JSON 503) and the server exits. A second SIGINT exits at once."""
+
+    def __init__(self, config: uvicorn.Config, state: ServeState, client: EngineClient,
+                 grace_s: float):
+        super().__init__(config)
+        self.state, self.client, self.grace_s = state, client, grace_s
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.drain_task: asyncio.Task | None = None
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self.drain_task is not None or self.loop is None:
+            if sig == signal.SIGINT or self.loop is None:
+                super().handle_exit(sig, frame)  # the second Ctrl-C: now
+            return
+        self.loop.call_soon_threadsafe(self._start_drain, sig)
+
+    def _start_drain(self, sig: int) -> None:
+        if self.drain_task is None:
+            self.drain_task = asyncio.ensure_future(self.drain(signal.Signals(sig).name))
+
+    async def drain(self, why: str) -> None:
+        self.state.draining = "the server is shutting down"
+        log.info("%s: draining %d request(s) for up to %.3g s", why, self.state.inflight,
+                 self.grace_s)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.grace_s
+        while self.state.inflight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.state.inflight:
+            log.warning("shutdown: ending %d request(s) still in flight", self.state.inflight)
+            self.client.end_all("the server is shutting down: the request did not finish within "
+                                f"the shutdown timeout ({self.grace_s:g} s)")
+            deadline = loop.time() + FINAL_FLUSH_S
+            while self.state.inflight and loop.time() < deadline:
+                await asyncio.sleep(0.02)
+        self.should_exit = True
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        """Like uvicorn's, without raising the signal again at the end (a drained shutdown
+        exits 0)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        old = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+
 async def serve(settings: dict) -> int:
     args = ServerArgs(**settings["server_args"])
     tokenizer = load_tokenizer(settings["tokenizer"])
@@ -206,11 +391,13 @@ async def serve(settings: dict) -> int:
     model_type, defaults = _model_files(settings["model"])
     ctx = ServeContext(args, settings["served_model_name"], settings["model"], tokenizer, client,
                        model_type, defaults)
-    config = uvicorn.Config(build_app(ctx, metrics), host=args.host, port=args.port,
-                            log_level=args.uvicorn_log_level, timeout_graceful_shutdown=3,
+    state = ServeState()
+    config = uvicorn.Config(build_app(ctx, metrics, state), host=args.host, port=args.port,
+                            log_level=args.uvicorn_log_level,
+                            timeout_graceful_shutdown=FINAL_FLUSH_S,
                             access_log=args.uvicorn_log_level in ("info", "debug"))
-    server = uvicorn.Server(config)
-    loop = asyncio.get_running_loop()
+    server = DrainingServer(config, state, client, args.shutdown_timeout)
+    loop = server.loop = asyncio.get_running_loop()
     client.on_dead = lambda: loop.call_later(DEAD_EXIT_S, setattr, server, "should_exit", True)
 
     async def announce():
@@ -222,6 +409,7 @@ async def serve(settings: dict) -> int:
         await server.serve()
     finally:
         task.cancel()
+        ctx.pool.shutdown(wait=False, cancel_futures=True)
         await client.stop()
     return 0 if server.started else 1
 

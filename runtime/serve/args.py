@@ -4,6 +4,7 @@ EngineConfig (`doc` metadata is the help)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 from ..config import opt
@@ -14,7 +15,15 @@ class ServerArgs:
     host: str = opt("127.0.0.1", "address the HTTP server binds (0.0.0.0: all interfaces)")
     port: int = opt(8000, "HTTP port")
     api_key: str | None = opt(None, "require `Authorization: Bearer KEY` (or `x-api-key: KEY`) "
-                                    "on /v1 endpoints")
+                                    "on every endpoint but /health, /version and /metrics; "
+                                    "also from env RANKSERVE_API_KEY or VLLM_API_KEY, or "
+                                    "--api-key-file (keeps it out of `ps`)")
+    api_key_file: str | None = opt(None, "read the API key from this file (first line)")
+    max_request_body_bytes: int = opt(8 * 1024 * 1024, "largest request body accepted; larger "
+                                                       "ones get a 413")
+    shutdown_timeout: float = opt(10.0, "after SIGTERM/SIGINT: new requests get a 503 and "
+                                        "requests in flight get this many seconds to finish, "
+                                        "then end with an error")
     renderer: str = opt("auto", "chat renderer: auto, hf (the tokenizer's chat template), "
                                 "mistral, deepseek_v3")
     tool_call_parser: str | None = opt(None, "tool-call format of the model's output, e.g. "
@@ -31,9 +40,13 @@ class ServerArgs:
     uvicorn_log_level: str = opt("warning", "uvicorn's log level",
                                  choices=("critical", "error", "warning", "info", "debug"))
 
-    def validate(self) -> "ServerArgs":
+    def validate(self) -> ServerArgs:
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
+        if self.max_request_body_bytes < 1:
+            raise ValueError("--max-request-body-bytes must be positive")
+        if not self.shutdown_timeout >= 0:
+            raise ValueError("--shutdown-timeout must be >= 0")
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         if self.engine_address and not self.engine_address.startswith(("ipc://", "tcp://")):
@@ -52,6 +65,22 @@ class ServerArgs:
                 except ValueError as e:
                     raise ValueError(f"{flag}: {e}") from None
         return self
+
+    def resolve_api_key(self, environ: dict | None = None) -> ServerArgs:
+        """The key from, in order: --api-key, --api-key-file, RANKSERVE_API_KEY, VLLM_API_KEY
+        (an empty value counts as unset). Returns a copy that carries it in `api_key`."""
+        env = os.environ if environ is None else environ
+        key = self.api_key
+        if not key and self.api_key_file:
+            try:
+                with open(self.api_key_file) as f:
+                    key = f.readline().strip()
+            except OSError as e:
+                raise ValueError(f"--api-key-file: {e}") from None
+            if not key:
+                raise ValueError(f"--api-key-file: {self.api_key_file} is empty")
+        key = key or env.get("RANKSERVE_API_KEY") or env.get("VLLM_API_KEY") or None
+        return dataclasses.replace(self, api_key=key)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -14,9 +14,14 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from ..llm import engine_request
-from ..messages import (EngineCoreOutputs, EngineCoreRequestType, LogprobsEntry,
-                                        encoder, outputs_decoder)
+from ..inputs import engine_request
+from ..messages import (
+    EngineCoreOutputs,
+    EngineCoreRequestType,
+    LogprobsEntry,
+    encoder,
+    outputs_decoder,
+)
 from ..outputs import OutputProcessor
 from ..sampling_params import SamplingParams
 from .metrics import Metrics
@@ -26,6 +31,10 @@ log = logging.getLogger("rankserve.serve")
 
 class EngineDeadError(RuntimeError):
     """The engine is gone; the API answers 503."""
+
+
+class ServerShutdownError(EngineDeadError):
+    """The server is shutting down and the request ran out of time (503)."""
 
 
 class RequestError(ValueError):
@@ -49,7 +58,7 @@ class RequestStream:
     """The updates of one request (all its choices) in arrival order. `close()` aborts whatever
     has not finished; call it when the client goes away."""
 
-    def __init__(self, client: "EngineClient", request_id: str, child_ids: list[str]):
+    def __init__(self, client: EngineClient, request_id: str, child_ids: list[str]):
         self.client, self.request_id, self.child_ids = client, request_id, child_ids
         self.queue: asyncio.Queue = asyncio.Queue()
         self.unfinished = set(child_ids)
@@ -85,7 +94,7 @@ class RequestStream:
 
 
 class _Child:
-    __slots__ = ("stream", "index", "first", "last", "num_prompt")
+    __slots__ = ("first", "index", "last", "num_prompt", "stream")
 
     def __init__(self, stream: RequestStream, index: int, num_prompt: int):
         self.stream, self.index, self.num_prompt = stream, index, num_prompt
@@ -105,6 +114,7 @@ class EngineClient:
         self.calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self.dead: str | None = None
+        self.closing: str | None = None  # set when shutting down: no new requests
         self.on_dead = None  # callback: the app schedules its own shutdown
         self.model_info: dict = {}
 
@@ -127,8 +137,8 @@ class EngineClient:
     def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                  prompt: str | None = None, priority: int = 0,
                  request_id: str | None = None) -> RequestStream:
-        if self.dead:
-            raise EngineDeadError(self.dead)
+        if self.dead or self.closing:
+            raise (EngineDeadError(self.dead) if self.dead else ServerShutdownError(self.closing))
         rid = request_id or uuid.uuid4().hex
         child_ids = self.processor.add_request(rid, prompt, prompt_token_ids, params)
         stream = RequestStream(self, rid, child_ids)
@@ -172,7 +182,7 @@ class EngineClient:
             msg = await self.sock.recv()
             try:
                 self._handle(outputs_decoder.decode(msg))
-            except Exception:  # noqa: BLE001  (keep serving the other requests)
+            except Exception:
                 log.exception("failed to process engine outputs")
 
     def _handle(self, outs: EngineCoreOutputs) -> None:
@@ -225,6 +235,14 @@ class EngineClient:
             await asyncio.sleep(0.5)
             if os.getppid() != self.engine_pid:
                 self._mark_dead("the engine process exited")
+
+    def end_all(self, why: str) -> None:
+        """Shutdown: every unfinished request ends with ServerShutdownError (its handler
+        aborts it in the engine), and no new one is accepted."""
+        self.closing = why
+        for stream in list(self.streams.values()):
+            if stream.unfinished:
+                stream.queue.put_nowait(ServerShutdownError(why))
 
     def _mark_dead(self, why: str) -> None:
         if self.dead:

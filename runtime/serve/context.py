@@ -4,9 +4,12 @@ when the client goes away)."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
-from typing import Any, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import msgspec
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -14,11 +17,54 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from ..parse import ContentDelta, Delta, ParsedMessage, ToolCallDelta, make_parser
 from ..render import get_renderer
 from .args import ServerArgs
-from .client import (EngineClient, EngineDeadError, RequestError,
-                                            RequestStream, Update)
+from .client import EngineClient, EngineDeadError, RequestError, RequestStream, Update
 from .protocol import APIError
 
 log = logging.getLogger("rankserve.serve")
+
+TOKENIZER_THREADS = 2  # tokenization and chat rendering run here, never on the event loop
+PROMPT_CHARS_SLACK = 2  # a prompt over 2 × max_model_len × (longest token in characters) is refused
+
+
+class _Renders:
+    """Tokenizations done ahead of a handler in the thread pool (`ServeContext.prepare`): while
+    `recording`, results are kept by their arguments; then the handler, on the event loop, gets
+    them back instead of tokenizing again. A miss only means the work is done again."""
+
+    def __init__(self):
+        self.recording, self.items = True, []
+
+    def run(self, key: tuple, fn: Callable[[], Any]):
+        if self.recording:
+            try:
+                result = fn()
+            except Exception as e:
+                self.items.append((key, None, e))
+                raise
+            self.items.append((key, result, None))
+            return result
+        for i, (k, result, err) in enumerate(self.items):
+            if k == key:
+                del self.items[i]
+                if err is not None:
+                    raise err
+                return result
+        return fn()
+
+
+_RENDERS: contextvars.ContextVar[_Renders | None] = contextvars.ContextVar("rankserve_renders",
+                                                                            default=None)
+
+
+def _text_chars(obj: Any) -> int:
+    """Characters of all the strings in a JSON-like value (what a renderer could put in a prompt)."""
+    if isinstance(obj, str):
+        return len(obj)
+    if isinstance(obj, dict):
+        return sum(_text_chars(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_text_chars(v) for v in obj)
+    return 0
 
 
 class PlainParser:
@@ -55,6 +101,54 @@ class ServeContext:
             make_parser(tokenizer, args.tool_call_parser, args.reasoning_parser)
         self._token_text: dict[int, str] = {}
         self._anchor: list[int] | None = None
+        self.pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="rankserve-tok")
+        self.max_prompt_chars = self._max_prompt_chars()
+
+    def _max_prompt_chars(self) -> int | None:
+        """No token is longer than the longest vocabulary entry, so a text with more characters
+        than max_model_len × that cannot fit: it is refused before any tokenization."""
+        max_len = self.client.model_info.get("max_model_len") if self.client else None
+        if not max_len or self.tokenizer is None:
+            return None
+        try:
+            longest = max(len(t) for t in self.tokenizer.get_vocab())
+        except Exception:  # noqa: BLE001  (a tokenizer without a vocabulary listing)
+            return None
+        return PROMPT_CHARS_SLACK * max_len * max(longest, 1)
+
+    # ---- off the event loop -----------------------------------------------------------------
+    async def run_sync(self, fn: Callable, *args):
+        """Run blocking work (tokenization, chat templates, decoding) in the tokenizer threads."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    async def prepare(self, fn: Callable, *args) -> None:
+        """Run a handler's rendering step (`fn(*args)`) in the tokenizer threads ahead of the
+        handler; the handler's own `encode` / `render_chat` calls with the same arguments then
+        return at once. Errors are left for the handler to raise in its own order."""
+        renders = _Renders()
+
+        def record():
+            token = _RENDERS.set(renders)
+            try:
+                fn(*args)
+            except Exception as e:  # noqa: BLE001  (the handler raises it again, in its order)
+                log.debug("rendering ahead failed: %s", e)
+            finally:
+                _RENDERS.reset(token)
+        await self.run_sync(record)
+        renders.recording = False
+        _RENDERS.set(renders)  # this request's task (and the tasks it starts) replay them
+
+    def check_prompt_chars(self, text: Any, param: str) -> None:
+        """A cheap bound before tokenizing: refuse text that cannot fit in the context."""
+        limit = self.max_prompt_chars
+        if limit is None:
+            return
+        n = _text_chars(text)
+        if n > limit:
+            raise APIError(f"the prompt is too long: {n} characters cannot fit in this model's "
+                           f"context of {self.client.model_info['max_model_len']} tokens",
+                           param=param, code="context_length_exceeded")
 
     # ---- requests ---------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -68,22 +162,34 @@ class ServeContext:
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             self.need_tokenizer()
-        try:
-            return self.renderer.render_completion(prompt) if self.renderer else list(prompt)
-        except ValueError as e:
-            raise APIError(str(e), param="prompt") from None
+            self.check_prompt_chars(prompt, "prompt")
+
+        def run():
+            try:
+                return self.renderer.render_completion(prompt) if self.renderer else list(prompt)
+            except ValueError as e:
+                raise APIError(str(e), param="prompt") from None
+        renders = _RENDERS.get()
+        return renders.run(("encode", prompt), run) if renders else run()
 
     def render_chat(self, messages: list[dict], tools: list[dict] | None,
                     template_kwargs: dict | None = None, add_generation_prompt: bool = True,
                     continue_final_message: bool = False,
                     chat_template: str | None = None) -> list[int]:
         self.need_tokenizer()
-        try:
-            return self.renderer.render_chat(messages, tools, template_kwargs,
-                                             add_generation_prompt, continue_final_message,
-                                             chat_template)
-        except ValueError as e:
-            raise APIError(str(e), param="messages") from None
+        self.check_prompt_chars(messages, "messages")
+
+        def run():
+            try:
+                return self.renderer.render_chat(messages, tools, template_kwargs,
+                                                 add_generation_prompt, continue_final_message,
+                                                 chat_template)
+            except ValueError as e:
+                raise APIError(str(e), param="messages") from None
+        renders = _RENDERS.get()
+        key = ("chat", messages, tools, template_kwargs, add_generation_prompt,
+               continue_final_message, chat_template)
+        return renders.run(key, run) if renders else run()
 
     def tools_enabled(self, tools: list | None, tool_choice: Any) -> bool:
         """Whether the output is parsed for tool calls; refuses the choices we cannot honour."""
@@ -200,18 +306,28 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 async def _guarded(events: AsyncIterator[bytes], error_body) -> AsyncIterator[bytes]:
-    """An error after the stream began can only be reported inside it."""
+    """An error after the stream began can only be reported inside it: OpenAI streams get the
+    error object then `data: [DONE]`; streams of named events (Anthropic, Responses) an `error`
+    event (Anthropic's error body; Responses' `{"type": "error", "code", "message", "param"}`)."""
+    named = False
     try:
         async for chunk in events:
+            named = named or chunk.startswith(b"event: ")
             yield chunk
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         if isinstance(e, (EngineDeadError, RequestError)):
             err = APIError(str(e), 503 if isinstance(e, EngineDeadError) else 400)
         else:
             log.exception("error while streaming a response")
             err = APIError(f"internal error: {e}", 500)
         body = error_body(err)
-        yield sse(body, "error" if body.get("type") == "error" else None)  # Anthropic names it
+        if body.get("type") == "error":  # Anthropic
+            yield sse(body, "error")
+        elif named:  # Responses
+            yield sse({**body["error"], "type": "error"}, "error")
+        else:
+            yield sse(body)
+            yield SSE_DONE
 
 
 class SSEResponse(StreamingResponse):

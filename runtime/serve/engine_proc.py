@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -25,21 +26,64 @@ import zmq
 
 from ..config import EngineConfig
 from ..engine_core import EngineCore
-from ..messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequestType,
-                                        FinishReason, encoder, request_decoder)
+from ..messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequestType,
+    FinishReason,
+    encoder,
+    request_decoder,
+)
 from .args import ServerArgs
 
 log = logging.getLogger("rankserve.serve")
 
 IDLE_POLL_MS = 100  # how long an idle engine blocks waiting for input (also the child-check period)
-DRAIN_TIMEOUT_S = 10.0  # after SIGINT/SIGTERM: how long the API gets to finish before it is killed
+DRAIN_MARGIN_S = 5.0  # after SIGINT/SIGTERM the API gets --shutdown-timeout + this, then is killed
+IPC_PREFIX = "rankserve-"
 DEAD_GRACE_S = 2.0  # after an engine error: time for the API to answer in-flight requests
+
+
+def remove_stale_sockets(directory: str | None = None) -> list[str]:
+    """Remove the private ipc:// socket files (`rankserve-PID-xxxxxxxx`) of engine processes that
+    no longer exist (left behind by a crash or a SIGKILL); only our own user's sockets."""
+    directory = directory or tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        pid = name[len(IPC_PREFIX):].split("-", 1)[0]
+        if not (name.startswith(IPC_PREFIX) and pid.isdigit()):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.getuid() or _alive(int(pid)):
+                continue
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            continue
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def engine_addresses(engine_address: str | None) -> tuple[str, str]:
     """(address the engine binds, address the API connects to)."""
     if not engine_address:
-        path = os.path.join(tempfile.gettempdir(), f"rankserve-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        path = os.path.join(tempfile.gettempdir(),
+                            f"{IPC_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}")
         return f"ipc://{path}", f"ipc://{path}"
     if engine_address.startswith("tcp://"):
         host, _, port = engine_address[len("tcp://"):].rpartition(":")
@@ -97,7 +141,7 @@ class EngineServer:
             kind, payload = frames[1], frames[2] if len(frames) > 2 else b""
             try:
                 self.handle(EngineCoreRequestType(kind), payload)
-            except Exception:  # noqa: BLE001  (one bad message must not stop the engine)
+            except Exception:
                 log.exception("bad message from the API process")
 
     def handle(self, kind: EngineCoreRequestType, payload: bytes) -> None:
@@ -137,7 +181,9 @@ class EngineServer:
         return True
 
     # ---- the loop -----------------------------------------------------------------------------
-    def run(self, api: subprocess.Popen, stop: list[bool]) -> int:
+    def run(self, api: subprocess.Popen, stop: list[bool], drain_s: float) -> int:
+        """Serve until the API process exits; after a signal, keep serving while the API drains
+        (it stops taking requests and finishes those in flight), killing it after `drain_s`."""
         deadline = None
         while True:
             code = api.poll()
@@ -149,7 +195,7 @@ class EngineServer:
             if (stop[0] or self.stop_requested) and deadline is None:
                 log.info("shutting down: stopping the API process")
                 api.send_signal(signal.SIGTERM)
-                deadline = time.monotonic() + DRAIN_TIMEOUT_S
+                deadline = time.monotonic() + drain_s
             if deadline is not None and time.monotonic() > deadline:
                 api.kill()
                 api.wait()
@@ -178,7 +224,10 @@ def serve_engine(cfg: EngineConfig, server_args: ServerArgs, executor, *,
     environment: pass it scrubbed of MPI/PMI/Slurm variables (launch.discovery.scrub_launcher_env)
     so that the child never takes itself for an MPI rank. The caller owns `executor` (and shuts
     it down). Exit code 0 after a signal, 1 when the engine failed or the API process died."""
-    server_args.validate()
+    server_args = server_args.validate().resolve_api_key()
+    drain_s = server_args.shutdown_timeout + DRAIN_MARGIN_S
+    for path in remove_stale_sockets():
+        log.info("removed the stale socket %s", path)
     bind, connect = engine_addresses(server_args.engine_address)
     stop = [False]
 
@@ -190,7 +239,7 @@ def serve_engine(cfg: EngineConfig, server_args: ServerArgs, executor, *,
     try:
         server = EngineServer(EngineCore(cfg, executor), cfg, bind)
         try:
-            return server.run(api, stop)
+            return server.run(api, stop, drain_s)
         except Exception as e:  # noqa: BLE001  (tell the API, which answers 503, then exit)
             log.error("engine failed:\n%s", traceback.format_exc())
             server.send(EngineCoreOutputs(engine_dead=f"{type(e).__name__}: {e}"))
@@ -200,7 +249,7 @@ def serve_engine(cfg: EngineConfig, server_args: ServerArgs, executor, *,
         if api.poll() is None:
             api.terminate()
             try:
-                api.wait(DRAIN_TIMEOUT_S)
+                api.wait(drain_s)
             except subprocess.TimeoutExpired:
                 api.kill()
                 api.wait()
