@@ -333,7 +333,8 @@ def test_gpu_cuda_graph_capture(decode):
     B = 8
     q_lens = [1] * B if decode else [1, 40, 1, 200, 3, 1, 0, 1]
     seq = [100, 900, 5, 2000, 64, 1, 0, 3000] if not decode else [100, 900, 5, 2000, 64, 1, 7, 3]
-    q, kc, vc, qsl, sl, bt = make_batch(q_lens, seq, pad_tokens=2, **REAL)
+    # a decode step has one row per request: the runner pads it with padding requests, not tokens
+    q, kc, vc, qsl, sl, bt = make_batch(q_lens, seq, pad_tokens=0 if decode else 2, **REAL)
     T, H, D = q.shape
     qkv = torch.randn(T, (H + 16) * D, device="cuda", dtype=torch.bfloat16)
     qkv[:, :H * D] = q.view(T, -1)
