@@ -37,6 +37,9 @@ KNOBS: dict[str, Knob] = {
                                "torch.distributed even where deepspeed is installed"),
     "RANKSERVE_API_KEY": Knob(None, str, "API key of `rankserve serve` (instead of --api-key, "
                               "which `ps` shows); VLLM_API_KEY is read too"),
+    # test-suite knobs: how long the bounded fuzz and soak runs are (CI keeps the defaults)
+    "RANKSERVE_FUZZ_EXAMPLES": Knob(12, int, "generated examples per route in tests/test_fuzz_api.py"),
+    "RANKSERVE_SOAK_SECONDS": Knob(60.0, float, "duration of tests/test_soak.py"),
 }
 
 

@@ -120,3 +120,16 @@ def interp():
             os.environ["TRITON_INTERPRET"] = old
     yield lambda fn, *args: pool.submit(fn, *args).result()
     pool.shutdown()
+
+
+# clients of the module's `server` fixture (each server test module starts its own server)
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    import anthropic
+    return anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)

@@ -37,14 +37,6 @@ def http(server):
         yield c
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def claude(server):
-    return anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
 
 
 def post(http, path: str, body) -> httpx.Response:

@@ -41,14 +41,6 @@ def server(model_dir):
     s.stop()
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def claude(server):
-    return anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import time
 from collections import Counter
@@ -15,11 +14,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from rankserve.runtime import envs
 from test_server import Server, metric
 
 pytestmark = pytest.mark.slow
 
-SECONDS = float(os.environ.get("RANKSERVE_SOAK_SECONDS", "60"))
+SECONDS = envs.get("RANKSERVE_SOAK_SECONDS")
 CLIENTS = 8
 KEY = "sk-soak"
 

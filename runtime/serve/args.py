@@ -7,6 +7,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from .. import envs
 from ..config import opt
 
 
@@ -79,7 +80,7 @@ class ServerArgs:
                 raise ValueError(f"--api-key-file: {e}") from None
             if not key:
                 raise ValueError(f"--api-key-file: {self.api_key_file} is empty")
-        key = key or env.get("RANKSERVE_API_KEY") or env.get("VLLM_API_KEY") or None
+        key = key or envs.get("RANKSERVE_API_KEY", env) or env.get("VLLM_API_KEY") or None
         return dataclasses.replace(self, api_key=key)
 
     def to_dict(self) -> dict:
