@@ -14,6 +14,30 @@ class ParamError(ValueError):
         self.param = param
 
 
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):
+    """One output constraint (vLLM's `structured_outputs`): exactly one of the fields below."""
+    json: dict | str | None = None  # a JSON schema (object or its text)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF / GBNF
+    json_object: bool = False  # any JSON object
+    structural_tag: str | None = None  # xgrammar structural tag (JSON text)
+    # the constraint starts after this token (a reasoning model's end-of-reasoning token): the
+    # reasoning itself is free text; None: from the first output token
+    start_after_token_id: int | None = None
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+    @property
+    def kind(self) -> str:
+        """The one constraint that is set; ParamError if none or several."""
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ParamError("structured_outputs must set exactly one of "
+                             f"{', '.join(self.KINDS)}; got {given or 'none'}", "structured_outputs")
+        return given[0]
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True):
     n: int = 1
     temperature: float = 1.0
@@ -34,6 +58,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None  # token id → added to its logit (clamped to ±100)
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] = []  # never generated (as words; the frontend tokenizes them)
+    bad_words_token_ids: list[list[int]] = []  # filled by the frontend from bad_words
 
     def __post_init__(self):
         if isinstance(self.stop, str):
