@@ -221,7 +221,7 @@ def test_api_key(server):
     ({"prompt": "word " * 600}, 400, "max_model_len"),
     ({"prompt": [1, 99999]}, 400, "token ids"),
     ({"prompt": "hi", "echo": True}, 400, "echo"),
-    ({"prompt": "hi", "response_format": {"type": "json_object"}}, 400, "not supported yet"),
+    ({"prompt": "hi", "response_format": {"type": "yaml"}}, 400, "response_format.type"),
     ({"prompt": "hi", "min_tokens": 5, "max_tokens": 2}, 400, "min_tokens"),
 ])
 def test_bad_completion_requests(http, body, status, needle):

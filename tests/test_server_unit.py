@@ -19,7 +19,7 @@ from rankserve.runtime.serve import anthropic_api, responses_api
 from rankserve.runtime.serve.app import validation_message
 from rankserve.runtime.serve.args import ServerArgs
 from rankserve.runtime.serve.client import EngineClient, EngineDeadError
-from rankserve.runtime.serve.context import ChatRun, ServeContext
+from rankserve.runtime.serve.context import ChatRun, ServeContext, ToolMode
 from rankserve.runtime.serve.engine_proc import engine_addresses
 from rankserve.runtime.serve.metrics import Metrics
 from rankserve.runtime.serve.openai_api import chat_events
@@ -87,7 +87,7 @@ def test_chat_stream_with_tool_call_and_reasoning(tok):
         prompt = tok.apply_chat_template([{"role": "user", "content": "Paris?"}],
                                          add_generation_prompt=True, tokenize=True,
                                          return_dict=False)
-        run = ChatRun(ctx, prompt, 1, tools_on=True)
+        run = ChatRun(ctx, prompt, 1, ToolMode(parse=True))
         params = SamplingParams(max_tokens=100, skip_special_tokens=False)
         stream = ctx.client.generate(prompt, params, request_id="r1")
         feed(ctx.client, "r1", tok.encode(ANSWER) + [EOS])
@@ -170,12 +170,17 @@ def test_engine_refusal_and_engine_death(tok):
 def test_tools_enabled_rules(tok):
     tools = [{"type": "function", "function": {"name": "f"}}]
     ctx = make_ctx(tok)
-    assert ctx.tools_enabled(tools, None) and ctx.tools_enabled(tools, "auto")
-    assert not ctx.tools_enabled(tools, "none") and not ctx.tools_enabled(None, "auto")
-    with pytest.raises(APIError, match="not supported yet"):
-        ctx.tools_enabled(tools, "required")
+    assert ctx.tool_mode(tools, None).parse and ctx.tool_mode(tools, "auto").parse
+    assert not ctx.tool_mode(tools, "none").parse and not ctx.tool_mode(None, "auto").parse
+    assert ctx.tool_mode(tools, "auto", parallel=False).max_calls == 1
+    required = ctx.tool_mode(tools, "required", parallel=False)
+    assert required.forced == "required" and required.schema["maxItems"] == 1
+    named = ctx.tool_mode(tools, {"type": "function", "function": {"name": "f"}})
+    assert named.forced == "f" and named.structured().json == {"type": "object", "properties": {}}
+    with pytest.raises(APIError, match="not among the tools"):
+        ctx.tool_mode(tools, {"type": "function", "function": {"name": "g"}})
     with pytest.raises(APIError, match="--enable-auto-tool-choice"):
-        make_ctx(tok, enable_auto_tool_choice=False).tools_enabled(tools, "auto")
+        make_ctx(tok, enable_auto_tool_choice=False).tool_mode(tools, "auto")
     with pytest.raises(ValueError, match="unsupported parser"):
         make_ctx(tok, tool_call_parser="nonesuch")
 
@@ -283,7 +288,7 @@ def test_engine_death_mid_stream_ends_the_stream_with_an_error(tok):
     async def main():
         ctx = make_ctx(tok, reasoning_parser=None, tool_call_parser=None,
                        enable_auto_tool_choice=False)
-        run = ChatRun(ctx, [1, 2], 1, tools_on=False)
+        run = ChatRun(ctx, [1, 2], 1, ToolMode())
         stream = ctx.client.generate([1, 2], SamplingParams(max_tokens=50), request_id="r")
         feed(ctx.client, "r", tok.encode("Hello there"), finish=None)
         ctx.client._handle(EngineCoreOutputs(engine_dead="RuntimeError: CUDA error"))

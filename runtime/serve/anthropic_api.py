@@ -8,7 +8,7 @@ import json
 from typing import AsyncIterator
 
 from ..parse import ContentDelta, Delta, ParsedMessage, ReasoningDelta, ToolCallDelta
-from .context import ChatRun, ServeContext, sse
+from .context import ChatRun, ServeContext, ToolMode, sse
 from .protocol import (APIError, CountTokensRequest, MessagesRequest, SamplingRequest,
                        check_prompts, check_tool_schemas, random_id, sampling_params)
 
@@ -87,9 +87,6 @@ def to_tools(tools: list[dict] | None) -> list[dict] | None:
 def _tool_choice(tc: dict | None):
     if tc is None:
         return None
-    if tc.get("disable_parallel_tool_use"):
-        raise APIError("tool_choice.disable_parallel_tool_use is not supported yet",
-                       param="tool_choice")
     kind = tc.get("type")
     if kind == "tool":
         return {"type": "function", "function": {"name": tc.get("name")}}
@@ -98,31 +95,34 @@ def _tool_choice(tc: dict | None):
     return TOOL_CHOICE[kind]
 
 
-def _tools_enabled(ctx: ServeContext, tools, choice, tc: dict | None) -> bool:
-    """ctx.tools_enabled, with its refusals told in Anthropic's terms."""
+def _tool_mode(ctx: ServeContext, tools, choice, tc: dict | None) -> ToolMode:
+    """ctx.tool_mode, with its refusals told in Anthropic's terms."""
+    parallel = not (tc or {}).get("disable_parallel_tool_use", False)
     try:
-        return ctx.tools_enabled(tools, choice)
-    except APIError:
+        return ctx.tool_mode(tools, choice, parallel)
+    except APIError as e:
         kind = json.dumps({"type": (tc or {}).get("type", "auto")})
-        if choice in (None, "auto"):
+        if choice in (None, "auto") and e.param == "tool_choice":
             raise APIError(f"tool_choice {kind} needs the server started with "
                            "--enable-auto-tool-choice and --tool-call-parser",
                            param="tool_choice") from None
-        raise APIError(f"tool_choice {kind} is not supported yet (it needs guided decoding); "
-                       'use {"type": "auto"} or {"type": "none"}', param="tool_choice") from None
+        if isinstance(choice, dict):
+            raise APIError(f"tool_choice names the tool {(tc or {}).get('name')!r}, which is not "
+                           "among the tools", param="tool_choice") from None
+        raise
 
 
-def _render(ctx: ServeContext, req) -> tuple[list[int], bool]:
+def _render(ctx: ServeContext, req) -> tuple[list[int], ToolMode]:
     ctx.check_model(req.model)
     check_tool_schemas(req.tools, "input_schema", "tools[{i}].input_schema")
     tools = to_tools(req.tools)
     choice = _tool_choice(req.tool_choice)
     counting = isinstance(req, CountTokensRequest)  # counting calls nothing
-    tools_on = False if counting else _tools_enabled(ctx, tools, choice, req.tool_choice)
+    mode = ToolMode() if counting else _tool_mode(ctx, tools, choice, req.tool_choice)
     thinking = (req.thinking or {}).get("type") not in (None, "disabled")  # enabled, adaptive
     ids = ctx.render_chat(to_chat(req.system, req.messages), tools if choice != "none" else None,
                           {"enable_thinking": thinking})
-    return ids, tools_on
+    return ids, mode
 
 
 def stop_reason(finish: str | None, stop: int | str | None, tool_calls: bool) -> tuple[str, str | None]:
@@ -200,14 +200,15 @@ class BlockStream:
 
 
 async def create_message(ctx: ServeContext, req: MessagesRequest):
-    prompt_ids, tools_on = _render(ctx, req)
+    prompt_ids, mode = _render(ctx, req)
     check_prompts([prompt_ids], ctx.client.model_info, req.max_tokens, prompt_param="messages")
-    run = ChatRun(ctx, prompt_ids, 1, tools_on)
+    run = ChatRun(ctx, prompt_ids, 1, mode)
     sreq = SamplingRequest(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                            stop=req.stop_sequences)
     params = sampling_params(sreq, ctx.defaults, req.max_tokens, None,
                              run.parsers[0].skip_special_tokens,
-                             ctx.client.model_info.get("vocab_size"))
+                             ctx.client.model_info.get("vocab_size"),
+                             ctx.constraint(mode.structured(), prompt_ids))
     stream = ctx.client.generate(prompt_ids, params)
     mid = random_id("msg_")
 

@@ -7,6 +7,7 @@ import asyncio
 import contextvars
 import json
 import logging
+from dataclasses import dataclass
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -15,6 +16,10 @@ import msgspec
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..parse import ContentDelta, Delta, ParsedMessage, ToolCallDelta, make_parser
+from ..parse.families import token_id
+from ..parse.types import ToolCall, new_tool_call_id
+from ..inputs import bad_words_token_ids
+from ..sampling_params import SamplingParams, StructuredOutputsParams
 from ..render import get_renderer
 from .args import ServerArgs
 from .client import EngineClient, EngineDeadError, RequestError, RequestStream, Update
@@ -86,6 +91,56 @@ class PlainParser:
 
     def result(self) -> ParsedMessage:
         return ParsedMessage("".join(self.parts) or None)
+
+
+@dataclass(frozen=True)
+class ToolMode:
+    parse: bool = False  # auto: --tool-call-parser finds calls in the output
+    forced: str | None = None  # "required" or the forced function's name: constrained output
+    schema: dict | None = None  # the JSON schema of a forced output
+    max_calls: int | None = None  # parallel_tool_calls=false: 1
+
+    def structured(self) -> StructuredOutputsParams | None:
+        return StructuredOutputsParams(json=self.schema) if self.forced else None
+
+
+class ForcedToolParser:
+    """tool_choice required / named: the (constrained) content is JSON — a list of
+    {"name", "parameters"} or the named function's arguments — and becomes tool calls at the end.
+    Reasoning passes through the inner parser as it streams."""
+
+    def __init__(self, inner, forced: str):
+        self.inner, self.forced = inner, forced
+        self.skip_special_tokens = inner.skip_special_tokens
+        self.text: list[str] = []
+        self.calls: list[ToolCall] = []
+
+    def _split(self, deltas: list[Delta]) -> list[Delta]:
+        self.text += [d.text for d in deltas if isinstance(d, ContentDelta)]
+        return [d for d in deltas if not isinstance(d, ContentDelta)]
+
+    def feed(self, token_ids: list[int], text: str) -> list[Delta]:
+        return self._split(self.inner.feed(token_ids, text))
+
+    def finish(self, truncated: bool = False) -> list[Delta]:
+        out = self._split(self.inner.finish(truncated))
+        text = "".join(self.text).strip()
+        if truncated or not text:
+            return out  # an unfinished call is dropped, as with the parsers
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return out + [ContentDelta(text)]  # cannot happen under the constraint; keep the text
+        if self.forced == "required":
+            self.calls = [ToolCall(new_tool_call_id(), c["name"],
+                                   json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
+        else:
+            self.calls = [ToolCall(new_tool_call_id(), self.forced, text)]
+        return out + [ToolCallDelta(i, c.id, c.name, c.arguments) for i, c in enumerate(self.calls)]
+
+    def result(self) -> ParsedMessage:
+        msg = self.inner.result()
+        return ParsedMessage(None, msg.reasoning, list(self.calls))
 
 
 class ServeContext:
@@ -191,24 +246,70 @@ class ServeContext:
                continue_final_message, chat_template)
         return renders.run(key, run) if renders else run()
 
-    def tools_enabled(self, tools: list | None, tool_choice: Any) -> bool:
-        """Whether the output is parsed for tool calls; refuses the choices we cannot honour."""
+    def tool_mode(self, tools: list | None, tool_choice: Any, parallel: bool = True) -> ToolMode:
+        """How a request's tools are honoured (tool_choice in OpenAI chat's form):
+        - auto: the model may call them, found by --tool-call-parser in free output;
+        - required / a named function: the output is constrained to a JSON schema of the call(s)
+          (vLLM's way) and becomes tool calls whatever the parser; `strict` holds by construction.
+        `parallel=False` allows at most one call."""
         if not tools or tool_choice == "none":
-            return False
+            return ToolMode()
         if tool_choice in (None, "auto"):
             if not (self.args.enable_auto_tool_choice and self.args.tool_call_parser):
                 raise APIError('"auto" tool choice requires --enable-auto-tool-choice and '
                                '--tool-call-parser to be set', param="tool_choice")
-            return True
-        raise APIError(f"tool_choice {json.dumps(tool_choice)} is not supported yet (it needs "
-                       "guided decoding); use 'auto' or 'none'", param="tool_choice")
+            if any(t.get("function", t).get("strict") for t in tools if isinstance(t, dict)):
+                raise APIError('strict tools are enforced with tool_choice "required" or a named '
+                               'function; with "auto" the calls are free text', param="tools")
+            return ToolMode(parse=True, max_calls=None if parallel else 1)
+        schemas = {}
+        for t in tools:
+            fn = t.get("function", t) if isinstance(t, dict) else {}
+            schemas[fn.get("name")] = fn.get("parameters") or {"type": "object", "properties": {}}
+        if tool_choice == "required":
+            one = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
+                    "required": ["name", "parameters"]} for name, schema in schemas.items()]
+            schema = {"type": "array", "minItems": 1, "items": {"anyOf": one}}
+            if not parallel:
+                schema["maxItems"] = 1
+            return ToolMode(forced="required", schema=schema)
+        name = ((tool_choice or {}).get("function") or {}).get("name") \
+            if isinstance(tool_choice, dict) else None
+        if name not in schemas:
+            raise APIError(f"tool_choice names the function {name!r}, which is not among the "
+                           f"tools ({', '.join(map(str, schemas))})", param="tool_choice")
+        return ToolMode(forced=name, schema=schemas[name])
 
-    def new_parser(self, prompt_token_ids: list[int], tools_on: bool):
-        tool = self.args.tool_call_parser if tools_on else None
+    def constraint(self, params: StructuredOutputsParams | None,
+                   prompt_token_ids: list[int]) -> StructuredOutputsParams | None:
+        """With a reasoning parser, the constraint starts once the reasoning ends (the reasoning
+        itself is free text), unless the prompt already closed it (thinking disabled)."""
+        if params is None or not self.args.reasoning_parser:
+            return params
+        start, end = token_id(self.tokenizer, "<think>"), token_id(self.tokenizer, "</think>")
+        if end is None:
+            return params
+        last = lambda t: max((i for i, x in enumerate(prompt_token_ids) if x == t), default=-1)  # noqa: E731
+        if start is not None and last(end) > last(start):
+            return params  # the template closed the reasoning block: constrain from the start
+        return msgspec.structs.replace(params, start_after_token_id=end)
+
+    def with_bad_words(self, params: SamplingParams) -> SamplingParams:
+        """bad_words → token id sequences (the engine bans token ids)."""
+        if not params.bad_words:
+            return params
+        self.need_tokenizer()
+        return msgspec.structs.replace(
+            params, bad_words_token_ids=bad_words_token_ids(self.tokenizer, params.bad_words))
+
+    def new_parser(self, prompt_token_ids: list[int], mode: ToolMode):
+        tool = self.args.tool_call_parser if mode.parse else None
         if not (tool or self.args.reasoning_parser):
-            return PlainParser()
-        return make_parser(self.tokenizer, tool, self.args.reasoning_parser,
-                           prompt_token_ids=prompt_token_ids)
+            inner = PlainParser()
+        else:
+            inner = make_parser(self.tokenizer, tool, self.args.reasoning_parser,
+                                prompt_token_ids=prompt_token_ids)
+        return ForcedToolParser(inner, mode.forced) if mode.forced else inner
 
     def token_text(self, token_id: int) -> str:
         """A token's text as it appears inside the output (decoded after an anchor token, since
@@ -256,9 +357,10 @@ class ServeContext:
 class ChatRun:
     """Parses the n choices of a chat request as their updates arrive."""
 
-    def __init__(self, ctx: ServeContext, prompt_token_ids: list[int], n: int, tools_on: bool):
+    def __init__(self, ctx: ServeContext, prompt_token_ids: list[int], n: int, mode: ToolMode):
         self.prompt_token_ids = prompt_token_ids
-        self.parsers = [ctx.new_parser(prompt_token_ids, tools_on) for _ in range(n)]
+        self.parsers = [ctx.new_parser(prompt_token_ids, mode) for _ in range(n)]
+        self.max_calls = mode.max_calls
         self.num_tokens = [0] * n
         self.finish_reasons: list[str | None] = [None] * n
         self.stop_reasons: list[int | str | None] = [None] * n
@@ -275,6 +377,8 @@ class ChatRun:
             deltas += p.finish(upd.finish_reason == "length" or isinstance(upd.stop_reason, str))
             self.finish_reasons[upd.index] = upd.finish_reason
             self.stop_reasons[upd.index] = upd.stop_reason
+        if self.max_calls is not None:  # parallel_tool_calls=false: the first call only
+            deltas = [d for d in deltas if not isinstance(d, ToolCallDelta) or d.index < self.max_calls]
         if any(isinstance(d, ToolCallDelta) for d in deltas):
             self.tool_calls_seen[upd.index] = True
         return deltas
@@ -284,7 +388,10 @@ class ChatRun:
         return "tool_calls" if fr == "stop" and self.result(i).tool_calls else fr
 
     def result(self, i: int) -> ParsedMessage:
-        return self.parsers[i].result()
+        msg = self.parsers[i].result()
+        if self.max_calls is not None:
+            msg.tool_calls = msg.tool_calls[:self.max_calls]
+        return msg
 
     @property
     def completion_tokens(self) -> int:

@@ -9,10 +9,10 @@ from ..messages import LogprobsEntry
 from ..parse import (ContentDelta, Delta, ParsedMessage, ReasoningDelta,
                                      ToolCallDelta)
 from .client import RequestStream, Update
-from .context import SSE_DONE, ChatRun, ServeContext, sse, usage
+from .context import SSE_DONE, ChatRun, ServeContext, ToolMode, sse, usage
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DerenderRequest,
                        DetokenizeRequest, TokenizeRequest, check_prompts, check_token_ids, now,
-                       random_id, sampling_params)
+                       random_id, sampling_params, structured_from)
 
 
 # ---- logprobs ---------------------------------------------------------------------------------
@@ -117,8 +117,9 @@ def prepare_completion(ctx: ServeContext, req: CompletionRequest):
     info = ctx.client.model_info
     prompts = check_prompts(completion_prompts(ctx, req.prompt), info, req.max_tokens, req.n,
                             truncate=req.truncate_prompt_tokens)
-    params = sampling_params(req, ctx.defaults, req.max_tokens, req.logprobs,
-                             vocab_size=info.get("vocab_size"))
+    params = ctx.with_bad_words(sampling_params(req, ctx.defaults, req.max_tokens, req.logprobs,
+                                                vocab_size=info.get("vocab_size"),
+                                                structured=structured_from(req)))
     return prompts, params
 
 
@@ -197,11 +198,11 @@ async def create_completion(ctx: ServeContext, req: CompletionRequest):
 
 
 # ---- chat -------------------------------------------------------------------------------------
-def prepare_chat(ctx: ServeContext, req: ChatCompletionRequest) -> tuple[list[int], bool]:
+def prepare_chat(ctx: ServeContext, req: ChatCompletionRequest) -> tuple[list[int], ToolMode]:
     """Render and validate the whole request before anything is sent."""
     ctx.check_model(req.model)
     req.check_unsupported()
-    tools_on = ctx.tools_enabled(req.tools, req.tool_choice)
+    mode = ctx.tool_mode(req.tools, req.tool_choice, req.parallel_tool_calls)
     tools = req.tools if req.tool_choice != "none" else None
     kwargs = dict(req.chat_template_kwargs or {})
     if req.reasoning_effort is not None:  # as for the Responses API's reasoning.effort
@@ -212,16 +213,23 @@ def prepare_chat(ctx: ServeContext, req: ChatCompletionRequest) -> tuple[list[in
     tokens_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
     [ids] = check_prompts([ids], ctx.client.model_info, req.max_completion_tokens or req.max_tokens,
                           req.n, "messages", tokens_param, req.truncate_prompt_tokens)
-    return ids, tools_on
+    return ids, mode
 
 
-def chat_sampling_params(ctx: ServeContext, req: ChatCompletionRequest, run_parser) -> object:
+def chat_sampling_params(ctx: ServeContext, req: ChatCompletionRequest, run_parser,
+                         mode: ToolMode, prompt_ids: list[int]) -> object:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
     skip = run_parser.skip_special_tokens  # markers such as <tool_call> are special tokens
-    return sampling_params(req, ctx.defaults, req.max_completion_tokens or req.max_tokens,
-                           logprobs, skip, ctx.client.model_info.get("vocab_size"))
+    structured = structured_from(req)
+    if structured is not None and mode.forced:
+        raise APIError(f"tool_choice {mode.forced!r} constrains the output already; drop "
+                       "response_format / structured_outputs", param="tool_choice")
+    structured = ctx.constraint(structured or mode.structured(), prompt_ids)
+    return ctx.with_bad_words(sampling_params(
+        req, ctx.defaults, req.max_completion_tokens or req.max_tokens, logprobs, skip,
+        ctx.client.model_info.get("vocab_size"), structured))
 
 
 def echo_text(req: ChatCompletionRequest) -> str:
@@ -318,9 +326,9 @@ async def chat_events(ctx: ServeContext, run: ChatRun, stream: RequestStream, ri
 
 
 async def create_chat_completion(ctx: ServeContext, req: ChatCompletionRequest):
-    prompt_ids, tools_on = prepare_chat(ctx, req)
-    run = ChatRun(ctx, prompt_ids, req.n, tools_on)
-    params = chat_sampling_params(ctx, req, run.parsers[0])
+    prompt_ids, mode = prepare_chat(ctx, req)
+    run = ChatRun(ctx, prompt_ids, req.n, mode)
+    params = chat_sampling_params(ctx, req, run.parsers[0], mode, prompt_ids)
     stream = ctx.client.generate(prompt_ids, params, priority=req.priority)
     rid, created = random_id("chatcmpl-"), now()
     top = (req.top_logprobs or 0) if req.logprobs else None

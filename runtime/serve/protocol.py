@@ -2,13 +2,15 @@
 conversion of request fields to SamplingParams. Responses are built as plain dicts."""
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from typing import Annotated, Any, ClassVar, Literal
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
-from ..sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+from ..sampling_params import INT64_MAX, INT64_MIN, SamplingParams, StructuredOutputsParams
 
 # every integer a client sends must fit the 64-bit fields of the engine messages
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
@@ -107,19 +109,16 @@ class Request(BaseModel):
         return {k: v for k, v in data.items() if k not in cls.UNSUPPORTED}
 
 
-GUIDED = "no structured output / guided decoding yet"
 SAMPLING_UNSUPPORTED = {
-    "structured_outputs": GUIDED, "guided_json": GUIDED, "guided_regex": GUIDED,
-    "guided_choice": GUIDED, "guided_grammar": GUIDED, "guided_decoding_backend": GUIDED,
-    "guided_whitespace_pattern": GUIDED, "allowed_token_ids": "no token masks yet",
-    "bad_words": "no token masks yet", "logits_processors": "no custom logits processors",
+    "guided_whitespace_pattern": "xgrammar's JSON whitespace rules apply",
+    "logits_processors": "no custom logits processors",
     "use_beam_search": "no beam search", "length_penalty": "no beam search",
     "return_tokens_as_token_ids": "use return_token_ids", "cache_salt": "not exposed yet",
     "kv_transfer_params": "no disaggregated serving", "vllm_xargs": "no extra arguments",
     "functions": "use tools", "function_call": "use tool_choice",
     "prediction": "no predicted outputs", "audio": "text only",
     "web_search_options": "no built-in tools", "documents": "no document templates",
-    "mm_processor_kwargs": "text only", "logit_bias": "no logit bias yet",
+    "mm_processor_kwargs": "text only",
 }
 
 
@@ -155,16 +154,23 @@ class SamplingRequest(Request):
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
     return_token_ids: Bool = False
     truncate_prompt_tokens: Int64 | None = Field(None, ge=-1)  # -1: max_model_len
+    # token masks (OpenAI's logit_bias: token id → bias in [-100, 100]; vLLM's extras)
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[Int64] | None = None
+    bad_words: list[str] | None = None
+    # structured outputs: vLLM's object, and its older guided_* aliases (besides response_format)
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: Literal["xgrammar", "auto"] | None = None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def check_unsupported(self) -> None:
-        fmt = (self.response_format or {}).get("type", "text")
-        if fmt != "text":
-            raise APIError(f"response_format {fmt!r} is not supported yet (no structured output "
-                           "/ guided decoding); only 'text'", param="response_format")
         if self.stream_options and not self.stream:
             raise APIError("stream_options is only allowed with stream=true", param="stream_options")
         if self.truncate_prompt_tokens == 0:
@@ -174,7 +180,8 @@ class SamplingRequest(Request):
 
 def sampling_params(req: SamplingRequest, defaults: dict, max_tokens: int | None,
                     logprobs: int | None, skip_special_tokens: bool | None = None,
-                    vocab_size: int | None = None) -> SamplingParams:
+                    vocab_size: int | None = None,
+                    structured: StructuredOutputsParams | None = None) -> SamplingParams:
     """Request fields → SamplingParams; fields the client left out take the model's
     generation_config defaults (as vLLM does), then the OpenAI defaults."""
     def pick(name, fallback):
@@ -190,12 +197,82 @@ def sampling_params(req: SamplingRequest, defaults: dict, max_tokens: int | None
         ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
         logprobs=logprobs, prompt_logprobs=req.prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens if skip_special_tokens is None
-        else skip_special_tokens)
+        else skip_special_tokens,
+        structured_outputs=structured, logit_bias=logit_bias(req.logit_bias),
+        allowed_token_ids=req.allowed_token_ids, bad_words=list(req.bad_words or []))
     try:
         sp.validate(vocab_size)
     except ValueError as e:
         raise APIError(str(e), param=getattr(e, "param", None)) from None
     return sp
+
+
+def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias keys are token ids as strings; values in [-100, 100]."""
+    if not bias:
+        return None
+    out = {}
+    for k, v in bias.items():
+        try:
+            out[int(k)] = v
+        except ValueError:
+            raise APIError(f"logit_bias keys must be token ids, got {k!r}", param="logit_bias") from None
+        if not -100 <= v <= 100:
+            raise APIError(f"logit_bias values must be in [-100, 100], got {v}", param="logit_bias")
+    return out
+
+
+def structured_from(req: SamplingRequest, fmt_param: str = "response_format",
+                    fmt: dict | None = None) -> StructuredOutputsParams | None:
+    """The request's one output constraint, from response_format (OpenAI), structured_outputs or
+    the guided_* aliases (vLLM). Two sources at once, or a malformed one, is a 400."""
+    fmt = req.response_format if fmt is None else fmt
+    found: list[tuple[str, StructuredOutputsParams]] = []
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_object":
+            found.append((fmt_param, StructuredOutputsParams(json_object=True)))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema", fmt)  # Responses puts the schema beside the type
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise APIError(f"{fmt_param}.json_schema.schema must be a JSON schema object",
+                               param=f"{fmt_param}.json_schema.schema")
+            found.append((fmt_param, StructuredOutputsParams(json=schema)))
+        elif kind == "structural_tag":
+            found.append((fmt_param, StructuredOutputsParams(structural_tag=json.dumps(fmt))))
+        elif kind != "text":
+            raise APIError(f"{fmt_param}.type must be text, json_object, json_schema or "
+                           f"structural_tag, got {kind!r}", param=f"{fmt_param}.type")
+    if req.structured_outputs:
+        so = req.structured_outputs
+        extra = so.keys() - set(StructuredOutputsParams.KINDS)
+        if extra:  # e.g. disable_any_whitespace: options we would otherwise ignore
+            raise APIError(f"structured_outputs: unsupported options {sorted(extra)}",
+                           param="structured_outputs")
+        try:
+            found.append(("structured_outputs", msgspec.convert(so, StructuredOutputsParams)))
+        except msgspec.ValidationError as e:
+            raise APIError(f"structured_outputs: {e}", param="structured_outputs") from None
+    for name, kind in (("guided_json", "json"), ("guided_regex", "regex"),
+                       ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+        value = getattr(req, name)
+        if value is not None:
+            found.append((name, StructuredOutputsParams(**{kind: value})))
+    if len(found) > 1:
+        raise APIError("give one output constraint, not " + " and ".join(n for n, _ in found),
+                       param=found[1][0])
+    if not found:
+        return None
+    name, params = found[0]
+    try:
+        _ = params.kind  # exactly one constraint inside
+    except ValueError as e:
+        raise APIError(str(e), param=name) from None
+    if params.choice is not None and (not params.choice or not all(
+            isinstance(c, str) and c for c in params.choice)):
+        raise APIError("choice must be a non-empty list of non-empty strings", param=name)
+    return params
 
 
 def check_prompts(prompts: list[list[int]], info: dict, max_tokens: int | None, n: int = 1,
@@ -304,9 +381,6 @@ class ChatCompletionRequest(SamplingRequest):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.tools and self.tool_choice != "none" and not self.parallel_tool_calls:
-            raise APIError("parallel_tool_calls=false is not supported yet",
-                           param="parallel_tool_calls")
         if not self.include_reasoning:
             raise APIError("include_reasoning=false is not supported yet",
                            param="include_reasoning")
@@ -391,7 +465,4 @@ class ResponsesRequest(Request):
     def check_unsupported(self) -> None:
         if self.store:
             raise APIError("store=true is not supported: responses are not stored", param="store")
-        if self.tools and self.tool_choice != "none" and not self.parallel_tool_calls:
-            raise APIError("parallel_tool_calls=false is not supported yet",
-                           param="parallel_tool_calls")
         check_tool_schemas(self.tools, where="tools[{i}].parameters")

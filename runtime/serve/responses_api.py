@@ -9,7 +9,7 @@ from typing import AsyncIterator
 from ..parse import ContentDelta, Delta, ReasoningDelta, ToolCallDelta
 from .context import ChatRun, ServeContext, sse
 from .protocol import (APIError, ResponsesRequest, SamplingRequest, check_prompts, now,
-                       random_id, sampling_params)
+                       random_id, sampling_params, structured_from)
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -199,12 +199,13 @@ async def create_response(ctx: ServeContext, req: ResponsesRequest):
     if req.previous_response_id:
         raise APIError("previous_response_id is not supported: responses are not stored; send "
                        "the whole conversation as input", param="previous_response_id")
-    fmt = ((req.text or {}).get("format") or {}).get("type", "text")
-    if fmt != "text":
-        raise APIError(f"text.format {fmt!r} is not supported yet (no structured output)",
-                       param="text")
+    fmt = (req.text or {}).get("format")
+    structured = structured_from(SamplingRequest(), "text.format", fmt) if fmt else None
     tools, choice = to_tools(req.tools), _tool_choice(req.tool_choice)
-    tools_on = ctx.tools_enabled(tools, choice)
+    mode = ctx.tool_mode(tools, choice, req.parallel_tool_calls)
+    if structured is not None and mode.forced:
+        raise APIError(f"tool_choice {mode.forced!r} constrains the output already; drop "
+                       "text.format", param="tool_choice")
     kwargs = {}
     if req.reasoning is not None and req.reasoning.get("effort") is not None:
         kwargs["enable_thinking"] = req.reasoning["effort"] not in ("none", "minimal")
@@ -212,11 +213,12 @@ async def create_response(ctx: ServeContext, req: ResponsesRequest):
                                  tools if choice != "none" else None, kwargs)
     check_prompts([prompt_ids], ctx.client.model_info, req.max_output_tokens,
                   prompt_param="input", tokens_param="max_output_tokens")
-    run = ChatRun(ctx, prompt_ids, 1, tools_on)
+    run = ChatRun(ctx, prompt_ids, 1, mode)
     params = sampling_params(SamplingRequest(temperature=req.temperature, top_p=req.top_p),
                              ctx.defaults, req.max_output_tokens, None,
                              run.parsers[0].skip_special_tokens,
-                             ctx.client.model_info.get("vocab_size"))
+                             ctx.client.model_info.get("vocab_size"),
+                             ctx.constraint(structured or mode.structured(), prompt_ids))
     stream = ctx.client.generate(prompt_ids, params)
     rid, created = random_id("resp_"), now()
 
@@ -230,7 +232,7 @@ async def create_response(ctx: ServeContext, req: ResponsesRequest):
                 "parallel_tool_calls": req.parallel_tool_calls, "previous_response_id": None,
                 "reasoning": req.reasoning, "store": False,
                 "temperature": params.temperature, "top_p": params.top_p,
-                "text": {"format": {"type": "text"}}, "tool_choice": req.tool_choice or "auto",
+                "text": req.text or {"format": {"type": "text"}}, "tool_choice": req.tool_choice or "auto",
                 "tools": req.tools or [], "truncation": "disabled", "usage": usage,
                 "metadata": req.metadata or {}}
 

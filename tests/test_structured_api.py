@@ -1,0 +1,206 @@
+"""Structured outputs through every API, against a live server on a tiny RANDOM-weight Qwen3
+checkpoint with the real Qwen3 tokenizer: at temperature 1.0 and many seeds the unconstrained
+output is noise, so every valid output below is the constraint's doing. Through the official
+`openai` and `anthropic` clients (chat.completions.parse with a pydantic model, tool_choice
+required / named, Anthropic any / tool, Responses text.format), plus vLLM's structured_outputs
+and guided_* on completions, token masks, and the 400s for bad constraints."""
+from __future__ import annotations
+
+import json
+import re
+
+import anthropic
+import httpx
+import jsonschema
+import openai
+import pydantic
+import pytest
+
+from test_server import Server
+
+pytestmark = pytest.mark.slow
+
+SEEDS = range(6)
+NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                           "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+          "required": ["city", "days"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather",
+                                           "parameters": SCHEMA}},
+         {"type": "function", "function": {"name": "get_time", "description": "Time",
+                                           "parameters": {"type": "object", "properties": {
+                                               "tz": {"enum": ["UTC", "CET"]}},
+                                               "required": ["tz"]}}}]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+MESSAGES = [{"role": "user", "content": "Weather in Paris for 3 days, as JSON."}]
+THINK_END = 151668  # </think>
+
+
+class Forecast(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=12)
+    days: int = pydantic.Field(ge=1, le=9)
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_chat_dir):
+    s = Server(str(qwen3_chat_dir), "--served-model-name", "q", "--max-model-len", "1024",
+               "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes",
+               "--enable-auto-tool-choice")
+    yield s
+    s.stop()
+
+
+def chat(client, **kw):
+    return client.chat.completions.create(**{"model": "q", "messages": MESSAGES, "max_tokens": 120,
+                                             "temperature": 1.0, **NO_THINK, **kw})
+
+
+def test_parse_with_a_pydantic_model(client):
+    for seed in SEEDS:
+        r = client.chat.completions.parse(model="q", messages=MESSAGES, response_format=Forecast,
+                                          max_tokens=120, temperature=1.0, seed=seed,
+                                          extra_body=NO_THINK)
+        assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+        assert isinstance(r.choices[0].message.parsed, Forecast)
+
+
+def test_json_schema_json_object_and_streaming(client):
+    for seed in SEEDS:
+        r = chat(client, seed=seed, response_format={"type": "json_schema", "json_schema": {
+            "name": "f", "schema": SCHEMA}})
+        jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+        r = chat(client, seed=seed, response_format={"type": "json_object"})
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    text = "".join(c.choices[0].delta.content or "" for c in chat(
+        client, seed=1, stream=True, response_format={"type": "json_schema", "json_schema": {
+            "name": "f", "schema": SCHEMA}}) if c.choices)
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_constraint_starts_after_the_reasoning(client):
+    """Thinking on: the reasoning is free text; the answer after </think> follows the schema
+    (a logit bias makes the random model close its reasoning at once; the grammar then keeps
+    </think> out of the answer)."""
+    r = client.chat.completions.create(
+        model="q", messages=MESSAGES, max_tokens=120, temperature=1.0, seed=3,
+        logit_bias={str(THINK_END): 100}, response_format={"type": "json_schema", "json_schema": {
+            "name": "f", "schema": SCHEMA}})
+    jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+
+
+def test_completions_structured_outputs_and_guided_aliases(server):
+    url = server.url + "/v1/completions"
+    base = {"prompt": "Answer:", "max_tokens": 60, "temperature": 1.0}
+    for seed in SEEDS:
+        for body, check in (
+                ({"structured_outputs": {"choice": ["yes", "no", "maybe"]}},
+                 lambda t: t in ("yes", "no", "maybe")),
+                ({"guided_choice": ["red", "green"]}, lambda t: t in ("red", "green")),
+                ({"structured_outputs": {"regex": r"[a-c]{2}-\d{3}"}},
+                 lambda t: re.fullmatch(r"[a-c]{2}-\d{3}", t)),
+                ({"guided_regex": r"(ab|cd)+x"}, lambda t: re.fullmatch(r"(ab|cd)+x", t)),
+                ({"structured_outputs": {"json": SCHEMA}},
+                 lambda t: jsonschema.validate(json.loads(t), SCHEMA) or True),
+                ({"guided_json": SCHEMA}, lambda t: jsonschema.validate(json.loads(t), SCHEMA) or True),
+                ({"structured_outputs": {"grammar": 'root ::= "x" ("y" | "z")+ "."'}},
+                 lambda t: re.fullmatch(r"x[yz]+\.", t)),
+                ({"structured_outputs": {"json_object": True}}, lambda t: isinstance(json.loads(t), dict))):
+            r = httpx.post(url, json={**base, **body, "seed": seed}, timeout=60)
+            assert r.status_code == 200, r.text
+            c = r.json()["choices"][0]
+            assert c["finish_reason"] == "stop" and check(c["text"]), (body, c)
+
+
+def test_tool_choice_required_and_named(client):
+    for seed in SEEDS:
+        r = chat(client, seed=seed, tools=TOOLS, tool_choice="required")
+        calls = r.choices[0].message.tool_calls
+        assert calls and r.choices[0].finish_reason == "tool_calls"
+        for c in calls:
+            jsonschema.validate(json.loads(c.function.arguments), SCHEMAS[c.function.name])
+        r = chat(client, seed=seed, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+        assert len(r.choices[0].message.tool_calls) == 1
+        r = chat(client, seed=seed, tools=TOOLS,
+                 tool_choice={"type": "function", "function": {"name": "get_time"}})
+        [c] = r.choices[0].message.tool_calls
+        assert c.function.name == "get_time"
+        jsonschema.validate(json.loads(c.function.arguments), SCHEMAS["get_time"])
+    deltas = [c.choices[0].delta for c in chat(client, seed=2, tools=TOOLS, tool_choice="required",
+                                               stream=True) if c.choices]
+    calls = [tc for d in deltas for tc in (d.tool_calls or [])]
+    assert calls and all(json.loads(tc.function.arguments) is not None for tc in calls)
+
+
+def test_anthropic_tool_choice_any_and_tool(server):
+    claude = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
+    tools = [{"name": t["function"]["name"], "description": "x",
+              "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    for seed_choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"},
+                        {"type": "any", "disable_parallel_tool_use": True}):
+        m = claude.messages.create(model="q", max_tokens=120, tools=tools, tool_choice=seed_choice,
+                                   messages=MESSAGES, temperature=1.0)
+        uses = [b for b in m.content if b.type == "tool_use"]
+        assert uses and m.stop_reason == "tool_use"
+        for u in uses:
+            jsonschema.validate(u.input, SCHEMAS[u.name])
+        if seed_choice.get("name"):
+            assert {u.name for u in uses} == {"get_weather"}
+        if seed_choice.get("disable_parallel_tool_use"):
+            assert len(uses) == 1
+
+
+def test_responses_text_format_and_required_tools(client):
+    r = client.responses.create(model="q", input="Weather?", max_output_tokens=120, temperature=1.0,
+                                reasoning={"effort": "none"},
+                                text={"format": {"type": "json_schema", "name": "f", "schema": SCHEMA}})
+    jsonschema.validate(json.loads(r.output_text), SCHEMA)
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    r = client.responses.create(model="q", input="Weather?", max_output_tokens=120, temperature=1.0,
+                                reasoning={"effort": "none"}, tools=tools, tool_choice="required")
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert calls
+    for c in calls:
+        jsonschema.validate(json.loads(c.arguments), SCHEMAS[c.name])
+
+
+def test_token_masks(server):
+    url = server.url + "/v1/completions"
+    r = httpx.post(url, json={"prompt": "a", "max_tokens": 8, "temperature": 1.0,
+                              "allowed_token_ids": [1000, 2000], "ignore_eos": True}).json()
+    assert set(r["choices"][0]["text"]) <= set("".join(httpx.post(server.url + "/detokenize", json={
+        "tokens": [1000, 2000]}).json()["prompt"]))
+    r = httpx.post(url, json={"prompt": "a", "max_tokens": 4, "temperature": 1.0,
+                              "logit_bias": {"1000": 100}, "return_token_ids": True}).json()
+    assert r["choices"][0]["token_ids"] == [1000] * 4
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"structured_outputs": {"regex": "(unclosed"}}, None),
+    ({"structured_outputs": {"json": {"type": "no-such-type"}}}, None),
+    ({"structured_outputs": {"grammar": "root ::= undefined_rule"}}, None),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "disable_any_whitespace": True}}, "structured_outputs"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"allowed_token_ids": [10**7]}, "allowed_token_ids"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+])
+def test_bad_constraints_are_400(server, body, param):
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "max_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["message"] and (param is None or err["param"] == param), err
+
+
+def test_forced_tool_choice_refusals(client):
+    with pytest.raises(openai.BadRequestError, match="not among the tools"):
+        chat(client, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(openai.BadRequestError, match="constrains the output already"):
+        chat(client, tools=TOOLS, tool_choice="required", response_format={"type": "json_object"})
+    strict = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}]
+    with pytest.raises(openai.BadRequestError, match="strict"):
+        chat(client, tools=strict, tool_choice="auto")
