@@ -176,9 +176,12 @@ def _run_bench(module, cfg, args) -> None:
               metavar="LO HI", help="prompt length, uniform in [LO, HI]")
 @click.option("--output-len", type=(click.IntRange(min=1), click.IntRange(min=1)), default=None,
               metavar="LO HI", help="output tokens, uniform in [LO, HI] (EOS ignored)")
+@click.option("--structured-output", type=click.Choice(["none", "json"]), default="none",
+              show_default=True, help="json: every request constrained to one of a set of JSON "
+                                      "schemas (xgrammar; needs a tokenizer: --tokenizer DIR)")
 @_bench_outputs
-def bench_throughput(workload, num_prompts, input_len, output_len, backends, hf_compile, output_json,
-                     plot, profile_dir, **kwargs):
+def bench_throughput(workload, num_prompts, input_len, output_len, structured_output, backends,
+                     hf_compile, output_json, plot, profile_dir, **kwargs):
     """Offline throughput: all requests at once; req/s, tok/s and the physical floor.
 
     MODEL is a checkpoint directory or a shipped config (qwen3-0.6b, llama-3.1-8b, llama-3.1-70b,
@@ -195,7 +198,9 @@ def bench_throughput(workload, num_prompts, input_len, output_len, backends, hf_
         output_len=output_len or preset["output_len"], seed=cfg.model.seed,
         backends=tuple(dict.fromkeys(backends)), output_json=output_json, plot=plot,
         profile_dir=profile_dir,
-        hf_compile=hf_compile, model_name=name)
+        hf_compile=hf_compile, model_name=name, structured_output=structured_output)
+    if structured_output != "none" and "hf" in args.backends:
+        raise click.UsageError("--structured-output runs on the rankserve backend only")
     _run_bench(throughput, cfg, args)
 
 

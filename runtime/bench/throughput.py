@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from . import common
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, StructuredOutputsParams
 
 
 @dataclass
@@ -30,6 +30,20 @@ class ThroughputArgs:
     profile_dir: str | None = None
     hf_compile: bool = False
     model_name: str | None = None  # the shipped config name, when one was given
+    structured_output: str = "none"  # json: each request under one of SCHEMAS
+
+
+# --structured-output json: schemas whose documents can run to any length, so outputs keep the
+# workload's lengths as far as the model goes on
+SCHEMAS = [
+    {"type": "object", "properties": {"notes": {"type": "array", "items": {"type": "string"}}},
+     "required": ["notes"]},
+    {"type": "array", "items": {"type": "object", "properties": {
+        "name": {"type": "string"}, "score": {"type": "number"}}, "required": ["name", "score"]}},
+    {"type": "object", "properties": {"title": {"type": "string"}, "body": {"type": "string"},
+                                      "tags": {"type": "array", "items": {"type": "string"}}},
+     "required": ["title", "body"]},
+]
 
 
 def engine_runner(llm):
@@ -45,15 +59,20 @@ def observe_steps(llm) -> common.StepLog:
     return log
 
 
-def engine_params(max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+def engine_params(max_tokens: int, schema: dict | None = None) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False,
+                          structured_outputs=StructuredOutputsParams(json=schema) if schema else None)
 
 
-def run_engine(llm, wl: common.Workload, use_tqdm: bool = False) -> tuple[float, list[int]]:
-    """Seconds to generate the whole workload, and the output length of each request."""
+def run_engine(llm, wl: common.Workload, use_tqdm: bool = False,
+               structured: bool = False) -> tuple[float, list[int]]:
+    """Seconds to generate the whole workload, and the output length of each request (a
+    structured request ends when its document is complete)."""
     prompts = [{"prompt_token_ids": p} for p in wl.prompts]
+    params = [engine_params(o, SCHEMAS[i % len(SCHEMAS)] if structured else None)
+              for i, o in enumerate(wl.output_lens)]
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, [engine_params(o) for o in wl.output_lens], use_tqdm=use_tqdm)
+    outs = llm.generate(prompts, params, use_tqdm=use_tqdm)
     elapsed = time.perf_counter() - t0  # generate returns host-side token ids: the device is done
     return elapsed, [len(o.outputs[0].token_ids) for o in outs]
 
@@ -76,19 +95,21 @@ def metrics(elapsed: float, prompt_lens: list[int], output_lens: list[int], floo
 
 
 def rankserve_throughput(llm, wl: common.Workload, warm: common.Workload,
-                         stats: common.ModelStats, ceilings: dict, profile_dir: str | None = None) -> dict:
+                         stats: common.ModelStats, ceilings: dict, profile_dir: str | None = None,
+                         structured: bool = False) -> dict:
     runner = engine_runner(llm)
     log = observe_steps(llm)
-    run_engine(llm, warm)
+    run_engine(llm, warm, structured=structured)  # compiles the schemas too
     log.clear()
-    elapsed, out_lens = run_engine(llm, wl, use_tqdm=True)
+    elapsed, out_lens = run_engine(llm, wl, use_tqdm=True, structured=structured)
     n_dev = llm.config.parallel.world_size  # TP shards and PP stages in flight all read at once
     floor = common.physical_floor(stats, wl.prompt_lens, out_lens, log.tokens,
                                   runner.dtype.itemsize, ceilings, num_devices=n_dev)
     timings = dict(llm.engine.timings)
     extra = {}
     if profile_dir:
-        extra["profile"] = common.profile_steps(llm, lambda: run_engine(llm, wl), len(log.tokens),
+        extra["profile"] = common.profile_steps(llm, lambda: run_engine(llm, wl, structured=structured),
+                                                len(log.tokens),
                                                 profile_dir, "throughput")
     return dict(metrics(elapsed, wl.prompt_lens, out_lens, floor, timings),
                 dtype=str(runner.dtype).replace("torch.", ""), num_kv_blocks=llm.engine.num_blocks,
@@ -130,7 +151,8 @@ def run(cfg, args: ThroughputArgs, on_ranks, multi_process: bool) -> int:
         return hf_throughput(cfg.model.model, device, dtype, wl, warm, stats, ceilings, args.hf_compile)
 
     def engine_bench(llm, ceilings):
-        return rankserve_throughput(llm, wl, warm, stats, ceilings, args.profile_dir)
+        return rankserve_throughput(llm, wl, warm, stats, ceilings, args.profile_dir,
+                                    args.structured_output == "json")
 
     rc, results, ceilings = common.drive(cfg, hf_config, args.backends, on_ranks, multi_process,
                                          engine_bench, hf_bench)
@@ -142,7 +164,8 @@ def run(cfg, args: ThroughputArgs, on_ranks, multi_process: bool) -> int:
                   model=common.model_record(cfg, args.model_name, stats),
                   parallel=common.parallel_record(cfg),
                   workload=dict(wl.summary(), seed=args.seed, input_len=list(args.input_len),
-                                output_len=list(args.output_len), ignore_eos=True, greedy=True),
+                                output_len=list(args.output_len), ignore_eos=True, greedy=True,
+                                structured_output=args.structured_output),
                   results=results)
     common.save(record, args.output_json, args.plot, "output_tokens_per_s",
                 f"offline throughput: {args.model_name or os.path.basename(cfg.model.model)}, "
