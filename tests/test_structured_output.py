@@ -2,7 +2,11 @@
 `LLM`: a random-weight tiny Qwen3 with the real tokenizer at temperature 1 must still give valid
 outputs, since only the masks make them so."""
 import json
+import os
 import re
+import shutil
+import subprocess
+import sys
 
 import jsonschema
 import pytest
@@ -169,3 +173,21 @@ def test_stories_default_model_regex():
     llm = LLM(str(STORIES_EMBEDDED))
     for t in run(llm, SO(regex=r"[a-z ]{3,20}\."), n=8, max_tokens=60, prompt="Once upon a time"):
         assert re.fullmatch(r"[a-z ]{3,20}\.", t), t
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not on PATH")
+@pytest.mark.parametrize("flags", [["--tp", "2"], ["--pp", "2"]])
+def test_multirank_regex(flags):
+    """The plan carries the bitmask to every rank; the sampling rank applies it."""
+    pattern = r"[a-z ]{3,20}\."
+    cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "rankserve.launch", "generate", str(STORIES_EMBEDDED),
+           "--max-tokens", "40", "--temperature", "1", "--sampling-seed", "3", "--json", "--regex", pattern,
+           "--prompt", "Once upon a time", "--prompt", "Lily and Tom were", *flags]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, RANKSERVE_HEARTBEAT_TIMEOUT="30"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    assert len(lines) == 2
+    for x in lines:
+        assert x["finish_reason"] == "stop" and re.fullmatch(pattern, x["text"]), x
