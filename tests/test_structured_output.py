@@ -191,3 +191,39 @@ def test_multirank_regex(flags):
     assert len(lines) == 2
     for x in lines:
         assert x["finish_reason"] == "stop" and re.fullmatch(pattern, x["text"]), x
+
+
+def test_slow_compile_does_not_stall_others_and_failures_finish_with_error():
+    import threading
+    from rankserve.runtime.inputs import engine_request
+    llm = LLM(str(STORIES_EMBEDDED))
+    core, mgr = llm.engine, llm.engine.structured
+    gate = threading.Event()
+    real = mgr._compile
+
+    def slow(so):
+        if so.regex == "boom":
+            raise RuntimeError("boom")
+        gate.wait(30)
+        return real(so)
+    mgr._compile = slow
+    ids = llm.tokenizer("Once upon a time").input_ids
+    sp_free = SamplingParams(temperature=0, max_tokens=8)
+    sp_con = SamplingParams(temperature=0, max_tokens=8, structured_outputs=SO(regex="[a-z ]+"))
+    for rid, sp in (("con", sp_con), ("free", sp_free), ("bad", SamplingParams(structured_outputs=SO(regex="boom")))):
+        core.add_request(engine_request(rid, ids, sp, llm.eos_token_ids))
+    done = {}
+    while "free" not in done:
+        for o in core.step().outputs:
+            if o.finished:
+                done[o.request_id] = o
+    assert "con" not in done and core.scheduler.requests["con"].num_output_tokens == 0
+    assert done["bad"].finish_reason == "error" and "boom" in done["bad"].error
+    gate.set()
+    toks = []
+    while "con" not in done:
+        for o in core.step().outputs:
+            toks += o.new_token_ids if o.request_id == "con" else []
+            if o.finished:
+                done[o.request_id] = o
+    assert re.fullmatch("[a-z ]+", llm.tokenizer.decode(toks))
