@@ -95,14 +95,23 @@ def main():
 @click.option("--sampling-seed", type=int, default=None, help="per-request sampling seed")
 @click.option("--ignore-eos", is_flag=True)
 @click.option("--json", "as_json", is_flag=True, help="print token ids, text and finish reasons as JSON")
+@click.option("--regex", default=None, help="constrain the output to this regular expression")
+@click.option("--json-schema", default=None, help="constrain the output to this JSON schema (JSON text)")
 def generate(prompts, max_tokens, temperature, top_p, top_k, sampling_seed, ignore_eos, as_json,
-             **kwargs):
+             regex, json_schema, **kwargs):
     """Generate text offline for one or more prompts."""
     from .startup import run_on_ranks
-    from ..runtime.sampling_params import SamplingParams
+    from ..runtime.sampling_params import SamplingParams, StructuredOutputsParams
     cfg = build_config(kwargs)
+    so = None
+    if regex is not None or json_schema is not None:
+        so = StructuredOutputsParams(regex=regex, json=json_schema)
+        try:
+            so.kind  # noqa: B018 - raises unless exactly one is given
+        except ValueError:
+            raise click.UsageError("give --regex or --json-schema, not both") from None
     sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                        seed=sampling_seed, ignore_eos=ignore_eos)
+                        seed=sampling_seed, ignore_eos=ignore_eos, structured_outputs=so)
 
     def body(llm):
         outs = llm.generate(list(prompts), sp)

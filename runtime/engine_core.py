@@ -14,6 +14,7 @@ from .config import EngineConfig
 from .messages import EngineCoreOutputs, EngineCoreRequest, FinishReason
 from .request import Request
 from .scheduler import Scheduler, SchedulerOutput
+from .structured_output import StructuredOutputManager
 
 log = logging.getLogger("rankserve.engine")
 
@@ -34,8 +35,11 @@ class EngineCore:
         if use_async is None:
             use_async = (getattr(executor, "device", None) is not None
                          and executor.device.type == "cuda" and cfg.parallel.pipeline_parallel_size == 1)
+        # grammars compile in its threads; the tokenizer is loaded on first use
+        self.structured = StructuredOutputManager(cfg.model.tokenizer or cfg.model.model,
+                                                  cfg.model.model, self.vocab_size)
         self.scheduler = Scheduler(cfg.scheduler, cfg.cache, num_blocks, self.max_model_len,
-                                   async_scheduling=use_async)
+                                   async_scheduling=use_async, structured=self.structured)
         # steps kept in flight: one per pipeline stage, or two to overlap host and device work
         self.depth = max(executor.max_in_flight, 2 if use_async else 1)
         self.in_flight: collections.deque = collections.deque()  # (plan, executor handle)
@@ -59,7 +63,10 @@ class EngineCore:
                              f"is {self.max_model_len}; it must leave room for at least one new token")
         if min(req.prompt_token_ids) < 0 or max(req.prompt_token_ids) >= self.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
-        req.sampling_params.validate(self.vocab_size)  # ids out of range would crash the sampler
+        sp = req.sampling_params
+        sp.validate(self.vocab_size)  # ids out of range would crash the sampler
+        if sp.structured_outputs is not None:
+            self.structured.validate(sp.structured_outputs)  # parse only: compiling comes later
         capacity = self.num_blocks * self.cfg.cache.block_size
         if n + 1 > capacity:
             raise ValueError(f"the prompt has {n} tokens, more than the KV cache holds ({capacity})")
@@ -94,9 +101,11 @@ class EngineCore:
                 if len(self.in_flight) < self.depth:
                     return EngineCoreOutputs(timestamp=time.time())
         if not self.in_flight:
-            return EngineCoreOutputs(stats=self.scheduler.stats(), timestamp=time.time())
+            return EngineCoreOutputs(outputs=self.scheduler.take_error_outputs(),
+                                     stats=self.scheduler.stats(), timestamp=time.time())
         plan, handle = self.in_flight.popleft()
         return self.scheduler.update(plan, self.executor.collect(handle))
 
     def shutdown(self) -> None:
+        self.structured.shutdown()
         self.executor.shutdown()

@@ -50,12 +50,30 @@ def eos_token_ids_of(tokenizer, model_dir: str) -> list[int]:
     return ids
 
 
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """vLLM's tokenization of `bad_words`: each word as is, and with a leading space when that
+    gives a different first token in as many tokens (a word mid-sentence)."""
+    out = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        out.append(plain)
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return [w for w in out if w]
+
+
 def engine_request(request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                    eos_token_ids: list[int], priority: int = 0, cache_salt: str | None = None,
-                   index: int = 0) -> EngineCoreRequest:
+                   index: int = 0, tokenizer=None) -> EngineCoreRequest:
     """The EngineCoreRequest for choice `index` of a request: extra EOS ids become stop tokens,
-    and seeded choices get seed + index so they still differ from each other."""
+    seeded choices get seed + index so they still differ from each other, and `bad_words` are
+    tokenized (with `tokenizer`) into `bad_words_token_ids`."""
     changes = {}
+    if params.bad_words and not params.bad_words_token_ids:
+        if tokenizer is None:
+            raise ValueError("bad_words need a tokenizer; pass bad_words_token_ids instead")
+        changes["bad_words_token_ids"] = bad_words_token_ids(tokenizer, params.bad_words)
     if len(eos_token_ids) > 1 and not params.ignore_eos:
         extra = [t for t in eos_token_ids[1:] if t not in params.stop_token_ids]
         if extra:

@@ -59,7 +59,7 @@ class LLM:
             for cid in range(sp.n):
                 reqs.append((rid, text, ids, sp, engine_request(
                     child_request_id(rid, cid, sp.n), ids, sp, self.eos_token_ids,
-                    priority[i] if priority else 0, index=cid)))
+                    priority[i] if priority else 0, index=cid, tokenizer=self.tokenizer)))
         for *_, r in reqs:
             self.engine.validate(r)
         order, results = [], {}

@@ -62,6 +62,10 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     num_preemptions: int = 0  # cumulative
     num_prompt_tokens: int = 0  # computed this step
     num_generation_tokens: int = 0  # generated this step
+    # structured outputs (cumulative seconds): grammar compilation (worker threads), and the
+    # step loop's host time to fill token bitmasks and advance the matchers
+    grammar_compile_seconds: float = 0.0
+    grammar_mask_seconds: float = 0.0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -75,6 +75,7 @@ class StepInputs:
     sample_req_ids: list[str]
     sample_out_counts: np.ndarray  # outputs before this step's sample, per sampled request
     prompt_lp: list[tuple[str, int, int, int]]  # (req id, first hidden row, count, first target pos)
+    grammar: tuple[list[str], np.ndarray] | None = None  # the plan's structured-output bitmask
 
 
 class ModelRunner:
@@ -237,8 +238,9 @@ class ModelRunner:
             ids[put(placeholder)] = self.prev_sampled[put(src)]
         # exact even when the last token is still a placeholder
         out_counts = (seq_lens - np.array([s.num_prompt_tokens for s in states]))[sample_mask]
+        grammar = (plan.grammar_req_ids, plan.grammar_bitmask) if plan.grammar_req_ids else None
         return StepInputs(ids, put(positions, b.pos), attn, put(logits_indices),
-                          sample_ids, out_counts, prompt_lp)
+                          sample_ids, out_counts, prompt_lp, grammar)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput,
@@ -254,7 +256,7 @@ class ModelRunner:
         out = ModelRunnerOutput(inp.sample_req_ids, [])
         if inp.sample_req_ids:
             logits = self.model.compute_logits(hidden[inp.logits_indices])
-            md = self.sampling.build(inp.sample_req_ids, inp.sample_out_counts)
+            md = self.sampling.build(inp.sample_req_ids, inp.sample_out_counts, inp.grammar)
             ids, raw_lp = sample(logits, md)
             self.prev_sampled = ids
             self.prev_index = {rid: i for i, rid in enumerate(inp.sample_req_ids)}

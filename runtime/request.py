@@ -41,6 +41,8 @@ class Request:
         self.num_preemptions = 0
         # prompt logprobs are gathered chunk by chunk and sent with the first output
         self.prompt_logprobs: list = []
+        # structured outputs: compilation future, then the grammar matcher (structured_output.py)
+        self.grammar = None
 
     @property
     def num_tokens(self) -> int:

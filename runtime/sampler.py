@@ -27,6 +27,44 @@ class SamplingMetadata:
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
     generators: dict[int, torch.Generator] | None = None  # row → per-request generator
     max_num_logprobs: int | None = None  # None: nobody asked
+    # (row, token id, bias) tensors: added to the logits (logit_bias)
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # (rows, [len(rows), V] bool) only these tokens may be sampled (allowed_token_ids)
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
+    # (rows, [len(rows), ceil(V / 32)] int32 bits) structured outputs' allowed tokens
+    grammar: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def masks_logits(self) -> bool:
+        return (self.banned is not None or self.logit_bias is not None or self.allowed is not None
+                or self.grammar is not None)
+
+
+def unpack_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """xgrammar's token bitmask (bit j of word i: token 32 i + j) → [rows, V] bool."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
+    return ((bits[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab_size]
+
+
+def restrict(logits: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Tokens outside `allowed` get -inf in the given rows."""
+    return logits.index_put((rows,), logits[rows].masked_fill(~allowed, float("-inf")))
+
+
+def apply_token_masks(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Grammar, allowed_token_ids, logit_bias, banned tokens (min_tokens, bad_words): before
+    penalties and temperature, as vLLM does."""
+    if md.grammar is not None:
+        rows, bits = md.grammar
+        logits = restrict(logits, rows, unpack_bitmask(bits, logits.shape[-1]))
+    if md.allowed is not None:
+        logits = restrict(logits, *md.allowed)
+    if md.logit_bias is not None:
+        rows, toks, vals = md.logit_bias
+        logits = logits.index_put((rows, toks), vals, accumulate=True)
+    if md.banned is not None:
+        logits = logits.index_put(md.banned, torch.tensor(float("-inf"), device=logits.device))
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -65,12 +103,12 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, md: SamplingMetadata) -> torch
 
 def sample(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns (sampled token ids [B], raw logprobs [B, V] or None)."""
-    if md.all_greedy and md.max_num_logprobs is None and md.banned is None and md.output_counts is None:
+    if md.all_greedy and md.max_num_logprobs is None and not md.masks_logits and md.output_counts is None:
         return logits.argmax(-1), None  # exact in any dtype: skips a [B, V] float copy
     logits = logits.float()
     raw_logprobs = logits.log_softmax(-1) if md.max_num_logprobs is not None else None
-    if md.banned is not None:
-        logits = logits.index_put(md.banned, torch.tensor(float("-inf"), device=logits.device))
+    if md.masks_logits:
+        logits = apply_token_masks(logits, md)
     if md.output_counts is not None:
         logits = apply_penalties(logits, md)
     greedy = logits.argmax(-1)

@@ -11,7 +11,7 @@ from .input_batch import InputBatch, ReqState
 from .sampler import SamplingMetadata
 
 # columns of the per-row parameter table
-P_TEMP, P_TOP_K, P_TOP_P, P_MIN_P, P_MIN_TOKENS, P_PENALTY, P_LOGPROBS, P_SEEDED = range(8)
+P_TEMP, P_TOP_K, P_TOP_P, P_MIN_P, P_MIN_TOKENS, P_PENALTY, P_LOGPROBS, P_SEEDED, P_MASKS = range(9)
 
 
 class SamplingMetadataBuilder:
@@ -19,17 +19,33 @@ class SamplingMetadataBuilder:
         self.batch = batch
         self.vocab_size = vocab_size
         self.device = batch.device
-        self.row_params = np.zeros((max_num_seqs, 8), dtype=np.float32)
+        self.row_params = np.zeros((max_num_seqs, 9), dtype=np.float32)
+        # per row (overwritten when a request takes the row): logit_bias (ids, values),
+        # allowed_token_ids (device tensor), bad_words_token_ids
+        self.bias: dict[int, tuple[list[int], list[float]]] = {}
+        self.allowed: dict[int, torch.Tensor] = {}
+        self.bad_words: dict[int, list[list[int]]] = {}
 
     def add(self, st: ReqState) -> None:
         sp = st.sampling_params
         self.row_params[st.row] = (0.0 if sp.greedy else sp.temperature, sp.top_k, sp.top_p,
                                    sp.min_p, sp.min_tokens, sp.needs_penalties,
                                    -1 if sp.logprobs is None else sp.logprobs,
-                                   st.generator is not None)
+                                   st.generator is not None,
+                                   bool(sp.logit_bias or sp.allowed_token_ids or sp.bad_words_token_ids))
+        row = st.row
+        self.bias.pop(row, None), self.allowed.pop(row, None), self.bad_words.pop(row, None)
+        if sp.logit_bias:
+            self.bias[row] = (list(sp.logit_bias), [min(max(v, -100.0), 100.0) for v in sp.logit_bias.values()])
+        if sp.allowed_token_ids:
+            self.allowed[row] = torch.tensor(sp.allowed_token_ids, device=self.device)
+        if sp.bad_words_token_ids:
+            self.bad_words[row] = sp.bad_words_token_ids
 
-    def build(self, req_ids: list[str], out_counts: np.ndarray) -> SamplingMetadata:
-        """Metadata for sampling `req_ids` (in order); `out_counts`: their outputs so far."""
+    def build(self, req_ids: list[str], out_counts: np.ndarray,
+              grammar: tuple[list[str], np.ndarray] | None = None) -> SamplingMetadata:
+        """Metadata for sampling `req_ids` (in order); `out_counts`: their outputs so far;
+        `grammar`: the plan's structured-output bitmask rows and their request ids."""
         reqs, stage, dev = self.batch.reqs, self.batch.stage, self.device
         rows = np.array([reqs[r].row for r in req_ids], dtype=np.int64)
         p = self.row_params[rows]
@@ -46,9 +62,15 @@ class SamplingMetadataBuilder:
                 md.generators = {i: reqs[req_ids[i]].generator for i in np.flatnonzero(p[:, P_SEEDED])}
         if p[:, P_PENALTY].any():
             self._penalty_tensors(md, [reqs[r] for r in req_ids])
+        banned_rows, banned_toks = [], []
+        if p[:, P_MASKS].any():
+            self._token_masks(md, req_ids, np.flatnonzero(p[:, P_MASKS]), banned_rows, banned_toks)
+        if grammar is not None and grammar[0]:
+            pos = {rid: i for i, rid in enumerate(req_ids)}
+            md.grammar = (torch.tensor([pos[r] for r in grammar[0]], device=dev),
+                          torch.from_numpy(grammar[1]).to(dev))
         under_min = np.flatnonzero(out_counts < p[:, P_MIN_TOKENS])
         if len(under_min):  # EOS and stop tokens may not end the output yet
-            banned_rows, banned_toks = [], []
             for i in under_min:
                 s = reqs[req_ids[i]]
                 eos = [] if s.sampling_params.ignore_eos else [s.eos_token_id]
@@ -56,11 +78,43 @@ class SamplingMetadataBuilder:
                     if tok is not None:
                         banned_rows.append(int(i))
                         banned_toks.append(tok)
-            if banned_rows:
-                md.banned = (torch.tensor(banned_rows, device=dev), torch.tensor(banned_toks, device=dev))
+        if banned_rows:
+            md.banned = (torch.tensor(banned_rows, device=dev), torch.tensor(banned_toks, device=dev))
         max_lp = p[:, P_LOGPROBS].max()
         md.max_num_logprobs = int(max_lp) if max_lp >= 0 else None
         return md
+
+    def _token_masks(self, md: SamplingMetadata, req_ids: list[str], idx: np.ndarray,
+                     banned_rows: list[int], banned_toks: list[int]) -> None:
+        """logit_bias and allowed_token_ids tensors; bad words into the banned (row, token)s."""
+        dev, V = self.device, self.vocab_size
+        b_rows, b_toks, b_vals, a_rows, a_masks = [], [], [], [], []
+        for i in idx.tolist():
+            st = self.batch.reqs[req_ids[i]]
+            row = st.row
+            if row in self.bias:
+                toks, vals = self.bias[row]
+                b_rows += [i] * len(toks)
+                b_toks += toks
+                b_vals += vals
+            if row in self.allowed:
+                a_rows.append(i)
+                a_masks.append(torch.zeros(V, dtype=torch.bool, device=dev).index_fill_(0, self.allowed[row], True))
+            for word in self.bad_words.get(row, ()):
+                # vLLM: a word's last token is banned when the output ends with the rest of it
+                *prefix, last = word
+                n_out = st.num_tokens - st.num_prompt_tokens
+                if len(prefix) > n_out:
+                    continue
+                tail = self.batch.token_ids[row, st.num_tokens - len(prefix):st.num_tokens]
+                if not prefix or tail.tolist() == prefix:
+                    banned_rows.append(i)
+                    banned_toks.append(last)
+        if b_rows:
+            md.logit_bias = (torch.tensor(b_rows, device=dev), torch.tensor(b_toks, device=dev),
+                             torch.tensor(b_vals, dtype=torch.float32, device=dev))
+        if a_rows:
+            md.allowed = (torch.tensor(a_rows, device=dev), torch.stack(a_masks))
 
     def _penalty_tensors(self, md: SamplingMetadata, states: list[ReqState]) -> None:
         dev, V, token_ids = self.device, self.vocab_size, self.batch.token_ids

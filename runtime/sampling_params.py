@@ -110,6 +110,21 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         hi = vocab_size if vocab_size else INT64_MAX + 1
         if any(not 0 <= t < hi for t in self.stop_token_ids):
             bad("stop_token_ids", f"token ids in [0, {hi})")
+        if self.logit_bias and any(not 0 <= t < hi for t in self.logit_bias):
+            raise ParamError(f"logit_bias keys must be token ids in [0, {hi})", "logit_bias")
+        if self.logit_bias and any(v != v for v in self.logit_bias.values()):
+            raise ParamError("logit_bias values must be numbers", "logit_bias")
+        if self.allowed_token_ids is not None and (not self.allowed_token_ids or any(
+                not 0 <= t < hi for t in self.allowed_token_ids)):
+            bad("allowed_token_ids", f"a non-empty list of token ids in [0, {hi})")
+        if any(not w or any(not 0 <= t < hi for t in w) for w in self.bad_words_token_ids):
+            raise ParamError(f"bad_words must be non-empty words of token ids in [0, {hi})", "bad_words")
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            so.kind  # noqa: B018 - raises unless exactly one constraint is set
+            if so.start_after_token_id is not None and not 0 <= so.start_after_token_id < hi:
+                raise ParamError(f"structured_outputs.start_after_token_id must be in [0, {hi})",
+                                 "structured_outputs")
 
     @property
     def greedy(self) -> bool:

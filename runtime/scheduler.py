@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from .config import CacheConfig, SchedulerConfig
 from .kv_cache import KVCacheManager
 from .messages import (
@@ -24,6 +26,7 @@ from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from .model_runner import ModelRunnerOutput
+    from .structured_output import StructuredOutputManager
 
 
 @dataclass
@@ -52,6 +55,10 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # in batch order
     total_num_scheduled_tokens: int = 0
     finished_req_ids: list[str] = field(default_factory=list)  # runner may drop their state
+    # structured outputs: allowed-token bits (int32 words, [len(ids), ceil(V / 32)]) for the
+    # constrained requests that sample this step; only the last pipeline stage reads them
+    grammar_req_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: np.ndarray | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -60,8 +67,12 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int,
-                 max_model_len: int, async_scheduling: bool = False):
+                 max_model_len: int, async_scheduling: bool = False,
+                 structured: StructuredOutputManager | None = None):
         self.cfg = sched
+        self.structured = structured
+        self.compiling: list[Request] = []  # waiting for their grammar: not schedulable yet
+        self.error_outputs: list[EngineCoreOutput] = []  # requests that failed outside a step
         # schedule a decode before its previous token is back (the runner fills it in on device)
         self.async_scheduling = async_scheduling
         self.max_model_len = max_model_len
@@ -78,6 +89,9 @@ class Scheduler:
     # ---- requests in and out --------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
+        if req.sampling_params.structured_outputs is not None:
+            req.grammar = self.structured.submit(req.sampling_params.structured_outputs)
+            self.compiling.append(req)
         self._enqueue(req)
 
     def _enqueue(self, req: Request) -> None:
@@ -121,6 +135,8 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens
         step: dict[str, tuple[Request, int, list[int], bool]] = {}  # id → (req, n, new blocks, new)
         preempted = False
+        if self.compiling:
+            self._poll_grammars()
 
         # running requests first: decodes and unfinished prefills
         i = 0
@@ -154,9 +170,13 @@ class Scheduler:
             i += 1
 
         # then waiting requests, in policy order, unless we just had to preempt
-        while (self.waiting and budget > 0 and not preempted
+        j = 0
+        while (j < len(self.waiting) and budget > 0 and not preempted
                and len(self.running) < self.cfg.max_num_seqs):
-            req = self.waiting[0]
+            req = self.waiting[j]
+            if req.grammar is not None and not req.grammar.ready:
+                j += 1  # still compiling: the others go ahead
+                continue
             computed, num_cached = self.kv.get_computed_blocks(req)
             n = req.num_tokens - num_cached
             if n > budget and not self.cfg.enable_chunked_prefill:
@@ -165,7 +185,7 @@ class Scheduler:
             new_blocks = self.kv.allocate_slots(req, n, computed)
             if new_blocks is None:
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(j)
             self.kv.record_lookup(req, num_cached)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_cached
@@ -175,22 +195,56 @@ class Scheduler:
             step[req.request_id] = (req, n, new_blocks, True)
             budget -= n
 
+        constrained = []
         for req, n, new_blocks, new in step.values():
-            self._commit(req, n, new_blocks, new, out)
+            if self._commit(req, n, new_blocks, new, out) and req.grammar and req.grammar.active:
+                constrained.append(req)
+        if constrained:
+            out.grammar_req_ids = [r.request_id for r in constrained]
+            out.grammar_bitmask = self.structured.fill_bitmask([r.grammar for r in constrained])
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         if out.is_empty:  # an empty plan is not sent: keep the ids for the next one
             self.finished_ids = out.finished_req_ids + self.finished_ids
             out.finished_req_ids = []
+            if self.compiling and not self.running:  # idle until a grammar is ready: don't spin
+                self.structured.wait_any([r.grammar for r in self.compiling], 0.01)
+        return out
+
+    def _poll_grammars(self) -> None:
+        """Give compiled requests their matcher; fail those whose compilation failed."""
+        still = []
+        for req in self.compiling:
+            if req.is_finished:
+                continue
+            if not req.grammar.future.done():
+                still.append(req)
+                continue
+            try:
+                self.structured.init_matcher(req.grammar, req.eos_token_id)
+            except Exception as e:  # noqa: BLE001 - validate() parsed it; compilation still may fail
+                self.waiting.remove(req)
+                self._finish(req, FinishReason.ERROR)
+                self.error_outputs.append(EngineCoreOutput(
+                    req.request_id, [], finish_reason=FinishReason.ERROR,
+                    error=f"structured output compilation failed: {e}"))
+        self.compiling = still
+
+    def take_error_outputs(self) -> list[EngineCoreOutput]:
+        out, self.error_outputs = self.error_outputs, []
         return out
 
     def _can_run_ahead(self, req: Request) -> bool:
         """May `req` be scheduled again before its pending token is known?"""
-        return (self.async_scheduling and not req.sampling_params.needs_penalties
+        # penalties, multi-token bad words and grammars read the output so far
+        sp = req.sampling_params
+        return (self.async_scheduling and not sp.needs_penalties and req.grammar is None
+                and not any(len(w) > 1 for w in sp.bad_words_token_ids)
                 and req.num_output_tokens + req.num_pending < req.max_tokens
                 and req.num_tokens + req.num_pending < self.max_model_len)
 
     def _commit(self, req: Request, n: int, new_blocks: list[int], new: bool,
-                out: SchedulerOutput) -> None:
+                out: SchedulerOutput) -> bool:
+        """Add `req` to the plan; True if this step samples its next token."""
         rid = req.request_id
         if new:
             out.new_reqs.append(NewRequestData(
@@ -204,9 +258,11 @@ class Scheduler:
         start = req.num_computed_tokens
         self._step_prompt_tokens += max(0, min(start + n, req.num_prompt_tokens) - start)
         req.num_computed_tokens += n
-        if req.num_computed_tokens >= req.num_tokens + req.num_pending:  # this step samples
+        samples = req.num_computed_tokens >= req.num_tokens + req.num_pending
+        if samples:
             req.num_pending += 1
         req.num_in_flight += 1
+        return samples
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
@@ -241,7 +297,7 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is not None:  # else it finished while the step ran
                 req.num_in_flight -= 1
-        outputs = []
+        outputs = self.take_error_outputs()
         logprobs = result.logprobs or [None] * len(result.req_ids)
         for rid in result.req_ids:
             req = self.requests.get(rid)
@@ -254,6 +310,11 @@ class Scheduler:
             req.append_token(tok)
             self._step_gen_tokens += 1
             reason, stop = self._check_stop(req, tok)
+            if req.grammar is not None:
+                if not req.grammar.accept(tok):  # the mask makes this impossible
+                    reason = FinishReason.ERROR
+                elif reason is None and req.grammar.terminated:
+                    reason = FinishReason.STOP
             o = EngineCoreOutput(rid, [tok], new_logprobs=[lp] if lp is not None else None,
                                  num_cached_tokens=max(req.num_cached_tokens, 0))
             if req.num_output_tokens == 1 and req.sampling_params.prompt_logprobs is not None:
@@ -262,6 +323,8 @@ class Scheduler:
                 self.running.remove(req)
                 self._finish(req, reason, stop)
                 o.finish_reason, o.stop_reason = reason, stop
+                if reason == FinishReason.ERROR:
+                    o.error = "the sampled token violates the structured output constraint"
             outputs.append(o)
         for rid, entries in result.prompt_logprobs.items():
             if rid in self.requests:
@@ -286,5 +349,8 @@ class Scheduler:
             num_blocks_total=self.kv.num_blocks, prefix_queries=self.kv.prefix_queries,
             prefix_hits=self.kv.prefix_hits, num_preemptions=self.num_preemptions,
             num_prompt_tokens=self._step_prompt_tokens, num_generation_tokens=self._step_gen_tokens)
+        if self.structured is not None:
+            s.grammar_compile_seconds = self.structured.compile_seconds
+            s.grammar_mask_seconds = self.structured.mask_seconds
         self._step_prompt_tokens = self._step_gen_tokens = 0
         return s

@@ -1,0 +1,167 @@
+"""Structured outputs (constrained decoding) with xgrammar, on rank 0.
+
+Design: `validate` only *parses* the constraint (regex / EBNF / JSON schema → xgrammar Grammar:
+fast, needs no tokenizer), so an invalid one is a ValueError before the request is queued.
+`submit` hands the costly part (building the per-token mask tables against the vocabulary) to a
+thread pool; futures are cached by (kind, spec) so a repeated schema compiles once. Until its
+future is done the request stays in the waiting queue and the scheduler skips it (others are
+scheduled meanwhile). Then it gets a GrammarMatcher (`RequestGrammar`, kept on the Request). Each
+step the scheduler fills one bitmask row per constrained request that samples; the rows travel in
+the step plan to the sampling rank, and the sampled token is accepted into the matcher in
+`Scheduler.update`.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import json
+import re
+import threading
+import time
+
+import numpy as np
+
+from .sampling_params import StructuredOutputsParams
+
+MAX_WHITESPACE = 64  # a JSON whitespace run longer than this is never useful (and could loop)
+CACHE_SIZE = 256
+
+
+def _clean(err: Exception) -> str:
+    """xgrammar errors start with a C++ timestamp and source location: keep the message."""
+    msg = str(err).strip()
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", msg).replace("Check failed: (error.empty()) is false: ", "")
+
+
+def parse_grammar(so: StructuredOutputsParams):
+    """The xgrammar Grammar for a constraint; ValueError naming the problem if it is invalid."""
+    import xgrammar as xgr
+    kind = so.kind
+    try:
+        if kind == "json":
+            schema = so.json if isinstance(so.json, str) else json.dumps(so.json)
+            return xgr.Grammar.from_json_schema(schema, any_whitespace=True,
+                                                max_whitespace_cnt=MAX_WHITESPACE)
+        if kind == "json_object":
+            return xgr.Grammar.builtin_json_grammar()
+        if kind == "regex":
+            return xgr.Grammar.from_regex(so.regex)
+        if kind == "choice":
+            if not so.choice:
+                raise ValueError("the list of choices is empty")
+            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in so.choice))
+        if kind == "grammar":
+            return xgr.Grammar.from_ebnf(so.grammar)
+        return xgr.Grammar.from_structural_tag(so.structural_tag)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise ValueError(f"invalid structured_outputs.{kind}: {_clean(e)}") from None
+
+
+def _spec_key(so: StructuredOutputsParams) -> tuple:
+    kind = so.kind
+    spec = getattr(so, kind)
+    if kind == "json" and not isinstance(spec, str):
+        spec = json.dumps(spec, sort_keys=True)
+    return kind, spec if not isinstance(spec, list) else tuple(spec)
+
+
+class RequestGrammar:
+    """A request's constraint state (lives on the Request as `req.grammar`)."""
+
+    def __init__(self, so: StructuredOutputsParams, future: concurrent.futures.Future):
+        self.future = future
+        self.matcher = None  # set once compiled
+        self.active = so.start_after_token_id is None  # constrained from the first output token?
+        self.start_after = so.start_after_token_id
+
+    @property
+    def ready(self) -> bool:
+        return self.matcher is not None
+
+    def accept(self, token: int) -> bool:
+        """Advance over a sampled token; False if the grammar rejects it."""
+        if not self.active:
+            self.active = token == self.start_after
+            return True
+        return self.matcher.accept_token(token)
+
+    @property
+    def terminated(self) -> bool:
+        return self.active and self.matcher.is_terminated()
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer_path: str, model_dir: str, vocab_size: int, max_workers: int = 2):
+        self.tokenizer_path = tokenizer_path
+        self.model_dir = model_dir
+        self.vocab_size = vocab_size  # the logits' width: may exceed the tokenizer's vocabulary
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="grammar")
+        self._lock = threading.Lock()
+        self._compiler = None
+        self._stop_ids: set[int] = set()
+        self.cache: collections.OrderedDict[tuple, concurrent.futures.Future] = collections.OrderedDict()
+        # cumulative seconds (SchedulerStats)
+        self.compile_seconds = 0.0
+        self.mask_seconds = 0.0
+
+    def _get_compiler(self):
+        with self._lock:  # first use builds it (a tokenizer load: ~1 s), in a pool thread
+            if self._compiler is None:
+                import xgrammar as xgr
+                from .inputs import eos_token_ids_of, load_tokenizer
+                tok = load_tokenizer(self.tokenizer_path)
+                if tok is None:
+                    raise ValueError("structured outputs need a tokenizer; this model has none")
+                stop = eos_token_ids_of(tok, self.model_dir)
+                info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size,
+                                                          stop_token_ids=stop or None)
+                self._stop_ids = set(info.stop_token_ids)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+            return self._compiler
+
+    def _compile(self, so: StructuredOutputsParams):
+        t0 = time.perf_counter()
+        try:
+            return self._get_compiler().compile_grammar(parse_grammar(so))
+        finally:
+            with self._lock:
+                self.compile_seconds += time.perf_counter() - t0
+
+    def validate(self, so: StructuredOutputsParams) -> None:
+        parse_grammar(so)
+
+    def submit(self, so: StructuredOutputsParams) -> RequestGrammar:
+        """Start (or reuse) the compilation; the request waits until it is done."""
+        key = _spec_key(so)
+        fut = self.cache.get(key)
+        if fut is None or (fut.done() and fut.exception() is not None):
+            fut = self.cache[key] = self.pool.submit(self._compile, so)
+            if len(self.cache) > CACHE_SIZE:
+                self.cache.popitem(last=False)
+        self.cache.move_to_end(key)
+        return RequestGrammar(so, fut)
+
+    def init_matcher(self, g: RequestGrammar, eos_token_id: int | None) -> None:
+        """Called once `g.future` is done; raises the compilation error if it failed."""
+        import xgrammar as xgr
+        compiled = g.future.result()
+        stop = None
+        if eos_token_id is not None and eos_token_id not in self._stop_ids:
+            stop = sorted(self._stop_ids | {eos_token_id})  # EOS only where the grammar may end
+        g.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop)
+
+    def fill_bitmask(self, grammars: list[RequestGrammar]) -> np.ndarray:
+        """One row of allowed-token bits (int32 words) per matcher, for this step."""
+        import xgrammar as xgr
+        t0 = time.perf_counter()
+        mask = xgr.allocate_token_bitmask(len(grammars), self.vocab_size)
+        for i, g in enumerate(grammars):
+            g.matcher.fill_next_token_bitmask(mask, i)
+        self.mask_seconds += time.perf_counter() - t0
+        return mask.numpy()
+
+    def wait_any(self, grammars: list[RequestGrammar], timeout: float) -> None:
+        concurrent.futures.wait([g.future for g in grammars], timeout, concurrent.futures.FIRST_COMPLETED)
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,229 @@
+"""Structured outputs (xgrammar) and token masks (logit_bias, allowed_token_ids, bad_words) through
+`LLM`: a random-weight tiny Qwen3 with the real tokenizer at temperature 1 must still give valid
+outputs, since only the masks make them so."""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import jsonschema
+import pytest
+
+from rankserve import LLM, SamplingParams
+from rankserve.runtime.sampling_params import ParamError, StructuredOutputsParams as SO
+
+from conftest import STORIES_EMBEDDED, STORIES_TEXT
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 8},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "pet": {"enum": ["cat", "dog", "fish"]},
+    "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}},
+    "required": ["name", "age", "pet"], "additionalProperties": False}
+N = 10
+
+
+@pytest.fixture(scope="module")
+def qwen(qwen3_chat_dir):
+    return LLM(str(qwen3_chat_dir), max_num_seqs=N)
+
+
+def run(llm, so=None, n=N, max_tokens=200, prompt="Give me a record:", **kw):
+    sps = [SamplingParams(temperature=1.0, seed=s, max_tokens=max_tokens, structured_outputs=so, **kw)
+           for s in range(n)]
+    outs = [o.outputs[0] for o in llm.generate([prompt] * n, sps)]
+    for o in outs:
+        assert o.finish_reason == "stop", (o.text, o.finish_reason)
+    return [o.text for o in outs]
+
+
+def test_json_schema(qwen):
+    texts = run(qwen, SO(json=SCHEMA))
+    assert len(set(texts)) > 1  # the seeds differ: the schema, not the model, makes them valid
+    for t in texts:
+        jsonschema.validate(json.loads(t), SCHEMA)
+
+
+def test_choice_regex_grammar_json_object(qwen):
+    choices = ["yes", "no", "maybe so"]
+    assert set(run(qwen, SO(choice=choices))) <= set(choices)
+    pattern = r"[A-Z][a-z]{2,6}-\d{2,3}"
+    for t in run(qwen, SO(regex=pattern)):
+        assert re.fullmatch(pattern, t), t
+    ebnf = 'root ::= "(" num (" + " num)? (" + " num)? ")"\nnum ::= [1-9] [0-9]?'
+    for t in run(qwen, SO(grammar=ebnf), n=6):
+        assert re.fullmatch(r"\(\d{1,2}( \+ \d{1,2}){0,2}\)", t), t
+    # any JSON object (random weights would write strings forever: a few tokens only, which
+    # also tests a grammar together with allowed_token_ids)
+    few = qwen.tokenizer.convert_tokens_to_ids(["{", "}", '"', "a", ":", "1", ",", "Ġ"])
+    few.append(qwen.tokenizer.eos_token_id)  # else a finished object has no way to end
+    for t in run(qwen, SO(json_object=True), n=6, allowed_token_ids=few):
+        assert isinstance(json.loads(t), dict), t
+
+
+@pytest.mark.parametrize("so, words", [
+    (SO(json={"type": "object", "properties": {"a": {"type": "nonsense"}}}), "json"),
+    (SO(json="{not json"), "json"),
+    (SO(regex="a(b"), "parenthesis"),
+    (SO(grammar="root ::= undefined_rule"), "undefined_rule"),
+    (SO(choice=[]), "exactly one|empty"),
+    (SO(regex="a", json_object=True), "exactly one"),
+])
+def test_invalid_constraints_are_clear_errors(qwen, so, words):
+    with pytest.raises(ValueError, match=words):
+        qwen.generate("x", SamplingParams(structured_outputs=so))
+
+
+def test_greedy_unchanged_when_already_satisfied(stories_llm):
+    sp = SamplingParams(temperature=0, max_tokens=20)
+    free = stories_llm.generate("Once upon a time", sp)[0].outputs[0]
+    assert STORIES_TEXT.startswith(free.text)
+    # a regex the free output satisfies (as a prefix: then EOS is the only way out)
+    so = SO(regex=re.escape(free.text) + ".*")
+    con = stories_llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=20,
+                                                                  structured_outputs=so))[0].outputs[0]
+    assert con.token_ids == free.token_ids
+
+
+@pytest.mark.parametrize("kw", [
+    dict(async_scheduling=True),
+    dict(enable_chunked_prefill=True, max_num_batched_tokens=64),
+    dict(num_gpu_blocks_override=12, block_size=16, max_model_len=192),
+], ids=["async", "chunked", "preempt"])
+def test_valid_under_async_chunked_preemption(qwen3_chat_dir, kw):
+    llm = LLM(str(qwen3_chat_dir), max_num_seqs=6, **kw)
+    prompt = "Give me a record: " + "the quick brown fox " * 40  # > 64 tokens: several chunks
+    texts = run(llm, SO(json=SCHEMA), n=6, max_tokens=150,
+                prompt=prompt if "enable_chunked_prefill" in kw else "Give me:")
+    for t in texts:
+        jsonschema.validate(json.loads(t), SCHEMA)
+    if "num_gpu_blocks_override" in kw:
+        assert llm.engine.scheduler.num_preemptions > 0
+    stats = llm.engine.scheduler.stats()
+    assert stats.grammar_compile_seconds > 0 and stats.grammar_mask_seconds > 0
+
+
+def test_start_after_token(qwen):
+    """The constraint starts once a given token is generated (a reasoning model's </think>)."""
+    so = SO(regex="[0-9]{3}", start_after_token_id=151668)
+    sps = [SamplingParams(temperature=1.0, seed=s, max_tokens=8, structured_outputs=so,
+                          logit_bias={151668: 100.0}) for s in range(3)]  # </think> at once
+    for o in qwen.generate(["Think:"] * 3, sps):
+        c = o.outputs[0]
+        assert c.token_ids[0] == 151668 and re.fullmatch(r"[0-9]{3}", qwen.tokenizer.decode(c.token_ids[1:-1]))
+
+
+def test_logit_bias_and_allowed_token_ids(qwen):
+    tok = 1234
+    outs = qwen.generate(["a"] * 4, [SamplingParams(temperature=1.0, seed=s, max_tokens=5, ignore_eos=True,
+                                                    logit_bias={tok: 100.0}) for s in range(4)])
+    assert all(o.outputs[0].token_ids == [tok] * 5 for o in outs)
+    allowed = [11, 22, 33]
+    outs = qwen.generate(["a"] * 4, [SamplingParams(temperature=1.0, seed=s, max_tokens=8, ignore_eos=True,
+                                                    allowed_token_ids=allowed) for s in range(4)])
+    assert all(set(o.outputs[0].token_ids) <= set(allowed) for o in outs)
+    assert len({t for o in outs for t in o.outputs[0].token_ids}) > 1
+    # -100 removes the greedy choice
+    free = qwen.generate("a", SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))[0].outputs[0].token_ids[0]
+    biased = qwen.generate("a", SamplingParams(temperature=0, max_tokens=1, ignore_eos=True,
+                                               logit_bias={free: -100.0}))[0].outputs[0].token_ids[0]
+    assert biased != free
+
+
+def test_bad_words(stories_llm):
+    sp = SamplingParams(temperature=0, max_tokens=30)
+    free = stories_llm.generate("Once upon a time", sp)[0].outputs[0].text
+    assert " Lily" in free and " park" in free
+    sp = SamplingParams(temperature=0, max_tokens=30, bad_words=["Lily", "the park"])
+    out = stories_llm.generate("Once upon a time", sp)[0].outputs[0].text
+    assert "Lily" not in out and "the park" not in out and out != free
+
+
+def test_bad_words_multi_token_semantics(stories_llm):
+    """A multi-token bad word bans only its last token, and only after the rest of it."""
+    tok = stories_llm.tokenizer
+    free = stories_llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
+    a, b = free.token_ids[3], free.token_ids[4]
+    out = stories_llm.generate("Once upon a time", SamplingParams(
+        temperature=0, max_tokens=12, bad_words_token_ids=[[a, b]]))[0].outputs[0]
+    assert out.token_ids[:4] == free.token_ids[:4] and out.token_ids[4] != b, tok.decode(out.token_ids)
+    # a prefix that does not match bans nothing
+    out = stories_llm.generate("Once upon a time", SamplingParams(
+        temperature=0, max_tokens=12, bad_words_token_ids=[[b, b]] if a != b else [[a + 1, b]]))[0].outputs[0]
+    assert out.token_ids == free.token_ids
+
+
+@pytest.mark.parametrize("field, kw", [
+    ("logit_bias", dict(logit_bias={10**7: 1.0})),
+    ("allowed_token_ids", dict(allowed_token_ids=[])),
+    ("allowed_token_ids", dict(allowed_token_ids=[-1])),
+    ("bad_words", dict(bad_words_token_ids=[[]])),
+    ("structured_outputs", dict(structured_outputs=SO())),
+])
+def test_param_validation(field, kw):
+    with pytest.raises(ParamError) as e:
+        SamplingParams(**kw).validate(512)
+    assert e.value.param == field
+
+
+def test_stories_default_model_regex():
+    """The stories tokenizer (SentencePiece, 512 tokens): a regex at temperature 1."""
+    llm = LLM(str(STORIES_EMBEDDED))
+    for t in run(llm, SO(regex=r"[a-z ]{3,20}\."), n=8, max_tokens=60, prompt="Once upon a time"):
+        assert re.fullmatch(r"[a-z ]{3,20}\.", t), t
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not on PATH")
+@pytest.mark.parametrize("flags", [["--tp", "2"], ["--pp", "2"]])
+def test_multirank_regex(flags):
+    """The plan carries the bitmask to every rank; the sampling rank applies it."""
+    pattern = r"[a-z ]{3,20}\."
+    cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "rankserve.launch", "generate", str(STORIES_EMBEDDED),
+           "--max-tokens", "40", "--temperature", "1", "--sampling-seed", "3", "--json", "--regex", pattern,
+           "--prompt", "Once upon a time", "--prompt", "Lily and Tom were", *flags]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, RANKSERVE_HEARTBEAT_TIMEOUT="30"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    assert len(lines) == 2
+    for x in lines:
+        assert x["finish_reason"] == "stop" and re.fullmatch(pattern, x["text"]), x
+
+
+def test_slow_compile_does_not_stall_others_and_failures_finish_with_error():
+    import threading
+    from rankserve.runtime.inputs import engine_request
+    llm = LLM(str(STORIES_EMBEDDED))
+    core, mgr = llm.engine, llm.engine.structured
+    gate = threading.Event()
+    real = mgr._compile
+
+    def slow(so):
+        if so.regex == "boom":
+            raise RuntimeError("boom")
+        gate.wait(30)
+        return real(so)
+    mgr._compile = slow
+    ids = llm.tokenizer("Once upon a time").input_ids
+    sp_free = SamplingParams(temperature=0, max_tokens=8)
+    sp_con = SamplingParams(temperature=0, max_tokens=8, structured_outputs=SO(regex="[a-z ]+"))
+    for rid, sp in (("con", sp_con), ("free", sp_free), ("bad", SamplingParams(structured_outputs=SO(regex="boom")))):
+        core.add_request(engine_request(rid, ids, sp, llm.eos_token_ids))
+    done = {}
+    while "free" not in done:
+        for o in core.step().outputs:
+            if o.finished:
+                done[o.request_id] = o
+    assert "con" not in done and core.scheduler.requests["con"].num_output_tokens == 0
+    assert done["bad"].finish_reason == "error" and "boom" in done["bad"].error
+    gate.set()
+    toks = []
+    while "con" not in done:
+        for o in core.step().outputs:
+            toks += o.new_token_ids if o.request_id == "con" else []
+            if o.finished:
+                done[o.request_id] = o
+    assert re.fullmatch("[a-z ]+", llm.tokenizer.decode(toks))
