@@ -23,18 +23,6 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
-    """vLLM's bad_words: each word as it would appear at the start of the text and after a
-    space (two tokenizations, deduplicated), without special tokens."""
-    out: list[list[int]] = []
-    for word in words:
-        for text in (word.lstrip(), " " + word.lstrip()):
-            ids = tokenizer(text, add_special_tokens=False).input_ids
-            if ids and ids not in out:
-                out.append(ids)
-    return out
-
-
 def eos_token_ids_of(tokenizer, model_dir: str) -> list[int]:
     """All end-of-sequence ids (generation_config may list several, e.g. Llama 3's eot/eom)."""
     ids: list[int] = []
