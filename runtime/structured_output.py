@@ -52,7 +52,14 @@ def parse_grammar(so: StructuredOutputsParams):
             return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in so.choice))
         if kind == "grammar":
             return xgr.Grammar.from_ebnf(so.grammar)
+        tag = json.loads(so.structural_tag)
+        if isinstance(tag, dict) and "structures" in tag:  # vLLM's older {structures, triggers} form
+            items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+                     for s in tag["structures"]]
+            return xgr.Grammar.from_structural_tag(items, tag["triggers"])
         return xgr.Grammar.from_structural_tag(so.structural_tag)
+    except KeyError as e:
+        raise ValueError(f"invalid structured_outputs.{kind}: missing field {e}") from None
     except (RuntimeError, ValueError, TypeError) as e:
         raise ValueError(f"invalid structured_outputs.{kind}: {_clean(e)}") from None
 

@@ -63,7 +63,17 @@ def test_choice_regex_grammar_json_object(qwen):
         assert isinstance(json.loads(t), dict), t
 
 
+def test_structural_tag(qwen):
+    tag = {"type": "structural_tag", "format": {"type": "tag", "begin": "<r>", "end": "</r>", "content": {
+        "type": "regex", "pattern": "[a-z]{1,5}"}}}
+    for t in run(qwen, SO(structural_tag=json.dumps(tag)), n=4):
+        assert re.fullmatch("<r>[a-z]{1,5}</r>", t), t
+    legacy = {"structures": [{"begin": "<f>", "schema": SCHEMA, "end": "</f>"}], "triggers": ["<f"]}
+    qwen.engine.structured.validate(SO(structural_tag=json.dumps(legacy)))  # vLLM's older form
+
+
 @pytest.mark.parametrize("so, words", [
+    (SO(structural_tag='{"structures": [{}], "triggers": []}'), "missing field 'begin'"),
     (SO(json={"type": "object", "properties": {"a": {"type": "nonsense"}}}), "json"),
     (SO(json="{not json"), "json"),
     (SO(regex="a(b"), "parenthesis"),
