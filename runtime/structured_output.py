@@ -42,8 +42,9 @@ def parse_grammar(so: StructuredOutputsParams):
             schema = so.json if isinstance(so.json, str) else json.dumps(so.json)
             return xgr.Grammar.from_json_schema(schema, any_whitespace=True,
                                                 max_whitespace_cnt=MAX_WHITESPACE)
-        if kind == "json_object":
-            return xgr.Grammar.builtin_json_grammar()
+        if kind == "json_object":  # an object (not any JSON value), whitespace bounded as above
+            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=True,
+                                                max_whitespace_cnt=MAX_WHITESPACE)
         if kind == "regex":
             return xgr.Grammar.from_regex(so.regex)
         if kind == "choice":

@@ -40,6 +40,10 @@ class Metrics:
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens computed (prefill)")
         self.generation_tokens = counter("generation_tokens", "Tokens generated")
+        self.grammar_compile = counter("grammar_compile_seconds", "Seconds compiling structured-"
+                                       "output grammars (worker threads, off the step loop)")
+        self.grammar_mask = counter("grammar_mask_seconds", "Seconds of the step loop filling "
+                                    "structured-output token bitmasks")
         self._success = prom.Counter("rankserve:request_success", "Finished requests by finish "
                                      "reason", ["model_name", "finished_reason"], registry=r)
         self._model = model_name
@@ -65,7 +69,11 @@ class Metrics:
         self.generation_tokens.inc(s.num_generation_tokens)
         for counter, new, old in ((self.preemptions, s.num_preemptions, self._last.num_preemptions),
                                   (self.prefix_queries, s.prefix_queries, self._last.prefix_queries),
-                                  (self.prefix_hits, s.prefix_hits, self._last.prefix_hits)):
+                                  (self.prefix_hits, s.prefix_hits, self._last.prefix_hits),
+                                  (self.grammar_compile, s.grammar_compile_seconds,
+                                   self._last.grammar_compile_seconds),
+                                  (self.grammar_mask, s.grammar_mask_seconds,
+                                   self._last.grammar_mask_seconds)):
             counter.inc(max(0, new - old))
         self._last = s
 
