@@ -80,6 +80,29 @@ def test_throughput_cli_rankserve_and_hf(tmp_path):
     assert png.stat().st_size > 1000
 
 
+def test_throughput_structured_output_mode(tmp_path):
+    """--structured-output json: every request under one of the bench's JSON schemas; the outputs
+    are documents (they may end before the workload's length), and the mode is recorded."""
+    from rankserve.runtime.bench import throughput
+    out_json = tmp_path / "s.json"
+    invoke_cli("throughput", STORIES, "--num-prompts", "6", "--input-len", "8", "20",
+               "--output-len", "8", "24", "--structured-output", "json", "--output-json", str(out_json))
+    rec = json.loads(out_json.read_text())
+    assert rec["workload"]["structured_output"] == "json"
+    r = rec["results"]["rankserve"]
+    assert 0 < r["output_tokens"] <= rec["workload"]["output_tokens"]
+    from rankserve import LLM
+    llm = LLM(STORIES)  # the same params the bench sends: the texts are JSON prefixes of the schemas
+    outs = llm.generate(["a"] * 3, [throughput.engine_params(24, s) for s in throughput.SCHEMAS])
+    for o in outs:
+        text = llm.tokenizer.decode(o.outputs[0].token_ids)
+        assert text.lstrip()[:1] in "{[", text
+    from rankserve.launch.cli import main
+    r = CliRunner().invoke(main, ["bench", "throughput", STORIES, "--structured-output", "json",
+                                  "--backend", "hf"])
+    assert r.exit_code == 2 and "rankserve backend only" in r.output
+
+
 def test_latency_cli_rankserve_and_hf(tmp_path):
     out_json = tmp_path / "l.json"
     invoke_cli("latency", STORIES, "--batch-size", "2", "--input-len", "12", "--output-len", "6",

@@ -389,7 +389,7 @@ def derender(ctx: ServeContext, req: DerenderRequest) -> dict:
     vocab = ctx.client.model_info.get("vocab_size") or len(ctx.tokenizer)
     check_token_ids(req.token_ids, vocab, "token_ids")
     check_token_ids(req.prompt_token_ids or [], vocab, "prompt_token_ids")
-    parser = ctx.new_parser(req.prompt_token_ids or [], bool(ctx.args.tool_call_parser))
+    parser = ctx.new_parser(req.prompt_token_ids or [], ToolMode(parse=bool(ctx.args.tool_call_parser)))
     ids = list(req.token_ids)
     eos = set(ctx.client.eos_token_ids)
     finish = "length"
