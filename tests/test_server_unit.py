@@ -181,6 +181,11 @@ def test_tools_enabled_rules(tok):
         ctx.tool_mode(tools, {"type": "function", "function": {"name": "g"}})
     with pytest.raises(APIError, match="--enable-auto-tool-choice"):
         make_ctx(tok, enable_auto_tool_choice=False).tool_mode(tools, "auto")
+    strict = [{"type": "function", "function": {"name": "f", "strict": True}}]
+    tag = ctx.tool_mode(strict, "auto").tag  # hermes: a structural tag per function
+    assert tag["triggers"] == ["<tool_call>"] and '"name": "f"' in tag["structures"][0]["begin"]
+    with pytest.raises(APIError, match="hermes / qwen3 call format"):
+        make_ctx(tok, tool_call_parser="llama3_json").tool_mode(strict, "auto")
     with pytest.raises(ValueError, match="unsupported parser"):
         make_ctx(tok, tool_call_parser="nonesuch")
 

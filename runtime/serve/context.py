@@ -99,8 +99,11 @@ class ToolMode:
     forced: str | None = None  # "required" or the forced function's name: constrained output
     schema: dict | None = None  # the JSON schema of a forced output
     max_calls: int | None = None  # parallel_tool_calls=false: 1
+    tag: dict | None = None  # auto with strict tools: the calls' structural tag
 
     def structured(self) -> StructuredOutputsParams | None:
+        if self.tag:
+            return StructuredOutputsParams(structural_tag=json.dumps(self.tag))
         return StructuredOutputsParams(json=self.schema) if self.forced else None
 
 
@@ -258,10 +261,8 @@ class ServeContext:
             if not (self.args.enable_auto_tool_choice and self.args.tool_call_parser):
                 raise APIError('"auto" tool choice requires --enable-auto-tool-choice and '
                                '--tool-call-parser to be set', param="tool_choice")
-            if any(t.get("function", t).get("strict") for t in tools if isinstance(t, dict)):
-                raise APIError('strict tools are enforced with tool_choice "required" or a named '
-                               'function; with "auto" the calls are free text', param="tools")
-            return ToolMode(parse=True, max_calls=None if parallel else 1)
+            return ToolMode(parse=True, max_calls=None if parallel else 1,
+                            tag=self._strict_tag(tools))
         schemas = {}
         for t in tools:
             fn = t.get("function", t) if isinstance(t, dict) else {}
@@ -279,6 +280,22 @@ class ServeContext:
             raise APIError(f"tool_choice names the function {name!r}, which is not among the "
                            f"tools ({', '.join(map(str, schemas))})", param="tool_choice")
         return ToolMode(forced=name, schema=schemas[name])
+
+    def _strict_tag(self, tools: list) -> dict | None:
+        """`strict: true` tools under tool_choice auto: the text stays free, but a call, once
+        begun, follows its function's schema (a structural tag triggered by the call marker).
+        Only the hermes / qwen3 call format has its structure spelled out here."""
+        fns = [t.get("function", t) for t in tools if isinstance(t, dict)]
+        if not any(fn.get("strict") for fn in fns):
+            return None
+        if self.args.tool_call_parser not in ("hermes", "qwen3"):
+            raise APIError(f"strict tools with tool_choice auto are enforced for the hermes / qwen3 "
+                           f"call format, not {self.args.tool_call_parser!r}; use tool_choice "
+                           '"required" or a named function', param="tools")
+        return {"triggers": ["<tool_call>"], "structures": [
+            {"begin": f'<tool_call>\n{{"name": {json.dumps(fn.get("name"))}, "arguments": ',
+             "schema": fn.get("parameters") or {"type": "object"}, "end": "}\n</tool_call>"}
+            for fn in fns]}
 
     def constraint(self, params: StructuredOutputsParams | None,
                    prompt_token_ids: list[int]) -> StructuredOutputsParams | None:

@@ -223,9 +223,9 @@ def chat_sampling_params(ctx: ServeContext, req: ChatCompletionRequest, run_pars
         raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
     skip = run_parser.skip_special_tokens  # markers such as <tool_call> are special tokens
     structured = structured_from(req)
-    if structured is not None and mode.forced:
-        raise APIError(f"tool_choice {mode.forced!r} constrains the output already; drop "
-                       "response_format / structured_outputs", param="tool_choice")
+    if structured is not None and mode.structured() is not None:
+        raise APIError("the tools constrain the output already (tool_choice required / named, or "
+                       "strict tools); drop response_format / structured_outputs", param="tool_choice")
     structured = ctx.constraint(structured or mode.structured(), prompt_ids)
     return ctx.with_bad_words(sampling_params(
         req, ctx.defaults, req.max_completion_tokens or req.max_tokens, logprobs, skip,

@@ -203,9 +203,9 @@ async def create_response(ctx: ServeContext, req: ResponsesRequest):
     structured = structured_from(SamplingRequest(), "text.format", fmt) if fmt else None
     tools, choice = to_tools(req.tools), _tool_choice(req.tool_choice)
     mode = ctx.tool_mode(tools, choice, req.parallel_tool_calls)
-    if structured is not None and mode.forced:
-        raise APIError(f"tool_choice {mode.forced!r} constrains the output already; drop "
-                       "text.format", param="tool_choice")
+    if structured is not None and mode.structured() is not None:
+        raise APIError("the tools constrain the output already (tool_choice required / named, or "
+                       "strict tools); drop text.format", param="tool_choice")
     kwargs = {}
     if req.reasoning is not None and req.reasoning.get("effort") is not None:
         kwargs["enable_thinking"] = req.reasoning["effort"] not in ("none", "minimal")
