@@ -12,6 +12,7 @@ import gc
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -75,7 +76,8 @@ class StepInputs:
     sample_req_ids: list[str]
     sample_out_counts: np.ndarray  # outputs before this step's sample, per sampled request
     prompt_lp: list[tuple[str, int, int, int]]  # (req id, first hidden row, count, first target pos)
-    grammar: tuple[list[str], np.ndarray] | None = None  # the plan's structured-output bitmask
+    # the plan's constrained requests and its bitmask filler (called at sampling time)
+    grammar: tuple[list[str], Callable[[], np.ndarray]] | None = None
 
 
 class ModelRunner:
@@ -238,7 +240,7 @@ class ModelRunner:
             ids[put(placeholder)] = self.prev_sampled[put(src)]
         # exact even when the last token is still a placeholder
         out_counts = (seq_lens - np.array([s.num_prompt_tokens for s in states]))[sample_mask]
-        grammar = (plan.grammar_req_ids, plan.grammar_bitmask) if plan.grammar_req_ids else None
+        grammar = (plan.grammar_req_ids, plan.bitmask) if plan.grammar_req_ids else None
         return StepInputs(ids, put(positions, b.pos), attn, put(logits_indices),
                           sample_ids, out_counts, prompt_lp, grammar)
 

@@ -56,7 +56,14 @@ def apply_token_masks(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tenso
     penalties and temperature, as vLLM does."""
     if md.grammar is not None:
         rows, bits = md.grammar
-        logits = restrict(logits, rows, unpack_bitmask(bits, logits.shape[-1]))
+        if logits.is_cuda:  # xgrammar's kernel, in place: no [rows, V] temporaries
+            import xgrammar as xgr
+            full = torch.full((logits.shape[0], bits.shape[1]), -1, dtype=torch.int32,
+                              device=logits.device)  # -1: every token allowed
+            full[rows] = bits
+            xgr.apply_token_bitmask_inplace(logits, full)
+        else:  # the torch reference (faster than xgrammar's CPU op on small hosts)
+            logits = restrict(logits, rows, unpack_bitmask(bits, logits.shape[-1]))
     if md.allowed is not None:
         logits = restrict(logits, *md.allowed)
     if md.logit_bias is not None:

@@ -4,6 +4,8 @@ banned tokens only when some request needs them).
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import torch
 
@@ -43,7 +45,7 @@ class SamplingMetadataBuilder:
             self.bad_words[row] = sp.bad_words_token_ids
 
     def build(self, req_ids: list[str], out_counts: np.ndarray,
-              grammar: tuple[list[str], np.ndarray] | None = None) -> SamplingMetadata:
+              grammar: tuple[list[str], Callable[[], np.ndarray]] | None = None) -> SamplingMetadata:
         """Metadata for sampling `req_ids` (in order); `out_counts`: their outputs so far;
         `grammar`: the plan's structured-output bitmask rows and their request ids."""
         reqs, stage, dev = self.batch.reqs, self.batch.stage, self.device
@@ -68,7 +70,7 @@ class SamplingMetadataBuilder:
         if grammar is not None and grammar[0]:
             pos = {rid: i for i, rid in enumerate(req_ids)}
             md.grammar = (torch.tensor([pos[r] for r in grammar[0]], device=dev),
-                          torch.from_numpy(grammar[1]).to(dev))
+                          torch.from_numpy(grammar[1]()).to(dev))
         under_min = np.flatnonzero(out_counts < p[:, P_MIN_TOKENS])
         if len(under_min):  # EOS and stop tokens may not end the output yet
             for i in under_min:

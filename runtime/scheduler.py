@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -59,6 +59,18 @@ class SchedulerOutput:
     # constrained requests that sample this step; only the last pipeline stage reads them
     grammar_req_ids: list[str] = field(default_factory=list)
     grammar_bitmask: np.ndarray | None = None
+    grammar_fill: Callable[[], np.ndarray] | None = field(default=None, repr=False)
+
+    def bitmask(self) -> np.ndarray | None:
+        """The grammar rows, filled on first use. On one rank that is at sampling time, after
+        the forward is launched, so the host fills the masks while the device computes."""
+        if self.grammar_bitmask is None and self.grammar_fill is not None:
+            self.grammar_bitmask, self.grammar_fill = self.grammar_fill(), None
+        return self.grammar_bitmask
+
+    def __getstate__(self):  # sent to other ranks: the rows travel, the filler does not
+        self.bitmask()
+        return self.__dict__
 
     @property
     def is_empty(self) -> bool:
@@ -72,6 +84,7 @@ class Scheduler:
         self.cfg = sched
         self.structured = structured
         self.compiling: list[Request] = []  # waiting for their grammar: not schedulable yet
+        self.num_constrained = 0  # constrained requests in the last plan
         self.error_outputs: list[EngineCoreOutput] = []  # requests that failed outside a step
         # schedule a decode before its previous token is back (the runner fills it in on device)
         self.async_scheduling = async_scheduling
@@ -201,7 +214,11 @@ class Scheduler:
                 constrained.append(req)
         if constrained:
             out.grammar_req_ids = [r.request_id for r in constrained]
-            out.grammar_bitmask = self.structured.fill_bitmask([r.grammar for r in constrained])
+            grammars = [r.grammar for r in constrained]
+            # filled before update() advances the matchers: the engine keeps a step with
+            # constrained requests alone in flight (EngineCore.step)
+            out.grammar_fill = lambda: self.structured.fill_bitmask(grammars)
+        self.num_constrained = len(constrained)
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         if out.is_empty:  # an empty plan is not sent: keep the ids for the next one
             self.finished_ids = out.finished_req_ids + self.finished_ids

@@ -115,6 +115,23 @@ def test_valid_under_async_chunked_preemption(qwen3_chat_dir, kw):
     assert stats.grammar_compile_seconds > 0 and stats.grammar_mask_seconds > 0
 
 
+def test_constrained_requests_advance_every_step_under_async(qwen3_chat_dir):
+    """Async scheduling keeps two steps in flight, but a constrained request needs its last
+    token before its next mask: the engine then keeps one step in flight, so the request
+    advances every step (not every other), and the masks are filled at sampling time."""
+    llm = LLM(str(qwen3_chat_dir), max_num_seqs=4, async_scheduling=True)
+    steps, filled_late = [], []
+    llm.engine.step_hooks.append(lambda plan: (steps.append(plan), filled_late.append(
+        plan.grammar_req_ids == [] or plan.grammar_bitmask is None)))
+    outs = llm.generate(["Give me:"] * 4, [SamplingParams(temperature=1.0, seed=s, max_tokens=150,
+                                                          structured_outputs=SO(json=SCHEMA))
+                                           for s in range(4)])
+    longest = max(len(o.outputs[0].token_ids) for o in outs)
+    assert len(steps) <= longest + 2  # one prefill step, then one step per token
+    assert all(filled_late)  # not filled when scheduled
+    assert all(p.grammar_bitmask is not None for p in steps if p.grammar_req_ids)  # but used
+
+
 def test_start_after_token(qwen):
     """The constraint starts once a given token is generated (a reasoning model's </think>)."""
     so = SO(regex="[0-9]{3}", start_after_token_id=151668)
