@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One GPU-machine session: correctness, then the two standard workloads, with a table at the end.
 # Run from the repo root on the GPU machine: `bash runtime/bench/gpu_session.sh STAGE` where STAGE
-# is one of: w2 w2warm w2l2 w2cublas w1 w1l2 w2hf w1hf tests e2e2 kernels kdecode (several may be
+# is one of: w2 w2warm w2l2 w2cublas w1 w1l2 w1so sotests w2hf w1hf tests e2e2 kernels kdecode (several may be
 # given; w2/w1 run the default level (1 on CUDA), w2l2/w1l2 --compilation-level 2;
-# e2e2 = the level-2 end-to-end tests alone; w2cublas = W2 with the skinny decode GEMMs off;
+# e2e2 = the level-2 end-to-end tests alone; w1so = W1 with a JSON-schema constraint on every
+# request (needs QWEN3_TOKENIZER; compare with w1); sotests = the structured-output tests on CUDA
+# (they need ../shared/tokenizers/qwen3 beside the repo); w2cublas = W2 with the skinny decode GEMMs off;
 # kdecode = the kernel benchmark's skinny-GEMM and prepare_qkv parts). Results land in $OUT
 # (or ./bench_results). Each stage has its own time limit; one device call runs at most 10
 # minutes, so split a session, e.g.: `w2 w2warm w1 tests` | `kernels w2hf w1hf`. w2 is the cold
@@ -25,6 +27,10 @@ for stage in "$@"; do case $stage in
         ${PROFILE_DIR:+--profile-dir "$PROFILE_DIR"} ;;
   w2l2) run w2l2 150 python3 -m rankserve.launch bench latency llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 \
         --num-iters 3 --max-num-seqs 8 --compilation-level 2 --cache-dir "$CACHE" --output-json "$OUT/w2l2.json" ;;
+  w1so) run w1so 200 python3 -m rankserve.launch bench throughput qwen3-0.6b --workload w1 --max-num-seqs 256 \
+        --tokenizer "${QWEN3_TOKENIZER:?set QWEN3_TOKENIZER to a Qwen3 tokenizer directory}" \
+        --structured-output json --cache-dir "$CACHE" --output-json "$OUT/w1so.json" ;;
+  sotests) run sotests 200 python3 -m pytest -q -x tests/test_structured_output.py ;;
   w1l2) run w1l2 170 python3 -m rankserve.launch bench throughput qwen3-0.6b --workload w1 --max-num-seqs 256 \
         --compilation-level 2 --cache-dir "$CACHE" --output-json "$OUT/w1l2.json" ;;
   w2cublas) RANKSERVE_SKINNY_MAX_M=0 run w2cublas 100 python3 -m rankserve.launch bench latency llama-3.1-8b \
