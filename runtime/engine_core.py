@@ -40,6 +40,7 @@ class EngineCore:
                                                   cfg.model.model, self.vocab_size)
         self.scheduler = Scheduler(cfg.scheduler, cfg.cache, num_blocks, self.max_model_len,
                                    async_scheduling=use_async, structured=self.structured)
+        self.scheduler.results_in_flight = lambda: [h for _, h in self.in_flight]
         # steps kept in flight: one per pipeline stage, or two to overlap host and device work
         self.depth = max(executor.max_in_flight, 2 if use_async else 1)
         self.in_flight: collections.deque = collections.deque()  # (plan, executor handle)
@@ -92,25 +93,19 @@ class EngineCore:
         """Schedule and submit a step; with pipeline parallelism keep up to `pp` steps in
         flight (so no stage idles) and return the outputs of the oldest once the queue is full
         or nothing more can be scheduled."""
-        if len(self.in_flight) < self._depth():
+        if len(self.in_flight) < self.depth:
             plan = self.scheduler.schedule()
             if not plan.is_empty:
                 for hook in self.step_hooks:
                     hook(plan)
                 self.in_flight.append((plan, self.executor.submit(plan)))
-                if len(self.in_flight) < self._depth():
+                if len(self.in_flight) < self.depth:
                     return EngineCoreOutputs(timestamp=time.time())
         if not self.in_flight:
             return EngineCoreOutputs(outputs=self.scheduler.take_error_outputs(),
                                      stats=self.scheduler.stats(), timestamp=time.time())
         plan, handle = self.in_flight.popleft()
         return self.scheduler.update(plan, self.executor.collect(handle))
-
-    def _depth(self) -> int:
-        """Steps to keep in flight. A plan with constrained requests is not followed by another
-        before it returns: their next masks need the tokens it samples (else they would run
-        only every other step)."""
-        return max(self.executor.max_in_flight, 1) if self.scheduler.num_constrained else self.depth
 
     def shutdown(self) -> None:
         self.structured.shutdown()

@@ -27,6 +27,11 @@ class SamplingMetadataBuilder:
         self.bias: dict[int, tuple[list[int], list[float]]] = {}
         self.allowed: dict[int, torch.Tensor] = {}
         self.bad_words: dict[int, list[list[int]]] = {}
+        # grammar bitmasks go to the device through two pinned buffers used alternately (made
+        # on first use); the event says when the copy out of a buffer is done
+        self.bits_pinned: list[tuple[torch.Tensor, torch.cuda.Event]] = []
+        self.bits_step = 0
+        self.max_num_seqs = max_num_seqs
 
     def add(self, st: ReqState) -> None:
         sp = st.sampling_params
@@ -43,6 +48,21 @@ class SamplingMetadataBuilder:
             self.allowed[row] = torch.tensor(sp.allowed_token_ids, device=self.device)
         if sp.bad_words_token_ids:
             self.bad_words[row] = sp.bad_words_token_ids
+
+    def _bits_to_device(self, bits: np.ndarray) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return torch.from_numpy(bits)
+        if not self.bits_pinned:
+            self.bits_pinned = [(torch.empty((self.max_num_seqs, bits.shape[1]), dtype=torch.int32,
+                                             pin_memory=True), torch.cuda.Event()) for _ in range(2)]
+        self.bits_step ^= 1
+        buf, done = self.bits_pinned[self.bits_step]
+        done.synchronize()  # the copy of two steps ago has left this buffer
+        host = buf[:bits.shape[0]]
+        host.numpy()[:] = bits
+        out = host.to(self.device, non_blocking=True)
+        done.record()
+        return out
 
     def build(self, req_ids: list[str], out_counts: np.ndarray,
               grammar: tuple[list[str], Callable[[], np.ndarray]] | None = None) -> SamplingMetadata:
@@ -69,8 +89,8 @@ class SamplingMetadataBuilder:
             self._token_masks(md, req_ids, np.flatnonzero(p[:, P_MASKS]), banned_rows, banned_toks)
         if grammar is not None and grammar[0]:
             pos = {rid: i for i, rid in enumerate(req_ids)}
-            md.grammar = (torch.tensor([pos[r] for r in grammar[0]], device=dev),
-                          torch.from_numpy(grammar[1]()).to(dev))
+            md.grammar = (stage(np.array([pos[r] for r in grammar[0]], dtype=np.int64)),
+                          self._bits_to_device(grammar[1]()))
         under_min = np.flatnonzero(out_counts < p[:, P_MIN_TOKENS])
         if len(under_min):  # EOS and stop tokens may not end the output yet
             for i in under_min:

@@ -84,7 +84,9 @@ class Scheduler:
         self.cfg = sched
         self.structured = structured
         self.compiling: list[Request] = []  # waiting for their grammar: not schedulable yet
-        self.num_constrained = 0  # constrained requests in the last plan
+        # the engine's steps in flight, oldest first (their results may not be resolved yet):
+        # under async scheduling a mask is filled before the engine has seen the previous token
+        self.results_in_flight: Callable[[], list] = list
         self.error_outputs: list[EngineCoreOutput] = []  # requests that failed outside a step
         # schedule a decode before its previous token is back (the runner fills it in on device)
         self.async_scheduling = async_scheduling
@@ -214,11 +216,7 @@ class Scheduler:
                 constrained.append(req)
         if constrained:
             out.grammar_req_ids = [r.request_id for r in constrained]
-            grammars = [r.grammar for r in constrained]
-            # filled before update() advances the matchers: the engine keeps a step with
-            # constrained requests alone in flight (EngineCore.step)
-            out.grammar_fill = lambda: self.structured.fill_bitmask(grammars)
-        self.num_constrained = len(constrained)
+            out.grammar_fill = lambda: self._fill_bitmask(constrained)
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         if out.is_empty:  # an empty plan is not sent: keep the ids for the next one
             self.finished_ids = out.finished_req_ids + self.finished_ids
@@ -226,6 +224,29 @@ class Scheduler:
             if self.compiling and not self.running:  # idle until a grammar is ready: don't spin
                 self.structured.wait_any([r.grammar for r in self.compiling], 0.01)
         return out
+
+    def _fill_bitmask(self, reqs: list[Request]) -> np.ndarray:
+        """The masks of a plan's constrained requests. Called at sampling time (after the
+        forward is launched): under async scheduling the previous step may still be in flight,
+        so its tokens are taken from its result here (waiting for it while this step's forward
+        runs) and accepted before the masks are filled; `update` then finds them seen."""
+        if self.async_scheduling:
+            want = {r.request_id: r for r in reqs}
+            seen: dict[str, int] = {}  # tokens of a request met in earlier results of this scan
+            pairs = []
+            for res in self.results_in_flight():
+                if res is None:
+                    continue
+                res.resolve()
+                for rid, tok in zip(res.req_ids, res.sampled_token_ids):
+                    r = want.get(rid)
+                    if r is not None:
+                        k = seen[rid] = seen.get(rid, 0) + 1
+                        if r.grammar.num_seen < r.num_output_tokens + k:
+                            pairs.append((r.grammar, tok))
+            if pairs:
+                self.structured.accept(pairs)
+        return self.structured.fill_bitmask([r.grammar for r in reqs])
 
     def _poll_grammars(self) -> None:
         """Give compiled requests their matcher; fail those whose compilation failed."""
@@ -254,7 +275,7 @@ class Scheduler:
         """May `req` be scheduled again before its pending token is known?"""
         # penalties, multi-token bad words and grammars read the output so far
         sp = req.sampling_params
-        return (self.async_scheduling and not sp.needs_penalties and req.grammar is None
+        return (self.async_scheduling and not sp.needs_penalties
                 and not any(len(w) > 1 for w in sp.bad_words_token_ids)
                 and req.num_output_tokens + req.num_pending < req.max_tokens
                 and req.num_tokens + req.num_pending < self.max_model_len)
@@ -320,6 +341,14 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is not None:
                 req.num_pending -= 1
+        unseen = []  # grammar tokens not accepted at fill time (sync scheduling, or last step)
+        for rid, tok in zip(result.req_ids, result.sampled_token_ids):
+            req = self.requests.get(rid)
+            if (req is not None and req.grammar is not None and req.status == RequestStatus.RUNNING
+                    and req.grammar.num_seen == req.num_output_tokens):
+                unseen.append((req.grammar, tok))
+        if unseen:
+            self.structured.accept(unseen)
         for rid, tok, lp in zip(result.req_ids, result.sampled_token_ids, logprobs):
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:
@@ -328,7 +357,7 @@ class Scheduler:
             self._step_gen_tokens += 1
             reason, stop = self._check_stop(req, tok)
             if req.grammar is not None:
-                if not req.grammar.accept(tok):  # the mask makes this impossible
+                if req.grammar.failed:  # the mask makes this impossible
                     reason = FinishReason.ERROR
                 elif reason is None and req.grammar.terminated:
                     reason = FinishReason.STOP

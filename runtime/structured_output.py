@@ -74,13 +74,20 @@ def _spec_key(so: StructuredOutputsParams) -> tuple:
 
 
 class RequestGrammar:
-    """A request's constraint state (lives on the Request as `req.grammar`)."""
+    """A request's constraint state (lives on the Request as `req.grammar`).
+
+    `num_seen` counts the output tokens already given to `accept`. Under async scheduling a
+    request's next mask is filled before the engine has processed its previous token, so that
+    token is accepted at fill time (`StructuredOutputManager.catch_up`) and `Scheduler.update`
+    only reads the verdict (`failed`)."""
 
     def __init__(self, so: StructuredOutputsParams, future: concurrent.futures.Future):
         self.future = future
         self.matcher = None  # set once compiled
         self.active = so.start_after_token_id is None  # constrained from the first output token?
         self.start_after = so.start_after_token_id
+        self.num_seen = 0
+        self.failed = False  # a token the grammar rejects (the mask makes it impossible)
 
     @property
     def ready(self) -> bool:
@@ -88,10 +95,13 @@ class RequestGrammar:
 
     def accept(self, token: int) -> bool:
         """Advance over a sampled token; False if the grammar rejects it."""
+        self.num_seen += 1
         if not self.active:
             self.active = token == self.start_after
             return True
-        return self.matcher.accept_token(token)
+        ok = self.failed is False and self.matcher.accept_token(token)
+        self.failed = not ok
+        return ok
 
     @property
     def terminated(self) -> bool:
@@ -160,15 +170,41 @@ class StructuredOutputManager:
         g.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop)
 
     def fill_bitmask(self, grammars: list[RequestGrammar]) -> np.ndarray:
-        """One row of allowed-token bits (int32 words) per matcher, for this step."""
+        """One row of allowed-token bits (int32 words) per matcher, for this step. A matcher
+        that has ended or failed gets a full row: its request finishes when the engine sees the
+        token that ended it, and whatever this step samples for it is dropped."""
         import xgrammar as xgr
         t0 = time.perf_counter()
         mask = xgr.allocate_token_bitmask(len(grammars), self.vocab_size)
-        if self._batch is None:  # fills the rows on several threads (4.9 → 3.5 ms for 256 on 2 cores)
+        if self._batch is None:  # fills the rows on several threads
             self._batch = xgr.BatchGrammarMatcher()
-        self._batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], mask)
+        live = [i for i, g in enumerate(grammars) if not g.failed and not g.matcher.is_terminated()]
+        if live:
+            self._batch.batch_fill_next_token_bitmask([grammars[i].matcher for i in live], mask,
+                                                      live if len(live) < len(grammars) else None)
+        if len(live) < len(grammars):
+            done = sorted(set(range(len(grammars))) - set(live))
+            mask[done] = -1
         self.mask_seconds += time.perf_counter() - t0
         return mask.numpy()
+
+    def accept(self, pairs: list[tuple[RequestGrammar, int]]) -> None:
+        """Feed sampled tokens to their matchers (the active ones in one xgrammar call)."""
+        import xgrammar as xgr
+        t0 = time.perf_counter()
+        batch = []
+        for g, tok in pairs:
+            if g.active and not g.failed:
+                batch.append((g, tok))
+            else:
+                g.accept(tok)
+        if batch:
+            oks = xgr.BatchGrammarMatcher.batch_accept_token([g.matcher for g, _ in batch],
+                                                             [t for _, t in batch])
+            for (g, _), ok in zip(batch, oks):
+                g.num_seen += 1
+                g.failed = not ok
+        self.mask_seconds += time.perf_counter() - t0
 
     def wait_any(self, grammars: list[RequestGrammar], timeout: float) -> None:
         concurrent.futures.wait([g.future for g in grammars], timeout, concurrent.futures.FIRST_COMPLETED)

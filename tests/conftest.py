@@ -68,7 +68,8 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def stories_llm():
     from rankserve import LLM
-    return LLM(str(STORIES_EMBEDDED))
+    # a fixed KV cache on CUDA: other engines of the same test process need memory too
+    return LLM(str(STORIES_EMBEDDED), **({"num_gpu_blocks_override": 256} if torch.cuda.is_available() else {}))
 
 
 @pytest.fixture(scope="session")

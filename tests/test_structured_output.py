@@ -1,6 +1,7 @@
 """Structured outputs (xgrammar) and token masks (logit_bias, allowed_token_ids, bad_words) through
 `LLM`: a random-weight tiny Qwen3 with the real tokenizer at temperature 1 must still give valid
 outputs, since only the masks make them so."""
+import functools
 import json
 import os
 import re
@@ -10,11 +11,18 @@ import sys
 
 import jsonschema
 import pytest
+import torch
 
-from rankserve import LLM, SamplingParams
+import rankserve
+from rankserve import SamplingParams
 from rankserve.runtime.sampling_params import ParamError, StructuredOutputsParams as SO
 
 from conftest import STORIES_EMBEDDED, STORIES_TEXT
+
+# several engines live in this process at once: on CUDA each takes a fixed KV cache instead of
+# profiling for 90% of the memory (the second would find none left)
+LLM = functools.partial(rankserve.LLM, **({"num_gpu_blocks_override": 512}
+                                          if torch.cuda.is_available() else {}))
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 8},
@@ -116,13 +124,16 @@ def test_valid_under_async_chunked_preemption(qwen3_chat_dir, kw):
 
 
 def test_constrained_requests_advance_every_step_under_async(qwen3_chat_dir):
-    """Async scheduling keeps two steps in flight, but a constrained request needs its last
-    token before its next mask: the engine then keeps one step in flight, so the request
-    advances every step (not every other), and the masks are filled at sampling time."""
+    """Async scheduling keeps two steps in flight with constrained requests too: a request's
+    next mask is filled at sampling time, after the previous step's token is taken from its
+    result and accepted (Scheduler._fill_bitmask), so every request advances every step, the
+    host work overlaps the device, and the outputs stay valid."""
     llm = LLM(str(qwen3_chat_dir), max_num_seqs=4, async_scheduling=True)
-    steps, filled_late = [], []
-    llm.engine.step_hooks.append(lambda plan: (steps.append(plan), filled_late.append(
-        plan.grammar_req_ids == [] or plan.grammar_bitmask is None)))
+    steps, filled_late, overlapped = [], [], []
+    eng = llm.engine
+    eng.step_hooks.append(lambda plan: (steps.append(plan), filled_late.append(
+        plan.grammar_req_ids == [] or plan.grammar_bitmask is None),
+        overlapped.append(bool(plan.grammar_req_ids) and len(eng.in_flight) > 0)))
     outs = llm.generate(["Give me:"] * 4, [SamplingParams(temperature=1.0, seed=s, max_tokens=150,
                                                           structured_outputs=SO(json=SCHEMA))
                                            for s in range(4)])
@@ -130,6 +141,10 @@ def test_constrained_requests_advance_every_step_under_async(qwen3_chat_dir):
     assert len(steps) <= longest + 2  # one prefill step, then one step per token
     assert all(filled_late)  # not filled when scheduled
     assert all(p.grammar_bitmask is not None for p in steps if p.grammar_req_ids)  # but used
+    assert sum(overlapped) >= longest - 2  # scheduled while the previous step was in flight
+    for o in outs:
+        assert o.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
 
 
 def test_start_after_token(qwen):
