@@ -16,18 +16,36 @@ import triton.language as tl
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """Plain torch, computed in fp32."""
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+                  block_size: list[int] | None = None) -> torch.Tensor:
+    """Plain torch, computed in fp32. FP8 experts (w13 / w2 float8_e4m3fn with their scales):
+    the activations are quantized as the kernels do (x per token or per 1 x bk group; the
+    silu(gate) * up activation rounded to x.dtype, then quantized the same way), the weights
+    dequantized, and the products computed in fp32."""
     inter = w2.shape[2]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    xf = x.float()
+    fp8 = w13.dtype == torch.float8_e4m3fn
+    if fp8:
+        from .quant import _quant_act_ref, dequant_fp8_weight
+        assert w13_scale is not None and w2_scale is not None, "fused_moe: FP8 experts need scales"
+        xf = _quant_act_ref(x, block_size)
+    else:
+        xf = x.float()
     for e in torch.unique(topk_ids).tolist():
         if e < 0:
             continue
         tok, slot = (topk_ids == e).nonzero(as_tuple=True)
-        h = xf[tok] @ w13[e].float().T
+        if fp8:
+            w13e = dequant_fp8_weight(w13[e], w13_scale[e], block_size)
+            w2e = dequant_fp8_weight(w2[e], w2_scale[e], block_size)
+        else:
+            w13e, w2e = w13[e].float(), w2[e].float()
+        h = xf[tok] @ w13e.T
         act = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
-        y = (act @ w2[e].float().T) * topk_weights[tok, slot, None].float()
+        if fp8:  # the kernels store the activation in x.dtype, then quantize it
+            act = _quant_act_ref(act.to(x.dtype), block_size)
+        y = (act @ w2e.T) * topk_weights[tok, slot, None].float()
         out.index_add_(0, tok, y)
     return out.to(x.dtype)
 
@@ -172,7 +190,12 @@ def _moe_config(num_pairs: int, on_gpu: bool) -> dict:
 
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                     topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+                     topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                     w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+                     block_size: list[int] | None = None) -> torch.Tensor:
+    if w13.dtype == torch.float8_e4m3fn:  # FP8 Triton path: next commit
+        return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale,
+                             w2_scale=w2_scale, block_size=block_size)
     T, H = x.shape
     E, two_i, _ = w13.shape
     inter = two_i // 2
@@ -205,13 +228,18 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 @torch.library.custom_op("rankserve::fused_moe", mutates_args=())
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
-    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, K], topk_ids [T, K] (-1: off-rank)."""
+              topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
+              w2_scale: torch.Tensor | None = None, block_size: list[int] | None = None
+              ) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, K], topk_ids [T, K] (-1: off-rank).
+    FP8 experts (float8_e4m3fn): w13_scale [E, 2I] / w2_scale [E, H] per channel, or
+    [E, ceil(2I/bn), ceil(H/bk)] / [E, ceil(H/bn), ceil(I/bk)] with block_size [bn, bk]."""
+    kw = dict(w13_scale=w13_scale, w2_scale=w2_scale, block_size=block_size)
     if x.is_cuda:
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
-    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, **kw)
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, **kw)
 
 
 @fused_moe.register_fake
-def _(x, w13, w2, topk_weights, topk_ids):
+def _(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, block_size=None):
     return torch.empty_like(x)
