@@ -126,11 +126,11 @@ def _rne_e4m3(v):
     """fp32 v, |v| <= 448 -> the nearest e4m3 value (ties to even) as fp32, in integer / exact
     arithmetic: normals keep 3 mantissa bits, subnormals (|v| < 2^-6) are multiples of 2^-9."""
     bits = v.to(tl.int32, bitcast=True)
-    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # 0xFFF00000
-    normal = bits.to(tl.float32, bitcast=True)
+    rounded = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # 0xFFF00000
+    normal = rounded.to(tl.float32, bitcast=True)
     a = tl.abs(v)
     sub = (a + 16384.0) - 16384.0  # ulp(2^14) = 2^-9: the add rounds a to the subnormal grid
-    sub = tl.where(v < 0, -sub, sub)
+    sub = tl.where(bits < 0, -sub, sub)  # the sign bit: -0.0 stays -0.0, as in torch
     return tl.where(a < 0.015625, sub, normal)
 
 
