@@ -771,8 +771,8 @@ def _skinny_w4_config(M: int, on_gpu: bool) -> dict:
     block_m = triton.next_power_of_2(M)
     if not on_gpu:
         return dict(BLOCK_M=block_m, BLOCK_N=16, BLOCK_K=64, NUM_STAGES=1, num_warps=4)
-    # a [32 packed rows, 32 columns] int32 tile (4 KB) a step: 128 B of each packed row
-    return dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=max(256 // block_m, 64), NUM_STAGES=4,
+    # at M = 1 a [64 packed rows, 32 columns] int32 tile (8 KB, 128 B of each packed row) a step
+    return dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=max(512 // block_m, 64), NUM_STAGES=4,
                 num_warps=4)
 
 
