@@ -781,6 +781,8 @@ def w4_skinny(x2, qweight, scales, zeros, g_idx, group_size, bias, out, split=No
     N = qweight.shape[1]
     cfg = _skinny_w4_config(M, x2.is_cuda)
     consts = _w4_consts(zeros, g_idx, group_size, cfg["BLOCK_K"])
+    if not consts["CHUNK_GROUP"]:  # per-row scale / zero gathers: fewer stages (shared memory)
+        cfg["NUM_STAGES"] = min(cfg["NUM_STAGES"], 2)
     bk = cfg["BLOCK_K"]
     if split is None:
         split = _split_k(triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(K, bk), x2.device)

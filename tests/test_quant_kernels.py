@@ -9,7 +9,9 @@ the GPU uses the hardware's RNE cast): the quantized activations and their scale
 bit for bit against torch. GEMM outputs differ from the references only by summation order and
 where the scales are applied: fp32 to 1e-5 of the output norm, fp16 to 2e-3 (one output
 rounding; dequantized fp16 w4 tiles with g_idx / small groups add one more), bf16 to 2e-2 (the
-interpreter truncates fp32 -> bf16).
+interpreter truncates fp32 -> bf16). The interpreter's bf16 tl.dot is wrong (numpy has no bf16),
+so the w4a16 tl.dot GEMM runs in fp32 / fp16 here and in bf16 on the GPU only (the FP8 GEMMs'
+tl.dot takes FP8 operands whatever x's dtype).
 GPU (`-m gpu`): bf16 at Llama-3.1-8B sizes vs the references, FP8 MoE at Qwen3-30B-A3B sizes,
 CUDA-graph capture of fp8_linear and w4a16_linear.
 """
