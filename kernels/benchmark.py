@@ -4,8 +4,9 @@ Measures two ceilings first (HBM copy bandwidth, bf16 matmul rate), then times F
 at Llama-8B decode sizes, the skinny decode GEMMs of gemv.py (vs cuBLAS, and their fused prologues
 vs the unfused sequences), decode and prefill attention, prepare_qkv (q/k norm + RoPE + KV store)
 and fused MoE at real model sizes
-(32 q / 8 kv heads, head_dim 128, block 16; MoE with 128 experts top-8, H 2048, I 768) with
-triton.testing.do_bench (median), and reports each against the ceiling that bounds it.
+(32 q / 8 kv heads, head_dim 128, block 16; MoE with 128 experts top-8, H 2048, I 768), and the
+quantized GEMMs of quant.py (FP8 W8A8, 4-bit weight-only, FP8 MoE) against bf16 at Llama-3.1-8B
+sizes, with triton.testing.do_bench (median), and reports each against the ceiling that bounds it.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import sys
 import torch
 import triton
 
-from . import gemv, moe, triton_attention as ta
+from . import gemv, moe, quant, triton_attention as ta
 
 H, KH, D, BLOCK = 32, 8, 128, 16
 E, TOPK, HID, INTER = 128, 8, 2048, 768
@@ -215,8 +216,124 @@ def bench_skinny(ceil, quick):
     return rows
 
 
+# ----------------------------------------------------------------------------------------------
+# quantized GEMMs (quant.py): every path against bf16 cuBLAS on the same shapes
+# ----------------------------------------------------------------------------------------------
+
+QUANT_LINEARS = [("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 28672, 4096),
+                 ("down", 4096, 14336)]
+
+
+def cycled(make, nbytes):
+    """Enough copies of make()'s weights to exceed 3x L2, used in turn (see weight_copies)."""
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    return itertools.cycle([make() for _ in range(max(1, triton.cdiv(3 * l2, nbytes)))]).__next__
+
+
+def bench_fp8(ceil, quick):
+    """fp8_linear (the op, whatever path its thresholds pick) and each of its paths: the skinny
+    kernel (M <= 16), the quant + tl.dot GEMM, torch._scaled_mm (per channel), per channel and
+    with 128 x 128 blocks, next to bf16 F.linear. GB/s counts weights (+ scales) and activations
+    in and out, so a path at the bandwidth ceiling reads the FP8 weight at ~4.8 TB/s on an H200:
+    twice the bf16 rows' tokens per second."""
+    rows = []
+    for M in ([1, 256] if quick else [1, 2, 4, 8, 16, 64, 256]):
+        for name, N, K in QUANT_LINEARS:
+            shape, flops = f"{name} M={M} {N}x{K}", 2 * M * N * K
+            x = torch.randn(M, K, dtype=DT, device="cuda")
+            act = M * (K + N) * 2
+            w = cycled(lambda: torch.randn(N, K, dtype=DT, device="cuda") * K ** -0.5, N * K * 2)
+            rows.append(row("bf16_linear", shape, lambda: torch.nn.functional.linear(x, w()),
+                            N * K * 2 + act, flops, ceil))
+            for bs in (None, [128, 128]):
+                tag = "fp8_block" if bs else "fp8_chan"
+                wq = cycled(lambda: quant.quant_fp8_weight(
+                    torch.randn(N, K, dtype=DT, device="cuda") * K ** -0.5, bs), N * K)
+                nbytes = N * K + act
+                out = torch.empty(M, N, dtype=DT, device="cuda")
+                paths = [(tag, lambda: quant.fp8_linear(x, *wq(), None, bs)),
+                         (f"{tag}_gemm", lambda: quant.fp8_gemm(x, *wq(), None, bs, out))]
+                if M <= 16:
+                    paths.append((f"{tag}_skinny",
+                                  lambda: quant.fp8_skinny(x, *wq(), None, bs, out)))
+                if quant._scaled_mm_ok(x, torch.empty(N, K, device="meta"), bs):
+                    def scaled_mm(bs=bs):
+                        q, s = wq()
+                        xq, xs = quant.quant_fp8_triton(x)
+                        return torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=s.view(1, N),
+                                                out_dtype=DT)
+                    paths.append((f"{tag}_scaled_mm", scaled_mm))
+                for kernel, fn in paths:
+                    rows.append(row(kernel, shape, fn, nbytes, flops, ceil))
+            x = w = wq = None
+    return rows
+
+
+def bench_w4a16(ceil, quick):
+    """w4a16_linear (group 128, zero points; the op and each path: skinny, tl.dot GEMM,
+    dequantize + cuBLAS) next to bf16 F.linear. GB/s counts the packed weight, scales, zeros and
+    activations: the ceiling is ~4x the bf16 rows' tokens per second."""
+    rows = []
+    G = 128
+    for M in ([1, 256] if quick else [1, 2, 4, 8, 16, 64, 256, 1024]):
+        for name, N, K in QUANT_LINEARS:
+            shape, flops = f"{name} M={M} {N}x{K}", 2 * M * N * K
+            x = torch.randn(M, K, dtype=DT, device="cuda")
+            act = M * (K + N) * 2
+            w = cycled(lambda: torch.randn(N, K, dtype=DT, device="cuda") * K ** -0.5, N * K * 2)
+            rows.append(row("bf16_linear", shape, lambda: torch.nn.functional.linear(x, w()),
+                            N * K * 2 + act, flops, ceil))
+
+            def make():
+                qw = torch.randint(-2 ** 31, 2 ** 31 - 1, (K // 8, N), dtype=torch.int32,
+                                   device="cuda")
+                sc = torch.rand(K // G, N, dtype=DT, device="cuda") * 0.01
+                z = torch.randint(0, 16, (K // G, N), dtype=torch.uint8, device="cuda")
+                return qw, sc, z, None, G
+            wq = cycled(make, N * K // 2)
+            nbytes = N * K // 2 + (K // G) * N * 3 + act
+            out = torch.empty(M, N, dtype=DT, device="cuda")
+            paths = [("w4a16", lambda: quant.w4a16_linear(x, *wq())),
+                     ("w4a16_gemm", lambda: quant.w4_gemm(x, *wq(), None, out))]
+            if M <= 16:
+                paths.append(("w4a16_skinny", lambda: quant.w4_skinny(x, *wq(), None, out)))
+            if M >= 16:
+                paths.append(("w4a16_dequant_mm",
+                              lambda: x @ quant.w4_dequant_t(*wq(), dtype=DT)))
+            for kernel, fn in paths:
+                rows.append(row(kernel, shape, fn, nbytes, flops, ceil))
+            x = w = wq = None
+    return rows
+
+
+def bench_moe_fp8(ceil, quick):
+    """fused_moe with FP8 experts (per channel and 128 x 128 blocks) next to bf16 experts."""
+    rows = []
+    for bs in (None, [128, 128]):
+        w13, s13 = zip(*(quant.quant_fp8_weight(
+            torch.randn(2 * INTER, HID, dtype=DT, device="cuda") * HID ** -0.5, bs)
+            for _ in range(E)))
+        w2, s2 = zip(*(quant.quant_fp8_weight(
+            torch.randn(HID, INTER, dtype=DT, device="cuda") * INTER ** -0.5, bs)
+            for _ in range(E)))
+        w13, w2, s13, s2 = (torch.stack(t) for t in (w13, w2, s13, s2))
+        for T in ([1, 64, 4096] if quick else [1, 16, 64, 256, 1024, 4096]):
+            x = torch.randn(T, HID, dtype=DT, device="cuda")
+            weights, ids = torch.topk(torch.randn(T, E, device="cuda").softmax(-1), TOPK)
+            ids = ids.int()
+            fn = lambda: moe.fused_moe_triton(x, w13, w2, weights, ids, w13_scale=s13,  # noqa: E731
+                                              w2_scale=s2, block_size=bs)
+            touched = int(torch.unique(ids).numel())
+            nbytes = touched * 3 * HID * INTER + 2 * T * HID * 2
+            rows.append(row("fused_moe_fp8_block" if bs else "fused_moe_fp8_chan",
+                            f"T={T} E={E} top{TOPK}", fn, nbytes, T * TOPK * 6 * HID * INTER,
+                            ceil))
+    return rows
+
+
 PARTS = {"linear": bench_linear, "skinny": bench_skinny, "decode": bench_decode,
-         "prefill": bench_prefill, "prepare_qkv": bench_prepare_qkv, "moe": bench_moe}
+         "prefill": bench_prefill, "prepare_qkv": bench_prepare_qkv, "moe": bench_moe,
+         "fp8": bench_fp8, "w4a16": bench_w4a16, "moe_fp8": bench_moe_fp8}
 
 
 def main(argv=None) -> int:
