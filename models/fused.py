@@ -23,7 +23,7 @@ def add_norm_then(block: nn.Module, h: torch.Tensor, delta: torch.Tensor, norm: 
                   *args) -> tuple[torch.Tensor, torch.Tensor]:
     """(block(norm(h + delta), *args), h + delta)."""
     proj = getattr(block, "in_proj", None)
-    if proj is None:
+    if proj is None or not proj.quant.dense:  # quantized GEMMs take the normed input as is
         h = h + delta
         return block(norm(h), *args), h
     y, h = add_rms_norm_linear(h, delta, norm.weight, norm.eps, proj.weight, proj.bias)

@@ -16,19 +16,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..kernels.attention import attention, rms_norm
-from ..kernels.gemv import silu_mul_linear, skinny_linear
+from ..kernels.gemv import silu_mul_linear
+from .loader import read_slice as _read, slice_shape as _shape
 from .parallel import ParallelInfo, tp_all_gather_last, tp_all_reduce
-
-
-def _read(t, index=None) -> torch.Tensor:
-    """Materialise a tensor or a safetensors slice (only the indexed part is read)."""
-    if index is None:
-        return t[:] if not isinstance(t, torch.Tensor) else t
-    return t[index]
-
-
-def _shape(t) -> list[int]:
-    return list(t.shape) if isinstance(t, torch.Tensor) else t.get_shape()
+from .quantization import LinearMethod, Slices, current_linear_method, silu_mul
 
 
 def divide(a: int, b: int, what: str) -> int:
@@ -37,7 +28,26 @@ def divide(a: int, b: int, what: str) -> int:
     return a // b
 
 
-class ColumnParallelLinear(nn.Module):
+class ParallelLinear(nn.Module):
+    """Shared by the column- and row-parallel layers: the weights are made, loaded and run by a
+    linear method (models/quantization.py: dense, FP8, 4-bit), picked from the checkpoint's
+    quantization scheme while the model is built."""
+
+    def _init_weights(self, in_features: int, out_features: int, dtype) -> None:
+        self.weight_shape = (in_features, out_features, dtype)
+        self.set_method(current_linear_method())
+
+    def set_method(self, method: LinearMethod) -> None:
+        for name in [n for n, _ in self.named_parameters(recurse=False) if n != "bias"]:
+            delattr(self, name)
+        self.quant = method
+        method.create(self, *self.weight_shape)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.quant.apply(self, x, bias)
+
+
+class ColumnParallelLinear(ParallelLinear):
     """y = x W^T with W's output rows split across TP ranks; output stays sharded.
 
     `output_sizes` lists the fused sub-matrices (e.g. gate and up); each is split separately so
@@ -49,25 +59,28 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.pi = pi
         self.output_sizes = [divide(s, pi.tp_size, "output size") for s in output_sizes]
-        out = sum(self.output_sizes)
-        self.weight = nn.Parameter(torch.empty(out, in_features, dtype=dtype), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.full_in = in_features
+        self._init_weights(in_features, sum(self.output_sizes), dtype)
         self.bias = None
         if bias:
-            self.bias = nn.Parameter(torch.empty(out, dtype=dtype), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
+            self.bias = nn.Parameter(torch.empty(sum(self.output_sizes), dtype=dtype), requires_grad=False)
+            self.bias.weight_loader = lambda p, src, shard_id=None: load_2d_rows(p, src, self.shard_rows(shard_id or 0))
 
     def shard_rows(self, shard_id: int) -> tuple[int, int, int]:
         """(offset in this rank's param, first source row, number of rows) of a sub-matrix."""
         size = self.output_sizes[shard_id]
         return sum(self.output_sizes[:shard_id]), self.pi.tp_rank * size, size
 
-    def weight_loader(self, param: nn.Parameter, src, shard_id: int | None = None):
-        off, start, n = self.shard_rows(shard_id or 0)
-        param.data[off:off + n].copy_(_read(src, slice(start, start + n)))
+    def slices(self, shard_id: int | None) -> Slices:
+        return Slices(self.shard_rows(shard_id or 0), (0, self.full_in), self.full_in)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return skinny_linear(x, self.weight, self.bias)
+        return self.linear(x, self.bias)
+
+
+def load_2d_rows(param: torch.Tensor, src, rows: tuple[int, int, int]) -> None:
+    off, start, n = rows
+    param.data[off:off + n].copy_(_read(src, slice(start, start + n)))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -94,7 +107,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         return sum(self.output_sizes[:shard_id]), rank * size, size
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(ParallelLinear):
     """y = x W^T with W's input columns split across TP ranks; the partial sums are all-reduced."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, pi: ParallelInfo,
@@ -103,23 +116,25 @@ class RowParallelLinear(nn.Module):
         self.pi = pi
         self.reduce = reduce
         self.in_per_rank = divide(in_features, pi.tp_size, "input size")
-        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank, dtype=dtype),
-                                   requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.full_in = in_features
+        self.out_features = out_features
+        self._init_weights(self.in_per_rank, out_features, dtype)
         self.bias = None
         if bias:  # added once, after the reduction
             self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
             self.bias.weight_loader = lambda p, src, shard_id=None: p.data.copy_(_read(src))
 
-    def weight_loader(self, param, src, shard_id=None):
-        start = self.pi.tp_rank * self.in_per_rank
-        param.data.copy_(_read(src, (slice(None), slice(start, start + self.in_per_rank))))
+    def slices(self, shard_id: int | None) -> Slices:
+        return Slices((0, 0, self.out_features), (self.pi.tp_rank * self.in_per_rank, self.in_per_rank),
+                      self.full_in)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._reduce(skinny_linear(x, self.weight))
+        return self._reduce(self.linear(x))
 
     def silu_mul_forward(self, gu: torch.Tensor) -> torch.Tensor:
         """(silu(gate) * up) W^T for gu = [gate | up], the product in the GEMM's prologue."""
+        if not self.quant.dense:
+            return self._reduce(self.linear(silu_mul(gu)))
         return self._reduce(silu_mul_linear(gu, self.weight))
 
     def _reduce(self, y: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,18 @@ from tqdm import tqdm
 from .parallel import ParallelInfo
 from .registry import MODELS
 
+
+def read_slice(t, index=None) -> torch.Tensor:
+    """Materialise a tensor or a safetensors slice (only the indexed part is read)."""
+    if index is None:
+        return t[...] if not isinstance(t, torch.Tensor) else t  # [...]: 0-dim too
+    return t[index]
+
+
+def slice_shape(t) -> list[int]:
+    return list(t.shape) if isinstance(t, torch.Tensor) else t.get_shape()
+
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -42,15 +54,40 @@ def model_class(hf_config):
     return MODELS.get(archs[0])
 
 
-def build_model(hf_config, pi: ParallelInfo, dtype: torch.dtype, device: torch.device):
+def build_model(hf_config, pi: ParallelInfo, dtype: torch.dtype, device: torch.device,
+                quantization: str | None = None):
+    from .quantization import apply_ignored, building, quant_config_of
     cls = model_class(hf_config)
-    with torch.device(device):
+    qconfig = quant_config_of(hf_config, quantization)
+    with torch.device(device), building(qconfig):
         model = cls(hf_config, pi, dtype)
+    apply_ignored(model, qconfig)
+    model.quant_config = qconfig
     return model.eval()
 
 
+def finalize_weights(model) -> None:
+    """Per-layer work once the weights are in (quantize at load time, drop unused indices)."""
+    for mod in model.modules():
+        method = getattr(mod, "quant", None)
+        if method is not None:
+            method.after_loading(mod)
+
+
+def quant_summary(model) -> str:
+    """What was quantized, and the weight bytes of this rank (for the startup log)."""
+    kinds: dict[str, int] = {}
+    for mod in model.modules():
+        method = getattr(mod, "quant", None)
+        if method is not None:
+            kinds[method.describe()] = kinds.get(method.describe(), 0) + 1
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    layers = ", ".join(f"{n} x {k}" for k, n in sorted(kinds.items()))
+    return f"weights {nbytes / 2**30:.2f} GiB on this rank; linear layers: {layers}"
+
+
 def load_weights(model, model_dir: str, progress: bool = True) -> int:
-    """Copy this rank's slices into the model; returns the number of bytes read."""
+    """Copy this rank's slices into the model; returns the number of bytes of its weights."""
     from safetensors import safe_open
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
@@ -58,7 +95,6 @@ def load_weights(model, model_dir: str, progress: bool = True) -> int:
                          "to run with random weights)")
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
-    nbytes = 0
     for path in tqdm(files, desc="Loading safetensors", unit="file", disable=not progress):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
@@ -73,12 +109,12 @@ def load_weights(model, model_dir: str, progress: bool = True) -> int:
                     else:
                         loader(param, src, shard)
                     loaded.add(target)
-                    nbytes += param.numel() * param.element_size()
     missing = [n for n in params if n not in loaded and not _tied_alias(model, n, loaded)]
     if missing:
         raise ValueError(f"checkpoint {model_dir!r} lacks weights for: {missing[:5]}"
                          f"{' ...' if len(missing) > 5 else ''}")
-    return nbytes
+    finalize_weights(model)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def _tied_alias(model, name: str, loaded: set[str]) -> bool:
@@ -86,12 +122,25 @@ def _tied_alias(model, name: str, loaded: set[str]) -> bool:
 
 
 def init_dummy_weights(model, seed: int) -> None:
-    """Random weights for benchmarks without a checkpoint (norms stay at 1)."""
+    """Random weights for benchmarks without a checkpoint (norms stay at 1, quantization scales
+    small enough that dequantized weights have the dense init's magnitude)."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.data.fill_(1.0)
+        elif p.dtype == torch.float8_e4m3fn:
+            p.data.copy_(torch.empty(p.shape, device=p.device).normal_(0, 64, generator=gen).clamp(-448, 448))
+        elif p.dtype in (torch.int32, torch.uint8):  # packed 4-bit weights, zero points, g_idx
+            hi = 8 if p.dtype == torch.uint8 else 2**31 - 1
+            if name.endswith("g_idx"):
+                p.data.zero_()
+                continue
+            p.data.copy_(torch.randint(0, hi, p.shape, device=p.device, generator=gen, dtype=torch.int64))
+        elif name.rsplit(".", 1)[-1] in ("weight_scale", "weight_scale_inv", "scales", "input_scale",
+                                         "w13_scale", "w2_scale"):
+            p.data.fill_(0.02 / 64 if p.dtype == torch.float32 else 0.002)
         elif p.dim() >= 2:
             p.data.normal_(0, 0.02, generator=gen)
         else:
             p.data.zero_()
+    finalize_weights(model)

@@ -15,8 +15,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..kernels.moe import fused_moe
-from .layers import GatedMLP, _read, divide
+from ..kernels.quant import FP8, quant_fp8_weight
+from .layers import GatedMLP, divide
+from .loader import read_slice as _read
 from .parallel import ParallelInfo, tp_all_reduce
+from .quantization import MoEQuant, current_moe_quant
 from .llama import CausalLM
 from .registry import MODELS
 
@@ -32,24 +35,93 @@ class FusedExperts(nn.Module):
         else:
             self.num_local, self.first_expert = num_experts, 0
             self.inter = divide(intermediate, pi.tp_size, "moe_intermediate_size")
-        self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * self.inter, hidden, dtype=dtype),
-                                requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(self.num_local, hidden, self.inter, dtype=dtype),
-                               requires_grad=False)
+        # FP8 experts (models/quantization.py) or the model dtype
+        self.quant = ExpertsQuant(current_moe_quant())
+        E, I2, H, inter = self.num_local, 2 * self.inter, hidden, self.inter
+        wdt = dtype if self.quant.spec is None or self.quant.spec.online else FP8
+        self.w13 = nn.Parameter(torch.empty(E, I2, H, dtype=wdt), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(E, H, inter, dtype=wdt), requires_grad=False)
         self.w13.weight_loader = self.w2.weight_loader = self.weight_loader
+        spec = self.quant.spec
+        if spec is not None and not spec.online:
+            if spec.block:
+                bn, bk = spec.block
+                for n in (inter, H):
+                    divide(n, bn, f"expert size vs weight_block_size {bn}")
+                shapes = (E, I2 // bn, -(-H // bk)), (E, H // bn, -(-inter // bk))
+            else:
+                shapes = (E, I2), (E, H)
+            self.w13_scale = nn.Parameter(torch.empty(shapes[0]), requires_grad=False)
+            self.w2_scale = nn.Parameter(torch.empty(shapes[1]), requires_grad=False)
+            self.w13_scale.weight_loader = self.w2_scale.weight_loader = self.scale_loader
+
+    def _rows(self) -> slice:
+        # without EP the intermediate dimension is split across TP ranks
+        lo = 0 if self.pi.enable_expert_parallel else self.pi.tp_rank * self.inter
+        return slice(lo, lo + self.inter)
 
     def weight_loader(self, param, src, shard: tuple[int, int]):
         expert, part = shard  # part: 0 gate, 1 up, 2 down
         e = expert - self.first_expert
         if not 0 <= e < self.num_local:
             return  # another rank's expert
-        # without EP the intermediate dimension is split across TP ranks
-        lo = 0 if self.pi.enable_expert_parallel else self.pi.tp_rank * self.inter
-        rows = slice(lo, lo + self.inter)
+        rows = self._rows()
         if part == 2:
             param.data[e].copy_(_read(src, (slice(None), rows)))
         else:
             param.data[e, part * self.inter:(part + 1) * self.inter].copy_(_read(src, rows))
+
+    def scale_loader(self, param, src, shard: tuple[int, int]):
+        expert, part = shard
+        e = expert - self.first_expert
+        if not 0 <= e < self.num_local:
+            return
+        rows, block = self._rows(), self.quant.spec.block
+        if block:  # [out / bn, in / bk] blocks: the TP slice is whole blocks (checked above)
+            bn, bk = block
+            if part == 2:
+                param.data[e].copy_(_read(src, (slice(None), slice(rows.start // bk, -(-rows.stop // bk)))).float())
+            else:
+                n = self.inter // bn
+                param.data[e, part * n:(part + 1) * n].copy_(
+                    _read(src, slice(rows.start // bn, rows.stop // bn)).float())
+            return
+        t = _read(src).float().reshape(-1)  # per channel [N(, 1)] or per tensor
+        if part == 2:
+            param.data[e] = t if t.numel() > 1 else t[0]
+        else:
+            dst = param.data[e, part * self.inter:(part + 1) * self.inter]
+            dst.copy_(t[rows] if t.numel() > 1 else t[0].expand(self.inter))
+
+    def forward(self, x, weights, ids):
+        spec = self.quant.spec
+        if spec is None or spec.online and self.w13.dtype != FP8:
+            return fused_moe(x, self.w13, self.w2, weights, ids)
+        return fused_moe(x, self.w13, self.w2, weights, ids, self.w13_scale, self.w2_scale,
+                         spec.block)
+
+
+class ExpertsQuant:
+    """The `quant` of a FusedExperts: what models/loader.py reports and finalizes."""
+    dense = False
+
+    def __init__(self, spec: MoEQuant | None):
+        self.spec = spec
+
+    def describe(self) -> str:
+        s = self.spec
+        if s is None:
+            return "experts (dense)"
+        return "experts fp8 e4m3 (" + ("block %dx%d" % tuple(s.block) if s.block else "per-channel") + \
+            (", quantized at load time)" if s.online else ")")
+
+    def after_loading(self, mod: FusedExperts) -> None:
+        if self.spec is not None and self.spec.online and mod.w13.dtype != FP8:
+            for name in ("w13", "w2"):
+                w = getattr(mod, name).data
+                qs = [quant_fp8_weight(w[e]) for e in range(w.shape[0])]
+                setattr(mod, name, nn.Parameter(torch.stack([a for a, _ in qs]), requires_grad=False))
+                setattr(mod, name + "_scale", nn.Parameter(torch.stack([b for _, b in qs]), requires_grad=False))
 
 
 class SparseMoE(nn.Module):
@@ -70,11 +142,12 @@ class SparseMoE(nn.Module):
         if self.pi.enable_expert_parallel:  # experts of other ranks → -1 (skipped)
             local = ids - ex.first_expert
             ids = torch.where((local >= 0) & (local < ex.num_local), local, -1)
-        y = fused_moe(x, ex.w13, ex.w2, weights.to(x.dtype), ids.to(torch.int32))
+        y = ex(x, weights.to(x.dtype), ids.to(torch.int32))
         return tp_all_reduce(y, self.pi)
 
 
-_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\."
+                     r"(weight|weight_scale|weight_scale_inv|input_scale)$")
 _PART = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}
 
 
@@ -83,9 +156,11 @@ class MoECausalLM(CausalLM):
         name = name.replace(".block_sparse_moe.", ".mlp.")
         m = _EXPERT.search(name)
         if m:
-            part = _PART[m.group(2)]
+            part, kind = _PART[m.group(2)], m.group(3)
+            if kind == "input_scale":
+                return []  # static activation scales: activations are quantized dynamically
             target = name[:m.start()] + (".experts.w2" if part == 2 else ".experts.w13")
-            return [(target, (int(m.group(1)), part))]
+            return [(target + ("" if kind == "weight" else "_scale"), (int(m.group(1)), part))]
         return super().map_weight(name)
 
 

@@ -46,6 +46,10 @@ class ModelConfig:
     max_model_len: int | None = opt(None, "context length (default: from the model config)")
     seed: int = opt(0, "seed for dummy weights and unseeded sampling")
     served_model_name: str | None = opt(None, "model name reported by the API")
+    quantization: str | None = opt(None, "weight quantization: read from the checkpoint's "
+                                   "quantization_config; fp8 also quantizes a 16-bit checkpoint "
+                                   "at load time", alias="q",
+                                   choices=("fp8", "fbgemm_fp8", "compressed-tensors", "gptq", "awq"))
 
     def validate(self):
         _check(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "> 0",
@@ -243,7 +247,7 @@ class EngineConfig:
             for f in dataclasses.fields(sub):
                 choices = f.metadata.get("choices")
                 value = getattr(sub, f.name)
-                if choices and value not in choices:
+                if choices and value is not None and value not in choices:
                     raise ConfigError(f"{_flag(f.name)} must be one of "
                                       f"{', '.join(map(str, choices))}; got {value!r}")
             if hasattr(sub, "validate"):

@@ -20,7 +20,8 @@ import torch
 from ..kernels import gemv
 from ..models.layers import AttnMeta
 from ..models.parallel import ParallelInfo
-from ..models.loader import build_model, init_dummy_weights, load_hf_config, load_weights, resolve_dtype
+from ..models.loader import (
+    build_model, init_dummy_weights, load_hf_config, load_weights, quant_summary, resolve_dtype)
 from . import envs
 from .compilation import CompiledModel
 from .config import EngineConfig
@@ -95,11 +96,13 @@ class ModelRunner:
             raise ValueError(f"--max-model-len {cfg.model.max_model_len} exceeds the model's "
                              f"max_position_embeddings ({self.hf_config.max_position_embeddings})")
         torch.manual_seed(cfg.model.seed)
-        self.model = build_model(self.hf_config, pi, self.dtype, device)
+        self.model = build_model(self.hf_config, pi, self.dtype, device, cfg.model.quantization)
         if cfg.load.load_format == "dummy":
             init_dummy_weights(self.model, cfg.model.seed)
         else:
             load_weights(self.model, cfg.model.model, progress=pi.tp_rank == 0 and pi.is_first_stage)
+        if self.model.quant_config is not None and pi.tp_rank == 0:
+            log.info("quantization %s: %s", self.model.quant_config.name, quant_summary(self.model))
         self.timings = {"load": time.perf_counter() - t0}
         self.vocab_size = self.hf_config.vocab_size
         self.block_size = cfg.cache.block_size

@@ -1,0 +1,453 @@
+"""Quantized checkpoints: the schemes (one registry, `QUANT_METHODS`) and how each one creates,
+loads, shards and runs the weights of a parallel linear layer or a fused-MoE expert stack.
+
+A scheme is read from the checkpoint's `quantization_config` (no flag needed); `--quantization
+fp8` quantizes a 16-bit checkpoint at load time. Supported:
+  fp8                 HF / DeepSeek-V3 / Qwen3-FP8: e4m3 weights, `weight_block_size` [bn, bk] with
+                      `weight_scale_inv` [ceil(N/bn), ceil(K/bk)], or per-tensor `weight_scale`
+  fbgemm_fp8          Meta's Llama-3.1-405B-FP8: per-channel `weight_scale` [N, 1]
+  compressed-tensors  float-quantized FP8 (tensor / channel / block weight scales)
+  gptq                4-bit, `qweight` [K/8, N], `qzeros` [G, N/8] (stored minus one in the v1
+                      format), `scales` [G, N], `g_idx` [K] (act-order when desc_act)
+  awq                 4-bit GEMM layout, `qweight` [K, N/8] packed in AWQ's column order
+Activations are quantized dynamically (per token, or per 1 x bk group for block scales), also for
+checkpoints that ship a static `input_scale` (read, not used: finer scales never lose accuracy).
+4-bit weights are repacked once at load time into the one layout `kernels/quant.py` runs.
+
+Sharding: a layer tells the scheme which rows (its output slice per fused shard) and columns
+(its input slice) this rank keeps; each stored tensor says along which of its axes those lie and
+at what granularity (8 for packed nibbles, the block or group size for scales).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn as nn
+
+from ..kernels import quant as q
+from ..kernels.gemv import silu_mul_ref, silu_mul_triton, skinny_linear
+from .loader import read_slice as _read, slice_shape as _shape
+from .registry import Registry
+
+QUANT_METHODS: Registry[type] = Registry("quantization method")
+
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # nibble i of an AWQ word holds column 8c + AWQ_ORDER[i]
+
+
+def _div(a: int, b: int, what: str) -> int:
+    if a % b:
+        raise ValueError(f"{what} ({a}) is not a multiple of {b}: this checkpoint cannot be "
+                         "sharded at this tensor-parallel size")
+    return a // b
+
+
+@dataclasses.dataclass
+class Slices:
+    """What one rank keeps of a (fused) linear layer: `rows` = (offset in the rank's param,
+    first source row, count) of the output shard being loaded; `cols` = (first source column,
+    count) of the input."""
+    rows: tuple[int, int, int]
+    cols: tuple[int, int]
+    full_in: int  # the unsharded input size (K)
+
+
+def load_2d(param: torch.Tensor, src, s: Slices, out_axis: int, out_div: int = 1,
+            in_div: int = 1, convert=None, unpacks: bool = False) -> None:
+    """Copy this rank's block of a stored [.., ..] tensor whose output dim is `out_axis` (the
+    other is the input dim), each stored at granularity out_div / in_div (packed nibbles,
+    block or group scales). `convert` maps the read block to the param's layout (`unpacks`: it
+    unpacks the output dim, so the param holds one entry per output row)."""
+    off, start, n = s.rows
+    c0, nc = s.cols
+    shape = _shape(src)
+    r = (slice(_div(start, out_div, "output shard offset"),
+               _div(start, out_div, "output shard offset") + -(-n // out_div)))
+    cin = shape[1 - out_axis]
+    if nc == s.full_in:
+        c = slice(0, cin)
+    else:
+        c = slice(_div(c0, in_div, "input shard offset"), _div(c0, in_div, "input shard offset")
+                  + _div(nc, in_div, "input shard size"))
+    block = _read(src, (r, c) if out_axis == 0 else (c, r))
+    if convert is not None:
+        block = convert(block)
+    o = _div(off, out_div, "fused shard offset") if out_div > 1 and not unpacks else off
+    if out_axis == 0:
+        param.data[o:o + block.shape[0]].copy_(block)
+    else:
+        param.data[:, o:o + block.shape[1]].copy_(block)
+
+
+# ------------------------------------------------------------------------------------------------
+# linear methods: create the params of a layer, load them, run the layer
+# ------------------------------------------------------------------------------------------------
+
+class LinearMethod:
+    dense = False  # the fused norm + GEMM and SiLU + GEMM fast paths need a plain weight
+
+    def create(self, layer: nn.Module, in_features: int, out_features: int, dtype) -> None:
+        raise NotImplementedError
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def after_loading(self, layer: nn.Module) -> None:
+        pass
+
+    def describe(self) -> str:
+        return type(self).__name__
+
+    def _param(self, layer, name, shape, dtype, loader, fill=None):
+        p = nn.Parameter(torch.empty(shape, dtype=dtype) if fill is None
+                         else torch.full(shape, fill, dtype=dtype), requires_grad=False)
+        p.weight_loader = lambda param, src, shard_id=None: loader(param, src, layer.slices(shard_id))
+        setattr(layer, name, p)
+        return p
+
+
+class Unquantized(LinearMethod):
+    dense = True
+
+    def create(self, layer, in_features, out_features, dtype):
+        self._param(layer, "weight", (out_features, in_features), dtype,
+                    lambda p, src, s: load_2d(p, src, s, 0))
+
+    def apply(self, layer, x, bias):
+        return skinny_linear(x, layer.weight, bias)
+
+
+class Fp8Linear(LinearMethod):
+    """e4m3 weights [N, K]; per-channel scales [N] (per-tensor checkpoints are expanded to their
+    rows), or block scales [ceil(N/bn), ceil(K/bk)] (`weight_scale_inv`)."""
+
+    def __init__(self, block_size: list[int] | None, scale_name: str = "weight_scale",
+                 input_scale: bool = False):
+        self.block = list(block_size) if block_size else None
+        self.scale_name = scale_name
+        self.input_scale = input_scale
+
+    def describe(self):
+        return f"fp8 e4m3 ({'block %dx%d' % tuple(self.block) if self.block else 'per-channel'})"
+
+    def create(self, layer, in_features, out_features, dtype):
+        self._param(layer, "weight", (out_features, in_features), q.FP8,
+                    lambda p, src, s: load_2d(p, src, s, 0))
+        if self.block:
+            bn, bk = self.block
+            shape = (-(-out_features // bn), -(-in_features // bk))
+            self._param(layer, self.scale_name, shape, torch.float32,
+                        lambda p, src, s: load_2d(p, src, s, 0, bn, bk, lambda t: t.float()))
+        else:
+            self._param(layer, self.scale_name, (out_features,), torch.float32, self._load_scale)
+        if self.input_scale:  # static activation scale: read, not used (dynamic is finer)
+            self._param(layer, "input_scale", (), torch.float32, lambda p, src, s: None)
+
+    @staticmethod
+    def _load_scale(p, src, s: Slices):
+        t = _read(src).float()
+        off, start, n = s.rows
+        if t.numel() == 1:  # per-tensor: every row of this shard
+            p.data[off:off + n] = t.reshape(())
+        else:  # per-channel [N] or [N, 1]
+            p.data[off:off + n] = t.reshape(-1)[start:start + n]
+
+    def scale(self, layer):
+        return getattr(layer, self.scale_name)
+
+    def apply(self, layer, x, bias):
+        return q.fp8_linear(x, layer.weight, self.scale(layer), bias, self.block)
+
+
+class Fp8Online(Fp8Linear):
+    """`--quantization fp8` on a 16-bit checkpoint: load the weight as is, then quantize it
+    (per channel) once it is loaded."""
+
+    def __init__(self):
+        super().__init__(None)
+
+    def describe(self):
+        return "fp8 e4m3 (per-channel, quantized at load time)"
+
+    def create(self, layer, in_features, out_features, dtype):
+        Unquantized.create(self, layer, in_features, out_features, dtype)
+
+    def after_loading(self, layer):
+        wq, scale = q.quant_fp8_weight(layer.weight.data)
+        layer.weight = nn.Parameter(wq, requires_grad=False)
+        layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+
+
+def _unpack_cols(packed: torch.Tensor, order=None) -> torch.Tensor:
+    """int32 [R, C/8] packed along columns -> uint8 [R, C] (nibble i = column 8c + order[i])."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    nib = ((packed.to(torch.int32)[:, :, None] >> shifts) & 0xF).to(torch.uint8)  # [R, C/8, 8]
+    if order is not None:
+        nib = nib[:, :, torch.argsort(torch.tensor(order))]
+    return nib.reshape(packed.shape[0], -1)
+
+
+class W4A16(LinearMethod):
+    """4-bit weight-only (GPTQ or AWQ), repacked to kernels/quant.py's layout: `qweight` int32
+    [K/8, N], `scales` [G, N], `qzeros` uint8 [G, N] (None when symmetric), `g_idx` (act-order)."""
+
+    def __init__(self, fmt: str, group_size: int, sym: bool, desc_act: bool = False,
+                 zero_plus_one: bool = True):
+        self.fmt, self.group_size, self.sym, self.desc_act = fmt, group_size, sym, desc_act
+        self.zero_plus_one = zero_plus_one  # GPTQ v1 stores (zero - 1) mod 16
+
+    def describe(self):
+        return (f"{self.fmt} 4-bit (group {self.group_size}, "
+                f"{'symmetric' if self.sym else 'zero point'}{', act-order' if self.desc_act else ''})")
+
+    def create(self, layer, in_features, out_features, dtype):
+        G = self.group_size if self.group_size > 0 else in_features
+        layer.group_size_k = G
+        sharded_in = in_features != layer.full_in
+        # act-order rows of any group can land on any rank: keep every group's scales
+        groups_kept = -(-layer.full_in // G) if (self.desc_act and sharded_in) else -(-in_features // G)
+        if in_features % 8:
+            raise ValueError(f"4-bit weights need an input size divisible by 8 per rank, got {in_features}")
+        gdiv = 1 if (self.desc_act and sharded_in) else G
+        gcols = (lambda s: dataclasses.replace(s, cols=(0, layer.full_in))) if gdiv == 1 else (lambda s: s)
+        if self.fmt == "gptq":
+            self._param(layer, "qweight", (in_features // 8, out_features), torch.int32,
+                        lambda p, src, s: load_2d(p, src, s, 1, 1, 8))
+            zconv = (lambda t: (_unpack_cols(t) + (1 if self.zero_plus_one else 0)) & 0xF)
+        else:  # awq: [K, N/8] packed along N in AWQ's order -> unpack, repack along K
+            self._param(layer, "qweight", (in_features // 8, out_features), torch.int32,
+                        lambda p, src, s: load_2d(p, src, s, 1, 8, 1,
+                                                  lambda t: q.pack_int4(_unpack_cols(t, AWQ_ORDER)),
+                                                  unpacks=True))
+            zconv = (lambda t: _unpack_cols(t, AWQ_ORDER))
+        self._param(layer, "scales", (groups_kept, out_features), dtype,
+                    lambda p, src, s: load_2d(p, src, gcols(s), 1, 1, gdiv))
+        if not self.sym:  # symmetric: the zero point is 8 (GPTQ still stores it: not read)
+            self._param(layer, "qzeros", (groups_kept, out_features), torch.uint8,
+                        lambda p, src, s: load_2d(p, src, gcols(s), 1, 8, gdiv, zconv, unpacks=True))
+        if self.fmt == "gptq":
+            self._param(layer, "g_idx", (in_features,), torch.int32, self._load_g_idx)
+
+    @staticmethod
+    def _load_g_idx(p, src, s: Slices):
+        c0, nc = s.cols
+        p.data.copy_(_read(src, slice(c0, c0 + nc)).to(torch.int32))
+
+    def after_loading(self, layer):
+        if not self.desc_act and hasattr(layer, "g_idx"):
+            del layer.g_idx  # rows in order: group k // group_size, no index needed
+
+    def apply(self, layer, x, bias):
+        return q.w4a16_linear(x, layer.qweight, layer.scales, getattr(layer, "qzeros", None),
+                              getattr(layer, "g_idx", None), layer.group_size_k, bias)
+
+
+# ------------------------------------------------------------------------------------------------
+# schemes (checkpoint configs)
+# ------------------------------------------------------------------------------------------------
+
+class QuantConfig:
+    name = ""
+    ignored: list[str] = []
+
+    def linear(self, prefix: str) -> LinearMethod:
+        raise NotImplementedError
+
+    def moe(self) -> "MoEQuant | None":
+        """How fused-MoE experts are stored; None: the scheme cannot run MoE experts."""
+        return None
+
+    def skips(self, prefix: str) -> bool:
+        return any(prefix == m or prefix.startswith(m + ".") or prefix.endswith("." + m)
+                   or m in prefix.split(".") for m in self.ignored)
+
+
+@dataclasses.dataclass
+class MoEQuant:
+    """FP8 experts: weights e4m3, scales per channel or per block, loaded per expert (or
+    quantized per channel at load time: `online`)."""
+    block: list[int] | None
+    online: bool = False
+
+
+def _ignored(qc: dict) -> list[str]:
+    return list(qc.get("modules_to_not_convert") or qc.get("ignored_layers") or qc.get("ignore") or [])
+
+
+@QUANT_METHODS.register("fp8")
+class Fp8Config(QuantConfig):
+    name = "fp8"
+
+    def __init__(self, qc: dict, online: bool = False):
+        fmt = qc.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise ValueError(f"fp8 format {fmt!r} is not supported (only e4m3)")
+        self.block = qc.get("weight_block_size")
+        if self.block is not None and len(self.block) != 2:
+            raise ValueError(f"weight_block_size must be [bn, bk], got {self.block}")
+        self.static = qc.get("activation_scheme", "dynamic") == "static"
+        self.online = online
+        self.ignored = _ignored(qc)
+
+    def linear(self, prefix):
+        if self.online:
+            return Fp8Online()
+        if self.block:
+            return Fp8Linear(self.block, "weight_scale_inv")
+        return Fp8Linear(None, "weight_scale", input_scale=self.static)
+
+    def moe(self):
+        return MoEQuant(None, online=True) if self.online else MoEQuant(self.block)
+
+
+@QUANT_METHODS.register("fbgemm_fp8")
+class FbgemmFp8Config(QuantConfig):
+    name = "fbgemm_fp8"
+
+    def __init__(self, qc: dict, online: bool = False):
+        self.ignored = _ignored(qc)
+
+    def linear(self, prefix):
+        return Fp8Linear(None, "weight_scale")
+
+    def moe(self):
+        return MoEQuant(None)
+
+
+@QUANT_METHODS.register("compressed-tensors")
+class CompressedTensorsConfig(QuantConfig):
+    """The float-quantized FP8 scheme of compressed-tensors (llm-compressor's FP8 / FP8_DYNAMIC /
+    FP8_BLOCK presets); other schemes of the format are refused by name."""
+    name = "compressed-tensors"
+
+    def __init__(self, qc: dict, online: bool = False):
+        groups = qc.get("config_groups") or {}
+        if len(groups) != 1:
+            raise ValueError(f"compressed-tensors: {len(groups)} config groups; one is supported")
+        g = next(iter(groups.values()))
+        w = g.get("weights") or {}
+        fmt = qc.get("format", "")
+        if not (w.get("type") == "float" and w.get("num_bits") == 8):
+            raise ValueError(f"compressed-tensors scheme with {w.get('num_bits')}-bit {w.get('type')} "
+                             f"weights (format {fmt!r}) is not supported; supported: 8-bit float (FP8)")
+        strategy = w.get("strategy", "tensor")
+        if strategy not in ("tensor", "channel", "block"):
+            raise ValueError(f"compressed-tensors FP8 weight strategy {strategy!r} is not supported")
+        targets = g.get("targets") or ["Linear"]
+        if targets != ["Linear"]:
+            raise ValueError(f"compressed-tensors targets {targets} are not supported (only Linear)")
+        self.block = w.get("block_structure") if strategy == "block" else None
+        act = g.get("input_activations") or {}
+        self.static = bool(act) and not act.get("dynamic", True)
+        self.ignored = _ignored(qc)
+
+    def linear(self, prefix):
+        return Fp8Linear(self.block, "weight_scale", input_scale=self.static)
+
+    def moe(self):
+        return MoEQuant(self.block)
+
+
+@QUANT_METHODS.register("gptq")
+class GPTQConfig(QuantConfig):
+    name = "gptq"
+
+    def __init__(self, qc: dict, online: bool = False):
+        if qc.get("bits", 4) != 4:
+            raise ValueError(f"gptq with {qc.get('bits')} bits is not supported (only 4)")
+        fmt = qc.get("checkpoint_format", "gptq")
+        if fmt not in ("gptq", "gptq_v2"):
+            raise ValueError(f"gptq checkpoint_format {fmt!r} is not supported")
+        self.method = W4A16("gptq", int(qc.get("group_size", 128)), bool(qc.get("sym", True)),
+                            bool(qc.get("desc_act", False)), zero_plus_one=fmt == "gptq")
+        self.ignored = _ignored(qc)
+
+    def linear(self, prefix):
+        return self.method
+
+
+@QUANT_METHODS.register("awq")
+class AWQConfig(QuantConfig):
+    name = "awq"
+
+    def __init__(self, qc: dict, online: bool = False):
+        if qc.get("bits", qc.get("w_bit", 4)) != 4:
+            raise ValueError("awq: only 4-bit weights are supported")
+        version = str(qc.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise ValueError(f"awq version {version!r} is not supported (only the GEMM layout)")
+        self.method = W4A16("awq", int(qc.get("group_size", qc.get("q_group_size", 128))),
+                            not qc.get("zero_point", True))
+        self.ignored = _ignored(qc)
+
+    def linear(self, prefix):
+        return self.method
+
+
+def quant_config_of(hf_config, flag: str | None) -> QuantConfig | None:
+    """The checkpoint's scheme, or `--quantization`'s; a disagreement is an error."""
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is not None and not isinstance(qc, dict):
+        qc = qc.to_dict()
+    if qc:
+        method = str(qc.get("quant_method", "")).lower()
+        if flag and flag != method:
+            raise ValueError(f"--quantization {flag} does not match the checkpoint's "
+                             f"quantization_config (quant_method {method!r})")
+        return QUANT_METHODS.get(method)(qc)
+    if flag:
+        if flag != "fp8":
+            raise ValueError(f"--quantization {flag} needs a checkpoint quantized that way; only "
+                             "fp8 can quantize a 16-bit checkpoint at load time")
+        return Fp8Config({}, online=True)
+    return None
+
+
+class _Current:
+    config: QuantConfig | None = None
+
+
+_CURRENT = _Current()
+
+
+class building:
+    """`with building(qconfig): model = cls(...)`: the parallel linear layers made inside take
+    their method from the scheme (the model definitions stay scheme-agnostic)."""
+
+    def __init__(self, config: QuantConfig | None):
+        self.config = config
+
+    def __enter__(self):
+        self.prev, _CURRENT.config = _CURRENT.config, self.config
+
+    def __exit__(self, *exc):
+        _CURRENT.config = self.prev
+
+
+def current_linear_method() -> LinearMethod:
+    cfg = _CURRENT.config
+    return Unquantized() if cfg is None else cfg.linear("")
+
+
+def current_moe_quant() -> MoEQuant | None:
+    cfg = _CURRENT.config
+    if cfg is None:
+        return None
+    m = cfg.moe()
+    if m is None:
+        raise ValueError(f"{cfg.name} quantization does not support MoE experts")
+    return m
+
+
+def apply_ignored(model: nn.Module, config: QuantConfig | None) -> None:
+    """Layers the checkpoint left unquantized (`modules_to_not_convert` / `ignore`) get dense
+    weights again; they were built with the scheme's method."""
+    if config is None or not config.ignored:
+        return
+    for name, mod in model.named_modules():
+        if hasattr(mod, "set_method") and not mod.quant.dense and config.skips(name):
+            mod.set_method(Unquantized())
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    return silu_mul_triton(gu) if gu.is_cuda else silu_mul_ref(gu)
