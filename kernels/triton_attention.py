@@ -8,8 +8,8 @@
 
 FP8 caches (torch.float8_e4m3fn, see kernels/attention.py) take a constexpr branch (`KV_FP8`), so
 16-bit caches compile to the same code as before: the store divides by the layer's scale and
-rounds to e4m3; attention widens the fp8 tiles to q's dtype (exact) and folds k_scale into the
-softmax scale and v_scale into the output.
+rounds to e4m3; attention widens the fp8 tiles to fp16 (exact; 16-bit queries go to fp16 too,
+fp32 ones keep fp32) and folds k_scale into the softmax scale and v_scale into the output.
 
 Every grid size is a function of tensor shapes only and nothing is read back to the host, so both
 ops can be captured in a CUDA graph. Requests with q_len 0 / seq_len 0 (CUDA-graph padding) are
@@ -169,6 +169,17 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, offs_n, n_mask, offs_d, d_ma
 
 
 @triton.jit
+def _fp8_dot_query(q, KV_FP8: tl.constexpr):
+    """With an fp8 cache the dots run in fp16: e4m3 -> fp16 is one conversion per two values
+    (-> bf16 takes several), so 16-bit queries go to fp16 (exact for bf16 values within fp16's
+    range, to which they are clamped). fp32 queries (interpreter tests) stay fp32."""
+    if KV_FP8:
+        if q.dtype != tl.float32:
+            q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    return q
+
+
+@triton.jit
 def _qk_scale(scale_log2e, k_scale_ptr, KV_FP8: tl.constexpr):
     """Softmax scale (log2 domain) of the raw cache keys: an fp8 cache's k_scale folded in."""
     if KV_FP8:
@@ -241,7 +252,7 @@ def _unified_attention_kernel(
 
     q_ptrs = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
     io_mask = row_mask[:, None] & d_mask[None, :]
-    q = tl.load(q_ptrs, mask=io_mask, other=0.0)
+    q = _fp8_dot_query(tl.load(q_ptrs, mask=io_mask, other=0.0), KV_FP8)
     qk_scale = _qk_scale(scale_log2e, k_scale_ptr, KV_FP8)
 
     # finite -1e30 start: fully masked rows give p = 0 instead of NaN (inf - inf)
@@ -309,7 +320,7 @@ def _decode_split_kernel(
     q_ptrs = (q_ptr + q_start.to(tl.int64) * stride_qt + head[:, None] * stride_qh
               + offs_d[None, :])
     q_rows = hs < tl.where(q_len > 0, GROUP, 0)  # no query row for an empty request
-    q = tl.load(q_ptrs, mask=q_rows[:, None] & d_mask[None, :], other=0.0)
+    q = _fp8_dot_query(tl.load(q_ptrs, mask=q_rows[:, None] & d_mask[None, :], other=0.0), KV_FP8)
     qk_scale = _qk_scale(scale_log2e, k_scale_ptr, KV_FP8)
 
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)

@@ -160,9 +160,11 @@ def fp8_prepare_case(norm, dtype, device="cpu", T=11, H=4, KH=2, D=16, nb=6):
         if device == "cpu":  # interpreter: bit for bit (NaN = never written, on both sides)
             torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=0, equal_nan=True)
         else:  # a contracted FMA in RoPE may move a 16-bit key by one step, rarely an fp8 step
-            diff = (got.float() - want.float()).abs()
-            ulp = want.float().abs().clamp(min=2 ** -6) / 8
-            assert (diff.nan_to_num() <= ulp).all() and (diff > 0).float().mean() < 1e-3
+            assert torch.equal(got.float().isnan(), want.float().isnan())
+            written = ~want.float().isnan()
+            g, w = got.float()[written], want.float()[written]
+            ulp = w.abs().clamp(min=2 ** -6) / 8
+            assert ((g - w).abs() <= ulp).all() and (g != w).float().mean() < 1e-3
     written = ~nan[0].view(torch.uint8).flatten(0, 1).eq(0x7F).all(-1).all(-1)
     assert written.sum() == (slots >= 0).sum()  # padding tokens write nothing
 
@@ -449,8 +451,8 @@ def test_gpu_fp8_cuda_graph_new_scales(decode):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = op()
-    ks.fill_(0.03)
-    vs.fill_(0.5)
+    ks.fill_(0.03)  # from 0.02 and 0.05 (outputs stay about the size the tolerance is for)
+    vs.fill_(0.07)
     graph.replay()
     ref = paged_attention_ref(q, kc, vc, qsl, sl, bt, 0.1, k_scale=ks, v_scale=vs).view(T, -1)
     n = int(qsl[-1])
