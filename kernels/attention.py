@@ -14,9 +14,14 @@ Layout (shared by the KV-cache allocator, the model runner and the kernels):
       q[query_start_loc[i]:query_start_loc[i+1]])
   seq_lens: int32 [B], context length of request i *including* this step's tokens
   block_table: int32 [B, max_blocks]
+  k_scale, v_scale: fp32 scalar tensors [] (per layer), used only by an fp8 cache (below)
   is_decode: the caller's promise that every request has at most one query token and T == B
       (padding requests have none); it selects the split-KV decode kernel. Decided by the model
       runner from the plan, never from shapes: padding can make T == B in a prefill step.
+FP8 KV cache (caches of dtype torch.float8_e4m3fn, `FP8_KV`): a key is stored as
+  fp8(clamp(k / k_scale, -448, 448)) (round to nearest even; e4m3's finite range is +-448) and read
+  back as fp32(cache) * k_scale; the same for values with v_scale. Scales are tensors, so a CUDA
+  graph reads their current values. Any other cache dtype ignores them.
 Query token j of request i sits at position seq_lens[i] - q_len_i + j and attends causally to
 every cached or new key up to that position. Rows past query_start_loc[-1] are padding: 0.
 
@@ -39,17 +44,39 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
 
 
+FP8_KV = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """x / scale saturated to +-448, as e4m3 (round to nearest even)."""
+    x = x.float() if scale is None else x.float() / scale
+    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_KV)
+
+
+def dequantize_kv(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Cache entries as fp32 (fp8 ones times their scale)."""
+    if x.dtype != FP8_KV:
+        return x.float()
+    return x.float() if scale is None else x.float() * scale
+
+
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+                 slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> None:
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k[valid].to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[valid].to(v_cache.dtype))
+    for x, cache, s in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        x = x[valid]
+        if cache.dtype == FP8_KV:  # index_copy_ has no fp8 kernels: move the bytes
+            cache, x = cache.view(torch.uint8), quantize_fp8(x, s).view(torch.uint8)
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, x.to(cache.dtype))
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                        block_table: torch.Tensor, scale: float, *, is_decode: bool = False
+                        block_table: torch.Tensor, scale: float, *, is_decode: bool = False,
+                        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None
                         ) -> torch.Tensor:
     """Plain-torch reference (caches already hold this step's keys and values). Any mode
     computes the same; `is_decode` is only checked, so the CPU path enforces the kernel contract."""
@@ -72,8 +99,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         keys = k_cache[blocks].reshape(-1, num_kv_heads, k_cache.shape[3])[:seq_len]
         vals = v_cache[blocks].reshape(-1, num_kv_heads, v_cache.shape[3])[:seq_len]
         qi = q[start:end].float().transpose(0, 1)  # [H, q_len, D]
-        ki = keys.float().transpose(0, 1).repeat_interleave(group, 0)  # [H, S, D]
-        vi = vals.float().transpose(0, 1).repeat_interleave(group, 0)
+        ki = dequantize_kv(keys, k_scale).transpose(0, 1).repeat_interleave(group, 0)  # [H, S, D]
+        vi = dequantize_kv(vals, v_scale).transpose(0, 1).repeat_interleave(group, 0)
         scores = torch.matmul(qi, ki.transpose(1, 2)) * scale
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
         k_pos = torch.arange(seq_len, device=q.device)[None, :]
@@ -85,7 +112,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 def prepare_qkv_ref(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                     q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                    num_heads: int) -> torch.Tensor:
+                    num_heads: int, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q/k RMSNorm (when given), RoPE, store k/v into the cache; returns q [T, H, D]."""
     T = qkv.shape[0]
     KH, D = k_cache.shape[2], k_cache.shape[3]
@@ -94,33 +122,34 @@ def prepare_qkv_ref(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.T
         q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
     cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2]
     q, k = rope(q, cos, sin), rope(k, cos, sin)
-    store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+    store_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q
 
 
 @torch.library.custom_op("rankserve::attention", mutates_args=("k_cache", "v_cache"))
 def attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
               q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
-              k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-              query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-              num_heads: int, scale: float, is_decode: bool) -> torch.Tensor:
+              k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor,
+              v_scale: torch.Tensor, slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,
+              seq_lens: torch.Tensor, block_table: torch.Tensor, num_heads: int, scale: float,
+              is_decode: bool) -> torch.Tensor:
     """qkv projection -> attention output [T, num_heads * head_dim] (see module doc)."""
     T = qkv.shape[0]
     if qkv.is_cuda:
         from . import triton_attention as ta
         q = ta.prepare_qkv(qkv, positions, cos_sin, q_norm, k_norm, eps, k_cache, v_cache,
-                           slot_mapping, num_heads)
+                           slot_mapping, num_heads, k_scale, v_scale)
         out = ta.paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
-                                 scale, is_decode=is_decode)
+                                 scale, is_decode=is_decode, k_scale=k_scale, v_scale=v_scale)
     else:
         q = prepare_qkv_ref(qkv, positions, cos_sin, q_norm, k_norm, eps, k_cache, v_cache,
-                            slot_mapping, num_heads)
+                            slot_mapping, num_heads, k_scale, v_scale)
         out = paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
-                                  scale, is_decode=is_decode)
+                                  scale, is_decode=is_decode, k_scale=k_scale, v_scale=v_scale)
     return out.view(T, -1)
 
 
 @attention.register_fake
-def _(qkv, positions, cos_sin, q_norm, k_norm, eps, k_cache, v_cache, slot_mapping,
-      query_start_loc, seq_lens, block_table, num_heads, scale, is_decode):
+def _(qkv, positions, cos_sin, q_norm, k_norm, eps, k_cache, v_cache, k_scale, v_scale,
+      slot_mapping, query_start_loc, seq_lens, block_table, num_heads, scale, is_decode):
     return qkv.new_empty(qkv.shape[0], num_heads * k_cache.shape[3])

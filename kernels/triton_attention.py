@@ -6,6 +6,11 @@
   and decode; decode-only batches (`is_decode`, decided by the caller) take a split-KV
   (flash-decoding) path instead, so that small batches with long contexts fill the GPU.
 
+FP8 caches (torch.float8_e4m3fn, see kernels/attention.py) take a constexpr branch (`KV_FP8`), so
+16-bit caches compile to the same code as before: the store divides by the layer's scale and
+rounds to e4m3; attention widens the fp8 tiles to fp16 (exact; 16-bit queries go to fp16 too,
+fp32 ones keep fp32) and folds k_scale into the softmax scale and v_scale into the output.
+
 Every grid size is a function of tensor shapes only and nothing is read back to the host, so both
 ops can be captured in a CUDA graph. Requests with q_len 0 / seq_len 0 (CUDA-graph padding) are
 fine; output rows past query_start_loc[-1] are written as zeros.
@@ -27,13 +32,28 @@ _MAX_SPLITS = 64
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
+def _to_fp8(x, scale):
+    """fp32 x -> e4m3 of x / scale saturated to +-448, rounded to nearest even like torch.
+
+    x is first rounded to the e4m3 grid in fp32 ((x + c) - c with c = 1.5 * 2^(e + 20): c's ulp
+    is the e4m3 ulp of x's binade e, 2^-9 below e4m3's smallest normal 2^-6), so the cast itself
+    is exact. On a GPU this changes nothing (its conversion rounds the same way); Triton's
+    interpreter rounds fp32 -> fp8 casts without ties-to-even or a carry into the exponent (up
+    to 25% off), so without it the interpreter tests could not compare bit for bit."""
+    x = tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0)
+    e = tl.maximum((x.to(tl.int32, bitcast=True) >> 23) & 0xFF, 121)
+    c = ((e + 20) << 23 | 0x400000).to(tl.float32, bitcast=True)
+    return ((x + c) - c).to(tl.float8e4nv)
+
+
+@triton.jit
 def _prepare_qkv_kernel(qkv_ptr, pos_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, q_ptr,
-                        k_cache_ptr, v_cache_ptr, slot_ptr, eps,
+                        k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_ptr, eps,
                         stride_t, stride_cs, stride_qt, stride_qh,
                         stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
                         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
-                        BLOCK_HEADS: tl.constexpr, BLOCK_KV: tl.constexpr,
+                        KV_FP8: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_KV: tl.constexpr,
                         BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
     # Program per token: rows 0..H-1 of the [heads, D/2] tiles are q heads, H..H+KH-1 k heads.
     # Rounding follows the torch reference step by step (norm -> dtype -> * weight -> dtype ->
@@ -74,22 +94,34 @@ def _prepare_qkv_kernel(qkv_ptr, pos_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, q
     kh = heads - NUM_HEADS
     k_rows = (heads >= NUM_HEADS) & (kh < tl.where(slot >= 0, NUM_KV_HEADS, 0))
     k_dst = k_cache_ptr + blk * stride_kcb + off * stride_kcs + kh[:, None] * stride_kch + d[None, :]
-    cdt = k_cache_ptr.dtype.element_ty
-    tl.store(k_dst, o1.to(cdt), mask=k_rows[:, None] & dm[None, :])
-    tl.store(k_dst + HALF, o2.to(cdt), mask=k_rows[:, None] & dm[None, :])
+    if KV_FP8:
+        k_scale = tl.load(k_scale_ptr)
+        k1 = _to_fp8(o1.to(tl.float32), k_scale)
+        k2 = _to_fp8(o2.to(tl.float32), k_scale)
+    else:
+        cdt = k_cache_ptr.dtype.element_ty
+        k1 = o1.to(cdt)
+        k2 = o2.to(cdt)
+    tl.store(k_dst, k1, mask=k_rows[:, None] & dm[None, :])
+    tl.store(k_dst + HALF, k2, mask=k_rows[:, None] & dm[None, :])
     vh = tl.arange(0, BLOCK_KV)
     dv = tl.arange(0, BLOCK_D)
     v_mask = (vh < tl.where(slot >= 0, NUM_KV_HEADS, 0))[:, None] & (dv < HEAD_DIM)[None, :]
     v = tl.load(qkv_ptr + tok * stride_t + (NUM_HEADS + NUM_KV_HEADS + vh[:, None]) * HEAD_DIM
                 + dv[None, :], mask=v_mask)
+    if KV_FP8:
+        v = _to_fp8(v.to(tl.float32), tl.load(v_scale_ptr))
+    else:
+        v = v.to(v_cache_ptr.dtype.element_ty)
     tl.store(v_cache_ptr + blk * stride_vcb + off * stride_vcs + vh[:, None] * stride_vch
-             + dv[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
+             + dv[None, :], v, mask=v_mask)
 
 
 def prepare_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                 q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                num_heads: int) -> torch.Tensor:
+                num_heads: int, k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Triton twin of `attention.prepare_qkv_ref`: returns q [T, H, D], stores k/v."""
     T = qkv.shape[0]
     _, block_size, KH, D = k_cache.shape
@@ -99,14 +131,15 @@ def prepare_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tenso
     if T == 0:
         return q
     has_norm = q_norm is not None
+    fp8, k_scale, v_scale = _kv_scales(k_cache, v_cache, k_scale, v_scale)
     _prepare_qkv_kernel[(T,)](
         qkv, positions, cos_sin, q_norm if has_norm else cos_sin, k_norm if has_norm else cos_sin,
-        q, k_cache, v_cache, slot_mapping, eps,
+        q, k_cache, v_cache, k_scale, v_scale, slot_mapping, eps,
         qkv.stride(0), cos_sin.stride(0), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_HEADS=num_heads, NUM_KV_HEADS=KH, HEAD_DIM=D, BLOCK_SIZE=block_size,
-        HAS_NORM=has_norm, BLOCK_HEADS=triton.next_power_of_2(num_heads + KH),
+        HAS_NORM=has_norm, KV_FP8=fp8, BLOCK_HEADS=triton.next_power_of_2(num_heads + KH),
         BLOCK_KV=triton.next_power_of_2(KH), BLOCK_HALF=triton.next_power_of_2(D // 2),
         BLOCK_D=triton.next_power_of_2(D), num_warps=4)
     return q
@@ -119,8 +152,9 @@ def prepare_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tenso
 @triton.jit
 def _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, offs_n, n_mask, offs_d, d_mask, kvh,
                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                  BLOCK_SIZE: tl.constexpr):
-    """K and V rows of context positions `offs_n`, found through the request's block table."""
+                  BLOCK_SIZE: tl.constexpr, compute_dt: tl.constexpr, KV_FP8: tl.constexpr):
+    """K and V rows of context positions `offs_n`, found through the request's block table
+    (an fp8 cache's tiles widened to `compute_dt`: exact, its scales are applied by the caller)."""
     blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
     in_blk = offs_n % BLOCK_SIZE
     k_off = blk * stride_kb + in_blk * stride_ks + kvh * stride_kh
@@ -128,18 +162,50 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, offs_n, n_mask, offs_d, d_ma
     kv_mask = n_mask[:, None] & d_mask[None, :]
     k = tl.load(k_cache_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    if KV_FP8:
+        k = k.to(compute_dt)
+        v = v.to(compute_dt)
     return k, v
+
+
+@triton.jit
+def _fp8_dot_query(q, KV_FP8: tl.constexpr):
+    """With an fp8 cache the dots run in fp16: e4m3 -> fp16 is one conversion per two values
+    (-> bf16 takes several), so 16-bit queries go to fp16 (exact for bf16 values within fp16's
+    range, to which they are clamped). fp32 queries (interpreter tests) stay fp32."""
+    if KV_FP8:
+        if q.dtype != tl.float32:
+            q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    return q
+
+
+@triton.jit
+def _qk_scale(scale_log2e, k_scale_ptr, KV_FP8: tl.constexpr):
+    """Softmax scale (log2 domain) of the raw cache keys: an fp8 cache's k_scale folded in."""
+    if KV_FP8:
+        return scale_log2e * tl.load(k_scale_ptr)
+    else:
+        return scale_log2e
+
+
+@triton.jit
+def _v_out(acc, l_i, v_scale_ptr, KV_FP8: tl.constexpr):
+    """acc / l, times an fp8 cache's v_scale."""
+    if KV_FP8:
+        return acc * (tl.load(v_scale_ptr) / l_i)[:, None]
+    else:
+        return acc / l_i[:, None]
 
 
 @triton.jit(do_not_specialize=["num_seqs", "num_tokens"])  # vary per step: one compilation
 def _unified_attention_kernel(
-        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
-        scale_log2e, num_seqs, num_tokens,
+        q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr, qsl_ptr,
+        seq_lens_ptr, bt_ptr, scale_log2e, num_seqs, num_tokens,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr):
+        BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr):
     # Program (pid, kvh) owns BLOCK_Q query tokens x the GROUP query heads of kv head kvh, as
     # BLOCK_M = BLOCK_Q * GROUP (padded) rows, so every K/V tile is loaded once per kv head.
     # Request i owns the tiles [S_i, S_{i+1}) with S_i = qsl[i] // BLOCK_Q + i, which is at least
@@ -186,7 +252,8 @@ def _unified_attention_kernel(
 
     q_ptrs = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
     io_mask = row_mask[:, None] & d_mask[None, :]
-    q = tl.load(q_ptrs, mask=io_mask, other=0.0)
+    q = _fp8_dot_query(tl.load(q_ptrs, mask=io_mask, other=0.0), KV_FP8)
+    qk_scale = _qk_scale(scale_log2e, k_scale_ptr, KV_FP8)
 
     # finite -1e30 start: fully masked rows give p = 0 instead of NaN (inf - inf)
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
@@ -201,9 +268,9 @@ def _unified_attention_kernel(
         n_mask = offs_n < kv_end
         k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, offs_n, n_mask, offs_d, d_mask,
                              kvh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-                             stride_vh, BLOCK_SIZE)
+                             stride_vh, BLOCK_SIZE, q.dtype, KV_FP8)
 
-        s = tl.dot(q, tl.trans(k)) * scale_log2e
+        s = tl.dot(q, tl.trans(k)) * qk_scale
         causal = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
         s = tl.where(causal, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -214,7 +281,7 @@ def _unified_attention_kernel(
         m_i = m_new
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_i[:, None]
+    out = _v_out(acc, l_i, v_scale_ptr, KV_FP8)
     o_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
@@ -225,13 +292,13 @@ def _unified_attention_kernel(
 
 @triton.jit(do_not_specialize=["num_seqs"])
 def _decode_split_kernel(
-        q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr, out_ptr, qsl_ptr,
-        seq_lens_ptr, bt_ptr, scale_log2e, num_seqs,
+        q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, part_out_ptr, part_lse_ptr,
+        out_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, scale_log2e, num_seqs,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+        BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, KV_FP8: tl.constexpr):
     # Program (req, kvh, split): the GROUP heads of kv head kvh over one segment of the context.
     # Partial results are normalised; lse (log2 domain) lets the reduce kernel reweight them.
     # With one split (large batches) the result is final: written straight to out, no reduce.
@@ -253,7 +320,8 @@ def _decode_split_kernel(
     q_ptrs = (q_ptr + q_start.to(tl.int64) * stride_qt + head[:, None] * stride_qh
               + offs_d[None, :])
     q_rows = hs < tl.where(q_len > 0, GROUP, 0)  # no query row for an empty request
-    q = tl.load(q_ptrs, mask=q_rows[:, None] & d_mask[None, :], other=0.0)
+    q = _fp8_dot_query(tl.load(q_ptrs, mask=q_rows[:, None] & d_mask[None, :], other=0.0), KV_FP8)
+    qk_scale = _qk_scale(scale_log2e, k_scale_ptr, KV_FP8)
 
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -264,9 +332,9 @@ def _decode_split_kernel(
         n_mask = offs_n < n_hi
         k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, offs_n, n_mask, offs_d, d_mask,
                              kvh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-                             stride_vh, BLOCK_SIZE)
+                             stride_vh, BLOCK_SIZE, q.dtype, KV_FP8)
 
-        s = tl.dot(q, tl.trans(k)) * scale_log2e
+        s = tl.dot(q, tl.trans(k)) * qk_scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -276,7 +344,7 @@ def _decode_split_kernel(
         m_i = m_new
 
     empty = l_i == 0.0  # empty segment: weight 0 in the reduction, partial output 0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    out = _v_out(acc, tl.where(empty, 1.0, l_i), v_scale_ptr, KV_FP8)
     if NUM_SPLITS == 1:
         o_ptrs = out_ptr + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs + q_start.to(tl.int64) * stride_ot, out.to(out_ptr.dtype.element_ty),
@@ -330,6 +398,20 @@ def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, qsl_ptr, num_seqs
 # host side
 # ----------------------------------------------------------------------------------------------
 
+def _kv_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
+               v_scale: torch.Tensor | None) -> tuple[bool, torch.Tensor, torch.Tensor]:
+    """(fp8 cache?, k_scale, v_scale) for the kernels: missing scales of an fp8 cache are 1.0;
+    a 16-bit cache never reads them (any pointer will do)."""
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    assert v_cache.dtype == k_cache.dtype, "k and v caches of different dtypes"
+    if not fp8:
+        return False, k_cache, k_cache
+    one = None
+    if k_scale is None or v_scale is None:
+        one = torch.ones((), dtype=torch.float32, device=k_cache.device)
+    return True, one if k_scale is None else k_scale, one if v_scale is None else v_scale
+
+
 def _check_last_dim(*ts: torch.Tensor) -> None:
     for t in ts:
         assert t.stride(-1) == 1, "attention tensors need a contiguous last (head_dim) dimension"
@@ -373,9 +455,11 @@ def _num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int,
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                    block_table: torch.Tensor, scale: float, *, is_decode: bool
+                    block_table: torch.Tensor, scale: float, *, is_decode: bool,
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None
                     ) -> torch.Tensor:
-    """q: [T, H, D]; caches [num_blocks, block_size, KH, D] (already holding this step's k/v).
+    """q: [T, H, D]; caches [num_blocks, block_size, KH, D] (already holding this step's k/v);
+    an fp8 cache is read with its scales (fp32 [] tensors, 1.0 when not given).
 
     `is_decode`: the caller guarantees that every request has at most one query token (padding
     requests have none) and T == B. Never inferred from T == B: a padded prefill has that shape.
@@ -393,6 +477,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     on_gpu = q.is_cuda
     block_d = max(16, triton.next_power_of_2(D))  # tl.dot needs K >= 16; masked beyond D
     scale_log2e = scale * _LOG2E
+    fp8, k_scale, v_scale = _kv_scales(k_cache, v_cache, k_scale, v_scale)
     common = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0))
 
@@ -406,11 +491,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             part_out = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
             part_lse = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
         _decode_split_kernel[(B, KH, splits)](
-            q, k_cache, v_cache, part_out, part_lse, out, query_start_loc, seq_lens, block_table,
-            scale_log2e, B, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common,
-            NUM_HEADS=H, HEAD_DIM=D, GROUP=group, BLOCK_SIZE=block_size,
+            q, k_cache, v_cache, k_scale, v_scale, part_out, part_lse, out, query_start_loc,
+            seq_lens, block_table, scale_log2e, B, q.stride(0), q.stride(1), out.stride(0),
+            out.stride(1), *common, NUM_HEADS=H, HEAD_DIM=D, GROUP=group, BLOCK_SIZE=block_size,
             BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-            NUM_SPLITS=splits, num_warps=4, num_stages=2)
+            NUM_SPLITS=splits, KV_FP8=fp8, num_warps=4, num_stages=2)
         if splits == 1:
             return out
         _decode_reduce_kernel[(B, H)](
@@ -424,8 +509,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_q = block_m // group
     grid = (T // block_q + B + 1, KH)
     _unified_attention_kernel[grid](
-        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
+        q, k_cache, v_cache, k_scale, v_scale, out, query_start_loc, seq_lens, block_table,
         scale_log2e, B, T, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common,
         HEAD_DIM=D, GROUP=group, BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps, num_stages=stages)
+        BLOCK_N=block_n, BLOCK_D=block_d, KV_FP8=fp8, num_warps=warps, num_stages=stages)
     return out

@@ -252,6 +252,10 @@ class Attention(nn.Module):
         # bound by the model runner once the KV cache is allocated
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        # fp8 KV cache: per-layer scales (stored = k / k_scale), from the checkpoint when it has
+        # them (the model runner loads them), else 1.0; a 16-bit cache ignores them
+        self.register_buffer("k_scale", torch.ones((), dtype=torch.float32), persistent=False)
+        self.register_buffer("v_scale", torch.ones((), dtype=torch.float32), persistent=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttnMeta) -> torch.Tensor:
         return self.from_in_proj(self.qkv_proj(x), positions, attn)
@@ -266,8 +270,8 @@ class Attention(nn.Module):
         qn, kn = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
         eps = 0.0 if self.q_norm is None else self.q_norm.eps
         o = attention(qkv, positions, self.cos_sin, qn, kn, eps, self.k_cache, self.v_cache,
-                      attn.slot_mapping, attn.query_start_loc, attn.seq_lens, attn.block_table,
-                      self.qkv_proj.num_heads, self.scale, attn.is_decode)
+                      self.k_scale, self.v_scale, attn.slot_mapping, attn.query_start_loc,
+                      attn.seq_lens, attn.block_table, self.qkv_proj.num_heads, self.scale, attn.is_decode)
         return self.o_proj(o)
 
 

@@ -23,6 +23,12 @@ STACKED = [("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", 1), ("qkv_proj", "v
            ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1)]
 
 
+# fp8 KV-cache scales in checkpoints (name after "self_attn.") → the Attention buffers they set
+KV_SCALES = {"k_scale": ("k_scale",), "v_scale": ("v_scale",),
+             "k_proj.output_scale": ("k_scale",), "v_proj.output_scale": ("v_scale",),
+             "kv_scale": ("k_scale", "v_scale")}  # older checkpoints: one scale for both
+
+
 def rope_params(cfg) -> dict:
     """RoPE settings from either transformers 5 (`rope_parameters`) or 4 (`rope_theta`/`rope_scaling`)."""
     params = getattr(cfg, "rope_parameters", None)
@@ -125,6 +131,9 @@ class CausalLM(nn.Module):
             return []
         if name == "model.embed_tokens.weight" and self.tied and not self.pi.is_first_stage:
             name = "lm_head.weight"  # tied head on a later stage loads from the embedding
+        layer, _, rest = name.partition(".self_attn.")
+        if rest in KV_SCALES:  # buffers: the model runner loads them, not load_weights
+            return [(f"{layer}.self_attn.{t}", None) for t in KV_SCALES[rest]]
         for fused, part, shard in STACKED:
             if f".{part}." in name:
                 return [(name.replace(part, fused), shard)]

@@ -74,6 +74,9 @@ class CacheConfig:
     enable_prefix_caching: bool = opt(True, "reuse KV blocks of shared prompt prefixes")
     prefix_caching_hash_algo: str = opt("sha256", "block hash for prefix caching",
                                         choices=("sha256", "xxhash"))
+    kv_cache_dtype: str = opt("auto", "KV-cache storage: auto (the model dtype) or fp8 (= fp8_e4m3: "
+                              "e4m3 with per-layer k/v scales, twice the tokens of a 16-bit cache)",
+                              choices=("auto", "fp8", "fp8_e4m3"))
 
     def validate(self):
         _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "in (0, 1]",
@@ -81,6 +84,11 @@ class CacheConfig:
         _check(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override > 0,
                "num_gpu_blocks_override", "> 0", self.num_gpu_blocks_override)
         _check(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", "> 0", self.kv_cache_memory_gb)
+
+    @property
+    def fp8_kv(self) -> bool:
+        """The KV cache stores e4m3 (torch.float8_e4m3fn) with per-layer scales."""
+        return self.kv_cache_dtype in ("fp8", "fp8_e4m3")
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,9 @@ compiled and CUDA-graphed (runtime/compilation.py); the sampling metadata
 from __future__ import annotations
 
 import gc
+import glob
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -103,6 +105,9 @@ class ModelRunner:
             load_weights(self.model, cfg.model.model, progress=pi.tp_rank == 0 and pi.is_first_stage)
         if self.model.quant_config is not None and pi.tp_rank == 0:
             log.info("quantization %s: %s", self.model.quant_config.name, quant_summary(self.model))
+        self.kv_dtype = self._kv_cache_dtype()
+        if self.kv_dtype == torch.float8_e4m3fn and cfg.load.load_format != "dummy":
+            self._load_kv_scales()
         self.timings = {"load": time.perf_counter() - t0}
         self.vocab_size = self.hf_config.vocab_size
         self.block_size = cfg.cache.block_size
@@ -125,10 +130,41 @@ class ModelRunner:
         return self.batch.reqs
 
     # ---- KV cache ---------------------------------------------------------------------------
+    def _kv_cache_dtype(self) -> torch.dtype:
+        if not self.cfg.cache.fp8_kv:
+            return self.dtype
+        if self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
+            raise ValueError(f"--kv-cache-dtype {self.cfg.cache.kv_cache_dtype} needs a GPU with fp8 "
+                             "support (compute capability 8.9 or newer: Ada, Hopper, Blackwell)")
+        return torch.float8_e4m3fn
+
+    def _load_kv_scales(self) -> None:
+        """Per-layer k/v scales of the fp8 KV cache from the checkpoint (attention buffers, which
+        load_weights leaves alone); layers without them keep 1.0."""
+        from safetensors import safe_open
+        buffers = dict(self.model.named_buffers())
+        found = set()
+        for path in sorted(glob.glob(os.path.join(self.cfg.model.model, "*.safetensors"))):
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    for target, _ in self.model.map_weight(name):
+                        if target in buffers and target.endswith(("k_scale", "v_scale")):
+                            t = f.get_tensor(name).float()
+                            if t.numel() != 1:
+                                raise ValueError(f"{name}: only per-tensor KV-cache scales are "
+                                                 f"supported (shape {tuple(t.shape)})")
+                            buffers[target].copy_(t.reshape(()))
+                            found.add(target)
+        if found:
+            log.info("fp8 KV cache: k/v scales of %d of %d layers from the checkpoint (others 1.0)",
+                     len({t.rsplit(".", 1)[0] for t in found}), len(self.model.attention_layers()))
+        else:
+            log.info("fp8 KV cache: the checkpoint has no k/v scales; using 1.0 (e4m3 holds +-448)")
+
     def kv_bytes_per_block(self) -> int:
         layers = self.model.attention_layers()
         a = layers[0]
-        per_layer = 2 * self.block_size * a.qkv_proj.num_kv_heads * a.head_dim * self.dtype.itemsize
+        per_layer = 2 * self.block_size * a.qkv_proj.num_kv_heads * a.head_dim * self.kv_dtype.itemsize
         return per_layer * len(layers)
 
     def determine_num_blocks(self) -> int:
@@ -180,10 +216,14 @@ class ModelRunner:
         self.num_blocks = num_blocks
         for a in self.model.attention_layers():
             shape = (num_blocks, self.block_size, a.qkv_proj.num_kv_heads, a.head_dim)
-            a.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            a.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            a.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            a.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         if num_blocks > 1:  # not the memory profile's placeholder
             self.timings["kv_alloc"] = time.perf_counter() - t0
+            per_block = self.kv_bytes_per_block()
+            log.info("KV cache: %s, %d bytes per block of %d tokens, %.2f GiB",
+                     str(self.kv_dtype).replace("torch.", ""), per_block, self.block_size,
+                     num_blocks * per_block / 2**30)
 
     def compile(self) -> None:
         """torch.compile and CUDA-graph capture as the config says (runtime/compilation.py)."""

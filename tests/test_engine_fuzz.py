@@ -190,22 +190,23 @@ def test_random_traces_keep_invariants_and_outputs(combo, tokenizer):
             raise AssertionError(f"seed {seed}, combo {combo}: {e}") from e
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "priority"])
-def test_real_model_under_pressure(policy, tokenizer):
-    """The same traces through the real stories260K runner (async + chunked + cached)."""
+@pytest.mark.parametrize("policy,kv", [("fcfs", "auto"), ("priority", "auto"), ("fcfs", "fp8")])
+def test_real_model_under_pressure(policy, kv, tokenizer):
+    """The same traces through the real stories260K runner (async + chunked + cached); with an
+    fp8 KV cache too (both runs fp8: the cache's contents must not depend on how it was filled)."""
     from rankserve.runtime.executor import UniprocExecutor
     combo = (policy, True, True, True)
     for seed in range(2):
         trace, aborts = make_trace(100 + seed, 96)
         try:
-            cfg = engine_for(combo, 13).cfg
+            cfg = engine_for(combo, 13, kv_cache_dtype=kv).cfg
             tight = EngineCore(cfg, UniprocExecutor(cfg))
             got, aborted = run_trace(tight, trace, aborts, tokenizer)
             assert len(tight.executor.runner.reqs) == 0 or not tight.has_work
-            cfg = engine_for(("fcfs", False, True, False), 400).cfg
+            cfg = engine_for(("fcfs", False, True, False), 400, kv_cache_dtype=kv).cfg
             want, _ = run_trace(EngineCore(cfg, UniprocExecutor(cfg)), trace, {}, tokenizer)
             for rid, outs in want.items():
                 if rid not in aborted:
                     assert got[rid] == outs, rid
         except AssertionError as e:
-            raise AssertionError(f"seed {100 + seed}, policy {policy}: {e}") from e
+            raise AssertionError(f"seed {100 + seed}, policy {policy}, kv {kv}: {e}") from e

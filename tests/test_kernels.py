@@ -341,8 +341,10 @@ def test_gpu_cuda_graph_capture(decode):
     cos_sin = torch.cat([torch.ones(8, D // 2), torch.zeros(8, D // 2)], -1).cuda()  # RoPE at 0
     positions = torch.zeros(T, dtype=torch.int64, device="cuda")
     slots = torch.full((T,), -1, dtype=torch.int64, device="cuda")
+    one = torch.ones((), device="cuda")  # k/v scales (read by fp8 caches only)
     op = lambda: torch.ops.rankserve.attention(  # noqa: E731
-        qkv, positions, cos_sin, None, None, 0.0, kc, vc, slots, qsl, sl, bt, H, 0.1, decode)
+        qkv, positions, cos_sin, None, None, 0.0, kc, vc, one, one, slots, qsl, sl, bt, H, 0.1,
+        decode)
     op()  # compile outside capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One GPU-machine session: correctness, then the two standard workloads, with a table at the end.
 # Run from the repo root on the GPU machine: `bash runtime/bench/gpu_session.sh STAGE` where STAGE
-# is one of: w2 w2warm w2l2 w2cublas w1 w1l2 w1so sotests w2hf w1hf tests e2e2 kernels kdecode (several may be
-# given; w2/w1 run the default level (1 on CUDA), w2l2/w1l2 --compilation-level 2;
+# is one of: w2 w2warm w2l2 w2cublas w1 w1l2 w1fp8kv w1so sotests w2hf w1hf tests e2e2 kernels kdecode (several
+# may be given; w2/w1 run the default level (1 on CUDA), w2l2/w1l2 --compilation-level 2;
+# w1fp8kv = W1 with --kv-cache-dtype fp8 (compare with w1);
 # e2e2 = the level-2 end-to-end tests alone; w1so = W1 with a JSON-schema constraint on every
 # request (needs QWEN3_TOKENIZER; compare with w1); sotests = the structured-output tests on CUDA
 # (they need ../shared/tokenizers/qwen3 beside the repo); w2cublas = W2 with the skinny decode GEMMs off;
@@ -27,6 +28,8 @@ for stage in "$@"; do case $stage in
         ${PROFILE_DIR:+--profile-dir "$PROFILE_DIR"} ;;
   w2l2) run w2l2 150 python3 -m rankserve.launch bench latency llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 \
         --num-iters 3 --max-num-seqs 8 --compilation-level 2 --cache-dir "$CACHE" --output-json "$OUT/w2l2.json" ;;
+  w1fp8kv) run w1fp8kv 170 python3 -m rankserve.launch bench throughput qwen3-0.6b --workload w1 --max-num-seqs 256 \
+        --kv-cache-dtype fp8 --cache-dir "$CACHE" --output-json "$OUT/w1fp8kv.json" ;;
   w1so) run w1so 200 python3 -m rankserve.launch bench throughput qwen3-0.6b --workload w1 --max-num-seqs 256 \
         --tokenizer "${QWEN3_TOKENIZER:?set QWEN3_TOKENIZER to a Qwen3 tokenizer directory}" \
         --structured-output json --cache-dir "$CACHE" --output-json "$OUT/w1so.json" ;;
