@@ -4,7 +4,7 @@ Kernels: the Triton kernels with fp8 caches against the torch reference with the
 Triton's interpreter (CPU) and, `-m gpu`, compiled on CUDA. The store is bit-exact in the
 interpreter: `_to_fp8` rounds to the e4m3 grid in fp32 before the cast, because the
 interpreter's own fp32 -> fp8 cast does not round like torch (about 12% of random values differ,
-some by a whole binade: no carry into the exponent). Attention reads the same fp8 bytes in both;
+some by half their value: no ties-to-even, no carry into the exponent). Attention reads the same fp8 bytes in both;
 the only difference is where the scales are applied (the kernels fold k_scale into the softmax
 scale and v_scale into the output, the reference scales the dequantised tiles), so fp32 queries
 agree to 1e-5 and fp16 ones to fp16 rounding (2e-3).
