@@ -65,6 +65,38 @@ def parse_grammar(so: StructuredOutputsParams):
         raise ValueError(f"invalid structured_outputs.{kind}: {_clean(e)}") from None
 
 
+def vocab_type_of(vocab: dict[str, int]):
+    """How the vocabulary spells bytes, from the vocabulary itself: <0x0A>-style byte tokens
+    (SentencePiece byte fallback), GPT-2 byte-level letters (Ġ for a space, Ċ for a newline), or
+    plain strings."""
+    import xgrammar as xgr
+    if "<0x0A>" in vocab:
+        return xgr.VocabType.BYTE_FALLBACK
+    if "Ċ" in vocab or "Ġ" in vocab:
+        return xgr.VocabType.BYTE_LEVEL
+    return xgr.VocabType.RAW
+
+
+def tokenizer_info(tok, vocab_size: int, stop_token_ids: list[int] | None):
+    """xgrammar's view of the tokenizer. Its detection reads the tokenizer object, whose class
+    differs across transformers versions; where it disagrees with the vocabulary, the
+    vocabulary wins (a byte-level vocabulary read as plain strings lets a newline token into a
+    JSON string: seen on the GPU machine's transformers 5.17)."""
+    import xgrammar as xgr
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+    vocab = tok.get_vocab()
+    kind = vocab_type_of(vocab)
+    if info.vocab_type == kind:
+        return info
+    encoded = [""] * vocab_size
+    for token, idx in vocab.items():
+        if idx < vocab_size:
+            encoded[idx] = token
+    return xgr.TokenizerInfo(encoded, vocab_type=kind, vocab_size=vocab_size,
+                             stop_token_ids=info.stop_token_ids,
+                             add_prefix_space=info.add_prefix_space if kind == xgr.VocabType.BYTE_FALLBACK else False)
+
+
 def _spec_key(so: StructuredOutputsParams) -> tuple:
     kind = so.kind
     spec = getattr(so, kind)
@@ -132,8 +164,7 @@ class StructuredOutputManager:
                 if tok is None:
                     raise ValueError("structured outputs need a tokenizer; this model has none")
                 stop = eos_token_ids_of(tok, self.model_dir)
-                info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size,
-                                                          stop_token_ids=stop or None)
+                info = tokenizer_info(tok, self.vocab_size, stop or None)
                 self._stop_ids = set(info.stop_token_ids)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=2)
             return self._compiler

@@ -269,3 +269,30 @@ def test_slow_compile_does_not_stall_others_and_failures_finish_with_error():
             if o.finished:
                 done[o.request_id] = o
     assert re.fullmatch("[a-z ]+", llm.tokenizer.decode(toks))
+
+
+def test_tokenizer_info_trusts_the_vocabulary(qwen3_chat_dir, monkeypatch):
+    """If xgrammar misreads a byte-level tokenizer as plain strings (it inspects the tokenizer
+    object, which differs across transformers versions), a newline token would count as the two
+    letters 'Ċ' inside a JSON string. The vocabulary decides the type instead."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+    from rankserve.runtime.structured_output import tokenizer_info
+    tok = AutoTokenizer.from_pretrained(str(qwen3_chat_dir))
+    real = xgr.TokenizerInfo.from_huggingface
+
+    def misread(t, vocab_size=None, stop_token_ids=None):
+        info = real(t, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        enc = [""] * vocab_size
+        for token, idx in t.get_vocab().items():
+            enc[idx] = token
+        return xgr.TokenizerInfo(enc, vocab_type=xgr.VocabType.RAW, vocab_size=vocab_size,
+                                 stop_token_ids=info.stop_token_ids)
+    monkeypatch.setattr(xgr.TokenizerInfo, "from_huggingface", staticmethod(misread))
+    info = tokenizer_info(tok, 151936, None)
+    assert info.vocab_type == xgr.VocabType.BYTE_LEVEL
+    compiled = xgr.GrammarCompiler(info).compile_json_schema('{"type": "object", "properties": {"a": {"type": "string"}}}')
+    m = xgr.GrammarMatcher(compiled)
+    assert m.accept_string('{"a": "x')
+    newline = tok.convert_tokens_to_ids("Ċ")
+    assert not m.accept_token(newline)  # a raw newline inside a JSON string
