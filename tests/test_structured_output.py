@@ -291,7 +291,8 @@ def test_tokenizer_info_trusts_the_vocabulary(qwen3_chat_dir, monkeypatch):
     monkeypatch.setattr(xgr.TokenizerInfo, "from_huggingface", staticmethod(misread))
     info = tokenizer_info(tok, 151936, None)
     assert info.vocab_type == xgr.VocabType.BYTE_LEVEL
-    compiled = xgr.GrammarCompiler(info).compile_json_schema('{"type": "object", "properties": {"a": {"type": "string"}}}')
+    schema = '{"type": "object", "properties": {"a": {"type": "string"}}}'
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(schema)
     m = xgr.GrammarMatcher(compiled)
     assert m.accept_string('{"a": "x')
     newline = tok.convert_tokens_to_ids("Ċ")
