@@ -175,7 +175,8 @@ class EngineCore:
         self.asleep -= set(todo)
         if not self.asleep:
             self.sleep_level = 0
-        return {"is_sleeping": self.is_sleeping(), "asleep": sorted(self.asleep), "ranks": ranks}
+        return {"is_sleeping": self.is_sleeping(), "level": self.sleep_level,
+                "asleep": sorted(self.asleep), "ranks": ranks}
 
     def is_sleeping(self) -> bool:
         return bool(self.asleep)

@@ -14,6 +14,7 @@ takes its own shard through the parameters' weight loaders, as when loading a ch
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 
@@ -109,6 +110,8 @@ class WeightsUpdateGroup:
             self.pg = dist.ProcessGroupNCCL(bstore, rank, world_size, opts)
         self.pg._set_sequence_number_for_group()
         self._store = store  # keep the rendezvous store alive as long as the group
+        # a group left to interpreter teardown can die in std::terminate (gloo's threads)
+        atexit.register(self.destroy)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         import torch.distributed as dist
@@ -117,8 +120,13 @@ class WeightsUpdateGroup:
         self.pg.broadcast([tensor], opts).wait()
 
     def destroy(self) -> None:
-        self.pg = None
-        self._store = None
+        pg, self.pg, self._store = self.pg, None, None
+        if pg is not None and self.backend == "nccl":
+            try:
+                pg.shutdown()
+            except Exception:  # noqa: BLE001 - leaving anyway
+                pass
+        del pg
 
 
 def trainer_group(master_address: str, master_port: int, world_size: int,
