@@ -106,7 +106,7 @@ def test_refusals(ckpts, checkpoint):
 
 
 TRAINER = r"""
-import datetime, glob, sys
+import datetime, glob, os, sys
 import torch
 from safetensors.torch import load_file
 addr, port, ws, ckpt, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
@@ -132,6 +132,7 @@ for name in sorted(sd):
     send(sd[name].contiguous())
 close()
 print("sent", len(sd), flush=True)
+os._exit(0)  # gloo threads may abort in interpreter teardown (a torch quirk, not the engine's)
 """
 
 
