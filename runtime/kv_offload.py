@@ -235,8 +235,9 @@ class HostKVCache:
 
     def run(self, plan) -> None:
         out, back = plan.blocks_to_host, plan.blocks_from_host
-        if not self.cuda:
-            self._run_cpu(out, back)
+        if not self.cuda:  # plain copies, in plan order
+            if out or back:
+                self._copy(out, back)
             return
         main = torch.cuda.current_stream(self.device)
         if not out and not back:
@@ -246,15 +247,7 @@ class HostKVCache:
             return
         self.stream.wait_stream(main)  # the KV written by the steps issued so far
         with torch.cuda.stream(self.stream):
-            if self.staging is None:
-                rows = max(1, self.STAGING_BYTES // self.block_bytes)
-                self.staging = torch.empty((rows, self.block_bytes), dtype=torch.uint8,
-                                           device=self.device)
-            rows = self.staging.shape[0]
-            for i in range(0, len(out), rows):
-                self._to_host(out[i:i + rows])
-            for i in range(0, len(back), rows):
-                self._from_host(back[i:i + rows])
+            self._copy(out, back)
             event = torch.cuda.Event()
             event.record(self.stream)
         if self.last_event is not None:  # blocks copied out last step may be overwritten now
@@ -264,6 +257,26 @@ class HostKVCache:
             self.last_event = None
         else:
             self.last_event = event
+
+    def _copy(self, out: list[tuple[int, int]], back: list[tuple[int, int]]) -> None:
+        """Device → host, then host → device, a staging buffer's worth of blocks at a time:
+        per KV tensor one gather (scatter) kernel, per run of consecutive host blocks one copy."""
+        if self.staging is None:
+            rows = max(1, self.STAGING_BYTES // self.block_bytes)
+            self.staging = torch.empty((rows, self.block_bytes), dtype=torch.uint8, device=self.device)
+        rows = self.staging.shape[0]
+        for i in range(0, len(out), rows):
+            self._to_host(out[i:i + rows])
+        for i in range(0, len(back), rows):
+            self._from_host(back[i:i + rows])
+
+    def _index(self, ids: list[int]) -> torch.Tensor:
+        """Block ids on the device without a host sync (through pinned memory): a blocking
+        copy would wait for the step in flight, which the side stream waits for."""
+        t = torch.tensor(ids, dtype=torch.long)
+        if not self.cuda:
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     @staticmethod
     def _runs(ids: list[int]):
@@ -276,10 +289,11 @@ class HostKVCache:
 
     def _to_host(self, pairs: list[tuple[int, int]]) -> None:
         n = len(pairs)
-        idx = torch.tensor([d for d, _ in pairs], dtype=torch.long, device=self.device)
+        idx = self._index([d for d, _ in pairs])
         st = self.staging[:n]
         for t, (a, b) in zip(self.kv, self.cols):
             st[:, a:b].copy_(t.index_select(0, idx))
+        # in plan order: a host block written twice in one plan keeps the later copy
         for pos, h, k in self._runs([h for _, h in pairs]):
             self.host[h:h + k].copy_(st[pos:pos + k], non_blocking=True)
 
@@ -288,19 +302,6 @@ class HostKVCache:
         st = self.staging[:n]
         for pos, h, k in self._runs([h for h, _ in pairs]):
             st[pos:pos + k].copy_(self.host[h:h + k], non_blocking=True)
-        idx = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
+        idx = self._index([d for _, d in pairs])
         for t, (a, b) in zip(self.kv, self.cols):
             t.index_copy_(0, idx, st[:, a:b])
-
-    def _run_cpu(self, out, back) -> None:
-        if out:  # a host block written twice in one plan keeps the later copy
-            last = {h: d for d, h in out}
-            h = torch.tensor(list(last), dtype=torch.long)
-            d = torch.tensor(list(last.values()), dtype=torch.long)
-            for t, (a, b) in zip(self.kv, self.cols):
-                self.host[h, a:b] = t[d]
-        if back:
-            h = torch.tensor([x for x, _ in back], dtype=torch.long)
-            d = torch.tensor([y for _, y in back], dtype=torch.long)
-            for t, (a, b) in zip(self.kv, self.cols):
-                t[d] = self.host[h, a:b]

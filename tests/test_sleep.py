@@ -180,7 +180,9 @@ def test_weights_from_a_trainer_process_group(ckpts, trainer_side):
         llm.update_weights_from_distributed(["x"], ["float32"], [[1]])
 
 
-def test_prefix_evicted_to_the_host_tier_comes_back_identical():
+def test_prefix_evicted_to_the_host_tier_comes_back_identical(monkeypatch):
+    from rankserve.runtime.kv_offload import HostKVCache
+    monkeypatch.setattr(HostKVCache, "STAGING_BYTES", 2 * 20480)  # 2 blocks a chunk: copies in chunks
     rng = random.Random(0)
     shared = [rng.randrange(3, 500) for _ in range(64)]  # 4 full blocks of 16
     others = [[rng.randrange(3, 500) for _ in range(64)] for _ in range(3)]
