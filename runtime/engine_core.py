@@ -202,6 +202,14 @@ class EngineCore:
         self.reset_prefix_cache()
         return {"model_path": model_path}
 
+    def reload_weights(self) -> dict:
+        """The weights the engine started with, again (its checkpoint, or the same dummy
+        weights): after sleep level 2, when no new weights are coming."""
+        self._check_weights("reload the weights")
+        self.executor.collective_rpc("reload_weights")
+        self.reset_prefix_cache()
+        return {}
+
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str = "weight_update_group",
                                   backend: str = "nccl") -> dict:

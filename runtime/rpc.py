@@ -50,6 +50,15 @@ class RunnerRPC:
     def rpc_load_weights_from_disk(self, model_path: str) -> int:
         return load_from_disk(self.runner.model, model_path)
 
+    def rpc_reload_weights(self) -> None:
+        """The weights the engine started with: its checkpoint, or the same dummy weights."""
+        cfg = self.runner.cfg
+        if cfg.load.load_format == "dummy":
+            from ..models.loader import init_dummy_weights
+            init_dummy_weights(self.runner.model, cfg.model.seed)
+        else:
+            load_from_disk(self.runner.model, cfg.model.model)
+
     def rpc_init_weights_update_group(self, master_address: str, master_port: int,
                                       rank_offset: int, world_size: int, group_name: str,
                                       backend: str) -> None:

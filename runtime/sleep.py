@@ -45,6 +45,14 @@ def device_bytes(device: torch.device) -> int:
     return torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
 
 
+def device_used(device: torch.device) -> int:
+    """Memory in use on the whole device, by every process and the CUDA context (0 on CPU)."""
+    if device.type != "cuda":
+        return 0
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
+
+
 class _Storage:
     """One parameter storage while asleep: its size, the parameters that view it, and its host
     copy (level 1) or None (level 2)."""
@@ -72,7 +80,7 @@ class RunnerSleep:
             return {"freed_bytes": 0}
         r = self.runner
         t0 = time.perf_counter()
-        before = device_bytes(r.device)
+        before, used_before = device_bytes(r.device), device_used(r.device)
         self._drop_graphs()
         self._drop_kv_cache()
         self.storages = _release_parameters(r.model, r.device, backup=level == 1)
@@ -82,6 +90,7 @@ class RunnerSleep:
         log.info("asleep (level %d): %.2f GiB → %.2f GiB on %s in %.2f s", level, before / 2**30,
                  after / 2**30, r.device, time.perf_counter() - t0)
         return {"device_bytes_before": before, "device_bytes_after": after,
+                "device_used_before": used_before, "device_used_after": device_used(r.device),
                 "seconds": time.perf_counter() - t0}
 
     def _drop_graphs(self) -> None:
@@ -133,7 +142,8 @@ class RunnerSleep:
         if tags:
             log.info("woke %s on %s: %s", "+".join(sorted(tags)), r.device,
                      ", ".join(f"{k} {v:.2f} s" for k, v in timings.items()))
-        return {"seconds": timings, "device_bytes": device_bytes(r.device)}
+        return {"seconds": timings, "device_bytes": device_bytes(r.device),
+                "device_used": device_used(r.device)}
 
 
 def _return_memory(device: torch.device) -> None:
