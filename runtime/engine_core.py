@@ -136,9 +136,11 @@ class EngineCore:
         leaves it to the caller to make sure; here it is checked) rather than waiting or
         aborting them."""
         n = len(self.scheduler.requests)
-        if self.has_work or n:
+        if self.scheduler.has_work or n:
             raise EngineBusyError(f"cannot {what} while {n} request(s) are running or waiting; "
                                   "let them finish (or abort them) first")
+        while self.in_flight:  # steps run ahead (async scheduling) for requests finished since
+            self.step()
 
     def _check_sleep_mode(self) -> None:
         if not self.cfg.offload.enable_sleep_mode:

@@ -34,9 +34,12 @@ block is recomputed.
 """
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 
 import torch
+
+log = logging.getLogger("rankserve.kv_offload")
 
 
 class HostHit:
@@ -190,6 +193,35 @@ class HostTierManager:
 
 
 # ---- every rank: the host memory and the copies ----------------------------------------------
+class HostBuffer:
+    """`nbytes` of host memory, page-locked (on CUDA) for asynchronous copies. Registered with
+    CUDA at exactly that size: torch's pinned allocator rounds every allocation up to a power of
+    two, so a 20 GiB host tier would lock 32 GiB. Falls back to that allocator if registration
+    fails; `release()` ends the registration before the memory goes."""
+
+    def __init__(self, nbytes: int, cuda: bool):
+        self.ptr = None
+        if not cuda or nbytes == 0:
+            self.tensor = torch.empty(nbytes, dtype=torch.uint8)
+            return
+        raw = torch.empty(nbytes + 4096, dtype=torch.uint8)
+        start = (-raw.data_ptr()) % 4096  # page-aligned
+        self.tensor = raw[start:start + nbytes]
+        rt = torch.cuda.cudart()
+        if rt.cudaHostRegister(self.tensor.data_ptr(), nbytes, 0) == rt.cudaError.success:
+            self.ptr = self.tensor.data_ptr()
+        else:
+            log.warning("cudaHostRegister of %.2f GiB failed; using torch's pinned allocator",
+                        nbytes / 2**30)
+            self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def release(self) -> None:
+        if self.ptr is not None:
+            torch.cuda.cudart().cudaHostUnregister(self.ptr)
+            self.ptr = None
+        self.tensor = None
+
+
 def kv_tensors(model) -> list[torch.Tensor]:
     """The per-layer KV-cache tensors of this rank (first dimension: blocks)."""
     out = []
@@ -212,8 +244,8 @@ class HostKVCache:
         self.device = device
         self.cuda = device.type == "cuda"
         self.bind(model)
-        self.host = torch.empty((num_blocks, self.block_bytes), dtype=torch.uint8,
-                                pin_memory=self.cuda)
+        self.buffer = HostBuffer(num_blocks * self.block_bytes, self.cuda)
+        self.host = self.buffer.tensor.view(num_blocks, self.block_bytes)
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.last_event = None  # copies of an earlier step a forward has not waited for yet
         self.staging: torch.Tensor | None = None

@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from .kv_offload import HostKVCache
+from .kv_offload import HostBuffer, HostKVCache
 
 log = logging.getLogger("rankserve.sleep")
 
@@ -73,6 +73,7 @@ class RunnerSleep:
         self.level = 0
         self.storages: list[_Storage] = []
         self.had_graphs = False
+        self.backup: HostBuffer | None = None  # level 1's host copy, kept for the next sleep
 
     # ---- sleep ------------------------------------------------------------------------------
     def sleep(self, level: int) -> dict:
@@ -83,7 +84,7 @@ class RunnerSleep:
         before, used_before = device_bytes(r.device), device_used(r.device)
         self._drop_graphs()
         self._drop_kv_cache()
-        self.storages = _release_parameters(r.model, r.device, backup=level == 1)
+        self.storages = _release_parameters(r.model, r.device, self._backup if level == 1 else None)
         self.asleep, self.level = set(TAGS), level
         _return_memory(r.device)
         after = device_bytes(r.device)
@@ -92,6 +93,14 @@ class RunnerSleep:
         return {"device_bytes_before": before, "device_bytes_after": after,
                 "device_used_before": used_before, "device_used_after": device_used(r.device),
                 "seconds": time.perf_counter() - t0}
+
+    def _backup(self, nbytes: int) -> torch.Tensor:
+        """Pinned host bytes for the weights' copy: one buffer, reused by later sleeps."""
+        if self.backup is None or self.backup.tensor.numel() < nbytes:
+            if self.backup is not None:
+                self.backup.release()
+            self.backup = HostBuffer(nbytes, self.runner.device.type == "cuda")
+        return self.backup.tensor[:nbytes]
 
     def _drop_graphs(self) -> None:
         cm = self.runner.compiled_model
@@ -153,9 +162,11 @@ def _return_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _release_parameters(model: torch.nn.Module, device: torch.device, backup: bool) -> list[_Storage]:
-    """Free the storage of every parameter on `device`, with a host copy if `backup`."""
+def _release_parameters(model: torch.nn.Module, device: torch.device, backup) -> list[_Storage]:
+    """Free the storage of every parameter on `device`; with `backup(nbytes)` (a host buffer)
+    copy them all into it first."""
     groups: dict[int, _Storage] = {}
+    storages = {}
     seen: set[int] = set()
     for module in model.modules():
         for p in module._parameters.values():
@@ -166,11 +177,17 @@ def _release_parameters(model: torch.nn.Module, device: torch.device, backup: bo
             g = groups.get(st.data_ptr())
             if g is None:
                 g = groups[st.data_ptr()] = _Storage(st.nbytes())
-                if backup:
-                    g.host = torch.empty(st.nbytes(), dtype=torch.uint8,
-                                         pin_memory=device.type == "cuda")
-                    g.host.copy_(_bytes_of(st, device), non_blocking=True)
+                storages[st.data_ptr()] = st
             g.refs.append((p, p.storage_offset(), tuple(p.shape), tuple(p.stride()), p.dtype))
+    if backup is not None:
+        align = 256
+        total = sum(-(-g.nbytes // align) * align for g in groups.values())
+        host, off = backup(total), 0
+        for key, g in groups.items():
+            g.host = host[off:off + g.nbytes]
+            g.host.copy_(_bytes_of(storages[key], device), non_blocking=True)
+            off += -(-g.nbytes // align) * align
+    storages.clear()
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the host copies are complete before the storage goes
     for g in groups.values():

@@ -222,3 +222,18 @@ def test_host_tier_survives_sleep_level_1_not_2():
         o = llm.generate({"prompt_token_ids": shared}, sp)[0]
         assert o.outputs[0].token_ids == first and o.num_cached_tokens == cached, level
         llm.generate({"prompt_token_ids": [5, 6, 7]}, sp)
+
+
+def test_sleep_right_after_a_run_ahead_step():
+    """Async scheduling: a request that stops on a token leaves the step scheduled ahead for it
+    in flight after generate() returns; sleep finishes that step instead of refusing."""
+    llm = LLM(str(STORIES_EMBEDDED), async_scheduling=True, enable_sleep_mode=True,
+              num_gpu_blocks_override=64, max_model_len=256)
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    want = llm.generate("Once upon a time", sp)[0].outputs[0].token_ids
+    stop = SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[want[5]])
+    assert llm.generate("Once upon a time", stop)[0].outputs[0].finish_reason == "stop"
+    assert llm.engine.in_flight  # the step scheduled ahead
+    llm.sleep(1)
+    llm.wake_up()
+    assert llm.generate("Once upon a time", sp)[0].outputs[0].token_ids == want
