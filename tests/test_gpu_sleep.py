@@ -68,3 +68,21 @@ def test_host_tier_stream_copies_match(monkeypatch):
     tiered, s = run(kv_offload_size=0.01)
     assert [t for t, _ in tiered] == [t for t, _ in plain]
     assert tiered[4][1] == 48 and s.host_prefix_hits >= 48
+
+
+def test_weights_leave_the_device_too():
+    """A model whose weights outweigh its KV cache (Qwen3-0.6B shape, dummy weights, 512 KV
+    blocks): ≥ 95 % freed means the weights went, not just the KV cache."""
+    from rankserve.runtime.bench.common import resolve_model
+    path, _ = resolve_model("qwen3-0.6b")
+    llm = LLM(path, load_format="dummy", enable_sleep_mode=True, num_gpu_blocks_override=512,
+              max_model_len=2048, max_num_seqs=16)
+    want = greedy(llm, n=16)
+    gc.collect()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_reserved()
+    llm.sleep(1)
+    after = torch.cuda.memory_reserved()
+    assert after <= 0.05 * before, (before, after)
+    llm.wake_up()
+    assert greedy(llm, n=16) == want
