@@ -191,7 +191,9 @@ class KVCacheManager:
         """Device blocks for a prefix hit that is partly in the host tier: device hits as they
         are, a fresh block (registered at once, filled by the plan's copy) for each host hit."""
         self.pool.touch([b for b in computed if type(b) is Block])  # before take() evicts
-        fresh = iter(self.pool.take(sum(1 for b in computed if type(b) is HostHit)))
+        hits = [b for b in computed if type(b) is HostHit]
+        self.offload.reserve(hits)  # take() may copy evicted blocks out: not into these
+        fresh = iter(self.pool.take(len(hits)))
         out = []
         for b in computed:
             if type(b) is HostHit:

@@ -147,6 +147,10 @@ class HostTierManager:
         hid = self.tier.lru.get(block_hash)
         return None if hid is None else HostHit(block_hash, hid)
 
+    def reserve(self, hits: list[HostHit]) -> None:
+        """The host blocks a request is about to load: not to be evicted in this plan."""
+        self.tier.busy.update(h.host_id for h in hits)
+
     def load(self, hit: HostHit, block_id: int) -> None:
         self.from_host.append((hit.host_id, block_id))
         self.tier.busy.add(hit.host_id)

@@ -102,3 +102,28 @@ def test_host_tier_keeps_evicted_prefixes_and_loads_them_back():
     kv.free(b)
     kv.check_invariants()
     assert kv.reset_prefix_cache() and not host.tier.lru and not host.pending
+
+
+def test_host_blocks_about_to_be_loaded_are_not_reused_by_evictions():
+    """Taking fresh device blocks for a host hit may evict a block still waiting to be copied
+    out (freed in the same step, e.g. by a preemption); its copy must not land in a host block
+    the hit is about to load."""
+    kv = KVCacheManager(num_blocks=4, block_size=4, num_host_blocks=3)
+    host = kv.offload
+    a = mkreq("a", list(range(13)))
+    kv.allocate_slots(a, 13)
+    kv.free(a)
+    host.begin_step()
+    host.take_copies()  # a's 3 full blocks fill the host tier
+    big = mkreq("big", list(range(100, 116)))
+    kv.allocate_slots(big, 16)
+    kv.free(big)  # 4 cached blocks waiting to be copied out (no step started since)
+    b = mkreq("b", list(range(13)))
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 12
+    kv.allocate_slots(b, 1, hits)  # evicts big's blocks from the device: host tier is busy
+    out, back, _ = host.take_copies()
+    assert {h for _, h in out}.isdisjoint({h for h, _ in back}), (out, back)
+    assert sorted(h for h, _ in back) == sorted(h.host_id for h in hits)
+    kv.free(b)
+    kv.check_invariants()
