@@ -146,11 +146,12 @@ class KVCacheManager:
         """Count a lookup once, when its request is admitted (not at every blocked attempt):
         the device tier's hits, and the host tier's (of the tokens the device missed)."""
         if self.enable_caching:
-            host = sum(1 for b in computed or () if type(b) is HostHit) * self.block_size
+            host = 0
+            if self.offload is not None:
+                host = sum(1 for b in computed or () if type(b) is HostHit) * self.block_size
+                self.offload.record_lookup(req.num_tokens - (num_cached - host), host)
             self.prefix_queries += req.num_tokens
             self.prefix_hits += num_cached - host
-            if self.offload is not None:
-                self.offload.record_lookup(req.num_tokens - (num_cached - host), host)
 
     def blocks_needed(self, req: Request, num_new_tokens: int, computed: list[Block]) -> int:
         have = len(self.req_blocks.get(req.request_id, ())) + len(computed)
