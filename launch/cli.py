@@ -235,6 +235,53 @@ def bench_latency(batch_size, input_len, output_len, num_iters, num_iters_warmup
     _run_bench(latency, cfg, args)
 
 
+@bench.command("sleep")
+@engine_options
+@click.option("--num-prompts", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--input-len", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--output-len", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--output-json", type=click.Path(dir_okay=False), help="write the numbers + environment")
+def bench_sleep(num_prompts, input_len, output_len, output_json, **kwargs):
+    """Sleep mode: device memory before / after sleep level 1 and 2, time to sleep and to wake
+    up, and the same greedy tokens after waking (sleep mode is switched on)."""
+    from .startup import run_on_ranks
+    from ..runtime.bench.sleep import SleepArgs, run_sleep
+    cfg, name = _bench_config(kwargs)
+    try:
+        sys.exit(run_sleep(cfg, SleepArgs(num_prompts, input_len, output_len, output_json, name),
+                           run_on_ranks))
+    except (ValueError, ConfigError) as e:
+        raise click.ClickException(str(e)) from None
+
+
+@bench.command("multiturn")
+@engine_options
+@click.option("--num-conversations", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--prefix-len", type=click.IntRange(min=1), default=2048, show_default=True,
+              help="tokens of each conversation's own prefix")
+@click.option("--turns", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--turn-len", type=click.IntRange(min=1), default=64, show_default=True,
+              help="new user tokens per turn")
+@click.option("--output-len", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--concurrency", type=click.IntRange(min=1), default=4, show_default=True,
+              help="conversations in flight at a time")
+@click.option("--output-json", type=click.Path(dir_okay=False), help="write the numbers + environment")
+def bench_multiturn(num_conversations, prefix_len, turns, turn_len, output_len, concurrency,
+                    output_json, **kwargs):
+    """Multi-turn conversations with long prefixes of their own, more than the device KV cache
+    holds: TTFT and throughput, prefix hits per tier. Compare with and without --kv-offload-size
+    (and a small --num-gpu-blocks-override)."""
+    from .startup import run_on_ranks
+    from ..runtime.bench.sleep import MultiTurnArgs, run_multiturn
+    cfg, name = _bench_config(kwargs)
+    args = MultiTurnArgs(num_conversations, prefix_len, turns, turn_len, output_len, concurrency,
+                         cfg.model.seed, output_json, name)
+    try:
+        sys.exit(run_multiturn(cfg, args, run_on_ranks))
+    except (ValueError, ConfigError) as e:
+        raise click.ClickException(str(e)) from None
+
+
 @bench.command("scaling")
 @click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True))
 @click.option("--output-dir", type=click.Path(file_okay=False), default=None,

@@ -215,6 +215,20 @@ def select_device(local_rank: int, device_ids: list[int] | None, has_cuda: bool,
 
 
 @dataclass(frozen=True)
+class OffloadConfig:
+    """Host memory: sleep mode (weights to pinned host memory, runtime/sleep.py) and the host
+    tier of the prefix cache (runtime/kv_offload.py)."""
+    enable_sleep_mode: bool = opt(False, "allow /sleep and /wake_up (LLM.sleep / wake_up): free "
+                                  "the device memory of weights and KV cache between uses")
+    kv_offload_size: float = opt(0.0, "GiB of pinned host memory (all ranks together) for a host "
+                                 "tier of the prefix cache: evicted blocks are kept there and "
+                                 "copied back on a hit (0: off)")
+
+    def validate(self):
+        _check(self.kv_offload_size >= 0, "kv_offload_size", ">= 0", self.kv_offload_size)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     load: LoadConfig = field(default_factory=LoadConfig)
@@ -223,8 +237,9 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
 
-    SECTIONS = ("model", "load", "cache", "scheduler", "parallel", "compilation", "device")
+    SECTIONS = ("model", "load", "cache", "scheduler", "parallel", "compilation", "device", "offload")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -266,6 +281,9 @@ class EngineConfig:
                               "(pipeline stages already keep one step in flight each); drop one")
         if self.device.device == "cpu" and self.device.device_ids:
             raise ConfigError("--device-ids selects CUDA devices; it cannot go with --device cpu")
+        if self.offload.kv_offload_size > 0 and not self.cache.enable_prefix_caching:
+            raise ConfigError("--kv-offload-size keeps evicted prefix-cache blocks in host memory: "
+                              "it needs --enable-prefix-caching")
         return self
 
     def check_kv_capacity(self, num_blocks: int, max_model_len: int) -> None:

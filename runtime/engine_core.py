@@ -19,6 +19,14 @@ from .structured_output import StructuredOutputManager
 log = logging.getLogger("rankserve.engine")
 
 
+class EngineSleepingError(RuntimeError):
+    """A request arrived while the engine sleeps: refused, not queued (the server answers 503)."""
+
+
+class EngineBusyError(RuntimeError):
+    """An admin call (sleep, weight update) while requests run or wait (the server answers 409)."""
+
+
 class EngineCore:
     def __init__(self, cfg: EngineConfig, executor):
         self.cfg = cfg
@@ -38,9 +46,13 @@ class EngineCore:
         # grammars compile in its threads; the tokenizer is loaded on first use
         self.structured = StructuredOutputManager(cfg.model.tokenizer or cfg.model.model,
                                                   cfg.model.model, self.vocab_size)
+        self.num_host_blocks = getattr(executor, "num_host_blocks", 0)
         self.scheduler = Scheduler(cfg.scheduler, cfg.cache, num_blocks, self.max_model_len,
-                                   async_scheduling=use_async, structured=self.structured)
+                                   async_scheduling=use_async, structured=self.structured,
+                                   num_host_blocks=self.num_host_blocks)
         self.scheduler.results_in_flight = lambda: [h for _, h in self.in_flight]
+        self.asleep: set[str] = set()  # sleep mode: the tags (weights, kv_cache) now asleep
+        self.sleep_level = 0
         # steps kept in flight: one per pipeline stage, or two to overlap host and device work
         self.depth = max(executor.max_in_flight, 2 if use_async else 1)
         self.in_flight: collections.deque = collections.deque()  # (plan, executor handle)
@@ -50,6 +62,8 @@ class EngineCore:
         log.info("KV cache: %d blocks of %d tokens = %d tokens; max concurrency %.1f requests "
                  "of max_model_len %d", num_blocks, bs, num_blocks * bs,
                  num_blocks * bs / self.max_model_len, self.max_model_len)
+        if self.num_host_blocks:
+            log.info("host KV tier: %d blocks = %d tokens", self.num_host_blocks, self.num_host_blocks * bs)
         log.info("startup: %s (total %.1f s)", ", ".join(
             f"{k} {v:.1f} s" for k, v in self.timings.items()), sum(self.timings.values()))
 
@@ -76,6 +90,10 @@ class EngineCore:
                              f"({self.cfg.scheduler.max_num_batched_tokens}) with chunked prefill off")
 
     def add_request(self, req: EngineCoreRequest) -> None:
+        if self.asleep:
+            raise EngineSleepingError(
+                f"the engine is sleeping (level {self.sleep_level}): wake it up first (POST "
+                "/wake_up, LLM.wake_up()); the request was not queued")
         self.validate(req)
         if req.request_id in self.scheduler.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
@@ -106,6 +124,134 @@ class EngineCore:
                                      stats=self.scheduler.stats(), timestamp=time.time())
         plan, handle = self.in_flight.popleft()
         return self.scheduler.update(plan, self.executor.collect(handle))
+
+    # ---- sleep mode and weight updates (runtime/sleep.py, runtime/weight_update.py) ----------
+    def _check_idle(self, what: str) -> None:
+        """Admin calls need an idle engine: they are refused while requests run or wait (vLLM
+        leaves it to the caller to make sure; here it is checked) rather than waiting or
+        aborting them."""
+        n = len(self.scheduler.requests)
+        if self.scheduler.has_work or n:
+            raise EngineBusyError(f"cannot {what} while {n} request(s) are running or waiting; "
+                                  "let them finish (or abort them) first")
+        while self.in_flight:  # steps run ahead (async scheduling) for requests finished since
+            self.step()
+
+    def _check_sleep_mode(self) -> None:
+        if not self.cfg.offload.enable_sleep_mode:
+            raise ValueError("sleep mode is not enabled: start the engine with --enable-sleep-mode "
+                             "(LLM(..., enable_sleep_mode=True))")
+
+    def sleep(self, level: int = 1) -> dict:
+        """Level 1: weights to pinned host memory, KV cache discarded; level 2: both discarded.
+        The device tier of the prefix cache goes with the KV cache; the host tier stays at
+        level 1 (its contents are still valid) and goes at level 2. Asleep already: a no-op."""
+        self._check_sleep_mode()
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, got {level!r}")
+        self._check_idle("sleep")
+        if self.asleep:
+            return {"is_sleeping": True, "level": self.sleep_level}
+        self.scheduler.kv.reset_prefix_cache(host=level == 2)
+        ranks = self.executor.collective_rpc("sleep", level)
+        self.asleep, self.sleep_level = {"weights", "kv_cache"}, level
+        return {"is_sleeping": True, "level": level, "ranks": ranks}
+
+    def wake_up(self, tags: list[str] | None = None) -> dict:
+        """Take the device memory back: `tags` "weights" and/or "kv_cache" (None: both), so
+        that new weights can be loaded before the KV cache is allocated. CUDA graphs are
+        captured again once both are back."""
+        self._check_sleep_mode()
+        from .sleep import TAGS
+        tags = list(TAGS) if tags is None else list(tags)
+        bad = [t for t in tags if t not in TAGS]
+        if bad or not tags:
+            raise ValueError(f"tags must be some of {', '.join(TAGS)}, got {tags!r}")
+        todo = [t for t in TAGS if t in tags and t in self.asleep]
+        ranks = self.executor.collective_rpc("wake_up", todo) if todo else []
+        self.asleep -= set(todo)
+        if not self.asleep:
+            self.sleep_level = 0
+        return {"is_sleeping": self.is_sleeping(), "level": self.sleep_level,
+                "asleep": sorted(self.asleep), "ranks": ranks}
+
+    def is_sleeping(self) -> bool:
+        return bool(self.asleep)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block, on the device and in the host tier (only while no
+        request holds blocks)."""
+        return self.scheduler.kv.reset_prefix_cache()
+
+    def _check_weights(self, what: str) -> None:
+        self._check_idle(what)
+        if "weights" in self.asleep:
+            raise ValueError(f"cannot {what}: the weights are asleep; wake them up first "
+                             "(POST /wake_up?tags=weights)")
+
+    def update_weights_from_disk(self, model_path: str) -> dict:
+        """Load a checkpoint of the same architecture on every rank, in place; the prefix
+        cache is reset (both tiers)."""
+        from .weight_update import check_checkpoint
+        self._check_weights("update the weights")
+        check_checkpoint(self.cfg.model.model, model_path)
+        self.executor.collective_rpc("load_weights_from_disk", model_path)
+        self.reset_prefix_cache()
+        return {"model_path": model_path}
+
+    def reload_weights(self) -> dict:
+        """The weights the engine started with, again (its checkpoint, or the same dummy
+        weights): after sleep level 2, when no new weights are coming."""
+        self._check_weights("reload the weights")
+        self.executor.collective_rpc("reload_weights")
+        self.reset_prefix_cache()
+        return {}
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, group_name: str = "weight_update_group",
+                                  backend: str = "nccl") -> dict:
+        """Join a trainer's process group (the trainer is rank 0, engine rank r is
+        rank_offset + r): collective with the trainer, which must join meanwhile."""
+        ws = getattr(self.executor, "world_size", 1)
+        if not isinstance(master_port, int) or not 0 < master_port < 65536:
+            raise ValueError(f"master_port must be in 1..65535, got {master_port!r}")
+        if not isinstance(rank_offset, int) or rank_offset < 1:
+            raise ValueError(f"rank_offset must be >= 1 (the trainer is rank 0), got {rank_offset!r}")
+        if not isinstance(world_size, int) or rank_offset + ws > world_size:
+            raise ValueError(f"world_size {world_size!r} is too small for rank_offset "
+                             f"{rank_offset} + the engine's {ws} rank(s)")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
+        self.executor.collective_rpc("init_weights_update_group", master_address, master_port,
+                                     rank_offset, world_size, group_name, backend)
+        return {"group_name": group_name}
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list,
+                                        group_name: str = "weight_update_group") -> dict:
+        """Receive the named tensors from the trainer (broadcast from its rank 0, in this
+        order) and load them on every rank; the prefix cache is reset (both tiers)."""
+        from .weight_update import parse_dtype
+        self._check_weights("update the weights")
+        if not (len(names) == len(dtypes) == len(shapes)):
+            raise ValueError(f"names, dtypes and shapes differ in length ({len(names)}, "
+                             f"{len(dtypes)}, {len(shapes)})")
+        for d in dtypes:
+            parse_dtype(d)
+        for s in shapes:
+            if not isinstance(s, (list, tuple)) or not all(isinstance(x, int) and x >= 0 for x in s):
+                raise ValueError(f"a shape must be a list of sizes >= 0, got {s!r}")
+        unused = self.executor.collective_rpc("update_weights_from_distributed", list(names),
+                                              list(dtypes), [list(s) for s in shapes], group_name)
+        self.reset_prefix_cache()
+        nowhere = sorted(set.intersection(*(set(u) for u in unused))) if unused else []
+        if nowhere:  # received, but no rank has such a parameter
+            raise ValueError(f"no parameter takes these weights: {nowhere[:5]}"
+                             f"{' ...' if len(nowhere) > 5 else ''}")
+        return {"num_tensors": len(names)}
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
+        self.executor.collective_rpc("destroy_weights_update_group", group_name)
+        return {"group_name": group_name}
 
     def shutdown(self) -> None:
         self.structured.shutdown()

@@ -15,6 +15,7 @@ from ..models.parallel import ParallelInfo
 from .config import EngineConfig
 from .model_runner import ModelRunner
 from .model_runner import ModelRunnerOutput
+from .rpc import RunnerRPC, raise_errors
 from .scheduler import SchedulerOutput
 
 log = logging.getLogger("rankserve.executor")
@@ -28,9 +29,13 @@ class UniprocExecutor:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
         self.device = device
+        self.cfg = cfg
         self.runner = ModelRunner(cfg, pi or ParallelInfo(), self.device)
+        self.rpc = RunnerRPC(self.runner, 0)
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.vocab_size
+        self.num_host_blocks = 0
+        self.world_size = 1
 
     @property
     def timings(self) -> dict[str, float]:
@@ -41,7 +46,15 @@ class UniprocExecutor:
 
     def initialize(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
+        gib = self.cfg.offload.kv_offload_size
+        if gib > 0:  # the host tier (runtime/kv_offload.py)
+            self.num_host_blocks = int(gib * 2**30) // self.rpc.rpc_host_kv_bytes_per_block()
+            self.rpc.rpc_init_host_kv(self.num_host_blocks)
         self.runner.compile()
+
+    def collective_rpc(self, method: str, *args) -> list:
+        """An admin call (runtime/rpc.py) on the runner; [its result]."""
+        return raise_errors([self.rpc.call(method, args)])
 
     max_in_flight = 1
 
@@ -65,6 +78,7 @@ class MultiRankExecutor:
         self.worker = Worker(cfg, control, pi, device)
         self.max_model_len = self.worker.runner.max_model_len
         self.vocab_size = self.worker.runner.vocab_size
+        self.world_size = control.world_size
         self._num_blocks: int | None = None
         self._closed = False
 
@@ -78,6 +92,16 @@ class MultiRankExecutor:
 
     def initialize(self, num_blocks: int) -> None:
         assert num_blocks == self._num_blocks  # agreed collectively in determine_num_blocks
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self.worker.num_host_blocks
+
+    def collective_rpc(self, method: str, *args) -> list:
+        """An admin call (runtime/rpc.py) on every rank, broadcast like a step plan; the
+        results in rank order, or the first rank's error raised here."""
+        self.control.bcast_idle(("rpc", (method, args)))
+        return raise_errors(self.worker.collective_rpc(method, args))
 
     @property
     def max_in_flight(self) -> int:

@@ -5,6 +5,9 @@ only hands out block ids.
 A block's hash is H(parent_hash, its token ids, extra keys); the first block's extra keys hold the
 cache salt, so tenants with different salts never share. A free block keeps its hash (and stays
 findable) until it is reused, so the free list doubles as the prefix cache's LRU eviction order.
+
+With `--kv-offload-size` a host tier sits behind it (runtime/kv_offload.py): freed cached blocks
+are copied to host memory, and a lookup that misses here continues there.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import hashlib
 import pickle
 from collections import OrderedDict
 
+from .kv_offload import HostHit, HostTierManager
 from .request import Request
 
 
@@ -39,6 +43,7 @@ class BlockPool:
         self.free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[bytes, Block] = {}
         self.enable_caching = enable_caching
+        self.on_evict = None  # called with a block id when a cached block is reused (host tier)
 
     @property
     def num_free(self) -> int:
@@ -49,6 +54,8 @@ class BlockPool:
         for _ in range(n):
             _, block = self.free.popitem(last=False)  # least recently used first
             if block.block_hash is not None:  # evict it from the prefix cache
+                if self.on_evict is not None:
+                    self.on_evict(block.block_id)
                 self.forget(block)
             block.ref_cnt = 1
             out.append(block)
@@ -84,7 +91,7 @@ class BlockPool:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 hash_algo: str = "sha256"):
+                 hash_algo: str = "sha256", num_host_blocks: int = 0):
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_caching = enable_prefix_caching
@@ -94,6 +101,10 @@ class KVCacheManager:
         self.num_registered: dict[str, int] = {}  # blocks of a request already in the cache
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # the host tier (--kv-offload-size): None when off
+        self.offload = HostTierManager(num_host_blocks) if num_host_blocks > 0 and enable_prefix_caching else None
+        if self.offload is not None:
+            self.pool.on_evict = self.offload.on_evict
 
     @property
     def usage(self) -> float:
@@ -113,9 +124,10 @@ class KVCacheManager:
             req.block_hashes.append(
                 self.hash((parent, tuple(req.all_token_ids[i * bs:(i + 1) * bs]), extra)))
 
-    def get_computed_blocks(self, req: Request) -> tuple[list[Block], int]:
-        """Longest cached prefix of full blocks. The last token is always recomputed, so a full
-        hit never yields a zero-length query."""
+    def get_computed_blocks(self, req: Request) -> tuple[list[Block | HostHit], int]:
+        """Longest cached prefix of full blocks, each on the device (a Block) or, with the host
+        tier, in host memory (a HostHit). The last token is always recomputed, so a full hit
+        never yields a zero-length query."""
         if not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
             return [], 0
         self.update_hashes(req)
@@ -123,16 +135,23 @@ class KVCacheManager:
         hits = []
         for h in req.block_hashes[:max_blocks]:
             block = self.pool.lookup(h)
+            if block is None and self.offload is not None:
+                block = self.offload.lookup(h)
             if block is None:
                 break
             hits.append(block)
         return hits, len(hits) * self.block_size
 
-    def record_lookup(self, req: Request, num_cached: int) -> None:
-        """Count a lookup once, when its request is admitted (not at every blocked attempt)."""
+    def record_lookup(self, req: Request, num_cached: int, computed: list | None = None) -> None:
+        """Count a lookup once, when its request is admitted (not at every blocked attempt):
+        the device tier's hits, and the host tier's (of the tokens the device missed)."""
         if self.enable_caching:
+            host = 0
+            if self.offload is not None:
+                host = sum(1 for b in computed or () if type(b) is HostHit) * self.block_size
+                self.offload.record_lookup(req.num_tokens - (num_cached - host), host)
             self.prefix_queries += req.num_tokens
-            self.prefix_hits += num_cached
+            self.prefix_hits += num_cached - host
 
     def blocks_needed(self, req: Request, num_new_tokens: int, computed: list[Block]) -> int:
         have = len(self.req_blocks.get(req.request_id, ())) + len(computed)
@@ -152,18 +171,39 @@ class KVCacheManager:
                 return []
         computed = computed or []
         need = self.blocks_needed(req, num_new_tokens, computed)
+        from_host = sum(1 for b in computed if type(b) is HostHit) if self.offload else 0
         # cached blocks that sit in the free list are taken out of it by touch()
-        evictable_hits = sum(1 for b in computed if b.ref_cnt == 0)
-        if need > self.pool.num_free - evictable_hits:
+        evictable_hits = sum(1 for b in computed if type(b) is Block and b.ref_cnt == 0)
+        if need + from_host > self.pool.num_free - evictable_hits:
             return None
         blocks = self.req_blocks.setdefault(req.request_id, [])
-        self.pool.touch(computed)
+        if from_host:
+            computed = self._load_from_host(computed)
+        else:
+            self.pool.touch(computed)
         new = computed + self.pool.take(need)
         blocks.extend(new)
         if self.enable_caching:
             self._register_full_blocks(req, req.num_computed_tokens
                                        + len(computed) * self.block_size + num_new_tokens)
         return [b.block_id for b in new]
+
+    def _load_from_host(self, computed: list) -> list[Block]:
+        """Device blocks for a prefix hit that is partly in the host tier: device hits as they
+        are, a fresh block (registered at once, filled by the plan's copy) for each host hit."""
+        self.pool.touch([b for b in computed if type(b) is Block])  # before take() evicts
+        hits = [b for b in computed if type(b) is HostHit]
+        self.offload.reserve(hits)  # take() may copy evicted blocks out: not into these
+        fresh = iter(self.pool.take(len(hits)))
+        out = []
+        for b in computed:
+            if type(b) is HostHit:
+                block = next(fresh)
+                self.pool.register(block, b.block_hash)
+                self.offload.load(b, block.block_id)
+                b = block
+            out.append(b)
+        return out
 
     def _register_full_blocks(self, req: Request, num_tokens: int) -> None:
         self.update_hashes(req)
@@ -184,6 +224,10 @@ class KVCacheManager:
                 if b.ref_cnt == 1 and b.block_hash is not None:
                     self.pool.forget(b)
         self.pool.release(list(reversed(blocks)))
+        if self.offload is not None:  # cached blocks nobody holds any more go to the host tier
+            for b in reversed(blocks):
+                if b.ref_cnt == 0 and b.block_hash is not None:
+                    self.offload.on_free(b.block_id, b.block_hash)
 
     def check_invariants(self) -> None:
         """Every block is owned (ref_cnt = number of holders) or free, exactly once."""
@@ -198,14 +242,20 @@ class KVCacheManager:
             if b.block_hash is not None:
                 assert self.pool.cached.get(b.block_hash) is b, f"block {b.block_id} hash"
         assert len(self.pool.free) + len(holders) == self.num_blocks
+        if self.offload is not None:
+            self.offload.check_invariants(self.pool)
 
     def block_ids(self, req: Request) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(req.request_id, ())]
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, host: bool = True) -> bool:
+        """Forget every cached block (only when no request holds one); the host tier's too
+        unless `host` is False (sleep level 1 keeps it: its contents stay valid)."""
         if self.pool.num_free != self.num_blocks:
             return False
         for b in self.pool.blocks:
             b.block_hash = None
         self.pool.cached.clear()
+        if self.offload is not None:
+            self.offload.reset(host)
         return True

@@ -83,3 +83,37 @@ class LLM:
                     bar.update(1)
         bar.close()
         return [results[r] for r in order]
+
+    # ---- sleep mode and weight updates (vLLM's / SGLang's names) -------------------------------
+    def sleep(self, level: int = 1) -> dict:
+        """Give the device memory back (needs `enable_sleep_mode=True`): level 1 keeps the
+        weights in pinned host memory, level 2 discards them; the KV cache is discarded.
+        generate() raises while asleep."""
+        return self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> dict:
+        """Take it back: `tags` "weights" and/or "kv_cache" (None: both)."""
+        return self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
+
+    def update_weights_from_disk(self, model_path: str) -> dict:
+        """Load a checkpoint of the same architecture in place (every rank)."""
+        return self.engine.update_weights_from_disk(model_path)
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, group_name: str = "weight_update_group",
+                                  backend: str = "nccl") -> dict:
+        return self.engine.init_weights_update_group(master_address, master_port, rank_offset,
+                                                     world_size, group_name, backend)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list,
+                                        group_name: str = "weight_update_group") -> dict:
+        return self.engine.update_weights_from_distributed(names, dtypes, shapes, group_name)
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
+        return self.engine.destroy_weights_update_group(group_name)

@@ -45,6 +45,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    error_status: int | None = None  # HTTP status of `error` when not 400 (503: the engine sleeps)
 
     @property
     def finished(self) -> bool:
@@ -66,6 +67,14 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     # step loop's host time to fill token bitmasks and advance the matchers
     grammar_compile_seconds: float = 0.0
     grammar_mask_seconds: float = 0.0
+    # host KV tier (--kv-offload-size): tokens looked up there (the device tier missed them) and
+    # found (cumulative), blocks copied to / from it (cumulative), its blocks in use and in all
+    host_prefix_queries: int = 0
+    host_prefix_hits: int = 0
+    host_blocks_stored: int = 0
+    host_blocks_loaded: int = 0
+    host_blocks_used: int = 0
+    host_blocks_total: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

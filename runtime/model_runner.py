@@ -84,6 +84,8 @@ class StepInputs:
 
 
 class ModelRunner:
+    host_kv = None  # this rank's host KV tier (runtime/kv_offload.py), set up by the executor
+
     def __init__(self, cfg: EngineConfig, pi: ParallelInfo, device: torch.device):
         gemv.MAX_M = envs.get("RANKSERVE_SKINNY_MAX_M")  # a process-wide kernel choice
         self.cfg = cfg
@@ -291,6 +293,8 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput,
                 hidden_in: torch.Tensor | None = None) -> ModelRunnerOutput | torch.Tensor:
         """Run one step. Non-last pipeline stages return the hidden states to send on."""
+        if self.host_kv is not None:  # the plan's block copies to / from the host tier
+            self.host_kv.run(plan)
         inp = self.prepare_inputs(plan)
         hidden = self.compiled_model(inp.input_ids, inp.positions, inp.attn, hidden_in)
         if not self.pi.is_last_stage:

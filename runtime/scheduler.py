@@ -60,6 +60,12 @@ class SchedulerOutput:
     grammar_req_ids: list[str] = field(default_factory=list)
     grammar_bitmask: np.ndarray | None = None
     grammar_fill: Callable[[], np.ndarray] | None = field(default=None, repr=False)
+    # host KV tier (runtime/kv_offload.py): block copies every rank runs before the forward,
+    # device → host first, then host → device; `wait_for_copies`: the forward waits for them
+    # (it reads loaded blocks, or overwrites a block this plan copies out)
+    blocks_to_host: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    blocks_from_host: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+    wait_for_copies: bool = False
 
     def bitmask(self) -> np.ndarray | None:
         """The grammar rows, filled on first use. On one rank that is at sampling time, after
@@ -80,7 +86,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int,
                  max_model_len: int, async_scheduling: bool = False,
-                 structured: StructuredOutputManager | None = None):
+                 structured: StructuredOutputManager | None = None, num_host_blocks: int = 0):
         self.cfg = sched
         self.structured = structured
         self.compiling: list[Request] = []  # waiting for their grammar: not schedulable yet
@@ -92,7 +98,7 @@ class Scheduler:
         self.async_scheduling = async_scheduling
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
-                                 cache.prefix_caching_hash_algo)
+                                 cache.prefix_caching_hash_algo, num_host_blocks)
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by policy key
         self.running: list[Request] = []
@@ -152,6 +158,8 @@ class Scheduler:
         preempted = False
         if self.compiling:
             self._poll_grammars()
+        if self.kv.offload is not None:  # blocks freed since the last plan go to the host tier
+            self.kv.offload.begin_step()
 
         # running requests first: decodes and unfinished prefills
         i = 0
@@ -201,7 +209,7 @@ class Scheduler:
             if new_blocks is None:
                 break
             self.waiting.pop(j)
-            self.kv.record_lookup(req, num_cached)
+            self.kv.record_lookup(req, num_cached, computed)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_cached
             if req.num_cached_tokens < 0:
@@ -218,6 +226,8 @@ class Scheduler:
             out.grammar_req_ids = [r.request_id for r in constrained]
             out.grammar_fill = lambda: self._fill_bitmask(constrained)
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        if self.kv.offload is not None and not out.is_empty:  # (an empty plan is not sent)
+            out.blocks_to_host, out.blocks_from_host, out.wait_for_copies = self.kv.offload.take_copies()
         if out.is_empty:  # an empty plan is not sent: keep the ids for the next one
             self.finished_ids = out.finished_req_ids + self.finished_ids
             out.finished_req_ids = []
@@ -395,6 +405,11 @@ class Scheduler:
             num_blocks_total=self.kv.num_blocks, prefix_queries=self.kv.prefix_queries,
             prefix_hits=self.kv.prefix_hits, num_preemptions=self.num_preemptions,
             num_prompt_tokens=self._step_prompt_tokens, num_generation_tokens=self._step_gen_tokens)
+        host = self.kv.offload
+        if host is not None:
+            s.host_prefix_queries, s.host_prefix_hits = host.queries, host.hits
+            s.host_blocks_stored, s.host_blocks_loaded = host.blocks_stored, host.blocks_loaded
+            s.host_blocks_used, s.host_blocks_total = host.tier.num_used, host.tier.num_blocks
         if self.structured is not None:
             s.grammar_compile_seconds = self.structured.compile_seconds
             s.grammar_mask_seconds = self.structured.mask_seconds

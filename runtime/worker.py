@@ -15,6 +15,7 @@ from .config import EngineConfig
 from .model_runner import ModelRunner
 from .parallel import global_rank, recv_hidden, send_hidden
 from .model_runner import ModelRunnerOutput
+from .rpc import RunnerRPC
 from .scheduler import SchedulerOutput
 
 log = logging.getLogger("rankserve.worker")
@@ -24,7 +25,10 @@ class Worker:
     def __init__(self, cfg: EngineConfig, control, pi: ParallelInfo, device: torch.device):
         self.control = control
         self.pi = pi
+        self.cfg = cfg
         self.runner = ModelRunner(cfg, pi, device)
+        self.rpc = RunnerRPC(self.runner, control.rank)
+        self.num_host_blocks = 0
         # the rank whose sampled ids go back to rank 0: TP rank 0 of the last stage
         self.result_rank = global_rank(ParallelInfo(0, pi.tp_size, None, pi.pp_size - 1,
                                                     pi.pp_size), pi.pp_size - 1)
@@ -35,8 +39,18 @@ class Worker:
         counts = self.control.gather(mine)
         num_blocks = self.control.bcast(min(counts) if counts else None)
         self.runner.allocate_kv_cache(num_blocks)
+        gib = self.cfg.offload.kv_offload_size
+        if gib > 0:  # the host tier: --kv-offload-size GiB over every rank's shard of a block
+            sizes = self.control.gather(self.rpc.rpc_host_kv_bytes_per_block())
+            self.num_host_blocks = self.control.bcast(int(gib * 2**30) // sum(sizes) if sizes else None)
+            self.rpc.rpc_init_host_kv(self.num_host_blocks)
         self.runner.compile()
         return num_blocks
+
+    def collective_rpc(self, method: str, args: tuple) -> list:
+        """Collective: run an admin call (runtime/rpc.py) on this rank; rank 0 gets every
+        rank's result, in rank order (None elsewhere)."""
+        return self.control.gather(self.rpc.call(method, args))
 
     def step(self, plan: SchedulerOutput) -> ModelRunnerOutput | None:
         """This rank's part of one step. Returns the sampled result where it was computed (the
@@ -84,6 +98,8 @@ def run_worker(cfg: EngineConfig, control, pi: ParallelInfo, device: torch.devic
             if steps == fault:
                 raise RuntimeError(f"injected fault at step {steps} (RANKSERVE_INJECT_FAULT)")
             worker.step(payload)
+        elif kind == "rpc":
+            worker.collective_rpc(*payload)
         elif kind == "shutdown":
             log.info("rank %d: shutdown", control.rank)
             return 0

@@ -237,3 +237,21 @@ def test_compile_time_bench_runs_both_ways():
     rows = [line.split() for line in p.stdout.splitlines() if line.startswith(("whole", "regional"))]
     assert [r[0] for r in rows] == ["whole", "regional"]
     assert all(float(r[1]) > 0 and float(r[-1]) < 1e-4 for r in rows)  # seconds, |compiled - eager|
+
+
+def test_sleep_and_multiturn_bench_cli(tmp_path):
+    """`bench sleep` (same tokens after both levels) and `bench multiturn` with a host tier that
+    serves the prefixes a small device KV cache lost."""
+    out = tmp_path / "s.json"
+    stdout = invoke_cli("sleep", STORIES, "--num-prompts", "2", "--output-len", "4",
+                        "--output-json", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["level"] for r in rows] == [1, 2] and all(r["same_tokens"] for r in rows)
+    assert "wake-up phases" in stdout
+    out = tmp_path / "m.json"
+    invoke_cli("multiturn", STORIES, "--num-conversations", "4", "--prefix-len", "64", "--turns", "2",
+               "--turn-len", "8", "--output-len", "4", "--concurrency", "1", "--block-size", "16",
+               "--num-gpu-blocks-override", "12", "--max-model-len", "128", "--kv-offload-size", "0.001",
+               "--output-json", str(out))
+    rec = json.loads(out.read_text())
+    assert rec["requests"] == 8 and rec["host_hit_tokens"] > 0 and rec["ttft_p50_s"] > 0

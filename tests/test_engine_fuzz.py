@@ -1,15 +1,19 @@
 """The real EngineCore under pressure: seeded, bounded random traces (arrivals, aborts, n > 1,
 stop strings, priorities, tight KV budgets that force preemption) through every combination of
-policy × async scheduling × chunked prefill × prefix caching. After every step the scheduler's
-and the KV cache's invariants are checked; at the end every request has finished and the greedy
-outputs equal those of an unconstrained run.
+policy × async scheduling × chunked prefill × prefix caching (× a small host KV tier, with
+caching). After every step the scheduler's and the KV cache's invariants are checked; at the end
+every request has finished and the greedy outputs equal those of an unconstrained run.
 
 `CheckingExecutor` is a model whose next token is a hash of the whole sequence, and a runner
 that keeps the same per-request state as `ModelRunner` (token ids, block table, async
 placeholders) plus a shadow KV cache: every step it checks that each sampled position attends to
 exactly the tokens of its own sequence, so a block handed out twice, a prefix-cache hit on a
 block that was never written, or a placeholder that differs from the token the scheduler later
-sends, fails the test. One combination per policy also runs the real stories260K model.
+sends, fails the test. With the host tier it also keeps a shadow host cache and runs the plans'
+block copies (device → host, then host → device) before the step, so a copy from a block that
+was already overwritten, or a load of a host block that holds other tokens, fails the same way.
+One combination per policy also runs the real stories260K model (the priority one with the host
+tier: the runner's real copies).
 """
 import itertools
 import random
@@ -36,8 +40,10 @@ class CheckingExecutor:
     max_in_flight = 1
     timings: dict = {}
 
-    def __init__(self, num_blocks: int, block_size: int, max_model_len: int):
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int, num_host_blocks: int = 0):
         self.num_blocks, self.bs = num_blocks, block_size
+        self.num_host_blocks = num_host_blocks
+        self.host: dict[tuple[int, int], tuple[int, int]] = {}  # (host block, offset) → (pos, token)
         self.max_model_len, self.vocab_size = max_model_len, VOCAB
         self.reqs: dict[str, dict] = {}
         self.kv: dict[tuple[int, int], tuple[int, int]] = {}  # (block, offset) → (pos, token)
@@ -59,6 +65,14 @@ class CheckingExecutor:
         return zlib.crc32(np.asarray(seq, dtype=np.int64).tobytes()) % VOCAB
 
     def submit(self, plan) -> ModelRunnerOutput:
+        for src, dst, a, b in [(self.kv, self.host, d, h) for d, h in plan.blocks_to_host] + \
+                [(self.host, self.kv, h, d) for h, d in plan.blocks_from_host]:
+            for off in range(self.bs):
+                if (a, off) in src:
+                    dst[(b, off)] = src[(a, off)]
+                else:
+                    dst.pop((b, off), None)
+        outgoing = {d for d, _ in plan.blocks_to_host}
         for rid in plan.finished_req_ids:
             self.reqs.pop(rid, None)
         start = {}
@@ -85,7 +99,10 @@ class CheckingExecutor:
             assert len(st["blocks"]) * self.bs >= end, f"{rid}: too few blocks"
             assert end <= len(st["tokens"]), f"{rid}: input token {len(st['tokens'])} unknown"
             for pos in range(s, end):
-                self.kv[(st["blocks"][pos // self.bs], pos % self.bs)] = (pos, st["tokens"][pos])
+                blk = st["blocks"][pos // self.bs]
+                # on the GPU the copies run beside the forward: it must wait to overwrite one
+                assert blk not in outgoing or plan.wait_for_copies, f"block {blk} copied out unawaited"
+                self.kv[(blk, pos % self.bs)] = (pos, st["tokens"][pos])
             if end >= st["known"]:
                 for pos in range(end):  # what attention reads
                     got = self.kv.get((st["blocks"][pos // self.bs], pos % self.bs))
@@ -98,7 +115,9 @@ class CheckingExecutor:
         return ModelRunnerOutput(req_ids, sampled)
 
 
-COMBOS = list(itertools.product(("fcfs", "priority"), (False, True), (False, True), (False, True)))
+# (policy, async, chunked, caching, host tier); the host tier needs caching
+COMBOS = [c + (off,) for c in itertools.product(("fcfs", "priority"), (False, True), (False, True),
+                                                (False, True)) for off in (False, True) if c[3] or not off]
 
 
 def make_trace(seed: int, max_model_len: int):
@@ -155,14 +174,20 @@ def run_trace(engine: EngineCore, trace, aborts, tokenizer, max_steps=4000):
     return results, aborted
 
 
+HOST_BLOCKS = 10  # fewer than the tight device tier's 13: the host tier evicts too
+STORIES_BLOCK_BYTES = 2 * 8 * 4 * 8 * 4 * 5  # K and V, 8 tokens, 4 KV heads × 8, fp32, 5 layers
+
+
 def engine_for(combo, num_blocks, block_size=8, max_model_len=96, executor=None, **extra):
-    policy, use_async, chunked, caching = combo
+    policy, use_async, chunked, caching, offload = combo + (False,) * (5 - len(combo))
     cfg = EngineConfig.from_kwargs(
         model=str(STORIES_EMBEDDED), scheduling_policy=policy, async_scheduling=use_async,
         enable_chunked_prefill=chunked, enable_prefix_caching=caching, block_size=block_size,
         max_model_len=max_model_len, num_gpu_blocks_override=num_blocks,
-        max_num_batched_tokens=max_model_len if not chunked else 24, max_num_seqs=6, **extra)
-    return EngineCore(cfg, executor or CheckingExecutor(num_blocks, block_size, max_model_len))
+        max_num_batched_tokens=max_model_len if not chunked else 24, max_num_seqs=6,
+        kv_offload_size=(HOST_BLOCKS + 0.5) * STORIES_BLOCK_BYTES / 2**30 if offload else None, **extra)
+    return EngineCore(cfg, executor or CheckingExecutor(num_blocks, block_size, max_model_len,
+                                                        HOST_BLOCKS if offload else 0))
 
 
 @pytest.fixture(scope="module")
@@ -172,14 +197,18 @@ def tokenizer():
 
 
 @pytest.mark.parametrize("combo", COMBOS, ids=lambda c: "-".join(
-    [c[0], "async" if c[1] else "sync", "chunked" if c[2] else "whole", "cache" if c[3] else "nocache"]))
+    [c[0], "async" if c[1] else "sync", "chunked" if c[2] else "whole", "cache" if c[3] else "nocache"]
+    + (["host"] if c[4] else [])))
 def test_random_traces_keep_invariants_and_outputs(combo, tokenizer):
+    loaded = 0
     for seed in range(6):
         trace, aborts = make_trace(seed, 96)
         try:
             tight = engine_for(combo, num_blocks=13)  # 104 slots: one full-length request + a bit
             got, aborted = run_trace(tight, trace, aborts, tokenizer)
             assert tight.scheduler.num_preemptions > 0 or seed > 0 or not combo[2]
+            if combo[4]:
+                loaded += tight.scheduler.stats().host_blocks_loaded
             free = engine_for(("fcfs", False, True, False), num_blocks=1000)
             want, _ = run_trace(free, trace, {}, tokenizer)
             for rid, outs in want.items():
@@ -188,6 +217,7 @@ def test_random_traces_keep_invariants_and_outputs(combo, tokenizer):
                 assert got[rid] == outs, rid
         except AssertionError as e:
             raise AssertionError(f"seed {seed}, combo {combo}: {e}") from e
+    assert loaded > 0 or not combo[4], "no prefix hit in the host tier in any trace"
 
 
 @pytest.mark.parametrize("policy,kv", [("fcfs", "auto"), ("priority", "auto"), ("fcfs", "fp8")])
@@ -195,7 +225,7 @@ def test_real_model_under_pressure(policy, kv, tokenizer):
     """The same traces through the real stories260K runner (async + chunked + cached); with an
     fp8 KV cache too (both runs fp8: the cache's contents must not depend on how it was filled)."""
     from rankserve.runtime.executor import UniprocExecutor
-    combo = (policy, True, True, True)
+    combo = (policy, True, True, True, policy == "priority")
     for seed in range(2):
         trace, aborts = make_trace(100 + seed, 96)
         try:
@@ -203,6 +233,7 @@ def test_real_model_under_pressure(policy, kv, tokenizer):
             tight = EngineCore(cfg, UniprocExecutor(cfg))
             got, aborted = run_trace(tight, trace, aborts, tokenizer)
             assert len(tight.executor.runner.reqs) == 0 or not tight.has_work
+            assert (tight.executor.runner.host_kv is not None) == combo[4]
             cfg = engine_for(("fcfs", False, True, False), 400, kv_cache_dtype=kv).cfg
             want, _ = run_trace(EngineCore(cfg, UniprocExecutor(cfg)), trace, {}, tokenizer)
             for rid, outs in want.items():

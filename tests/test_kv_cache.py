@@ -64,3 +64,66 @@ def test_random_mix_of_finish_abort_preempt_returns_every_block():
     assert sched.num_preemptions > 0
     assert sched.kv.num_free_blocks == 20
     assert all(b.ref_cnt == 0 for b in sched.kv.pool.blocks)
+
+
+def test_host_tier_keeps_evicted_prefixes_and_loads_them_back():
+    """Freed cached blocks are queued, copied out with the next step, found there after the
+    device evicted them; a hit takes fresh device blocks registered at once and listed as loads;
+    the host tier evicts its least recently used entry, never one a queued load reads."""
+    kv = KVCacheManager(num_blocks=4, block_size=4, num_host_blocks=3)
+    host = kv.offload
+    a = mkreq("a", list(range(13)))  # 3 full blocks + 1 token
+    kv.allocate_slots(a, 13)
+    kv.free(a)
+    assert sorted(host.pending) == [0, 1, 2]  # the partial 4th block was never cached
+    host.begin_step()
+    to_host, from_host, wait = host.take_copies()
+    assert sorted(d for d, _ in to_host) == [0, 1, 2] and not from_host and not wait
+    kv.check_invariants()
+    big = mkreq("big", list(range(100, 116)))
+    kv.allocate_slots(big, 16)  # takes all 4 device blocks: the device tier forgets a's
+    assert not host.take_copies()[0]  # already in the host tier: not copied again
+    b = mkreq("b", list(range(13)))
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 12 and all(type(h).__name__ == "HostHit" for h in hits)
+    assert kv.allocate_slots(b, 1, hits) is None  # no device block free: nothing changes
+    kv.free(big)
+    kv.check_invariants()
+    assert kv.allocate_slots(b, 1, hits) is not None
+    kv.record_lookup(b, n, hits)
+    assert (host.queries, host.hits, kv.prefix_hits) == (13, 12, 0)
+    dev = kv.block_ids(b)[:3]
+    assert host.from_host == [(h.host_id, d) for h, d in zip(hits, dev)]
+    assert kv.get_computed_blocks(mkreq("c", list(range(13))))[1] == 12  # now on the device too
+    # a full host tier evicts its LRU entry, but not one a queued load reads
+    assert host.tier.store(b"new") is None and len(host.tier.lru) == 3
+    out, back, wait = host.take_copies()
+    assert back and wait  # the forward waits for loads
+    kv.free(b)
+    kv.check_invariants()
+    assert kv.reset_prefix_cache() and not host.tier.lru and not host.pending
+
+
+def test_host_blocks_about_to_be_loaded_are_not_reused_by_evictions():
+    """Taking fresh device blocks for a host hit may evict a block still waiting to be copied
+    out (freed in the same step, e.g. by a preemption); its copy must not land in a host block
+    the hit is about to load."""
+    kv = KVCacheManager(num_blocks=4, block_size=4, num_host_blocks=3)
+    host = kv.offload
+    a = mkreq("a", list(range(13)))
+    kv.allocate_slots(a, 13)
+    kv.free(a)
+    host.begin_step()
+    host.take_copies()  # a's 3 full blocks fill the host tier
+    big = mkreq("big", list(range(100, 116)))
+    kv.allocate_slots(big, 16)
+    kv.free(big)  # 4 cached blocks waiting to be copied out (no step started since)
+    b = mkreq("b", list(range(13)))
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 12
+    kv.allocate_slots(b, 1, hits)  # evicts big's blocks from the device: host tier is busy
+    out, back, _ = host.take_copies()
+    assert {h for _, h in out}.isdisjoint({h for h, _ in back}), (out, back)
+    assert sorted(h for h, _ in back) == sorted(h.host_id for h in hits)
+    kv.free(b)
+    kv.check_invariants()

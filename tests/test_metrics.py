@@ -36,3 +36,23 @@ def test_engine_stats_become_gauges_and_counters():
         assert metric(text, name) == value, name
     assert 'rankserve:request_success_total{finished_reason="stop",model_name="tiny"} 1.0' in text
     assert 'rankserve:num_requests_running{model_name="tiny"} 1.0' in text
+
+
+def test_host_tier_counters_and_sleep_gauge():
+    m = Metrics("tiny")
+    m.record_stats(SchedulerStats(prefix_queries=100, prefix_hits=16, host_prefix_queries=84,
+                                  host_prefix_hits=48, host_blocks_stored=10, host_blocks_loaded=3,
+                                  host_blocks_used=10, host_blocks_total=64))
+    m.record_stats(SchedulerStats(prefix_queries=150, prefix_hits=16, host_prefix_queries=134,
+                                  host_prefix_hits=96, host_blocks_stored=12, host_blocks_loaded=6,
+                                  host_blocks_used=12, host_blocks_total=64))
+    m.sleep_level.set(2)
+    text = m.exposition().decode()
+    expect = {"rankserve:prefix_cache_queries_total": 150, "rankserve:prefix_cache_hits_total": 16,
+              "rankserve:host_prefix_cache_queries_total": 134,
+              "rankserve:host_prefix_cache_hits_total": 96,
+              "rankserve:host_kv_blocks_stored_total": 12, "rankserve:host_kv_blocks_loaded_total": 6,
+              "rankserve:host_kv_cache_blocks_used": 12, "rankserve:host_kv_cache_blocks_total": 64,
+              "rankserve:engine_sleep_level": 2}
+    for name, value in expect.items():
+        assert metric(text, name) == value, name

@@ -153,6 +153,13 @@ def test_api_key_guards_every_compute_and_state_route(inproc):
                                ("POST", "/v1/chat/completions/derender", {"token_ids": [1]}),
                                ("POST", "/v1/completions", {"prompt": "hi"}),
                                ("GET", "/v1/models", None), ("GET", "/openapi.json", None),
+                               # sleep mode and weight updates (admin)
+                               ("POST", "/sleep", None), ("POST", "/wake_up", None),
+                               ("GET", "/is_sleeping", None),
+                               ("POST", "/update_weights_from_disk", {"model_path": "/m"}),
+                               ("POST", "/init_weights_update_group", {}),
+                               ("POST", "/update_weights_from_distributed", {}),
+                               ("POST", "/destroy_weights_update_group", {}),
                                ("GET", "/nope", None)]:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"x-api-key": "k3y-"}):
             r = httpx.request(method, app.url + path, json=body, headers=headers)

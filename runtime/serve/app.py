@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response
 from ... import __version__
 from ..inputs import eos_token_ids_of, load_tokenizer
 from . import anthropic_api, openai_api, responses_api
+from .admin_api import add_admin_routes
 from .args import ServerArgs
 from .client import EngineClient, EngineDeadError
 from .context import ServeContext, cancel_on_disconnect
@@ -290,6 +291,7 @@ def build_app(ctx: ServeContext, metrics: Metrics, state: ServeState | None = No
         return await cancel_on_disconnect(request.receive, responses_api.create_response(ctx, req))
 
     app.include_router(v1)
+    add_admin_routes(app, client, metrics)  # sleep mode and weight updates
     app.add_middleware(ServeMiddleware, state=state, key=ctx.args.api_key,
                        max_body=ctx.args.max_request_body_bytes)
     app.add_middleware(RequestIdMiddleware)  # outermost: errors and 401s carry the id too

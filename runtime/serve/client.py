@@ -41,6 +41,13 @@ class RequestError(ValueError):
     """The engine refused the request (e.g. the prompt is longer than the context)."""
 
 
+class EngineSleepingError(EngineDeadError):
+    """The engine sleeps (sleep mode): requests are refused with a 503 until it wakes up."""
+
+
+SLEEPING = ("the engine is sleeping: POST /wake_up first; the request was not queued")
+
+
 @dataclass
 class Update:
     """What one engine output added to choice `index`."""
@@ -117,6 +124,7 @@ class EngineClient:
         self.closing: str | None = None  # set when shutting down: no new requests
         self.on_dead = None  # callback: the app schedules its own shutdown
         self.model_info: dict = {}
+        self.sleeping = False  # as the last sleep / wake-up call left it (the engine checks too)
 
     async def start(self) -> None:
         self.ctx = zmq.asyncio.Context()
@@ -139,6 +147,8 @@ class EngineClient:
                  request_id: str | None = None) -> RequestStream:
         if self.dead or self.closing:
             raise (EngineDeadError(self.dead) if self.dead else ServerShutdownError(self.closing))
+        if self.sleeping:
+            raise EngineSleepingError(SLEEPING)
         rid = request_id or uuid.uuid4().hex
         child_ids = self.processor.add_request(rid, prompt, prompt_token_ids, params)
         stream = RequestStream(self, rid, child_ids)
@@ -203,7 +213,8 @@ class EngineClient:
                 continue  # aborted meanwhile
             stream = child.stream
             if o.error:
-                stream.queue.put_nowait(RequestError(o.error))
+                stream.queue.put_nowait(EngineSleepingError(o.error) if o.error_status == 503
+                                        else RequestError(o.error))
                 continue
             ro, abort = self.processor.process(o)
             if abort:  # a stop string matched: the engine does not know

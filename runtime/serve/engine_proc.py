@@ -25,7 +25,7 @@ import msgspec
 import zmq
 
 from ..config import EngineConfig
-from ..engine_core import EngineCore
+from ..engine_core import EngineBusyError, EngineCore, EngineSleepingError
 from ..messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -149,10 +149,11 @@ class EngineServer:
             req = request_decoder.decode(payload)
             try:
                 self.core.add_request(req)
-            except Exception as e:  # noqa: BLE001  (refused: the client gets a 400)
-                msg = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+            except Exception as e:  # noqa: BLE001  (refused: the client gets a 400, or 503 asleep)
+                msg = str(e) if isinstance(e, (ValueError, EngineSleepingError)) else f"{type(e).__name__}: {e}"
                 self.send(EngineCoreOutputs(outputs=[EngineCoreOutput(
-                    req.request_id, [], finish_reason=FinishReason.ERROR, error=msg)]))
+                    req.request_id, [], finish_reason=FinishReason.ERROR, error=msg,
+                    error_status=503 if isinstance(e, EngineSleepingError) else None)]))
         elif kind == EngineCoreRequestType.ABORT:
             self.core.abort_requests(msgspec.msgpack.decode(payload, type=list[str]))
         elif kind == EngineCoreRequestType.UTILITY:
@@ -172,7 +173,26 @@ class EngineServer:
                 "num_blocks": c.num_blocks, "block_size": self.cfg.cache.block_size}
 
     def util_reset_prefix_cache(self) -> bool:
-        return self.core.scheduler.kv.reset_prefix_cache()
+        return self.core.reset_prefix_cache()
+
+    ADMIN = ("sleep", "wake_up", "is_sleeping", "update_weights_from_disk",
+             "init_weights_update_group", "update_weights_from_distributed",
+             "destroy_weights_update_group")
+
+    def util_admin(self, method: str, kwargs: dict) -> dict:
+        """Sleep mode and weight updates: {"status": HTTP status, "result" or "message"}
+        (400 bad input, 409 requests are running, 500 a failure on some rank)."""
+        if method not in self.ADMIN:
+            return {"status": 404, "message": f"unknown admin call {method!r}"}
+        try:
+            return {"status": 200, "result": getattr(self.core, method)(**kwargs)}
+        except (ValueError, TypeError) as e:
+            return {"status": 400, "message": str(e)}
+        except EngineBusyError as e:
+            return {"status": 409, "message": str(e)}
+        except Exception as e:  # noqa: BLE001  (the engine lives on; the client learns why)
+            log.exception("%s failed", method)
+            return {"status": 500, "message": f"{method} failed: {type(e).__name__}: {e}"}
 
     def util_ready(self, url: str) -> bool:
         self.ready_url = url

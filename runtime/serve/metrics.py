@@ -44,6 +44,20 @@ class Metrics:
                                        "output grammars (worker threads, off the step loop)")
         self.grammar_mask = counter("grammar_mask_seconds", "Seconds of the step loop filling "
                                     "structured-output token bitmasks")
+        # the host tier of the prefix cache (--kv-offload-size); its hit rate is
+        # host_prefix_cache_hits / host_prefix_cache_queries, the device tier's
+        # prefix_cache_hits / prefix_cache_queries
+        self.host_prefix_queries = counter("host_prefix_cache_queries", "Prompt tokens looked up "
+                                           "in the host KV tier (the device tier missed them)")
+        self.host_prefix_hits = counter("host_prefix_cache_hits", "Prompt tokens found in the "
+                                        "host KV tier (copied back instead of recomputed)")
+        self.host_blocks_stored = counter("host_kv_blocks_stored", "KV blocks copied to the host tier")
+        self.host_blocks_loaded = counter("host_kv_blocks_loaded", "KV blocks copied back from the "
+                                          "host tier")
+        self.host_blocks_used = gauge("host_kv_cache_blocks_used", "Host-tier KV blocks in use")
+        self.host_blocks_total = gauge("host_kv_cache_blocks_total", "Host-tier KV blocks in all")
+        self.sleep_level = gauge("engine_sleep_level", "Sleep mode: 0 awake, 1 weights in host "
+                                 "memory, 2 weights discarded (KV cache discarded at 1 and 2)")
         self._success = prom.Counter("rankserve:request_success", "Finished requests by finish "
                                      "reason", ["model_name", "finished_reason"], registry=r)
         self._model = model_name
@@ -65,6 +79,8 @@ class Metrics:
         self.kv_usage.set(s.kv_usage)
         self.kv_blocks_used.set(s.num_blocks_used)
         self.kv_blocks_total.set(s.num_blocks_total)
+        self.host_blocks_used.set(s.host_blocks_used)
+        self.host_blocks_total.set(s.host_blocks_total)
         self.prompt_tokens.inc(s.num_prompt_tokens)
         self.generation_tokens.inc(s.num_generation_tokens)
         for counter, new, old in ((self.preemptions, s.num_preemptions, self._last.num_preemptions),
@@ -73,7 +89,14 @@ class Metrics:
                                   (self.grammar_compile, s.grammar_compile_seconds,
                                    self._last.grammar_compile_seconds),
                                   (self.grammar_mask, s.grammar_mask_seconds,
-                                   self._last.grammar_mask_seconds)):
+                                   self._last.grammar_mask_seconds),
+                                  (self.host_prefix_queries, s.host_prefix_queries,
+                                   self._last.host_prefix_queries),
+                                  (self.host_prefix_hits, s.host_prefix_hits, self._last.host_prefix_hits),
+                                  (self.host_blocks_stored, s.host_blocks_stored,
+                                   self._last.host_blocks_stored),
+                                  (self.host_blocks_loaded, s.host_blocks_loaded,
+                                   self._last.host_blocks_loaded)):
             counter.inc(max(0, new - old))
         self._last = s
 

@@ -1,0 +1,124 @@
+"""Admin endpoints: sleep mode (vLLM's `/sleep`, `/wake_up`, `/is_sleeping`) and weight updates
+(SGLang's `/update_weights_from_disk`, `/init_weights_update_group`,
+`/update_weights_from_distributed`, `/destroy_weights_update_group`). Each is one utility call
+to the engine (`EngineServer.util_admin`), which runs it on every rank. Behind the API key like
+every route but /health, /version and /metrics.
+
+Answers: 200 with a JSON body (`success: true` for the weight updates, as SGLang's); 400 bad
+input (sleep mode not enabled, a checkpoint of another architecture, an unknown group ...); 409
+while requests run or wait (sleep and weight updates need an idle engine: finish or abort them
+first); 500 a failure on some rank (the message names it).
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from fastapi import FastAPI, Query
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .client import EngineClient
+from .metrics import Metrics
+from .protocol import APIError, Bool
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # an unknown field is a 400, as elsewhere
+
+
+class UpdateWeightsFromDiskRequest(_Body):
+    model_path: str
+    load_format: Literal["auto", "safetensors"] | None = None
+    flush_cache: Bool = True  # the prefix cache is always reset after an update
+
+
+class InitWeightsUpdateGroupRequest(_Body):
+    master_address: str = Field(min_length=1)
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1)  # the trainer is rank 0
+    world_size: int = Field(ge=2)
+    group_name: str = "weight_update_group"
+    backend: Literal["nccl", "gloo"] = "nccl"
+
+
+class UpdateWeightsFromDistributedRequest(_Body):
+    names: list[str] | None = None
+    dtypes: list[str] | None = None
+    shapes: list[list[int]] | None = None
+    # SGLang's older one-tensor form
+    name: str | None = None
+    dtype: str | None = None
+    shape: list[int] | None = None
+    group_name: str = "weight_update_group"
+    flush_cache: Bool = True
+
+    @model_validator(mode="after")
+    def _one_form(self):
+        many = self.names is not None or self.dtypes is not None or self.shapes is not None
+        one = self.name is not None or self.dtype is not None or self.shape is not None
+        if many == one:
+            raise ValueError("give names, dtypes and shapes (or name, dtype and shape)")
+        if one:
+            if None in (self.name, self.dtype, self.shape):
+                raise ValueError("name, dtype and shape go together")
+            self.names, self.dtypes, self.shapes = [self.name], [self.dtype], [self.shape]
+        elif None in (self.names, self.dtypes, self.shapes):
+            raise ValueError("names, dtypes and shapes go together")
+        return self
+
+
+class DestroyWeightsUpdateGroupRequest(_Body):
+    group_name: str = "weight_update_group"
+
+
+def add_admin_routes(app: FastAPI, client: EngineClient, metrics: Metrics) -> None:
+    async def admin(method: str, **kwargs):
+        reply = await client.call("admin", method, kwargs)
+        if reply["status"] != 200:
+            raise APIError(reply["message"], reply["status"])
+        return reply["result"]
+
+    def track(result: dict) -> None:
+        client.sleeping = bool(result.get("is_sleeping"))
+        metrics.sleep_level.set(result.get("level", 0) if client.sleeping else 0)
+
+    @app.post("/sleep")
+    async def sleep(level: int = Query(1, description="1: weights to host memory, KV cache "
+                                                      "discarded; 2: both discarded")):
+        result = await admin("sleep", level=level)
+        track(result)
+        return {"success": True, "is_sleeping": True, "level": result["level"]}
+
+    @app.post("/wake_up")
+    async def wake_up(tags: list[str] | None = Query(None, description="weights and/or kv_cache "
+                                                                         "(default: both)")):
+        result = await admin("wake_up", tags=tags)
+        track(result)
+        return {"success": True, "is_sleeping": result["is_sleeping"], "asleep": result["asleep"]}
+
+    @app.get("/is_sleeping")
+    async def is_sleeping():
+        return {"is_sleeping": await admin("is_sleeping")}
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(req: UpdateWeightsFromDiskRequest):
+        await admin("update_weights_from_disk", model_path=req.model_path)
+        return {"success": True, "message": f"loaded {req.model_path}; prefix cache reset"}
+
+    # not in /openapi.json: it blocks the engine until the trainer joins (or a timeout), which
+    # a schema-driven fuzzer would hit with made-up addresses
+    @app.post("/init_weights_update_group", include_in_schema=False)
+    async def init_weights_update_group(req: InitWeightsUpdateGroupRequest):
+        await admin("init_weights_update_group", **req.model_dump())
+        return {"success": True, "message": f"joined weight-update group {req.group_name!r}"}
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(req: UpdateWeightsFromDistributedRequest):
+        result = await admin("update_weights_from_distributed", names=req.names, dtypes=req.dtypes,
+                             shapes=req.shapes, group_name=req.group_name)
+        return {"success": True, "message": f"received {result['num_tensors']} tensor(s); "
+                                            "prefix cache reset"}
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(req: DestroyWeightsUpdateGroupRequest):
+        await admin("destroy_weights_update_group", group_name=req.group_name)
+        return {"success": True, "message": f"left weight-update group {req.group_name!r}"}

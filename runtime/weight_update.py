@@ -1,0 +1,154 @@
+"""New weights without a restart, on every rank: from a checkpoint directory of the same
+architecture (`update_weights_from_disk`), or broadcast by a trainer in the same job over a
+process group of its own (`init_weights_update_group` / `update_weights_from_distributed`, the
+calls RL frameworks make; SGLang's endpoint names and fields).
+
+The weight-update group: the trainer is rank 0; the engine's rank r (its rank in the engine's
+job) is `rank_offset + r`; `world_size` counts them all. Rendezvous at `tcp://master_address:
+master_port` (rank 0 hosts the TCP store), keys under the group's name; the backend is built on
+the store exactly as `torch.distributed`'s own group helper builds it (prefixes `NAME` then
+`NAME/` then the device), so a trainer may create its side with that helper (as OpenRLHF, verl
+and SGLang's tests do) or with `trainer_group` below (same torch version on both sides). Each
+tensor is broadcast whole from rank 0 in the order of the update call's names; every engine rank
+takes its own shard through the parameters' weight loaders, as when loading a checkpoint.
+"""
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+
+import torch
+
+DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+          "float16": torch.float16, "half": torch.float16, "float64": torch.float64,
+          "int64": torch.int64, "int32": torch.int32, "int8": torch.int8, "uint8": torch.uint8}
+# the config fields that must agree for new weights to fit the running model
+SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "vocab_size", "moe_intermediate_size",
+              "num_experts", "num_local_experts", "num_experts_per_tok", "tie_word_embeddings")
+GROUP_TIMEOUT_S = 120.0  # init: how long to wait for every member of the group
+
+
+def parse_dtype(name) -> torch.dtype:
+    key = str(name).removeprefix("torch.")
+    if key not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r} (one of {', '.join(DTYPES)})")
+    return DTYPES[key]
+
+
+def check_checkpoint(current_model_dir: str, model_path: str) -> None:
+    """ValueError unless `model_path` is a safetensors checkpoint of the running architecture."""
+    from ..models.loader import load_hf_config
+    if not isinstance(model_path, str) or not os.path.isdir(model_path):
+        raise ValueError(f"model_path {model_path!r} is not a directory")
+    if not os.path.isfile(os.path.join(model_path, "config.json")):
+        raise ValueError(f"model_path {model_path!r} has no config.json")
+    if not any(f.endswith(".safetensors") for f in os.listdir(model_path)):
+        raise ValueError(f"model_path {model_path!r} has no *.safetensors files")
+    old, new = load_hf_config(current_model_dir), load_hf_config(model_path)
+    a, b = (getattr(old, "architectures", None) or [None])[0], (getattr(new, "architectures", None) or [None])[0]
+    if a != b:
+        raise ValueError(f"model_path {model_path!r} holds a {b} checkpoint; the running model is {a}")
+    for key in SHAPE_KEYS:
+        x, y = getattr(old, key, None), getattr(new, key, None)
+        if x != y:
+            raise ValueError(f"model_path {model_path!r}: {key} is {y}, the running model has {x}")
+
+
+def load_from_disk(model, model_path: str) -> int:
+    from ..models.loader import load_weights
+    with torch.no_grad():
+        return load_weights(model, model_path, progress=False)
+
+
+def load_tensor(model, params: dict, name: str, tensor: torch.Tensor) -> bool:
+    """Copy this rank's share of checkpoint tensor `name` into the model (as the safetensors
+    loader does); False if no parameter of this rank takes it."""
+    used = False
+    with torch.no_grad():
+        for target, shard in model.map_weight(name):
+            param = params.get(target)
+            if param is None:  # another pipeline stage's layer, or unused
+                continue
+            loader = getattr(param, "weight_loader", None)
+            if loader is None:
+                param.data.copy_(tensor)
+            else:
+                loader(param, tensor, shard)
+            used = True
+    return used
+
+
+class WeightsUpdateGroup:
+    """A process group between a trainer (rank 0) and the engine's ranks, outside the engine's
+    own torch.distributed world: a bare backend on a store of its own."""
+
+    def __init__(self, master_address: str, master_port: int, rank: int, world_size: int,
+                 group_name: str, backend: str, timeout_s: float = GROUP_TIMEOUT_S):
+        import torch.distributed as dist
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise ValueError("backend nccl needs CUDA; use gloo on CPU")
+        self.name, self.rank, self.world_size, self.backend = group_name, rank, world_size, backend
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store, _, _ = next(dist.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
+                                           timeout=timeout))
+        store.set_timeout(timeout)
+        # the prefixes torch.distributed's group helper puts on a PrefixStore(group_name, store)
+        base = dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store))
+        dev = "cuda" if backend == "nccl" else "cpu"
+        bstore = dist.PrefixStore(f"{dev}/", base)
+        if backend == "gloo":
+            self.pg = dist.ProcessGroupGloo(bstore, rank, world_size, timeout)
+        else:
+            opts = dist.ProcessGroupNCCL.Options()
+            opts.is_high_priority_stream = False
+            opts._timeout = timeout
+            self.pg = dist.ProcessGroupNCCL(bstore, rank, world_size, opts)
+        self.pg._set_sequence_number_for_group()
+        self._store = store  # keep the rendezvous store alive as long as the group
+        # a group left to interpreter teardown can die in std::terminate (gloo's threads)
+        atexit.register(self.destroy)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        import torch.distributed as dist
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = src, 0
+        self.pg.broadcast([tensor], opts).wait()
+
+    def destroy(self) -> None:
+        pg, self.pg, self._store = self.pg, None, None
+        if pg is not None and self.backend == "nccl":
+            try:
+                pg.shutdown()
+            except Exception:  # noqa: BLE001 - leaving anyway
+                pass
+        del pg
+
+
+def trainer_group(master_address: str, master_port: int, world_size: int,
+                  group_name: str = "weight_update_group", backend: str = "nccl",
+                  timeout_s: float = GROUP_TIMEOUT_S) -> WeightsUpdateGroup:
+    """The trainer's side (rank 0) of the group; call it while the engine's
+    /init_weights_update_group request is pending, then `group.broadcast(tensor)` each tensor
+    in the order of the /update_weights_from_distributed request's names."""
+    return WeightsUpdateGroup(master_address, master_port, 0, world_size, group_name, backend, timeout_s)
+
+
+def receive_weights(model, group: WeightsUpdateGroup, names: list[str], dtypes: list,
+                    shapes: list[list[int]], device: torch.device) -> list[str]:
+    """Receive each tensor from the trainer and load it; returns the names no parameter of this
+    rank took."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    unused = []
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        t = torch.empty(tuple(shape), dtype=parse_dtype(dtype), device=group.device)
+        group.broadcast(t, src=0)
+        if not load_tensor(model, params, name, t.to(device) if t.device != device else t):
+            unused.append(name)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return unused
