@@ -44,6 +44,7 @@ class ModelRunnerOutput:
     logprobs: list[LogprobsEntry] | None = None  # aligned with req_ids, for requests that asked
     prompt_logprobs: dict[str, list[LogprobsEntry]] = field(default_factory=dict)
     _pending: tuple | None = None  # (pinned host copy, CUDA event) until resolve()
+    _sample: tuple | None = None  # (runner, inputs, hidden): sampling deferred (grammar masks)
 
     def defer(self, ids) -> None:
         """Start the device→host copy of the sampled ids; `resolve` waits for it."""
@@ -57,7 +58,15 @@ class ModelRunnerOutput:
         event.record()
         self._pending = (host, event)
 
+    def finish(self) -> None:
+        """Run a deferred sampling (on the engine's thread: the runner's next step or collect)."""
+        if self._sample is not None:
+            runner, inp, hidden = self._sample
+            self._sample = None
+            runner.sample(inp, hidden, self)
+
     def resolve(self) -> "ModelRunnerOutput":
+        self.finish()
         if self._pending is not None:
             host, event = self._pending
             event.synchronize()
@@ -126,6 +135,7 @@ class ModelRunner:
         # step's placeholder inputs
         self.prev_sampled: torch.Tensor | None = None
         self.prev_index: dict[str, int] = {}
+        self._deferred: ModelRunnerOutput | None = None  # a step whose sampling waits for masks
 
     @property
     def reqs(self) -> dict[str, ReqState]:
@@ -295,14 +305,29 @@ class ModelRunner:
         """Run one step. Non-last pipeline stages return the hidden states to send on."""
         if self.host_kv is not None:  # the plan's block copies to / from the host tier
             self.host_kv.run(plan)
+        self.finish_sampling()
         inp = self.prepare_inputs(plan)
         hidden = self.compiled_model(inp.input_ids, inp.positions, inp.attn, hidden_in)
         if not self.pi.is_last_stage:
             return hidden
+        if plan.grammar_fill is not None and inp.grammar is not None:
+            # the masks fill on the grammar thread while the device runs the forward and the
+            # engine does its own host work (the previous step's outputs, the next plan);
+            # sampling waits for them and runs at the next step's start (or at collect)
+            plan.fill_async()
+            out = self._deferred = ModelRunnerOutput(inp.sample_req_ids, [])
+            out._sample = (self, inp, hidden)
+            return out
         return self.sample(inp, hidden)
 
-    def sample(self, inp: StepInputs, hidden: torch.Tensor) -> ModelRunnerOutput:
-        out = ModelRunnerOutput(inp.sample_req_ids, [])
+    def finish_sampling(self) -> None:
+        out, self._deferred = self._deferred, None
+        if out is not None:
+            out.finish()
+
+    def sample(self, inp: StepInputs, hidden: torch.Tensor,
+               out: ModelRunnerOutput | None = None) -> ModelRunnerOutput:
+        out = out or ModelRunnerOutput(inp.sample_req_ids, [])
         if inp.sample_req_ids:
             logits = self.model.compute_logits(hidden[inp.logits_indices])
             md = self.sampling.build(inp.sample_req_ids, inp.sample_out_counts, inp.grammar)

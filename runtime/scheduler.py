@@ -11,6 +11,7 @@ full, running ones as deltas (new block ids, tokens appended since they were las
 from __future__ import annotations
 
 import bisect
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
@@ -59,7 +60,8 @@ class SchedulerOutput:
     # constrained requests that sample this step; only the last pipeline stage reads them
     grammar_req_ids: list[str] = field(default_factory=list)
     grammar_bitmask: np.ndarray | None = None
-    grammar_fill: Callable[[], np.ndarray] | None = field(default=None, repr=False)
+    grammar_fill: Callable[..., object] | None = field(default=None, repr=False)
+    grammar_future: object = field(default=None, repr=False)  # a fill running on the grammar thread
     # host KV tier (runtime/kv_offload.py): block copies every rank runs before the forward,
     # device → host first, then host → device; `wait_for_copies`: the forward waits for them
     # (it reads loaded blocks, or overwrites a block this plan copies out)
@@ -68,11 +70,20 @@ class SchedulerOutput:
     wait_for_copies: bool = False
 
     def bitmask(self) -> np.ndarray | None:
-        """The grammar rows, filled on first use. On one rank that is at sampling time, after
-        the forward is launched, so the host fills the masks while the device computes."""
-        if self.grammar_bitmask is None and self.grammar_fill is not None:
+        """The grammar rows, filled on first use (or by the fill `fill_async` started). On one
+        rank that is at sampling time, after the forward is launched, so the host fills the masks
+        while the device computes."""
+        if self.grammar_future is not None:
+            self.grammar_bitmask, self.grammar_future = self.grammar_future.result(), None
+        elif self.grammar_bitmask is None and self.grammar_fill is not None:
             self.grammar_bitmask, self.grammar_fill = self.grammar_fill(), None
         return self.grammar_bitmask
+
+    def fill_async(self) -> None:
+        """Start filling the rows on the grammar thread (the model runner calls this once the
+        forward is launched, then defers sampling: the engine's own host work runs meanwhile)."""
+        if self.grammar_fill is not None and self.grammar_bitmask is None:
+            self.grammar_future, self.grammar_fill = self.grammar_fill(background=True), None
 
     def __getstate__(self):  # sent to other ranks: the rows travel, the filler does not
         self.bitmask()
@@ -93,6 +104,7 @@ class Scheduler:
         # the engine's steps in flight, oldest first (their results may not be resolved yet):
         # under async scheduling a mask is filled before the engine has seen the previous token
         self.results_in_flight: Callable[[], list] = list
+        self._accepting: threading.Event | None = None  # set once the last fill has accepted
         self.error_outputs: list[EngineCoreOutput] = []  # requests that failed outside a step
         # schedule a decode before its previous token is back (the runner fills it in on device)
         self.async_scheduling = async_scheduling
@@ -224,7 +236,7 @@ class Scheduler:
                 constrained.append(req)
         if constrained:
             out.grammar_req_ids = [r.request_id for r in constrained]
-            out.grammar_fill = lambda: self._fill_bitmask(constrained)
+            out.grammar_fill = lambda background=False: self._fill_bitmask(constrained, background)
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         if self.kv.offload is not None and not out.is_empty:  # (an empty plan is not sent)
             out.blocks_to_host, out.blocks_from_host, out.wait_for_copies = self.kv.offload.take_copies()
@@ -235,28 +247,38 @@ class Scheduler:
                 self.structured.wait_any([r.grammar for r in self.compiling], 0.01)
         return out
 
-    def _fill_bitmask(self, reqs: list[Request]) -> np.ndarray:
-        """The masks of a plan's constrained requests. Called at sampling time (after the
-        forward is launched): under async scheduling the previous step may still be in flight,
-        so its tokens are taken from its result here (waiting for it while this step's forward
-        runs) and accepted before the masks are filled; `update` then finds them seen."""
-        if self.async_scheduling:
-            want = {r.request_id: r for r in reqs}
-            seen: dict[str, int] = {}  # tokens of a request met in earlier results of this scan
-            pairs = []
-            for res in self.results_in_flight():
-                if res is None:
-                    continue
-                res.resolve()
-                for rid, tok in zip(res.req_ids, res.sampled_token_ids):
-                    r = want.get(rid)
-                    if r is not None:
-                        k = seen[rid] = seen.get(rid, 0) + 1
-                        if r.grammar.num_seen < r.num_output_tokens + k:
-                            pairs.append((r.grammar, tok))
-            if pairs:
-                self.structured.accept(pairs)
-        return self.structured.fill_bitmask([r.grammar for r in reqs])
+    def _fill_bitmask(self, reqs: list[Request], background: bool = False):
+        """The masks of a plan's constrained requests, filled after its forward is launched.
+        Under async scheduling the previous step may still be in flight: its tokens are taken
+        from its result (waiting for it while this step's forward runs) and accepted first, so
+        `update` finds them seen. `background`: run on the grammar thread and return a future;
+        `update` waits until the accepting is done (it reads and advances the same requests)."""
+        results = [r for r in self.results_in_flight() if r is not None] if self.async_scheduling else []
+        done = threading.Event()
+        self._accepting = done
+
+        def fill() -> np.ndarray:
+            try:
+                self._accept_in_flight(reqs, results)
+            finally:
+                done.set()
+            return self.structured.fill_bitmask([r.grammar for r in reqs])
+        return self.structured.fill_pool.submit(fill) if background else fill()
+
+    def _accept_in_flight(self, reqs: list[Request], results: list) -> None:
+        want = {r.request_id: r for r in reqs}
+        seen: dict[str, int] = {}  # tokens of a request met in earlier results of this scan
+        pairs = []
+        for res in results:
+            res.resolve()
+            for rid, tok in zip(res.req_ids, res.sampled_token_ids):
+                r = want.get(rid)
+                if r is not None:
+                    k = seen[rid] = seen.get(rid, 0) + 1
+                    if r.grammar.num_seen < r.num_output_tokens + k:
+                        pairs.append((r.grammar, tok))
+        if pairs:
+            self.structured.accept(pairs)
 
     def _poll_grammars(self) -> None:
         """Give compiled requests their matcher; fail those whose compilation failed."""
@@ -341,6 +363,8 @@ class Scheduler:
 
     def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> EngineCoreOutputs:
         """Append sampled tokens, apply stop conditions, build the outputs for the frontend."""
+        if self._accepting is not None:  # a mask fill on the grammar thread accepts our tokens
+            self._accepting.wait()
         for rid in sched.num_scheduled_tokens:
             req = self.requests.get(rid)
             if req is not None:  # else it finished while the step ran

@@ -146,6 +146,8 @@ class StructuredOutputManager:
         self.model_dir = model_dir
         self.vocab_size = vocab_size  # the logits' width: may exceed the tokenizer's vocabulary
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="grammar")
+        # mask fills that overlap the engine's host work (one at a time: steps are ordered)
+        self.fill_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-fill")
         self._lock = threading.Lock()
         self._compiler = None
         self._batch = None  # xgrammar BatchGrammarMatcher, made on first use
@@ -242,3 +244,4 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.fill_pool.shutdown(wait=False, cancel_futures=True)

@@ -125,12 +125,16 @@ def test_valid_under_async_chunked_preemption(qwen3_chat_dir, kw):
 
 def test_constrained_requests_advance_every_step_under_async(qwen3_chat_dir):
     """Async scheduling keeps two steps in flight with constrained requests too: a request's
-    next mask is filled at sampling time, after the previous step's token is taken from its
-    result and accepted (Scheduler._fill_bitmask), so every request advances every step, the
-    host work overlaps the device, and the outputs stay valid."""
+    next mask is filled after the forward is launched, on the grammar thread, once the previous
+    step's token is taken from its result and accepted (Scheduler._fill_bitmask); sampling waits
+    for it at the next step's start, so every request advances every step, the fill overlaps the
+    device and the engine's own host work, and the outputs stay valid."""
+    import threading
     llm = LLM(str(qwen3_chat_dir), max_num_seqs=4, async_scheduling=True)
-    steps, filled_late, overlapped = [], [], []
+    steps, filled_late, overlapped, threads = [], [], [], []
     eng = llm.engine
+    fill = eng.structured.fill_bitmask
+    eng.structured.fill_bitmask = lambda g: (threads.append(threading.current_thread().name), fill(g))[1]
     eng.step_hooks.append(lambda plan: (steps.append(plan), filled_late.append(
         plan.grammar_req_ids == [] or plan.grammar_bitmask is None),
         overlapped.append(bool(plan.grammar_req_ids) and len(eng.in_flight) > 0)))
@@ -142,6 +146,8 @@ def test_constrained_requests_advance_every_step_under_async(qwen3_chat_dir):
     assert all(filled_late)  # not filled when scheduled
     assert all(p.grammar_bitmask is not None for p in steps if p.grammar_req_ids)  # but used
     assert sum(overlapped) >= longest - 2  # scheduled while the previous step was in flight
+    # filled on the grammar thread while the engine handled the previous step's outputs
+    assert len(threads) >= longest and all(t.startswith("grammar-fill") for t in threads), threads[:3]
     for o in outs:
         assert o.outputs[0].finish_reason == "stop"
         jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)

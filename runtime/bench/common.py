@@ -7,7 +7,8 @@ A lower bound on the time of a workload on this device, from what it must move a
 
     floor = max(bytes / HBM bandwidth, FLOPs / matmul rate)     (ceilings measured on one device, × TP × PP ranks)
 
-Bytes (all in the model dtype; P = prompt length, O = output tokens of a request):
+Bytes (in the model dtype, except quantized linear weights and an fp8 KV cache, counted at their
+measured width: `byte_widths`; P = prompt length, O = output tokens of a request):
   weights   Σ over engine steps that ran a forward of the weights that step must read:
             every non-embedding parameter plus the LM head (the input embedding is a row gather;
             a tied matrix counts once, as the head). For MoE the routed experts count by the
@@ -227,18 +228,39 @@ class StepLog:
         self.tokens.clear()
 
 
+def byte_widths(runner) -> dict:
+    """Bytes per weight of the linear layers and experts (quantized: FP8 ~1, 4-bit ~0.52, with
+    their scales) and per KV-cache element, measured on the runner's model, for the floor."""
+    nbytes = logical = 0
+    for mod in runner.model.modules():
+        if getattr(mod, "quant", None) is None:
+            continue
+        own = [p for n, p in mod.named_parameters(recurse=False) if n != "bias"]
+        nbytes += sum(p.numel() * p.element_size() for p in own)
+        if hasattr(mod, "weight_shape"):  # a parallel linear layer: in x out weights
+            logical += mod.weight_shape[0] * mod.weight_shape[1]
+        else:  # fused experts
+            logical += mod.w13.numel() + mod.w2.numel()
+    kv = getattr(runner, "kv_dtype", runner.dtype)
+    return dict(linear=nbytes / logical if logical else runner.dtype.itemsize, kv=kv.itemsize)
+
+
 def physical_floor(stats: ModelStats, prompt_lens: list[int], output_lens: list[int],
                    step_tokens: list[int], dtype_bytes: int, ceilings: dict,
-                   num_devices: int = 1) -> dict:
-    """Bytes, FLOPs and the floor time of a workload (see the module docstring)."""
-    kv_tok = stats.kv_bytes_per_token(dtype_bytes)
+                   num_devices: int = 1, widths: dict | None = None) -> dict:
+    """Bytes, FLOPs and the floor time of a workload (see the module docstring). `widths`
+    (`byte_widths`): the linear weights' and the KV cache's bytes when they are not the model
+    dtype's (quantized weights, an fp8 KV cache); embedding and head stay at `dtype_bytes`."""
+    lin_b = widths["linear"] if widths else dtype_bytes
+    kv_tok = stats.kv_bytes_per_token(widths["kv"] if widths else dtype_bytes)
     ctx_read = kv_written = tokens = attn_ctx = 0
     for p, o in zip(prompt_lens, output_lens):
         ctx_read += o * p + o * (o - 1) // 2  # Σ_{t<o} (p + t)
         kv_written += p + o - 1
         tokens += p + o - 1
         attn_ctx += p * (p + 1) // 2 + (o - 1) * p + (o - 1) * o // 2  # prompt, then decode
-    weights = sum(stats.step_weight_params(n) for n in step_tokens) * dtype_bytes
+    weights = sum((stats.step_weight_params(n) - stats.head_params) * lin_b
+                  + stats.head_params * dtype_bytes for n in step_tokens)
     kv_read, kv_write = ctx_read * kv_tok, kv_written * kv_tok
     flops_linear = 2 * stats.active_params_per_token * tokens + 2 * stats.head_params * sum(output_lens)
     flops_attn = 4 * stats.head_dim * stats.num_heads * stats.num_layers * attn_ctx

@@ -55,9 +55,10 @@ def summarize(args: LatencyArgs, e2e: list[float], ttft: list[float], floor_e2e:
                 ttft_floor=common.with_achieved(floor_ttft, first, args.batch_size))
 
 
-def _floor(stats, args, output_len, steps, dtype_bytes, ceilings, n_dev=1):
+def _floor(stats, args, output_len, steps, dtype_bytes, ceilings, n_dev=1, widths=None):
     return common.physical_floor(stats, [args.input_len] * args.batch_size,
-                                 [output_len] * args.batch_size, steps, dtype_bytes, ceilings, n_dev)
+                                 [output_len] * args.batch_size, steps, dtype_bytes, ceilings, n_dev,
+                                 widths)
 
 
 def rankserve_latency(llm, args: LatencyArgs, stats, ceilings) -> dict:
@@ -76,7 +77,8 @@ def rankserve_latency(llm, args: LatencyArgs, stats, ceilings) -> dict:
                 times.append(elapsed)
         results[name] = (times, list(log.tokens))  # every iteration runs the same steps
     n_dev = llm.config.parallel.world_size  # TP shards and PP stages in flight all read at once
-    f = {k: _floor(stats, args, olen, results[k][1], runner.dtype.itemsize, ceilings, n_dev)
+    widths = common.byte_widths(runner)
+    f = {k: _floor(stats, args, olen, results[k][1], runner.dtype.itemsize, ceilings, n_dev, widths)
          for k, olen in (("e2e", args.output_len), ("ttft", 1))}
     extra = {}
     if args.profile_dir:
@@ -85,7 +87,8 @@ def rankserve_latency(llm, args: LatencyArgs, stats, ceilings) -> dict:
                                                 len(results["e2e"][1]), args.profile_dir, "latency")
     return dict(summarize(args, results["e2e"][0], results["ttft"][0], f["e2e"], f["ttft"],
                           dict(llm.engine.timings)),
-                dtype=str(runner.dtype).replace("torch.", ""), num_devices=n_dev, **extra)
+                dtype=str(runner.dtype).replace("torch.", ""), num_devices=n_dev,
+                bytes_per_weight=widths["linear"], kv_bytes=widths["kv"], **extra)
 
 
 def hf_latency(model_dir: str, device, dtype, args: LatencyArgs, vocab: int, stats, ceilings) -> dict:

@@ -104,7 +104,8 @@ def rankserve_throughput(llm, wl: common.Workload, warm: common.Workload,
     elapsed, out_lens = run_engine(llm, wl, use_tqdm=True, structured=structured)
     n_dev = llm.config.parallel.world_size  # TP shards and PP stages in flight all read at once
     floor = common.physical_floor(stats, wl.prompt_lens, out_lens, log.tokens,
-                                  runner.dtype.itemsize, ceilings, num_devices=n_dev)
+                                  runner.dtype.itemsize, ceilings, num_devices=n_dev,
+                                  widths=(widths := common.byte_widths(runner)))
     timings = dict(llm.engine.timings)
     extra = {}
     if profile_dir:
@@ -113,7 +114,7 @@ def rankserve_throughput(llm, wl: common.Workload, warm: common.Workload,
                                                 profile_dir, "throughput")
     return dict(metrics(elapsed, wl.prompt_lens, out_lens, floor, timings),
                 dtype=str(runner.dtype).replace("torch.", ""), num_kv_blocks=llm.engine.num_blocks,
-                num_devices=n_dev, **extra)
+                num_devices=n_dev, bytes_per_weight=widths["linear"], kv_bytes=widths["kv"], **extra)
 
 
 def hf_throughput(model_dir: str, device: torch.device, dtype: torch.dtype, wl, warm, stats,
