@@ -32,6 +32,10 @@ def engine_options(func):
         if f.metadata.get("positional"):
             func = click.argument("model", required=False)(func)
             continue
+        if f.metadata.get("multiple"):  # repeatable string flag (a tuple field)
+            func = click.option("--" + f.name.replace("_", "-"), f.name, multiple=True,
+                                help=f.metadata.get("doc", ""))(func)
+            continue
         ctype, base = _click_type(f)
         names = ["--" + f.name.replace("_", "-")]
         alias = f.metadata.get("alias")
@@ -53,6 +57,10 @@ def build_config(kwargs: dict) -> EngineConfig:
     given = {}
     for _section, f in cfg.flat_fields():
         value = kwargs.get(f.name)
+        if f.metadata.get("multiple"):
+            if value:
+                given[f.name] = tuple(value)
+            continue
         if value is not None:
             ctype, base = _click_type(f)
             given[f.name] = int(value) if isinstance(ctype, click.Choice) and base is int else value

@@ -38,6 +38,7 @@ class NewRequestData:
     num_computed_tokens: int
     num_prompt_tokens: int
     eos_token_id: int | None
+    lora_request: object = None  # LoRARequest (runtime/messages.py) or None
 
 
 @dataclass
@@ -86,8 +87,10 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int,
                  max_model_len: int, async_scheduling: bool = False,
-                 structured: StructuredOutputManager | None = None, num_host_blocks: int = 0):
+                 structured: StructuredOutputManager | None = None, num_host_blocks: int = 0,
+                 max_loras: int = 0):
         self.cfg = sched
+        self.max_loras = max_loras  # LoRA: most adapters among running requests (0: no LoRA)
         self.structured = structured
         self.compiling: list[Request] = []  # waiting for their grammar: not schedulable yet
         # the engine's steps in flight, oldest first (their results may not be resolved yet):
@@ -193,12 +196,18 @@ class Scheduler:
             i += 1
 
         # then waiting requests, in policy order, unless we just had to preempt
+        loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request} \
+            if self.max_loras else set()
         j = 0
         while (j < len(self.waiting) and budget > 0 and not preempted
                and len(self.running) < self.cfg.max_num_seqs):
             req = self.waiting[j]
             if req.grammar is not None and not req.grammar.ready:
                 j += 1  # still compiling: the others go ahead
+                continue
+            lid = req.lora_request.lora_int_id if req.lora_request else None
+            if lid is not None and lid not in loras and len(loras) >= self.max_loras:
+                j += 1  # its adapter would exceed --max-loras: the others go ahead
                 continue
             computed, num_cached = self.kv.get_computed_blocks(req)
             n = req.num_tokens - num_cached
@@ -215,6 +224,8 @@ class Scheduler:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
             self.running.append(req)
+            if lid is not None:
+                loras.add(lid)
             step[req.request_id] = (req, n, new_blocks, True)
             budget -= n
 
@@ -297,7 +308,7 @@ class Scheduler:
         if new:
             out.new_reqs.append(NewRequestData(
                 rid, list(req.all_token_ids), req.sampling_params, self.kv.block_ids(req),
-                req.num_computed_tokens, req.num_prompt_tokens, req.eos_token_id))
+                req.num_computed_tokens, req.num_prompt_tokens, req.eos_token_id, req.lora_request))
         else:
             out.cached_reqs.append(CachedRequestData(
                 rid, req.all_token_ids[req.num_sent:], new_blocks, req.num_computed_tokens))

@@ -1,0 +1,75 @@
+"""Multi-LoRA serving (#17): greedy tokens with PEFT adapters equal transformers + PEFT merged
+(fp32, CPU), with several adapters and the base model mixed in one batch; --max-loras."""
+from __future__ import annotations
+
+import pytest
+
+from rankserve import LLM, LoRARequest, SamplingParams
+from lora_utils import ADAPTERS, NEW, PROMPTS, make_adapter, merged_greedy
+
+
+@pytest.fixture(scope="module", params=["LlamaForCausalLM", "Qwen3ForCausalLM"])
+def setup(request, checkpoint, tmp_path_factory):
+    base = checkpoint(request.param)
+    d = tmp_path_factory.mktemp("lora-" + request.param)
+    adapters = [LoRARequest(name, i + 1, make_adapter(base, d / name, r, a, rs, t, seed=i))
+                for i, (name, r, a, rs, t) in enumerate(ADAPTERS)]
+    # per (adapter or base) and prompt: the merged model's greedy tokens
+    refs = {None: merged_greedy(base, None, PROMPTS)}
+    for lr in adapters:
+        refs[lr.lora_int_id] = merged_greedy(base, lr.lora_path, PROMPTS)
+    return base, adapters, refs
+
+
+def _run(llm, adapters, refs):
+    """Every prompt with every adapter and with none, all in one generate call."""
+    choices = [None, *adapters]
+    prompts, loras = [], []
+    for i, p in enumerate(PROMPTS):
+        for j in range(len(choices)):
+            prompts.append({"prompt_token_ids": p})
+            loras.append(choices[(i + j) % len(choices)])
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True),
+                        lora_request=loras)
+    for k, (o, lr) in enumerate(zip(outs, loras)):
+        want = refs[lr.lora_int_id if lr else None][k // len(choices)]
+        assert o.outputs[0].token_ids == want, f"prompt {k // len(choices)}, adapter {lr}"
+
+
+def test_mixed_batch_matches_peft(setup):
+    base, adapters, refs = setup
+    assert all(refs[lr.lora_int_id] != refs[None] for lr in adapters), "adapters change nothing"
+    llm = LLM(base, dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=16,
+              max_num_seqs=16)
+    _run(llm, adapters, refs)
+
+
+def test_max_loras_smaller_than_adapters(setup):
+    """One slot for three adapters: all requests complete, each with its own adapter."""
+    base, adapters, refs = setup
+    llm = LLM(base, dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=16,
+              max_cpu_loras=2, max_num_seqs=16, max_num_batched_tokens=64)
+    sched = llm.engine.scheduler
+    seen = []
+    orig = sched.schedule
+
+    def schedule():
+        plan = orig()
+        seen.append({r.lora_request.lora_int_id for r in sched.running if r.lora_request})
+        return plan
+    sched.schedule = schedule
+    _run(llm, adapters, refs)
+    assert max(len(s) for s in seen) == 1
+
+
+def test_lora_errors(setup, tmp_path):
+    base, adapters, _ = setup
+    llm = LLM(base, dtype="float32", enable_lora=True, max_lora_rank=8)
+    sp = SamplingParams(max_tokens=2)
+    with pytest.raises(ValueError, match="max-lora-rank"):
+        llm.generate([[1, 2, 3]], sp, lora_request=adapters[2])  # rank 16
+    with pytest.raises(ValueError, match="adapter_config"):
+        llm.generate([[1, 2, 3]], sp, lora_request=LoRARequest("x", 9, str(tmp_path)))
+    plain = LLM(base, dtype="float32")
+    with pytest.raises(ValueError, match="enable-lora"):
+        plain.generate([[1, 2, 3]], sp, lora_request=adapters[0])
