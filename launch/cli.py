@@ -105,8 +105,11 @@ def main():
 @click.option("--json", "as_json", is_flag=True, help="print token ids, text and finish reasons as JSON")
 @click.option("--regex", default=None, help="constrain the output to this regular expression")
 @click.option("--json-schema", default=None, help="constrain the output to this JSON schema (JSON text)")
+@click.option("--lora", "lora_names", multiple=True,
+              help="adapter of --lora-modules for the prompts: one for all, or one per --prompt "
+                   "(`base`: none)")
 def generate(prompts, max_tokens, temperature, top_p, top_k, sampling_seed, ignore_eos, as_json,
-             regex, json_schema, **kwargs):
+             regex, json_schema, lora_names, **kwargs):
     """Generate text offline for one or more prompts."""
     from .startup import run_on_ranks
     from ..runtime.sampling_params import SamplingParams, StructuredOutputsParams
@@ -121,8 +124,23 @@ def generate(prompts, max_tokens, temperature, top_p, top_k, sampling_seed, igno
     sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                         seed=sampling_seed, ignore_eos=ignore_eos, structured_outputs=so)
 
+    loras = None
+    if lora_names:
+        from ..runtime.lora import LoRATable, parse_lora_modules
+        table = LoRATable(cfg.lora.max_lora_rank)
+        try:
+            for name, path, base in parse_lora_modules(cfg.lora.lora_modules):
+                table.add(name, path, base)
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
+        names = list(lora_names) * len(prompts) if len(lora_names) == 1 else list(lora_names)
+        if len(names) != len(prompts) or any(n != "base" and n not in table.adapters for n in names):
+            raise click.UsageError("--lora: give one name of --lora-modules (or base) for all "
+                                   "prompts or one per --prompt")
+        loras = [None if n == "base" else table.adapters[n] for n in names]
+
     def body(llm):
-        outs = llm.generate(list(prompts), sp)
+        outs = llm.generate(list(prompts), sp, lora_request=loras)
         for o in outs:
             c = o.outputs[0]
             if as_json:

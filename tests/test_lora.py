@@ -2,6 +2,12 @@
 (fp32, CPU), with several adapters and the base model mixed in one batch; --max-loras."""
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import sys
+
 import pytest
 
 from rankserve import LLM, LoRARequest, SamplingParams
@@ -73,3 +79,31 @@ def test_lora_errors(setup, tmp_path):
     plain = LLM(base, dtype="float32")
     with pytest.raises(ValueError, match="enable-lora"):
         plain.generate([[1, 2, 3]], sp, lora_request=adapters[0])
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not on PATH")
+def test_tp2_matches_single_rank(checkpoint, tmp_path):
+    """Adapters sharded like their layers: TP 2 under mpiexec gives the single-rank tokens."""
+    base = checkpoint("LlamaForCausalLM")
+    paths = [make_adapter(base, tmp_path / name, r, a, rs, t, seed=i)
+             for i, (name, r, a, rs, t) in enumerate(ADAPTERS[:2])]
+    flags = ["--enable-lora", "--max-loras", "2", "--dtype", "float32",
+             "--lora-modules", f"a={paths[0]}", "--lora-modules", json.dumps({"name": "b", "path": paths[1]})]
+    prompts = ["Once upon a time", "The dog ran", "Lily and Tom were"]
+    cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "rankserve.launch", "generate", base,
+           "--max-tokens", "8", "--ignore-eos", "--json", "--tp", "2", *flags,
+           "--lora", "a", "--lora", "base", "--lora", "b"]
+    for p in prompts:
+        cmd += ["--prompt", p]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, RANKSERVE_HEARTBEAT_TIMEOUT="30"))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    got = [json.loads(x)["token_ids"] for x in r.stdout.splitlines() if x.startswith("{")]
+    llm = LLM(base, dtype="float32", enable_lora=True, max_loras=2)
+    loras = [LoRARequest("a", 1, paths[0]), None, LoRARequest("b", 2, paths[1])]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                        lora_request=loras)
+    want = [o.outputs[0].token_ids for o in outs]
+    assert got == want
+    assert merged_greedy(base, paths[0], [outs[0].prompt_token_ids], 8)[0] == want[0]
