@@ -93,7 +93,7 @@ class EngineCore:
                              f"({self.cfg.scheduler.max_num_batched_tokens}) with chunked prefill off")
 
     def _validate_lora(self, lr) -> None:
-        from ..models.lora import adapter_rank, read_adapter_config
+        from ..models.lora_config import adapter_rank, read_adapter_config
         if not self.cfg.lora.enable_lora:
             raise ValueError("this engine serves no LoRA adapters; start it with --enable-lora")
         if lr.lora_int_id < 1:

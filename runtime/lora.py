@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..models.lora import LoRAContext, load_adapter, set_slot, wrap_model
+from ..models.lora_config import adapter_rank, read_adapter_config
 from .messages import LoRARequest
 
 __all__ = ["LoRARequest", "LoRASlots", "LoRATable", "parse_lora_modules"]
@@ -28,6 +28,7 @@ class LoRASlots:
     """This rank's adapter slots (see the module doc)."""
 
     def __init__(self, model, lora_cfg, max_tokens: int, max_seqs: int, dtype, device):
+        from ..models.lora import LoRAContext, wrap_model
         self.cfg = lora_cfg
         self.dtype = dtype
         self.ctx = LoRAContext(max_tokens, max_seqs, device)
@@ -42,6 +43,7 @@ class LoRASlots:
     def _host_weights(self, lr: LoRARequest) -> dict:
         w = self.host.get(lr.lora_int_id)
         if w is None:
+            from ..models.lora import load_adapter
             w = load_adapter(lr.lora_path, self.model, self.layers, self.cfg.max_lora_rank, self.dtype)
             self.host[lr.lora_int_id] = w
             while len(self.host) > self.cfg.cpu_loras:
@@ -63,6 +65,7 @@ class LoRASlots:
                 raise RuntimeError(f"a step needs more than --max-loras {self.cfg.max_loras} "
                                    "adapters (scheduler bug)")
             slot = self.slot_of.pop(victim)
+        from ..models.lora import set_slot
         set_slot(self.layers, slot, self._host_weights(self.requests[lid]))
         self.slot_of[lid] = slot
         return slot
@@ -113,7 +116,6 @@ class LoRATable:
         self._next_id = 1
 
     def add(self, name: str, path: str, base_model_name: str | None = None) -> LoRARequest:
-        from ..models.lora import adapter_rank, read_adapter_config
         if name in self.adapters:
             raise ValueError(f"the LoRA adapter {name!r} is already loaded")
         cfg = read_adapter_config(path)
