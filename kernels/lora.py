@@ -149,13 +149,17 @@ def _gmv(x, w, token_slot, seg_start, seg_slot, sgmv: bool) -> torch.Tensor:
 # ops (torch.compile and CUDA graphs see one opaque op each)
 # ----------------------------------------------------------------------------------------------
 
+# `sgmv`: a 0-dim bool tensor on the host (the runner sets it each step), read inside the op, so
+# torch.compile neither guards on it nor recompiles when a step changes kernel
+
+
 @torch.library.custom_op("rankserve::lora_shrink", mutates_args=())
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slot: torch.Tensor,
-                seg_start: torch.Tensor, seg_slot: torch.Tensor, sgmv: bool) -> torch.Tensor:
+                seg_start: torch.Tensor, seg_slot: torch.Tensor, sgmv: torch.Tensor) -> torch.Tensor:
     """[T, K] x [S, R, K] → [T, R] fp32."""
     if not _use_triton(x):
         return ref_lora_shrink(x, a, token_slot)
-    return _gmv(x, a, token_slot, seg_start, seg_slot, sgmv)
+    return _gmv(x, a, token_slot, seg_start, seg_slot, bool(sgmv))
 
 
 @lora_shrink.register_fake
@@ -165,12 +169,12 @@ def _(x, a, token_slot, seg_start, seg_slot, sgmv):
 
 @torch.library.custom_op("rankserve::lora_expand", mutates_args=())
 def lora_expand(s: torch.Tensor, b: torch.Tensor, token_slot: torch.Tensor,
-                seg_start: torch.Tensor, seg_slot: torch.Tensor, sgmv: bool) -> torch.Tensor:
+                seg_start: torch.Tensor, seg_slot: torch.Tensor, sgmv: torch.Tensor) -> torch.Tensor:
     """[T, R] x [S, N, R] → [T, N] fp32 (`s` may be a column slice of a wider shrink output)."""
     s = s.to(b.dtype)  # the intermediate is rounded to the model dtype, as PEFT's lora_A(x) is
     if not _use_triton(s):
         return ref_lora_expand(s, b, token_slot)
-    return _gmv(s, b, token_slot, seg_start, seg_slot, sgmv)
+    return _gmv(s, b, token_slot, seg_start, seg_slot, bool(sgmv))
 
 
 @lora_expand.register_fake

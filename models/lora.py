@@ -32,13 +32,14 @@ from .quantization import LinearMethod
 class LoRAContext:
     """Per-step slot metadata shared by every LoRA layer: persistent device buffers (CUDA graphs
     read them) that the runner fills each step. `sgmv`: prefill-shaped step (segment kernels)
-    or decode (one token per request: the per-token kernels)."""
+    or decode (one token per request: the per-token kernels); a host tensor, so a compiled
+    graph serves both."""
 
     def __init__(self, max_tokens: int, max_seqs: int, device):
         self.token_slot = torch.full((max_tokens + 1,), -1, dtype=torch.int32, device=device)
         self.seg_start = torch.zeros(max_seqs + 2, dtype=torch.int32, device=device)
         self.seg_slot = torch.full((max_seqs + 1,), -1, dtype=torch.int32, device=device)
-        self.sgmv = False
+        self.sgmv = torch.zeros((), dtype=torch.bool)  # on the host: read by the ops, not traced
 
 
 class LoRAMethod(LinearMethod):

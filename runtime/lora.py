@@ -99,7 +99,7 @@ class LoRASlots:
         seg_slot[:B] = slots
         put(seg_start, c.seg_start)
         put(seg_slot, c.seg_slot)
-        c.sgmv = not is_decode
+        c.sgmv.fill_(not is_decode)
         # the slot's requests of adapters no step needs any more: drop their ids
         live = set(self.req_lora.values())
         for lid in [x for x in self.requests if x not in live and x not in self.slot_of]:

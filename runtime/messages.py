@@ -97,6 +97,10 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     host_blocks_loaded: int = 0
     host_blocks_used: int = 0
     host_blocks_total: int = 0
+    # LoRA (vLLM's lora_requests_info): --max-loras (0: LoRA off), adapter names, comma-separated
+    max_lora: int = 0
+    running_lora_adapters: str = ""
+    waiting_lora_adapters: str = ""
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -421,6 +421,11 @@ class Scheduler:
             s.host_prefix_queries, s.host_prefix_hits = host.queries, host.hits
             s.host_blocks_stored, s.host_blocks_loaded = host.blocks_stored, host.blocks_loaded
             s.host_blocks_used, s.host_blocks_total = host.tier.num_used, host.tier.num_blocks
+        if self.max_loras:
+            s.max_lora = self.max_loras
+            names = lambda rs: ",".join(sorted({r.lora_request.lora_name for r in rs  # noqa: E731
+                                                if r.lora_request}))
+            s.running_lora_adapters, s.waiting_lora_adapters = names(self.running), names(self.waiting)
         if self.structured is not None:
             s.grammar_compile_seconds = self.structured.compile_seconds
             s.grammar_mask_seconds = self.structured.mask_seconds

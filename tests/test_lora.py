@@ -107,3 +107,49 @@ def test_tp2_matches_single_rank(checkpoint, tmp_path):
     want = [o.outputs[0].token_ids for o in outs]
     assert got == want
     assert merged_greedy(base, paths[0], [outs[0].prompt_token_ids], 8)[0] == want[0]
+
+
+def triton_case(base: str, paths: list[str]) -> list[list[int]]:
+    """In the Triton-interpreter worker: the LoRA kernels (BGMV for decode steps, SGMV for
+    prefill and mixed ones) run through the engine as on a GPU."""
+    from rankserve.kernels import lora as kl
+    assert kl._INTERPRET
+    llm = LLM(base, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16,
+              max_num_seqs=4, max_num_batched_tokens=32, kv_cache_memory_gb=0.01)
+    loras = [LoRARequest("a", 1, paths[0]), None, LoRARequest("b", 2, paths[1])]
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]],
+                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                        lora_request=loras)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_triton_kernels_in_engine_match_peft(setup, interp):
+    base, adapters, refs = setup
+    if "Qwen3" in base:
+        pytest.skip("one family suffices for the kernel path")
+    got = interp(triton_case, base, [adapters[0].lora_path, adapters[1].lora_path])
+    ids = [adapters[0].lora_int_id, None, adapters[1].lora_int_id]
+    assert got == [refs[i][k][:4] for k, i in enumerate(ids)]
+
+
+def test_compiled_level2_matches_peft(setup):
+    """torch.compile (level 2, one graph per layer and mode): slot indices are tensors, so
+    steps with other adapters reuse the graphs; tokens equal the merged references."""
+    import torch
+    import torch._dynamo.utils as dynamo_utils
+    base, adapters, refs = setup
+    if "Qwen3" in base:
+        pytest.skip("one family suffices for the compiled path")
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    llm = LLM(base, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16,
+              compilation_level=2, max_num_seqs=4, max_num_batched_tokens=32,
+              kv_cache_memory_gb=0.01)
+    graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+    loras = [adapters[0], None, adapters[1], adapters[2]]
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                        lora_request=loras)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs  # no step recompiled
+    for k, (o, lr) in enumerate(zip(outs, loras)):
+        assert o.outputs[0].token_ids == refs[lr.lora_int_id if lr else None][k][:4]

@@ -23,7 +23,7 @@ def _case(dtype_name: str):
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=5e-2, rtol=5e-2)
     ref_s = lora.ref_lora_shrink(x, a, token_slot)
     assert ref_s[token_slot < 0].abs().max() == 0
-    for sgmv in (False, True):
+    for sgmv in (torch.tensor(False), torch.tensor(True)):
         s = lora.lora_shrink(x, a, token_slot, seg_start, seg_slot, sgmv)
         torch.testing.assert_close(s, ref_s, **tol)
         s1 = s[:, R:]  # the second slice of a fused shrink: a strided view

@@ -61,5 +61,7 @@ def test_lora_server(lora_setup):
     assert r.status_code == 200, r.text
     with pytest.raises(openai.NotFoundError):
         complete("b")
+    assert 'rankserve:lora_requests_info{max_lora="2"' in httpx.get(s.url + "/metrics",
+                                                                       headers=auth).text
     r = httpx.post(s.url + "/v1/unload_lora_adapter", json={"lora_name": "b"}, headers=auth)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
