@@ -153,3 +153,27 @@ def test_compiled_level2_matches_peft(setup):
     assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs  # no step recompiled
     for k, (o, lr) in enumerate(zip(outs, loras)):
         assert o.outputs[0].token_ids == refs[lr.lora_int_id if lr else None][k][:4]
+
+
+def test_quantized_base_gets_the_same_update(setup):
+    """On an FP8 base (quantized at load time) the LoRA method wraps the FP8 GEMM: each layer's
+    update equals the one on the dense base."""
+    import torch
+    base, adapters, _ = setup
+    if "Qwen3" in base:
+        pytest.skip("one family suffices")
+    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    deltas = []
+    for q in (None, "fp8"):
+        llm = LLM(base, dtype="float32", quantization=q, enable_lora=True, max_lora_rank=16)
+        llm.generate([PROMPTS[0]], sp, lora_request=adapters[0])  # loads it into slot 0
+        runner = llm.engine.executor.runner
+        layer = runner.model.model.layers["1"].mlp.gate_up_proj
+        assert layer.quant.describe().endswith("+LoRA") and (q is None) == layer.quant.base.dense
+        x = torch.randn(5, layer.full_in, generator=torch.Generator().manual_seed(0))
+        runner.lora.ctx.token_slot[:5] = 0
+        runner.lora.ctx.sgmv.fill_(True)
+        with torch.inference_mode():
+            deltas.append(layer.quant.apply(layer, x, None) - layer.quant.base.apply(layer, x, None))
+    assert deltas[0].abs().max() > 1e-3
+    torch.testing.assert_close(deltas[1], deltas[0], atol=1e-5, rtol=1e-5)

@@ -2,6 +2,9 @@
 loaded and unloaded at runtime (API key guarded), unknown adapter → 404 OpenAI error body."""
 from __future__ import annotations
 
+import json
+import shutil
+
 import httpx
 import openai
 import pytest
@@ -15,8 +18,12 @@ PROMPT = [1, 5, 9, 200, 31, 7]
 
 @pytest.fixture(scope="module")
 def lora_setup(checkpoint, tmp_path_factory):
-    base = checkpoint("LlamaForCausalLM")
     d = tmp_path_factory.mktemp("lora-server")
+    base = str(d / "base")  # the tiny checkpoint plus a chat template (chat, messages, responses)
+    shutil.copytree(checkpoint("LlamaForCausalLM"), base)
+    tc = json.loads((d / "base" / "tokenizer_config.json").read_text())
+    tc["chat_template"] = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    (d / "base" / "tokenizer_config.json").write_text(json.dumps(tc))
     paths = [make_adapter(base, d / name, r, a, rs, t, seed=i)
              for i, (name, r, a, rs, t) in enumerate(ADAPTERS[:2])]
     s = Server(base, "--dtype", "float32", "--api-key", API_KEY, "--enable-lora", "--max-loras", "2",
@@ -65,3 +72,35 @@ def test_lora_server(lora_setup):
                                                                        headers=auth).text
     r = httpx.post(s.url + "/v1/unload_lora_adapter", json={"lora_name": "b"}, headers=auth)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_unload_while_streaming_and_other_apis(lora_setup):
+    """An adapter unloaded while a request streams with it: the request finishes unchanged.
+    Anthropic and Responses requests select adapters by `model` too."""
+    base, paths, s = lora_setup
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    r = httpx.post(s.url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": paths[1]},
+                   headers=auth)
+    assert r.status_code == 200, r.text
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key=API_KEY, max_retries=0)
+    kw = dict(prompt=PROMPT, max_tokens=120, temperature=0, extra_body={"ignore_eos": True})
+    want = client.completions.create(model="c", **kw).choices[0].text
+    stream = client.completions.create(model="c", stream=True, **kw)
+    text = next(iter(stream)).choices[0].text
+    r = httpx.post(s.url + "/v1/unload_lora_adapter", json={"lora_name": "c"}, headers=auth)
+    assert r.status_code == 200
+    text += "".join(c.choices[0].text for c in stream if c.choices)
+    assert text == want
+
+    msgs = [{"role": "user", "content": "Once upon a time"}]
+    chat = client.chat.completions.create(model="a", messages=msgs, max_tokens=6, temperature=0)
+    h = {"x-api-key": API_KEY, "anthropic-version": "2023-06-01"}
+    m = httpx.post(s.url + "/v1/messages", headers=h, json={
+        "model": "a", "max_tokens": 6, "temperature": 0, "messages": msgs}).json()
+    assert m["content"][0]["text"] == chat.choices[0].message.content
+    resp = httpx.post(s.url + "/v1/responses", headers=auth, json={
+        "model": "a", "max_output_tokens": 6, "temperature": 0, "input": "Once upon a time"})
+    assert resp.status_code == 200, resp.text
+    for path, body in (("/v1/messages", {"model": "nope", "max_tokens": 2, "messages": msgs}),
+                       ("/v1/responses", {"model": "nope", "input": "x"})):
+        assert httpx.post(s.url + path, headers={**h, **auth}, json=body).status_code == 404
