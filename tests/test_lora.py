@@ -177,3 +177,20 @@ def test_quantized_base_gets_the_same_update(setup):
             deltas.append(layer.quant.apply(layer, x, None) - layer.quant.base.apply(layer, x, None))
     assert deltas[0].abs().max() > 1e-3
     torch.testing.assert_close(deltas[1], deltas[0], atol=1e-5, rtol=1e-5)
+
+
+def test_prefix_hashes_include_the_adapter():
+    from rankserve.runtime.kv_cache import KVCacheManager
+    from rankserve.runtime.messages import EngineCoreRequest
+    from rankserve.runtime.request import Request
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    ids = list(range(1, 10))
+
+    def hashes(lr):
+        r = Request(EngineCoreRequest("r", ids, SamplingParams(max_tokens=1), lora_request=lr), 64)
+        kv.update_hashes(r)
+        return r.block_hashes
+    a, b = LoRARequest("a", 1, "/x"), LoRARequest("b", 2, "/x")
+    assert hashes(a) == hashes(LoRARequest("a", 1, "/y"))
+    assert len({hashes(None)[0], hashes(a)[0], hashes(b)[0]}) == 3
+    assert len({hashes(None)[1], hashes(a)[1]}) == 2  # the chain carries it on
