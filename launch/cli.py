@@ -214,9 +214,12 @@ def _run_bench(module, cfg, args) -> None:
 @click.option("--structured-output", type=click.Choice(["none", "json"]), default="none",
               show_default=True, help="json: every request constrained to one of a set of JSON "
                                       "schemas (xgrammar; needs a tokenizer: --tokenizer DIR)")
+@click.option("--num-loras", type=click.IntRange(min=0), default=0, show_default=True,
+              help="spread the requests round-robin over this many random LoRA adapters of rank "
+                   "--max-lora-rank (needs --enable-lora --max-loras)")
 @_bench_outputs
-def bench_throughput(workload, num_prompts, input_len, output_len, structured_output, backends,
-                     hf_compile, output_json, plot, profile_dir, **kwargs):
+def bench_throughput(workload, num_prompts, input_len, output_len, structured_output, num_loras,
+                     backends, hf_compile, output_json, plot, profile_dir, **kwargs):
     """Offline throughput: all requests at once; req/s, tok/s and the physical floor.
 
     MODEL is a checkpoint directory or a shipped config (qwen3-0.6b, llama-3.1-8b, llama-3.1-70b,
@@ -233,9 +236,12 @@ def bench_throughput(workload, num_prompts, input_len, output_len, structured_ou
         output_len=output_len or preset["output_len"], seed=cfg.model.seed,
         backends=tuple(dict.fromkeys(backends)), output_json=output_json, plot=plot,
         profile_dir=profile_dir,
-        hf_compile=hf_compile, model_name=name, structured_output=structured_output)
+        hf_compile=hf_compile, model_name=name, structured_output=structured_output,
+        num_loras=num_loras)
     if structured_output != "none" and "hf" in args.backends:
         raise click.UsageError("--structured-output runs on the rankserve backend only")
+    if num_loras and "hf" in args.backends:
+        raise click.UsageError("--num-loras runs on the rankserve backend only")
     _run_bench(throughput, cfg, args)
 
 

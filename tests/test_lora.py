@@ -194,3 +194,16 @@ def test_prefix_hashes_include_the_adapter():
     assert hashes(a) == hashes(LoRARequest("a", 1, "/y"))
     assert len({hashes(None)[0], hashes(a)[0], hashes(b)[0]}) == 3
     assert len({hashes(None)[1], hashes(a)[1]}) == 2  # the chain carries it on
+
+
+def test_bench_throughput_with_random_adapters(tmp_path):
+    """`bench throughput --num-loras`: requests spread over random adapters (the W1/W2 LoRA
+    measurements of the README, here on stories260K on the CPU)."""
+    from test_bench import STORIES, invoke_cli
+    out = tmp_path / "l.json"
+    invoke_cli("throughput", STORIES, "--num-prompts", "4", "--input-len", "8", "16",
+               "--output-len", "4", "8", "--enable-lora", "--max-loras", "2", "--max-lora-rank",
+               "8", "--num-loras", "3", "--cache-dir", str(tmp_path), "--output-json", str(out))
+    rec = json.loads(out.read_text())
+    assert rec["workload"]["num_loras"] == 3 and rec["results"]["rankserve"]["output_tokens"] > 0
+    assert len(os.listdir(tmp_path / "lora-bench" / "stories260K-r8")) == 3
