@@ -139,7 +139,7 @@ def _gmv(x, w, token_slot, seg_start, seg_slot, sgmv: bool) -> torch.Tensor:
     if T == 0:
         return out
     bn = min(64, triton.next_power_of_2(N)) if x.is_cuda else 16
-    bk = 64 if x.is_cuda else 16
+    bk = min(64, max(16, triton.next_power_of_2(K))) if x.is_cuda else 16  # expand: K = rank
     _bgmv_kernel[(T, triton.cdiv(N, bn))](x, w, token_slot, out, N, K, x.stride(0), w.stride(0),
                                           w.stride(1), out.stride(0), BLOCK_N=bn, BLOCK_K=bk)
     return out

@@ -246,6 +246,16 @@ class LoRAConfig:
                "max_cpu_loras", ">= --max-loras", self.max_cpu_loras)
         if self.lora_modules and not self.enable_lora:
             raise ConfigError("--lora-modules needs --enable-lora")
+        if self.lora_modules:  # a bad adapter stops the start, not the first request
+            from ..models.lora_config import adapter_rank, read_adapter_config
+            from .lora import parse_lora_modules
+            try:
+                for _name, path, _base in parse_lora_modules(self.lora_modules):
+                    r = adapter_rank(read_adapter_config(path))
+                    _check(r <= self.max_lora_rank, "max_lora_rank", f">= the rank of {path} ({r})",
+                           self.max_lora_rank)
+            except ValueError as e:
+                raise ConfigError(f"--lora-modules: {e}") from None
 
     @property
     def cpu_loras(self) -> int:

@@ -52,6 +52,7 @@ class EngineCore:
                                    num_host_blocks=self.num_host_blocks,
                                    max_loras=cfg.lora.max_loras if cfg.lora.enable_lora else 0)
         self.scheduler.results_in_flight = lambda: [h for _, h in self.in_flight]
+        self._lora_ranks: dict[tuple[int, str], int] = {}  # adapters seen: (id, path) → rank
         self.asleep: set[str] = set()  # sleep mode: the tags (weights, kv_cache) now asleep
         self.sleep_level = 0
         # steps kept in flight: one per pipeline stage, or two to overlap host and device work
@@ -98,7 +99,10 @@ class EngineCore:
             raise ValueError("this engine serves no LoRA adapters; start it with --enable-lora")
         if lr.lora_int_id < 1:
             raise ValueError(f"LoRA adapter {lr.lora_name!r}: lora_int_id must be >= 1")
-        r = adapter_rank(read_adapter_config(lr.lora_path))
+        key = (lr.lora_int_id, lr.lora_path)  # read each adapter's config once, not per request
+        if key not in self._lora_ranks:
+            self._lora_ranks[key] = adapter_rank(read_adapter_config(lr.lora_path))
+        r = self._lora_ranks[key]
         if r > self.cfg.lora.max_lora_rank:
             raise ValueError(f"LoRA adapter {lr.lora_name!r} has rank {r} > --max-lora-rank "
                              f"{self.cfg.lora.max_lora_rank}")

@@ -68,12 +68,8 @@ class LoRASlots:
         from ..models.lora import set_slot
         set_slot(self.layers, slot, self._host_weights(self.requests[lid]))
         self.slot_of[lid] = slot
+        log.debug("LoRA adapter %s (id %d) in slot %d", self.requests[lid].lora_name, lid, slot)
         return slot
-
-    def remove(self, lora_int_id: int) -> None:
-        """Forget an unloaded adapter (a later load under the same id reads the disk again)."""
-        self.host.pop(lora_int_id, None)
-        self.slot_of.pop(lora_int_id, None)
 
     def prepare(self, plan, req_ids: list[str], counts: np.ndarray, is_decode: bool,
                 put: Callable) -> None:
@@ -100,7 +96,7 @@ class LoRASlots:
         put(seg_start, c.seg_start)
         put(seg_slot, c.seg_slot)
         c.sgmv.fill_(not is_decode)
-        # the slot's requests of adapters no step needs any more: drop their ids
+        # forget the requests of adapters that no request holds and no slot keeps
         live = set(self.req_lora.values())
         for lid in [x for x in self.requests if x not in live and x not in self.slot_of]:
             del self.requests[lid]

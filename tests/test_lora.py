@@ -76,6 +76,10 @@ def test_lora_errors(setup, tmp_path):
         llm.generate([[1, 2, 3]], sp, lora_request=adapters[2])  # rank 16
     with pytest.raises(ValueError, match="adapter_config"):
         llm.generate([[1, 2, 3]], sp, lora_request=LoRARequest("x", 9, str(tmp_path)))
+    with pytest.raises(ValueError, match="lora-modules"):
+        LLM(base, enable_lora=True, lora_modules=(f"x={tmp_path}",))
+    with pytest.raises(ValueError, match="max-lora-rank"):
+        LLM(base, enable_lora=True, max_lora_rank=8, lora_modules=(f"c={adapters[2].lora_path}",))
     plain = LLM(base, dtype="float32")
     with pytest.raises(ValueError, match="enable-lora"):
         plain.generate([[1, 2, 3]], sp, lora_request=adapters[0])
