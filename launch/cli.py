@@ -32,6 +32,10 @@ def engine_options(func):
         if f.metadata.get("positional"):
             func = click.argument("model", required=False)(func)
             continue
+        if f.metadata.get("multiple"):  # repeatable string flag (a tuple field)
+            func = click.option("--" + f.name.replace("_", "-"), f.name, multiple=True,
+                                help=f.metadata.get("doc", ""))(func)
+            continue
         ctype, base = _click_type(f)
         names = ["--" + f.name.replace("_", "-")]
         alias = f.metadata.get("alias")
@@ -53,6 +57,10 @@ def build_config(kwargs: dict) -> EngineConfig:
     given = {}
     for _section, f in cfg.flat_fields():
         value = kwargs.get(f.name)
+        if f.metadata.get("multiple"):
+            if value:
+                given[f.name] = tuple(value)
+            continue
         if value is not None:
             ctype, base = _click_type(f)
             given[f.name] = int(value) if isinstance(ctype, click.Choice) and base is int else value
@@ -97,8 +105,11 @@ def main():
 @click.option("--json", "as_json", is_flag=True, help="print token ids, text and finish reasons as JSON")
 @click.option("--regex", default=None, help="constrain the output to this regular expression")
 @click.option("--json-schema", default=None, help="constrain the output to this JSON schema (JSON text)")
+@click.option("--lora", "lora_names", multiple=True,
+              help="adapter of --lora-modules for the prompts: one for all, or one per --prompt "
+                   "(`base`: none)")
 def generate(prompts, max_tokens, temperature, top_p, top_k, sampling_seed, ignore_eos, as_json,
-             regex, json_schema, **kwargs):
+             regex, json_schema, lora_names, **kwargs):
     """Generate text offline for one or more prompts."""
     from .startup import run_on_ranks
     from ..runtime.sampling_params import SamplingParams, StructuredOutputsParams
@@ -113,8 +124,23 @@ def generate(prompts, max_tokens, temperature, top_p, top_k, sampling_seed, igno
     sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                         seed=sampling_seed, ignore_eos=ignore_eos, structured_outputs=so)
 
+    loras = None
+    if lora_names:
+        from ..runtime.lora import LoRATable, parse_lora_modules
+        table = LoRATable(cfg.lora.max_lora_rank)
+        try:
+            for name, path, base in parse_lora_modules(cfg.lora.lora_modules):
+                table.add(name, path, base)
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
+        names = list(lora_names) * len(prompts) if len(lora_names) == 1 else list(lora_names)
+        if len(names) != len(prompts) or any(n != "base" and n not in table.adapters for n in names):
+            raise click.UsageError("--lora: give one name of --lora-modules (or base) for all "
+                                   "prompts or one per --prompt")
+        loras = [None if n == "base" else table.adapters[n] for n in names]
+
     def body(llm):
-        outs = llm.generate(list(prompts), sp)
+        outs = llm.generate(list(prompts), sp, lora_request=loras)
         for o in outs:
             c = o.outputs[0]
             if as_json:
@@ -188,9 +214,12 @@ def _run_bench(module, cfg, args) -> None:
 @click.option("--structured-output", type=click.Choice(["none", "json"]), default="none",
               show_default=True, help="json: every request constrained to one of a set of JSON "
                                       "schemas (xgrammar; needs a tokenizer: --tokenizer DIR)")
+@click.option("--num-loras", type=click.IntRange(min=0), default=0, show_default=True,
+              help="spread the requests round-robin over this many random LoRA adapters of rank "
+                   "--max-lora-rank (needs --enable-lora --max-loras)")
 @_bench_outputs
-def bench_throughput(workload, num_prompts, input_len, output_len, structured_output, backends,
-                     hf_compile, output_json, plot, profile_dir, **kwargs):
+def bench_throughput(workload, num_prompts, input_len, output_len, structured_output, num_loras,
+                     backends, hf_compile, output_json, plot, profile_dir, **kwargs):
     """Offline throughput: all requests at once; req/s, tok/s and the physical floor.
 
     MODEL is a checkpoint directory or a shipped config (qwen3-0.6b, llama-3.1-8b, llama-3.1-70b,
@@ -207,9 +236,12 @@ def bench_throughput(workload, num_prompts, input_len, output_len, structured_ou
         output_len=output_len or preset["output_len"], seed=cfg.model.seed,
         backends=tuple(dict.fromkeys(backends)), output_json=output_json, plot=plot,
         profile_dir=profile_dir,
-        hf_compile=hf_compile, model_name=name, structured_output=structured_output)
+        hf_compile=hf_compile, model_name=name, structured_output=structured_output,
+        num_loras=num_loras)
     if structured_output != "none" and "hf" in args.backends:
         raise click.UsageError("--structured-output runs on the rankserve backend only")
+    if num_loras and "hf" in args.backends:
+        raise click.UsageError("--num-loras runs on the rankserve backend only")
     _run_bench(throughput, cfg, args)
 
 

@@ -229,6 +229,40 @@ class OffloadConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (runtime/lora.py)."""
+    enable_lora: bool = opt(False, "serve LoRA adapters of the base model (PEFT directories)")
+    max_loras: int = opt(1, "most adapters in one batch (device slots)")
+    max_lora_rank: int = opt(16, "largest adapter rank")
+    max_cpu_loras: int | None = opt(None, "adapters kept in host memory (default: --max-loras)")
+    lora_modules: tuple[str, ...] | None = opt(
+        None, "adapters served from the start: name=path or JSON {\"name\", \"path\", "
+        "\"base_model_name\"} (repeatable)", multiple=True)
+
+    def validate(self):
+        _check(self.max_loras >= 1, "max_loras", ">= 1", self.max_loras)
+        _check(self.max_lora_rank >= 1, "max_lora_rank", ">= 1", self.max_lora_rank)
+        _check(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+               "max_cpu_loras", ">= --max-loras", self.max_cpu_loras)
+        if self.lora_modules and not self.enable_lora:
+            raise ConfigError("--lora-modules needs --enable-lora")
+        if self.lora_modules:  # a bad adapter stops the start, not the first request
+            from ..models.lora_config import adapter_rank, read_adapter_config
+            from .lora import parse_lora_modules
+            try:
+                for _name, path, _base in parse_lora_modules(self.lora_modules):
+                    r = adapter_rank(read_adapter_config(path))
+                    _check(r <= self.max_lora_rank, "max_lora_rank", f">= the rank of {path} ({r})",
+                           self.max_lora_rank)
+            except ValueError as e:
+                raise ConfigError(f"--lora-modules: {e}") from None
+
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_cpu_loras or self.max_loras
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     load: LoadConfig = field(default_factory=LoadConfig)
@@ -238,8 +272,10 @@ class EngineConfig:
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
-    SECTIONS = ("model", "load", "cache", "scheduler", "parallel", "compilation", "device", "offload")
+    SECTIONS = ("model", "load", "cache", "scheduler", "parallel", "compilation", "device", "offload",
+                "lora")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

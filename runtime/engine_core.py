@@ -49,8 +49,10 @@ class EngineCore:
         self.num_host_blocks = getattr(executor, "num_host_blocks", 0)
         self.scheduler = Scheduler(cfg.scheduler, cfg.cache, num_blocks, self.max_model_len,
                                    async_scheduling=use_async, structured=self.structured,
-                                   num_host_blocks=self.num_host_blocks)
+                                   num_host_blocks=self.num_host_blocks,
+                                   max_loras=cfg.lora.max_loras if cfg.lora.enable_lora else 0)
         self.scheduler.results_in_flight = lambda: [h for _, h in self.in_flight]
+        self._lora_ranks: dict[tuple[int, str], int] = {}  # adapters seen: (id, path) → rank
         self.asleep: set[str] = set()  # sleep mode: the tags (weights, kv_cache) now asleep
         self.sleep_level = 0
         # steps kept in flight: one per pipeline stage, or two to overlap host and device work
@@ -78,6 +80,8 @@ class EngineCore:
                              f"is {self.max_model_len}; it must leave room for at least one new token")
         if min(req.prompt_token_ids) < 0 or max(req.prompt_token_ids) >= self.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if req.lora_request is not None:
+            self._validate_lora(req.lora_request)
         sp = req.sampling_params
         sp.validate(self.vocab_size)  # ids out of range would crash the sampler
         if sp.structured_outputs is not None:
@@ -88,6 +92,20 @@ class EngineCore:
         if not self.cfg.scheduler.enable_chunked_prefill and n > self.cfg.scheduler.max_num_batched_tokens:
             raise ValueError(f"the prompt has {n} tokens, more than --max-num-batched-tokens "
                              f"({self.cfg.scheduler.max_num_batched_tokens}) with chunked prefill off")
+
+    def _validate_lora(self, lr) -> None:
+        from ..models.lora_config import adapter_rank, read_adapter_config
+        if not self.cfg.lora.enable_lora:
+            raise ValueError("this engine serves no LoRA adapters; start it with --enable-lora")
+        if lr.lora_int_id < 1:
+            raise ValueError(f"LoRA adapter {lr.lora_name!r}: lora_int_id must be >= 1")
+        key = (lr.lora_int_id, lr.lora_path)  # read each adapter's config once, not per request
+        if key not in self._lora_ranks:
+            self._lora_ranks[key] = adapter_rank(read_adapter_config(lr.lora_path))
+        r = self._lora_ranks[key]
+        if r > self.cfg.lora.max_lora_rank:
+            raise ValueError(f"LoRA adapter {lr.lora_name!r} has rank {r} > --max-lora-rank "
+                             f"{self.cfg.lora.max_lora_rank}")
 
     def add_request(self, req: EngineCoreRequest) -> None:
         if self.asleep:

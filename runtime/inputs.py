@@ -53,7 +53,7 @@ def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
 
 def engine_request(request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                    eos_token_ids: list[int], priority: int = 0, cache_salt: str | None = None,
-                   index: int = 0, tokenizer=None) -> EngineCoreRequest:
+                   index: int = 0, tokenizer=None, lora_request=None) -> EngineCoreRequest:
     """The EngineCoreRequest for choice `index` of a request: extra EOS ids become stop tokens,
     seeded choices get seed + index so they still differ from each other, and `bad_words` are
     tokenized (with `tokenizer`) into `bad_words_token_ids`."""
@@ -71,4 +71,4 @@ def engine_request(request_id: str, prompt_token_ids: list[int], params: Samplin
     if changes:
         params = msgspec.structs.replace(params, **changes)
     return EngineCoreRequest(request_id, prompt_token_ids, params, time.monotonic(), priority,
-                             cache_salt, eos_token_ids[0] if eos_token_ids else None)
+                             cache_salt, eos_token_ids[0] if eos_token_ids else None, lora_request)

@@ -120,7 +120,11 @@ class KVCacheManager:
         while (len(req.block_hashes) + 1) * bs <= req.num_tokens:
             i = len(req.block_hashes)
             parent = req.block_hashes[-1] if i else None
-            extra = (req.cache_salt,) if i == 0 and req.cache_salt else ()
+            extra = ()
+            if i == 0:  # the chain's root: the cache salt and the LoRA adapter key every block
+                lr = getattr(req, "lora_request", None)
+                extra = ((req.cache_salt,) if req.cache_salt else ()) + (
+                    ("lora", lr.lora_int_id) if lr is not None else ())
             req.block_hashes.append(
                 self.hash((parent, tuple(req.all_token_ids[i * bs:(i + 1) * bs]), extra)))
 

@@ -43,15 +43,21 @@ class LLM:
         return None, list(prompt)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False, priority: list[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = False, priority: list[int] | None = None,
+                 lora_request=None) -> list[RequestOutput]:
         """Generate for one prompt or a batch (strings, token-id lists, or dicts with
-        `prompt`/`prompt_token_ids`). Invalid requests raise ValueError before any is queued."""
+        `prompt`/`prompt_token_ids`). `lora_request`: one LoRARequest for all prompts, or a list
+        (one per prompt, None for the base model). Invalid requests raise ValueError before any
+        is queued."""
         single = isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
         if single or (isinstance(prompts, list) and not prompts):
             prompts = [prompts] if single else prompts
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request: {len(loras)} entries for {len(prompts)} prompts")
         reqs = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
             text, ids = self._to_token_ids(p)
@@ -59,7 +65,8 @@ class LLM:
             for cid in range(sp.n):
                 reqs.append((rid, text, ids, sp, engine_request(
                     child_request_id(rid, cid, sp.n), ids, sp, self.eos_token_ids,
-                    priority[i] if priority else 0, index=cid, tokenizer=self.tokenizer)))
+                    priority[i] if priority else 0, index=cid, tokenizer=self.tokenizer,
+                    lora_request=loras[i])))
         for *_, r in reqs:
             self.engine.validate(r)
         order, results = [], {}

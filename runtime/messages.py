@@ -18,6 +18,27 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"
 
 
+class LoRARequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """An adapter for a request (vLLM's name and argument order): `lora_int_id` > 0 identifies it
+    (prefix-cache keys, slots); `lora_path` is a PEFT adapter directory every rank can read."""
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+    base_model_name: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.lora_name
+
+    @property
+    def path(self) -> str:
+        return self.lora_path
+
+    @property
+    def adapter_id(self) -> int:
+        return self.lora_int_id
+
+
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     prompt_token_ids: list[int]
@@ -26,6 +47,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     priority: int = 0  # lower value is served first (vLLM semantics)
     cache_salt: str | None = None
     eos_token_id: int | None = None
+    lora_request: LoRARequest | None = None
 
 
 class LogprobsEntry(msgspec.Struct, array_like=True):
@@ -75,6 +97,10 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     host_blocks_loaded: int = 0
     host_blocks_used: int = 0
     host_blocks_total: int = 0
+    # LoRA (vLLM's lora_requests_info): --max-loras (0: LoRA off), adapter names, comma-separated
+    max_lora: int = 0
+    running_lora_adapters: str = ""
+    waiting_lora_adapters: str = ""
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -116,6 +116,12 @@ class ModelRunner:
             load_weights(self.model, cfg.model.model, progress=pi.tp_rank == 0 and pi.is_first_stage)
         if self.model.quant_config is not None and pi.tp_rank == 0:
             log.info("quantization %s: %s", self.model.quant_config.name, quant_summary(self.model))
+        self.lora = None  # LoRA adapter slots (runtime/lora.py)
+        if cfg.lora.enable_lora:
+            from .lora import LoRASlots
+            self.lora = LoRASlots(self.model, cfg.lora, max(cfg.scheduler.max_num_batched_tokens,
+                                  cfg.scheduler.max_num_seqs), cfg.scheduler.max_num_seqs,
+                                  self.dtype, device)
         self.kv_dtype = self._kv_cache_dtype()
         if self.kv_dtype == torch.float8_e4m3fn and cfg.load.load_format != "dummy":
             self._load_kv_scales()
@@ -290,6 +296,8 @@ class ModelRunner:
                         put(seq_lens.astype(np.int32), b.seq_lens), b.table[:B],
                         is_decode=B > 0 and int(counts.max()) == 1)  # the plan decides the mode
         ids = put(input_ids, b.ids)
+        if self.lora is not None:
+            self.lora.prepare(plan, req_ids, counts, attn.is_decode, put)
         if len(placeholder):
             src = np.array([self.prev_index[req_ids[i]] for i in req_of_tok[placeholder]])
             ids[put(placeholder)] = self.prev_sampled[put(src)]

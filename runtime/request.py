@@ -23,6 +23,7 @@ class Request:
         self.priority = req.priority
         self.cache_salt = req.cache_salt
         self.eos_token_id = req.eos_token_id
+        self.lora_request = req.lora_request
         self.all_token_ids = list(req.prompt_token_ids)
         self.num_prompt_tokens = len(req.prompt_token_ids)
         sp = req.sampling_params

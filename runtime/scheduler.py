@@ -39,6 +39,7 @@ class NewRequestData:
     num_computed_tokens: int
     num_prompt_tokens: int
     eos_token_id: int | None
+    lora_request: object = None  # LoRARequest (runtime/messages.py) or None
 
 
 @dataclass
@@ -97,8 +98,10 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int,
                  max_model_len: int, async_scheduling: bool = False,
-                 structured: StructuredOutputManager | None = None, num_host_blocks: int = 0):
+                 structured: StructuredOutputManager | None = None, num_host_blocks: int = 0,
+                 max_loras: int = 0):
         self.cfg = sched
+        self.max_loras = max_loras  # LoRA: most adapters among running requests (0: no LoRA)
         self.structured = structured
         self.compiling: list[Request] = []  # waiting for their grammar: not schedulable yet
         # the engine's steps in flight, oldest first (their results may not be resolved yet):
@@ -205,12 +208,18 @@ class Scheduler:
             i += 1
 
         # then waiting requests, in policy order, unless we just had to preempt
+        loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request} \
+            if self.max_loras else set()
         j = 0
         while (j < len(self.waiting) and budget > 0 and not preempted
                and len(self.running) < self.cfg.max_num_seqs):
             req = self.waiting[j]
             if req.grammar is not None and not req.grammar.ready:
                 j += 1  # still compiling: the others go ahead
+                continue
+            lid = req.lora_request.lora_int_id if req.lora_request else None
+            if lid is not None and lid not in loras and len(loras) >= self.max_loras:
+                j += 1  # its adapter would exceed --max-loras: the others go ahead
                 continue
             computed, num_cached = self.kv.get_computed_blocks(req)
             n = req.num_tokens - num_cached
@@ -227,6 +236,8 @@ class Scheduler:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
             self.running.append(req)
+            if lid is not None:
+                loras.add(lid)
             step[req.request_id] = (req, n, new_blocks, True)
             budget -= n
 
@@ -319,7 +330,7 @@ class Scheduler:
         if new:
             out.new_reqs.append(NewRequestData(
                 rid, list(req.all_token_ids), req.sampling_params, self.kv.block_ids(req),
-                req.num_computed_tokens, req.num_prompt_tokens, req.eos_token_id))
+                req.num_computed_tokens, req.num_prompt_tokens, req.eos_token_id, req.lora_request))
         else:
             out.cached_reqs.append(CachedRequestData(
                 rid, req.all_token_ids[req.num_sent:], new_blocks, req.num_computed_tokens))
@@ -434,6 +445,11 @@ class Scheduler:
             s.host_prefix_queries, s.host_prefix_hits = host.queries, host.hits
             s.host_blocks_stored, s.host_blocks_loaded = host.blocks_stored, host.blocks_loaded
             s.host_blocks_used, s.host_blocks_total = host.tier.num_used, host.tier.num_blocks
+        if self.max_loras:
+            s.max_lora = self.max_loras
+            names = lambda rs: ",".join(sorted({r.lora_request.lora_name for r in rs  # noqa: E731
+                                                if r.lora_request}))
+            s.running_lora_adapters, s.waiting_lora_adapters = names(self.running), names(self.waiting)
         if self.structured is not None:
             s.grammar_compile_seconds = self.structured.compile_seconds
             s.grammar_mask_seconds = self.structured.mask_seconds

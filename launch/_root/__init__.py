@@ -11,4 +11,7 @@ def __getattr__(name):
     if name == "SamplingParams":
         from rankserve.runtime.sampling_params import SamplingParams
         return SamplingParams
+    if name == "LoRARequest":
+        from rankserve.runtime.messages import LoRARequest
+        return LoRARequest
     raise AttributeError(name)

@@ -31,6 +31,7 @@ class ThroughputArgs:
     hf_compile: bool = False
     model_name: str | None = None  # the shipped config name, when one was given
     structured_output: str = "none"  # json: each request under one of SCHEMAS
+    num_loras: int = 0  # requests spread round-robin over this many random LoRA adapters
 
 
 # --structured-output json: schemas whose documents can run to any length, so outputs keep the
@@ -65,14 +66,15 @@ def engine_params(max_tokens: int, schema: dict | None = None) -> SamplingParams
 
 
 def run_engine(llm, wl: common.Workload, use_tqdm: bool = False,
-               structured: bool = False) -> tuple[float, list[int]]:
+               structured: bool = False, loras: list | None = None) -> tuple[float, list[int]]:
     """Seconds to generate the whole workload, and the output length of each request (a
     structured request ends when its document is complete)."""
     prompts = [{"prompt_token_ids": p} for p in wl.prompts]
     params = [engine_params(o, SCHEMAS[i % len(SCHEMAS)] if structured else None)
               for i, o in enumerate(wl.output_lens)]
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+    lora = [loras[i % len(loras)] for i in range(len(prompts))] if loras else None
+    outs = llm.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora)
     elapsed = time.perf_counter() - t0  # generate returns host-side token ids: the device is done
     return elapsed, [len(o.outputs[0].token_ids) for o in outs]
 
@@ -96,12 +98,12 @@ def metrics(elapsed: float, prompt_lens: list[int], output_lens: list[int], floo
 
 def rankserve_throughput(llm, wl: common.Workload, warm: common.Workload,
                          stats: common.ModelStats, ceilings: dict, profile_dir: str | None = None,
-                         structured: bool = False) -> dict:
+                         structured: bool = False, loras: list | None = None) -> dict:
     runner = engine_runner(llm)
     log = observe_steps(llm)
-    run_engine(llm, warm, structured=structured)  # compiles the schemas too
+    run_engine(llm, warm, structured=structured, loras=loras)  # compiles the schemas too
     log.clear()
-    elapsed, out_lens = run_engine(llm, wl, use_tqdm=True, structured=structured)
+    elapsed, out_lens = run_engine(llm, wl, use_tqdm=True, structured=structured, loras=loras)
     n_dev = llm.config.parallel.world_size  # TP shards and PP stages in flight all read at once
     floor = common.physical_floor(stats, wl.prompt_lens, out_lens, log.tokens,
                                   runner.dtype.itemsize, ceilings, num_devices=n_dev,
@@ -151,9 +153,17 @@ def run(cfg, args: ThroughputArgs, on_ranks, multi_process: bool) -> int:
     def hf_bench(device, dtype, ceilings):
         return hf_throughput(cfg.model.model, device, dtype, wl, warm, stats, ceilings, args.hf_compile)
 
+    loras = None
+    if args.num_loras:
+        if not cfg.lora.enable_lora:  # (fewer --max-loras than adapters: they take turns)
+            raise ValueError("--num-loras needs --enable-lora (and --max-loras NUM_LORAS to run "
+                             "them all at once)")
+        from .lora import bench_adapters
+        loras = bench_adapters(cfg, hf_config, args.num_loras)
+
     def engine_bench(llm, ceilings):
         return rankserve_throughput(llm, wl, warm, stats, ceilings, args.profile_dir,
-                                    args.structured_output == "json")
+                                    args.structured_output == "json", loras)
 
     rc, results, ceilings = common.drive(cfg, hf_config, args.backends, on_ranks, multi_process,
                                          engine_bench, hf_bench)
@@ -166,7 +176,9 @@ def run(cfg, args: ThroughputArgs, on_ranks, multi_process: bool) -> int:
                   parallel=common.parallel_record(cfg),
                   workload=dict(wl.summary(), seed=args.seed, input_len=list(args.input_len),
                                 output_len=list(args.output_len), ignore_eos=True, greedy=True,
-                                structured_output=args.structured_output),
+                                structured_output=args.structured_output,
+                                num_loras=args.num_loras, lora_rank=cfg.lora.max_lora_rank
+                                if args.num_loras else None),
                   results=results)
     common.save(record, args.output_json, args.plot, "output_tokens_per_s",
                 f"offline throughput: {args.model_name or os.path.basename(cfg.model.model)}, "

@@ -209,7 +209,7 @@ async def create_message(ctx: ServeContext, req: MessagesRequest):
                              run.parsers[0].skip_special_tokens,
                              ctx.client.model_info.get("vocab_size"),
                              ctx.constraint(mode.structured(), prompt_ids))
-    stream = ctx.client.generate(prompt_ids, params)
+    stream = ctx.client.generate(prompt_ids, params, lora_request=ctx.lora_for(req.model))
     mid = random_id("msg_")
 
     def message(content, reason=None, seq=None, output_tokens=0, cached=0) -> dict:

@@ -38,10 +38,12 @@ from .protocol import (
     CountTokensRequest,
     DerenderRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     MessagesRequest,
     RequestIdMiddleware,
     ResponsesRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
     validation_param,
 )
 
@@ -247,11 +249,20 @@ def build_app(ctx: ServeContext, metrics: Metrics, state: ServeState | None = No
 
     @v1.get("/models")
     async def models():
-        return {"object": "list", "data": [openai_api.model_card(ctx)]}
+        return {"object": "list", "data": [openai_api.model_card(ctx)] + [
+            openai_api.model_card(ctx, name) for name in ctx.loras.adapters]}
 
     @v1.get("/models/{model_id:path}")
     async def model(model_id: str):
         return openai_api.model_card(ctx, model_id)
+
+    @v1.post("/load_lora_adapter")
+    async def load_lora_adapter(req: LoadLoRAAdapterRequest):
+        return openai_api.load_lora_adapter(ctx, req)
+
+    @v1.post("/unload_lora_adapter")
+    async def unload_lora_adapter(req: UnloadLoRAAdapterRequest):
+        return openai_api.unload_lora_adapter(ctx, req)
 
     @v1.post("/completions")
     async def completions(req: CompletionRequest, request: Request):
@@ -393,6 +404,12 @@ async def serve(settings: dict) -> int:
     model_type, defaults = _model_files(settings["model"])
     ctx = ServeContext(args, settings["served_model_name"], settings["model"], tokenizer, client,
                        model_type, defaults)
+    lora = settings.get("lora") or {}
+    if lora.get("enable"):
+        from ..lora import LoRATable, parse_lora_modules
+        ctx.lora_enabled, ctx.loras = True, LoRATable(lora["max_lora_rank"])
+        for name, path, base in parse_lora_modules(lora["modules"]):
+            ctx.loras.add(name, path, base)
     state = ServeState()
     config = uvicorn.Config(build_app(ctx, metrics, state), host=args.host, port=args.port,
                             log_level=args.uvicorn_log_level,

@@ -144,7 +144,7 @@ class EngineClient:
     # ---- requests ---------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                  prompt: str | None = None, priority: int = 0,
-                 request_id: str | None = None) -> RequestStream:
+                 request_id: str | None = None, lora_request=None) -> RequestStream:
         if self.dead or self.closing:
             raise (EngineDeadError(self.dead) if self.dead else ServerShutdownError(self.closing))
         if self.sleeping:
@@ -155,7 +155,8 @@ class EngineClient:
         self.streams[rid] = stream
         for i, cid in enumerate(child_ids):
             self.children[cid] = _Child(stream, i, len(prompt_token_ids))
-            req = engine_request(cid, prompt_token_ids, params, self.eos_token_ids, priority, index=i)
+            req = engine_request(cid, prompt_token_ids, params, self.eos_token_ids, priority, index=i,
+                                 lora_request=lora_request)
             self._send(EngineCoreRequestType.ADD, encoder.encode(req))
         return stream
 

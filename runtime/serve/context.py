@@ -152,6 +152,9 @@ class ServeContext:
                  generation_defaults: dict | None = None):
         self.args, self.model_name, self.model_path = args, model_name, model_path
         self.tokenizer, self.client = tokenizer, client
+        from ..lora import LoRATable  # LoRA adapters served as models (runtime/lora.py)
+        self.loras = LoRATable(16)
+        self.lora_enabled = False
         self.defaults = generation_defaults or {}
         self.renderer = get_renderer(args.renderer, tokenizer, model_type,
                                      args.chat_template) if tokenizer else None
@@ -210,8 +213,13 @@ class ServeContext:
 
     # ---- requests ---------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
-        if name is not None and name not in (self.model_name, self.model_path):
+        if (name is not None and name not in (self.model_name, self.model_path)
+                and self.loras.get(name) is None):
             raise APIError(f"The model `{name}` does not exist.", 404, "model", "model_not_found")
+
+    def lora_for(self, name: str | None):
+        """The LoRA adapter a request's `model` names (None: the base model)."""
+        return self.loras.get(name)
 
     def need_tokenizer(self) -> None:
         if self.tokenizer is None:

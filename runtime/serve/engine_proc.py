@@ -99,7 +99,9 @@ def start_api_process(cfg: EngineConfig, server_args: ServerArgs, connect_addres
     settings = {"server_args": server_args.to_dict(), "engine_address": connect_address,
                 "model": cfg.model.model, "tokenizer": cfg.model.tokenizer or cfg.model.model,
                 "served_model_name": cfg.model.served_model_name or cfg.model.model,
-                "engine_pid": os.getpid()}
+                "engine_pid": os.getpid(),
+                "lora": {"enable": cfg.lora.enable_lora, "max_lora_rank": cfg.lora.max_lora_rank,
+                         "modules": list(cfg.lora.lora_modules or ())}}
     proc = subprocess.Popen([sys.executable, "-m", "rankserve.runtime.serve.app"],
                             stdin=subprocess.PIPE, env=dict(os.environ if env is None else env))
     proc.stdin.write(msgspec.json.encode(settings))

@@ -4,6 +4,8 @@ Engine-side numbers arrive as SchedulerStats with every EngineCoreOutputs; reque
 measured here, where the client sees them."""
 from __future__ import annotations
 
+import time
+
 import prometheus_client as prom
 
 from ..messages import SchedulerStats
@@ -61,6 +63,10 @@ class Metrics:
         self._success = prom.Counter("rankserve:request_success", "Finished requests by finish "
                                      "reason", ["model_name", "finished_reason"], registry=r)
         self._model = model_name
+        self.lora_info = prom.Gauge("rankserve:lora_requests_info", "Running and waiting LoRA "
+                                    "adapters (vLLM's lora_requests_info; value: the time)",
+                                    ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                                    registry=r)
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token",
                               _LATENCY_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between output tokens",
@@ -98,6 +104,10 @@ class Metrics:
                                   (self.host_blocks_loaded, s.host_blocks_loaded,
                                    self._last.host_blocks_loaded)):
             counter.inc(max(0, new - old))
+        if s.max_lora:
+            self.lora_info.clear()
+            self.lora_info.labels(str(s.max_lora), s.waiting_lora_adapters,
+                                  s.running_lora_adapters).set(time.time())
         self._last = s
 
     def record_finished(self, finish_reason: str, num_prompt: int, num_generated: int,

@@ -125,7 +125,9 @@ def prepare_completion(ctx: ServeContext, req: CompletionRequest):
 
 async def create_completion(ctx: ServeContext, req: CompletionRequest):
     prompts, params = prepare_completion(ctx, req)
-    streams = [ctx.client.generate(p, params, priority=req.priority) for p in prompts]
+    lora = ctx.lora_for(req.model)
+    streams = [ctx.client.generate(p, params, priority=req.priority, lora_request=lora)
+               for p in prompts]
     rid, created, n = random_id("cmpl-"), now(), req.n
     num_prompt = sum(len(p) for p in prompts)
     null_usage = {"usage": None} if req.include_usage else {}  # OpenAI: null until the last
@@ -329,7 +331,8 @@ async def create_chat_completion(ctx: ServeContext, req: ChatCompletionRequest):
     prompt_ids, mode = prepare_chat(ctx, req)
     run = ChatRun(ctx, prompt_ids, req.n, mode)
     params = chat_sampling_params(ctx, req, run.parsers[0], mode, prompt_ids)
-    stream = ctx.client.generate(prompt_ids, params, priority=req.priority)
+    stream = ctx.client.generate(prompt_ids, params, priority=req.priority,
+                                 lora_request=ctx.lora_for(req.model))
     rid, created = random_id("chatcmpl-"), now()
     top = (req.top_logprobs or 0) if req.logprobs else None
     echo = echo_text(req)
@@ -431,6 +434,35 @@ def detokenize(ctx: ServeContext, req: DetokenizeRequest) -> dict:
 def model_card(ctx: ServeContext, model_id: str | None = None) -> dict:
     """GET /v1/models/{id} (openai's models.retrieve); 404 for other ids."""
     ctx.check_model(model_id)
+    lora = ctx.lora_for(model_id)
+    if lora is not None:  # an adapter: a model whose parent is the base model
+        return {"id": lora.lora_name, "object": "model", "created": now(), "owned_by": "rankserve",
+                "root": lora.lora_path, "parent": lora.base_model_name or ctx.model_name,
+                "max_model_len": ctx.client.model_info.get("max_model_len")}
     return {"id": ctx.model_name, "object": "model", "created": now(), "owned_by": "rankserve",
             "root": ctx.model_path, "parent": None,
             "max_model_len": ctx.client.model_info.get("max_model_len")}
+
+
+# ---- LoRA adapters at runtime (vLLM's endpoints) ------------------------------------------------
+def load_lora_adapter(ctx: ServeContext, req) -> str:
+    if not ctx.lora_enabled:
+        raise APIError("LoRA is not enabled: start the server with --enable-lora", param="lora_name")
+    if req.lora_name in (ctx.model_name, ctx.model_path):
+        raise APIError(f"`{req.lora_name}` is the base model's name", param="lora_name")
+    try:
+        ctx.loras.add(req.lora_name, req.lora_path, req.base_model_name)
+    except ValueError as e:
+        raise APIError(str(e), param="lora_path") from None
+    return f"Success: LoRA adapter '{req.lora_name}' added successfully."
+
+
+def unload_lora_adapter(ctx: ServeContext, req) -> str:
+    """Requests already running keep their adapter (they carry it to every rank); new requests
+    naming it get 404."""
+    try:
+        ctx.loras.remove(req.lora_name)
+    except KeyError:
+        raise APIError(f"The LoRA adapter `{req.lora_name}` does not exist.", 404, "lora_name",
+                       "model_not_found") from None
+    return f"Success: LoRA adapter '{req.lora_name}' removed successfully."

@@ -408,6 +408,17 @@ class DetokenizeRequest(Request):
     tokens: list[Int64]
 
 
+class LoadLoRAAdapterRequest(Request):
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    base_model_name: str | None = None
+
+
+class UnloadLoRAAdapterRequest(Request):
+    lora_name: str = Field(min_length=1)
+    lora_int_id: Int64 | None = None
+
+
 # ---- Anthropic ----------------------------------------------------------------------------------
 class MessagesRequest(Request):
     UNSUPPORTED = {"container": "no code execution", "mcp_servers": "no MCP servers"}

@@ -219,7 +219,7 @@ async def create_response(ctx: ServeContext, req: ResponsesRequest):
                              run.parsers[0].skip_special_tokens,
                              ctx.client.model_info.get("vocab_size"),
                              ctx.constraint(structured or mode.structured(), prompt_ids))
-    stream = ctx.client.generate(prompt_ids, params)
+    stream = ctx.client.generate(prompt_ids, params, lora_request=ctx.lora_for(req.model))
     rid, created = random_id("resp_"), now()
 
     def response(status: str, output: list[dict], usage: dict | None = None) -> dict:

@@ -1,0 +1,39 @@
+"""PEFT adapter configs: what a LoRA adapter directory holds and whether it is supported
+(torch-free, so the API process can check an adapter before the engine sees it)."""
+from __future__ import annotations
+
+import json
+import os
+
+# our (fused) layer → the checkpoint modules it holds, in shard order
+TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
+           "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+SUPPORTED = {m for subs in TARGETS.values() for m in subs}
+
+
+def read_adapter_config(path: str) -> dict:
+    """The PEFT adapter_config.json of `path`, checked for what is supported (ValueError)."""
+    f = os.path.join(path, "adapter_config.json")
+    if not os.path.isfile(f):
+        raise ValueError(f"LoRA adapter {path!r} has no adapter_config.json")
+    with open(f) as fh:
+        cfg = json.load(fh)
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"LoRA adapter {path!r}: peft_type {cfg.get('peft_type')!r} is not LORA")
+    if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
+        raise ValueError(f"LoRA adapter {path!r}: rank_pattern / alpha_pattern are not supported")
+    if cfg.get("use_dora"):
+        raise ValueError(f"LoRA adapter {path!r}: DoRA is not supported")
+    if cfg.get("bias", "none") != "none":
+        raise ValueError(f"LoRA adapter {path!r}: bias={cfg['bias']!r} is not supported")
+    targets = cfg.get("target_modules") or []
+    targets = [targets] if isinstance(targets, str) else targets
+    bad = [t for t in targets if t.rsplit(".", 1)[-1] not in SUPPORTED]
+    if bad or cfg.get("modules_to_save"):
+        raise ValueError(f"LoRA adapter {path!r}: target modules {bad or cfg['modules_to_save']} "
+                         f"are not supported (supported: {', '.join(sorted(SUPPORTED))})")
+    return cfg
+
+
+def adapter_rank(cfg: dict) -> int:
+    return int(cfg["r"])

@@ -1,0 +1,213 @@
+"""Multi-LoRA serving (#17): greedy tokens with PEFT adapters equal transformers + PEFT merged
+(fp32, CPU), with several adapters and the base model mixed in one batch; --max-loras."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from rankserve import LLM, LoRARequest, SamplingParams
+from lora_utils import ADAPTERS, NEW, PROMPTS, make_adapter, merged_greedy
+
+
+@pytest.fixture(scope="module", params=["LlamaForCausalLM", "Qwen3ForCausalLM"])
+def setup(request, checkpoint, tmp_path_factory):
+    base = checkpoint(request.param)
+    d = tmp_path_factory.mktemp("lora-" + request.param)
+    adapters = [LoRARequest(name, i + 1, make_adapter(base, d / name, r, a, rs, t, seed=i))
+                for i, (name, r, a, rs, t) in enumerate(ADAPTERS)]
+    # per (adapter or base) and prompt: the merged model's greedy tokens
+    refs = {None: merged_greedy(base, None, PROMPTS)}
+    for lr in adapters:
+        refs[lr.lora_int_id] = merged_greedy(base, lr.lora_path, PROMPTS)
+    return base, adapters, refs
+
+
+def _run(llm, adapters, refs):
+    """Every prompt with every adapter and with none, all in one generate call."""
+    choices = [None, *adapters]
+    prompts, loras = [], []
+    for i, p in enumerate(PROMPTS):
+        for j in range(len(choices)):
+            prompts.append({"prompt_token_ids": p})
+            loras.append(choices[(i + j) % len(choices)])
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True),
+                        lora_request=loras)
+    for k, (o, lr) in enumerate(zip(outs, loras)):
+        want = refs[lr.lora_int_id if lr else None][k // len(choices)]
+        assert o.outputs[0].token_ids == want, f"prompt {k // len(choices)}, adapter {lr}"
+
+
+def test_mixed_batch_matches_peft(setup):
+    base, adapters, refs = setup
+    assert all(refs[lr.lora_int_id] != refs[None] for lr in adapters), "adapters change nothing"
+    llm = LLM(base, dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=16,
+              max_num_seqs=16)
+    _run(llm, adapters, refs)
+
+
+def test_max_loras_smaller_than_adapters(setup):
+    """One slot for three adapters: all requests complete, each with its own adapter."""
+    base, adapters, refs = setup
+    llm = LLM(base, dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=16,
+              max_cpu_loras=2, max_num_seqs=16, max_num_batched_tokens=64)
+    sched = llm.engine.scheduler
+    seen = []
+    orig = sched.schedule
+
+    def schedule():
+        plan = orig()
+        seen.append({r.lora_request.lora_int_id for r in sched.running if r.lora_request})
+        return plan
+    sched.schedule = schedule
+    _run(llm, adapters, refs)
+    assert max(len(s) for s in seen) == 1
+
+
+def test_lora_errors(setup, tmp_path):
+    base, adapters, _ = setup
+    llm = LLM(base, dtype="float32", enable_lora=True, max_lora_rank=8)
+    sp = SamplingParams(max_tokens=2)
+    with pytest.raises(ValueError, match="max-lora-rank"):
+        llm.generate([[1, 2, 3]], sp, lora_request=adapters[2])  # rank 16
+    with pytest.raises(ValueError, match="adapter_config"):
+        llm.generate([[1, 2, 3]], sp, lora_request=LoRARequest("x", 9, str(tmp_path)))
+    with pytest.raises(ValueError, match="lora-modules"):
+        LLM(base, enable_lora=True, lora_modules=(f"x={tmp_path}",))
+    with pytest.raises(ValueError, match="max-lora-rank"):
+        LLM(base, enable_lora=True, max_lora_rank=8, lora_modules=(f"c={adapters[2].lora_path}",))
+    plain = LLM(base, dtype="float32")
+    with pytest.raises(ValueError, match="enable-lora"):
+        plain.generate([[1, 2, 3]], sp, lora_request=adapters[0])
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not on PATH")
+def test_tp2_matches_single_rank(checkpoint, tmp_path):
+    """Adapters sharded like their layers: TP 2 under mpiexec gives the single-rank tokens."""
+    base = checkpoint("LlamaForCausalLM")
+    paths = [make_adapter(base, tmp_path / name, r, a, rs, t, seed=i)
+             for i, (name, r, a, rs, t) in enumerate(ADAPTERS[:2])]
+    flags = ["--enable-lora", "--max-loras", "2", "--dtype", "float32",
+             "--lora-modules", f"a={paths[0]}", "--lora-modules", json.dumps({"name": "b", "path": paths[1]})]
+    prompts = ["Once upon a time", "The dog ran", "Lily and Tom were"]
+    cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "rankserve.launch", "generate", base,
+           "--max-tokens", "8", "--ignore-eos", "--json", "--tp", "2", *flags,
+           "--lora", "a", "--lora", "base", "--lora", "b"]
+    for p in prompts:
+        cmd += ["--prompt", p]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, RANKSERVE_HEARTBEAT_TIMEOUT="30"))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    got = [json.loads(x)["token_ids"] for x in r.stdout.splitlines() if x.startswith("{")]
+    llm = LLM(base, dtype="float32", enable_lora=True, max_loras=2)
+    loras = [LoRARequest("a", 1, paths[0]), None, LoRARequest("b", 2, paths[1])]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                        lora_request=loras)
+    want = [o.outputs[0].token_ids for o in outs]
+    assert got == want
+    assert merged_greedy(base, paths[0], [outs[0].prompt_token_ids], 8)[0] == want[0]
+
+
+def triton_case(base: str, paths: list[str]) -> list[list[int]]:
+    """In the Triton-interpreter worker: the LoRA kernels (BGMV for decode steps, SGMV for
+    prefill and mixed ones) run through the engine as on a GPU."""
+    from rankserve.kernels import lora as kl
+    assert kl._INTERPRET
+    llm = LLM(base, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16,
+              max_num_seqs=4, max_num_batched_tokens=32, kv_cache_memory_gb=0.01)
+    loras = [LoRARequest("a", 1, paths[0]), None, LoRARequest("b", 2, paths[1])]
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]],
+                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                        lora_request=loras)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_triton_kernels_in_engine_match_peft(setup, interp):
+    base, adapters, refs = setup
+    if "Qwen3" in base:
+        pytest.skip("one family suffices for the kernel path")
+    got = interp(triton_case, base, [adapters[0].lora_path, adapters[1].lora_path])
+    ids = [adapters[0].lora_int_id, None, adapters[1].lora_int_id]
+    assert got == [refs[i][k][:4] for k, i in enumerate(ids)]
+
+
+def test_compiled_level2_matches_peft(setup):
+    """torch.compile (level 2, one graph per layer and mode): slot indices are tensors, so
+    steps with other adapters reuse the graphs; tokens equal the merged references."""
+    import torch
+    import torch._dynamo.utils as dynamo_utils
+    base, adapters, refs = setup
+    if "Qwen3" in base:
+        pytest.skip("one family suffices for the compiled path")
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    llm = LLM(base, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16,
+              compilation_level=2, max_num_seqs=4, max_num_batched_tokens=32,
+              kv_cache_memory_gb=0.01)
+    graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+    loras = [adapters[0], None, adapters[1], adapters[2]]
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                        lora_request=loras)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs  # no step recompiled
+    for k, (o, lr) in enumerate(zip(outs, loras)):
+        assert o.outputs[0].token_ids == refs[lr.lora_int_id if lr else None][k][:4]
+
+
+def test_quantized_base_gets_the_same_update(setup):
+    """On an FP8 base (quantized at load time) the LoRA method wraps the FP8 GEMM: each layer's
+    update equals the one on the dense base."""
+    import torch
+    base, adapters, _ = setup
+    if "Qwen3" in base:
+        pytest.skip("one family suffices")
+    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    deltas = []
+    for q in (None, "fp8"):
+        llm = LLM(base, dtype="float32", quantization=q, enable_lora=True, max_lora_rank=16)
+        llm.generate([PROMPTS[0]], sp, lora_request=adapters[0])  # loads it into slot 0
+        runner = llm.engine.executor.runner
+        layer = runner.model.model.layers["1"].mlp.gate_up_proj
+        assert layer.quant.describe().endswith("+LoRA") and (q is None) == layer.quant.base.dense
+        x = torch.randn(5, layer.full_in, generator=torch.Generator().manual_seed(0))
+        runner.lora.ctx.token_slot[:5] = 0
+        runner.lora.ctx.sgmv.fill_(True)
+        with torch.inference_mode():
+            deltas.append(layer.quant.apply(layer, x, None) - layer.quant.base.apply(layer, x, None))
+    assert deltas[0].abs().max() > 1e-3
+    torch.testing.assert_close(deltas[1], deltas[0], atol=1e-5, rtol=1e-5)
+
+
+def test_prefix_hashes_include_the_adapter():
+    from rankserve.runtime.kv_cache import KVCacheManager
+    from rankserve.runtime.messages import EngineCoreRequest
+    from rankserve.runtime.request import Request
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    ids = list(range(1, 10))
+
+    def hashes(lr):
+        r = Request(EngineCoreRequest("r", ids, SamplingParams(max_tokens=1), lora_request=lr), 64)
+        kv.update_hashes(r)
+        return r.block_hashes
+    a, b = LoRARequest("a", 1, "/x"), LoRARequest("b", 2, "/x")
+    assert hashes(a) == hashes(LoRARequest("a", 1, "/y"))
+    assert len({hashes(None)[0], hashes(a)[0], hashes(b)[0]}) == 3
+    assert len({hashes(None)[1], hashes(a)[1]}) == 2  # the chain carries it on
+
+
+def test_bench_throughput_with_random_adapters(tmp_path):
+    """`bench throughput --num-loras`: requests spread over random adapters (the W1/W2 LoRA
+    measurements of the README, here on stories260K on the CPU)."""
+    from test_bench import STORIES, invoke_cli
+    out = tmp_path / "l.json"
+    invoke_cli("throughput", STORIES, "--num-prompts", "4", "--input-len", "8", "16",
+               "--output-len", "4", "8", "--enable-lora", "--max-loras", "2", "--max-lora-rank",
+               "8", "--num-loras", "3", "--cache-dir", str(tmp_path), "--output-json", str(out))
+    rec = json.loads(out.read_text())
+    assert rec["workload"]["num_loras"] == 3 and rec["results"]["rankserve"]["output_tokens"] > 0
+    assert len(os.listdir(tmp_path / "lora-bench" / "stories260K-r8")) == 3
