@@ -44,7 +44,8 @@ def make_checkpoint(path: Path, arch: str, **overrides) -> str:
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                              "full_attention": {"rope_type": "linear", "factor": 2.0,
                                                 "rope_theta": 1e6}},
-            final_logit_softcapping=3.0, attn_logit_softcapping=2.0, tie_word_embeddings=True,
+            final_logit_softcapping=3.0, attn_logit_softcapping=2.0,  # the latter unused by HF
+            tie_word_embeddings=True,
             pad_token_id=0)),
     }
     cls, extra = specific[arch]
