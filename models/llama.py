@@ -51,6 +51,15 @@ def layer_window(cfg, layer_id: int) -> int:
     return window if types[layer_id] == "sliding_attention" else 0
 
 
+def kv_sliding_window(cfg) -> int:
+    """The window shared by every attention layer, else 0 (some layer attends to everything):
+    only then can the KV-cache manager release blocks that leave the window."""
+    if not getattr(cfg, "architectures", None) or not hasattr(cfg, "num_hidden_layers"):
+        return 0
+    windows = {layer_window(cfg, i) for i in range(cfg.num_hidden_layers)}
+    return windows.pop() if len(windows) == 1 else 0
+
+
 def stage_layers(num_layers: int, pi: ParallelInfo) -> range:
     """Contiguous layer range of this pipeline stage (earlier stages take the remainder)."""
     base, extra = divmod(num_layers, pi.pp_size)

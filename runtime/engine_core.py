@@ -13,6 +13,8 @@ from typing import Callable
 from .config import EngineConfig
 from .messages import EngineCoreOutputs, EngineCoreRequest, FinishReason
 from .request import Request
+from ..models.llama import kv_sliding_window
+from ..models.loader import load_hf_config
 from .scheduler import Scheduler, SchedulerOutput
 from .structured_output import StructuredOutputManager
 
@@ -47,9 +49,12 @@ class EngineCore:
         self.structured = StructuredOutputManager(cfg.model.tokenizer or cfg.model.model,
                                                   cfg.model.model, self.vocab_size)
         self.num_host_blocks = getattr(executor, "num_host_blocks", 0)
+        window = getattr(executor, "kv_sliding_window", None)
+        if window is None:  # every layer windowed alike: out-of-window blocks are released
+            window = kv_sliding_window(load_hf_config(cfg.model.model))
         self.scheduler = Scheduler(cfg.scheduler, cfg.cache, num_blocks, self.max_model_len,
                                    async_scheduling=use_async, structured=self.structured,
-                                   num_host_blocks=self.num_host_blocks)
+                                   num_host_blocks=self.num_host_blocks, sliding_window=window)
         self.scheduler.results_in_flight = lambda: [h for _, h in self.in_flight]
         self.asleep: set[str] = set()  # sleep mode: the tags (weights, kv_cache) now asleep
         self.sleep_level = 0
@@ -59,9 +64,15 @@ class EngineCore:
         # observers of every plan that runs a forward, called before it is submitted (benchmarks)
         self.step_hooks: list[Callable[[SchedulerOutput], None]] = []
         bs = cfg.cache.block_size
+        # blocks one decoding request of max_model_len holds (a window: its live blocks only)
+        per_req = -(-self.max_model_len // bs)
+        if window:
+            per_req = min(per_req, -(-(window - 1) // bs) + 1)
         log.info("KV cache: %d blocks of %d tokens = %d tokens; max concurrency %.1f requests "
-                 "of max_model_len %d", num_blocks, bs, num_blocks * bs,
-                 num_blocks * bs / self.max_model_len, self.max_model_len)
+                 "of max_model_len %d%s", num_blocks, bs, num_blocks * bs,
+                 self.scheduler.kv.num_blocks / per_req, self.max_model_len,
+                 f" (sliding window {window}: at most {per_req} blocks per decoding request)"
+                 if window else "")
         if self.num_host_blocks:
             log.info("host KV tier: %d blocks = %d tokens", self.num_host_blocks, self.num_host_blocks * bs)
         log.info("startup: %s (total %.1f s)", ", ".join(

@@ -226,6 +226,11 @@ class ModelRunner:
             log.info("KV cache: %s, %d bytes per block of %d tokens, %.2f GiB",
                      str(self.kv_dtype).replace("torch.", ""), per_block, self.block_size,
                      num_blocks * per_block / 2**30)
+            kinds: dict[str, int] = {}  # bytes per token of each kind of layer state
+            for a in self.model.attention_layers():
+                kind = f"sliding-window {a.window}" if a.window else "full attention"
+                kinds[kind] = kinds.get(kind, 0) + 2 * a.qkv_proj.num_kv_heads * a.head_dim * self.kv_dtype.itemsize
+            log.info("KV bytes per token: %s", ", ".join(f"{k} {v}" for k, v in kinds.items()))
 
     def compile(self) -> None:
         """torch.compile and CUDA-graph capture as the config says (runtime/compilation.py)."""
