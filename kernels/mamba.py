@@ -71,3 +71,38 @@ def ssd_scan_ref(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor, A: to
             y[t] = ((s @ c[:, :, None])[..., 0] + D.float()[:, None] * xt).to(x.dtype)
         ssm_state[slot] = s.to(ssm_state.dtype)
     return y
+
+
+@torch.library.custom_op("rankserve::mamba_conv1d", mutates_args=("conv_state",))
+def mamba_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 conv_state: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                 state_idx: torch.Tensor) -> torch.Tensor:
+    """silu(causal depthwise conv1d) over a mixed batch, conv states updated (module doc)."""
+    if x.is_cuda:
+        from . import triton_mamba as tm
+        return tm.causal_conv1d(x, weight, bias, conv_state, query_start_loc, seq_lens, state_idx)
+    return causal_conv1d_ref(x, weight, bias, conv_state, query_start_loc, seq_lens, state_idx)
+
+
+@mamba_conv1d.register_fake
+def _(x, weight, bias, conv_state, query_start_loc, seq_lens, state_idx):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("rankserve::ssd_scan", mutates_args=("ssm_state",))
+def ssd_scan(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor, A: torch.Tensor,
+             B: torch.Tensor, C: torch.Tensor, D: torch.Tensor, ssm_state: torch.Tensor,
+             query_start_loc: torch.Tensor, seq_lens: torch.Tensor, state_idx: torch.Tensor,
+             is_decode: bool) -> torch.Tensor:
+    """The Mamba2 scan over a mixed batch, SSM states updated (module doc); `is_decode` (at
+    most one token per request) selects the single-step update kernel on the GPU."""
+    if x.is_cuda:
+        from . import triton_mamba as tm
+        return tm.ssd_scan(x, dt, dt_bias, A, B, C, D, ssm_state, query_start_loc, seq_lens,
+                           state_idx, is_decode=is_decode)
+    return ssd_scan_ref(x, dt, dt_bias, A, B, C, D, ssm_state, query_start_loc, seq_lens, state_idx)
+
+
+@ssd_scan.register_fake
+def _(x, dt, dt_bias, A, B, C, D, ssm_state, query_start_loc, seq_lens, state_idx, is_decode):
+    return torch.empty_like(x)

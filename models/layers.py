@@ -232,6 +232,8 @@ class AttnMeta:
     # every request has at most one query token (and T == B): the split-KV decode kernel. A
     # Python bool, so torch.compile guards on it: one graph per mode, no recompiles per step
     is_decode: bool = False
+    # state slot of each request for recurrent (Mamba2) layers: int32 [B], -1 for padding
+    state_idx: torch.Tensor | None = None
 
 
 class Attention(nn.Module):

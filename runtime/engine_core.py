@@ -6,6 +6,7 @@ The same object serves the offline `LLM` (in-process) and the server (driven by
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import time
 from typing import Callable
@@ -14,6 +15,7 @@ from .config import EngineConfig
 from .messages import EngineCoreOutputs, EngineCoreRequest, FinishReason
 from .request import Request
 from ..models.llama import kv_sliding_window
+from ..models.nemotron_h import has_recurrent_state
 from ..models.loader import load_hf_config
 from .scheduler import Scheduler, SchedulerOutput
 from .structured_output import StructuredOutputManager
@@ -50,9 +52,16 @@ class EngineCore:
                                                   cfg.model.model, self.vocab_size)
         self.num_host_blocks = getattr(executor, "num_host_blocks", 0)
         window = getattr(executor, "kv_sliding_window", None)
+        hf_config = load_hf_config(cfg.model.model) if window is None else None
+        cache_cfg = cfg.cache
         if window is None:  # every layer windowed alike: out-of-window blocks are released
-            window = kv_sliding_window(load_hf_config(cfg.model.model))
-        self.scheduler = Scheduler(cfg.scheduler, cfg.cache, num_blocks, self.max_model_len,
+            window = kv_sliding_window(hf_config)
+        if hf_config is not None and has_recurrent_state(hf_config) and cfg.cache.enable_prefix_caching:
+            # a prefix hit would skip tokens whose recurrent state was never computed; states
+            # checkpointed at block boundaries would allow it (not done yet)
+            log.info("prefix caching off: the model has recurrent (Mamba2) layers")
+            cache_cfg = dataclasses.replace(cache_cfg, enable_prefix_caching=False)
+        self.scheduler = Scheduler(cfg.scheduler, cache_cfg, num_blocks, self.max_model_len,
                                    async_scheduling=use_async, structured=self.structured,
                                    num_host_blocks=self.num_host_blocks, sliding_window=window)
         self.scheduler.results_in_flight = lambda: [h for _, h in self.in_flight]

@@ -47,6 +47,11 @@ def make_checkpoint(path: Path, arch: str, **overrides) -> str:
             final_logit_softcapping=3.0, attn_logit_softcapping=2.0,  # the latter unused by HF
             tie_word_embeddings=True,
             pad_token_id=0)),
+        # Mamba2, attention, Mamba2, MLP blocks; 4 heads x 16 channels, 2 groups, state 16
+        "NemotronHForCausalLM": (transformers.NemotronHConfig, dict(
+            layers_block_type=["mamba", "attention", "mamba", "mlp"], num_hidden_layers=4,
+            head_dim=16, mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=16,
+            conv_kernel=4, chunk_size=8, pad_token_id=0)),
     }
     cls, extra = specific[arch]
     cfg = cls(**{**common, **extra, **overrides})

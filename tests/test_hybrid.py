@@ -1,0 +1,43 @@
+"""Hybrid Mamba2 + attention family (Nemotron-H): greedy parity with transformers (fp32, tiny
+random config), chunked prefill equal to unchunked, batches mixing prefill and decode."""
+import torch
+
+from rankserve import LLM, SamplingParams
+
+from rankserve.models.layers import AttnMeta
+
+from test_parity import hf_greedy
+
+PROMPTS = [list(range(3, 43)), [1, 5, 9, 200, 31] * 5, [1, 300, 7]]
+NEW = 12
+
+
+def test_nemotron_h_parity(checkpoint):
+    import transformers
+    path = checkpoint("NemotronHForCausalLM")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    expected = [hf_greedy(hf, p) for p in PROMPTS]
+    whole = LLM(path, dtype="float32", max_num_seqs=4)
+    chunked = LLM(path, dtype="float32", max_num_seqs=4, max_num_batched_tokens=16)
+    for llm in (whole, chunked):
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        for p, o, e in zip(PROMPTS, outs, expected):
+            assert o.outputs[0].token_ids == e, f"prompt of {len(p)} tokens"
+    for p in PROMPTS[:2]:
+        with torch.no_grad():
+            ref = hf(torch.tensor([p])).logits[0, -1]
+        torch.testing.assert_close(last_logits(whole, p), ref, atol=1e-4, rtol=1e-4)
+
+
+def last_logits(llm, prompt):
+    """Last-position logits of one prefill straight through the model (state slot 0, fresh)."""
+    runner = llm.engine.executor.runner
+    n, bs = len(prompt), runner.block_size
+    attn = AttnMeta(torch.arange(n), torch.tensor([0, n], dtype=torch.int32),
+                    torch.tensor([n], dtype=torch.int32),
+                    torch.arange(-(-n // bs), dtype=torch.int32)[None],
+                    state_idx=torch.zeros(1, dtype=torch.int32))
+    with torch.inference_mode():
+        h = runner.model(torch.tensor(prompt), torch.arange(n), attn)
+        return runner.model.compute_logits(h[-1:])[0]
