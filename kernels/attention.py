@@ -24,6 +24,11 @@ FP8 KV cache (caches of dtype torch.float8_e4m3fn, `FP8_KV`): a key is stored as
   graph reads their current values. Any other cache dtype ignores them.
 Query token j of request i sits at position seq_lens[i] - q_len_i + j and attends causally to
 every cached or new key up to that position. Rows past query_start_loc[-1] are padding: 0.
+Sliding window (`window` > 0, per layer; 0 = full attention): a key at position p is visible to a
+query at q iff q - window < p <= q (HF's convention: the window counts the query's own token), so
+blocks wholly before q - window + 1 are never read (the KV-cache manager may already have freed
+them; their block-table entries may hold anything). Soft-capping (`softcap` > 0, Gemma 2 style):
+scores s become softcap * tanh(s / softcap) before the softmax.
 
 The CPU path is the plain-torch reference below; on CUDA the Triton kernels are used.
 """
@@ -76,8 +81,8 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                         block_table: torch.Tensor, scale: float, *, is_decode: bool = False,
-                        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None
-                        ) -> torch.Tensor:
+                        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                        window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Plain-torch reference (caches already hold this step's keys and values). Any mode
     computes the same; `is_decode` is only checked, so the CPU path enforces the kernel contract."""
     out = torch.zeros_like(q)
@@ -95,16 +100,24 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         if q_len == 0:
             continue
         nblk = (seq_len + block_size - 1) // block_size
-        blocks = block_table[i, :nblk].long()
-        keys = k_cache[blocks].reshape(-1, num_kv_heads, k_cache.shape[3])[:seq_len]
-        vals = v_cache[blocks].reshape(-1, num_kv_heads, v_cache.shape[3])[:seq_len]
+        # with a window, blocks before the first query's window are skipped (maybe freed)
+        first = max(0, seq_len - q_len - window + 1) // block_size if window > 0 else 0
+        blocks = block_table[i, first:nblk].long()
+        n = seq_len - first * block_size
+        keys = k_cache[blocks].reshape(-1, num_kv_heads, k_cache.shape[3])[:n]
+        vals = v_cache[blocks].reshape(-1, num_kv_heads, v_cache.shape[3])[:n]
         qi = q[start:end].float().transpose(0, 1)  # [H, q_len, D]
         ki = dequantize_kv(keys, k_scale).transpose(0, 1).repeat_interleave(group, 0)  # [H, S, D]
         vi = dequantize_kv(vals, v_scale).transpose(0, 1).repeat_interleave(group, 0)
         scores = torch.matmul(qi, ki.transpose(1, 2)) * scale
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
-        k_pos = torch.arange(seq_len, device=q.device)[None, :]
-        scores.masked_fill_(k_pos > q_pos, float("-inf"))
+        k_pos = torch.arange(first * block_size, seq_len, device=q.device)[None, :]
+        hidden = k_pos > q_pos
+        if window > 0:
+            hidden |= k_pos <= q_pos - window
+        scores.masked_fill_(hidden, float("-inf"))
         out[start:end] = torch.matmul(scores.softmax(-1), vi).transpose(0, 1).to(q.dtype)
     return out
 
@@ -132,7 +145,7 @@ def attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
               k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor,
               v_scale: torch.Tensor, slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,
               seq_lens: torch.Tensor, block_table: torch.Tensor, num_heads: int, scale: float,
-              is_decode: bool) -> torch.Tensor:
+              is_decode: bool, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """qkv projection -> attention output [T, num_heads * head_dim] (see module doc)."""
     T = qkv.shape[0]
     if qkv.is_cuda:
@@ -140,16 +153,19 @@ def attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
         q = ta.prepare_qkv(qkv, positions, cos_sin, q_norm, k_norm, eps, k_cache, v_cache,
                            slot_mapping, num_heads, k_scale, v_scale)
         out = ta.paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
-                                 scale, is_decode=is_decode, k_scale=k_scale, v_scale=v_scale)
+                                 scale, is_decode=is_decode, k_scale=k_scale, v_scale=v_scale,
+                                 window=window, softcap=softcap)
     else:
         q = prepare_qkv_ref(qkv, positions, cos_sin, q_norm, k_norm, eps, k_cache, v_cache,
                             slot_mapping, num_heads, k_scale, v_scale)
         out = paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
-                                  scale, is_decode=is_decode, k_scale=k_scale, v_scale=v_scale)
+                                  scale, is_decode=is_decode, k_scale=k_scale, v_scale=v_scale,
+                                  window=window, softcap=softcap)
     return out.view(T, -1)
 
 
 @attention.register_fake
 def _(qkv, positions, cos_sin, q_norm, k_norm, eps, k_cache, v_cache, k_scale, v_scale,
-      slot_mapping, query_start_loc, seq_lens, block_table, num_heads, scale, is_decode):
+      slot_mapping, query_start_loc, seq_lens, block_table, num_heads, scale, is_decode,
+      window=0, softcap=0.0):
     return qkv.new_empty(qkv.shape[0], num_heads * k_cache.shape[3])

@@ -11,6 +11,10 @@ FP8 caches (torch.float8_e4m3fn, see kernels/attention.py) take a constexpr bran
 rounds to e4m3; attention widens the fp8 tiles to fp16 (exact; 16-bit queries go to fp16 too,
 fp32 ones keep fp32) and folds k_scale into the softmax scale and v_scale into the output.
 
+Sliding-window layers (`window` > 0) start each tile's key loop at its first query's window, so
+blocks that fell out of the window are never read (they may be freed and reused); split-KV decode
+splits only the window. Soft-capping (`softcap` > 0) is a constexpr branch.
+
 Every grid size is a function of tensor shapes only and nothing is read back to the host, so both
 ops can be captured in a CUDA graph. Requests with q_len 0 / seq_len 0 (CUDA-graph padding) are
 fine; output rows past query_start_loc[-1] are written as zeros.
@@ -190,6 +194,18 @@ def _qk_scale(scale_log2e, k_scale_ptr, KV_FP8: tl.constexpr):
 
 
 @triton.jit
+def _softcap(s, softcap_log2e, SOFTCAP: tl.constexpr):
+    """c * tanh(s / c) on log2-domain scores (c = softcap * log2(e): the same cap, rescaled)."""
+    if SOFTCAP:
+        x = s / softcap_log2e
+        e = tl.exp(-2.0 * tl.abs(x))
+        t = (1.0 - e) / (1.0 + e)
+        return softcap_log2e * tl.where(x < 0, -t, t)
+    else:
+        return s
+
+
+@triton.jit
 def _v_out(acc, l_i, v_scale_ptr, KV_FP8: tl.constexpr):
     """acc / l, times an fp8 cache's v_scale."""
     if KV_FP8:
@@ -198,15 +214,15 @@ def _v_out(acc, l_i, v_scale_ptr, KV_FP8: tl.constexpr):
         return acc / l_i[:, None]
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_tokens"])  # vary per step: one compilation
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "window"])  # one compilation
 def _unified_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr, qsl_ptr,
-        seq_lens_ptr, bt_ptr, scale_log2e, num_seqs, num_tokens,
+        seq_lens_ptr, bt_ptr, scale_log2e, num_seqs, num_tokens, window, softcap_log2e,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr):
+        BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr, SOFTCAP: tl.constexpr):
     # Program (pid, kvh) owns BLOCK_Q query tokens x the GROUP query heads of kv head kvh, as
     # BLOCK_M = BLOCK_Q * GROUP (padded) rows, so every K/V tile is loaded once per kv head.
     # Request i owns the tiles [S_i, S_{i+1}) with S_i = qsl[i] // BLOCK_Q + i, which is at least
@@ -263,16 +279,19 @@ def _unified_attention_kernel(
 
     # keys beyond the last query position of this tile are never needed
     kv_end = ctx_len + tl.minimum(q_len, (local + 1) * BLOCK_Q)
+    # nor keys before the first query's window (window: 2^30 for full attention)
+    kv_lo = tl.maximum(ctx_len + local * BLOCK_Q - window + 1, 0)
     bt_row = bt_ptr + req.to(tl.int64) * stride_bt
-    for start_n in range(0, kv_end, BLOCK_N):
+    for start_n in range(kv_lo, kv_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
         k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, offs_n, n_mask, offs_d, d_mask,
                              kvh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
                              stride_vh, BLOCK_SIZE, q.dtype, KV_FP8)
 
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        causal = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        s = _softcap(tl.dot(q, tl.trans(k)) * qk_scale, softcap_log2e, SOFTCAP)
+        causal = (n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+                  & (offs_n[None, :] > q_pos[:, None] - window))
         s = tl.where(causal, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -291,15 +310,16 @@ def _unified_attention_kernel(
 # split-KV decode (one query token per request)
 # ----------------------------------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["num_seqs"])
+@triton.jit(do_not_specialize=["num_seqs", "window"])
 def _decode_split_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, part_out_ptr, part_lse_ptr,
-        out_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, scale_log2e, num_seqs,
+        out_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, scale_log2e, num_seqs, window, softcap_log2e,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, KV_FP8: tl.constexpr):
+        BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, KV_FP8: tl.constexpr,
+        SOFTCAP: tl.constexpr):
     # Program (req, kvh, split): the GROUP heads of kv head kvh over one segment of the context.
     # Partial results are normalised; lse (log2 domain) lets the reduce kernel reweight them.
     # With one split (large batches) the result is final: written straight to out, no reduce.
@@ -309,8 +329,9 @@ def _decode_split_kernel(
     q_start = tl.load(qsl_ptr + req)
     q_len = tl.load(qsl_ptr + req + 1) - q_start
     seq_len = tl.where(q_len > 0, tl.load(seq_lens_ptr + req), 0)  # q_len 0: nothing to do
-    seg = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    n_lo = split * seg
+    base = tl.maximum(seq_len - window, 0)  # the window's first key (0: full attention)
+    seg = tl.cdiv(tl.cdiv(seq_len - base, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    n_lo = base + split * seg
     n_hi = tl.minimum(n_lo + seg, seq_len)
 
     hs = tl.arange(0, BLOCK_H)
@@ -335,7 +356,7 @@ def _decode_split_kernel(
                              kvh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
                              stride_vh, BLOCK_SIZE, q.dtype, KV_FP8)
 
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = _softcap(tl.dot(q, tl.trans(k)) * qk_scale, softcap_log2e, SOFTCAP)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -457,8 +478,8 @@ def _num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int,
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     block_table: torch.Tensor, scale: float, *, is_decode: bool,
-                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None
-                    ) -> torch.Tensor:
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                    window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """q: [T, H, D]; caches [num_blocks, block_size, KH, D] (already holding this step's k/v);
     an fp8 cache is read with its scales (fp32 [] tensors, 1.0 when not given).
 
@@ -479,13 +500,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_d = max(16, triton.next_power_of_2(D))  # tl.dot needs K >= 16; masked beyond D
     scale_log2e = scale * _LOG2E
     fp8, k_scale, v_scale = _kv_scales(k_cache, v_cache, k_scale, v_scale)
+    win = window if window > 0 else 1 << 30
+    cap = (float(softcap) * _LOG2E if softcap > 0 else 1.0, softcap > 0)
     common = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0))
 
     if is_decode:
         assert T == B, f"decode attention needs one query row per request (T={T}, B={B})"
         block_n = 64 if on_gpu else 16
-        max_context = block_table.shape[1] * block_size
+        max_context = min(block_table.shape[1] * block_size, win)
         splits = _num_splits(B, KH, max_context, block_n, q.device)
         part_out = part_lse = out  # unused with one split
         if splits > 1:
@@ -493,10 +516,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             part_lse = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
         _decode_split_kernel[(B, KH, splits)](
             q, k_cache, v_cache, k_scale, v_scale, part_out, part_lse, out, query_start_loc,
-            seq_lens, block_table, scale_log2e, B, q.stride(0), q.stride(1), out.stride(0),
+            seq_lens, block_table, scale_log2e, B, win, cap[0], q.stride(0), q.stride(1), out.stride(0),
             out.stride(1), *common, NUM_HEADS=H, HEAD_DIM=D, GROUP=group, BLOCK_SIZE=block_size,
             BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-            NUM_SPLITS=splits, KV_FP8=fp8, num_warps=4, num_stages=2)
+            NUM_SPLITS=splits, KV_FP8=fp8, SOFTCAP=cap[1], num_warps=4, num_stages=2)
         if splits == 1:
             return out
         _decode_reduce_kernel[(B, H)](
@@ -511,7 +534,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     grid = (T // block_q + B + 1, KH)
     _unified_attention_kernel[grid](
         q, k_cache, v_cache, k_scale, v_scale, out, query_start_loc, seq_lens, block_table,
-        scale_log2e, B, T, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common,
+        scale_log2e, B, T, win, cap[0], q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common,
         HEAD_DIM=D, GROUP=group, BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_D=block_d, KV_FP8=fp8, num_warps=warps, num_stages=stages)
+        BLOCK_N=block_n, BLOCK_D=block_d, KV_FP8=fp8, SOFTCAP=cap[1], num_warps=warps,
+        num_stages=stages)
     return out

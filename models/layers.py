@@ -232,13 +232,18 @@ class AttnMeta:
     # every request has at most one query token (and T == B): the split-KV decode kernel. A
     # Python bool, so torch.compile guards on it: one graph per mode, no recompiles per step
     is_decode: bool = False
+    # state slot of each request for recurrent (Mamba2) layers: int32 [B], -1 for padding
+    state_idx: torch.Tensor | None = None
 
 
 class Attention(nn.Module):
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  max_pos: int, rope_params: dict, pi: ParallelInfo, qkv_bias: bool = False,
-                 qk_norm_eps: float | None = None, dtype=None):
+                 qk_norm_eps: float | None = None, dtype=None, window: int = 0,
+                 softcap: float = 0.0):
         super().__init__()
+        self.window = window  # sliding window in tokens (0: full attention); see kernels/attention.py
+        self.softcap = softcap  # attention-logit soft-capping (0: none)
         self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads, qkv_bias, pi, dtype)
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, False, pi, dtype)
         self.head_dim = head_dim
@@ -271,7 +276,8 @@ class Attention(nn.Module):
         eps = 0.0 if self.q_norm is None else self.q_norm.eps
         o = attention(qkv, positions, self.cos_sin, qn, kn, eps, self.k_cache, self.v_cache,
                       self.k_scale, self.v_scale, attn.slot_mapping, attn.query_start_loc,
-                      attn.seq_lens, attn.block_table, self.qkv_proj.num_heads, self.scale, attn.is_decode)
+                      attn.seq_lens, attn.block_table, self.qkv_proj.num_heads, self.scale, attn.is_decode,
+                      self.window, self.softcap)
         return self.o_proj(o)
 
 

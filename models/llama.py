@@ -39,6 +39,27 @@ def rope_params(cfg) -> dict:
     return out
 
 
+def layer_window(cfg, layer_id: int) -> int:
+    """Sliding window of a layer in tokens, 0 for full attention. HF's rules: Mistral windows
+    every layer when `sliding_window` is set; Qwen2/Qwen3/Gemma3 (transformers 5 fills
+    `layer_types` from `use_sliding_window` / `max_window_layers`) window the layers typed
+    "sliding_attention"."""
+    window = getattr(cfg, "sliding_window", None) or 0
+    types = getattr(cfg, "layer_types", None)
+    if not window or cfg.architectures[0] == "MistralForCausalLM" or not types:
+        return window
+    return window if types[layer_id] == "sliding_attention" else 0
+
+
+def kv_sliding_window(cfg) -> int:
+    """The window shared by every attention layer, else 0 (some layer attends to everything):
+    only then can the KV-cache manager release blocks that leave the window."""
+    if not getattr(cfg, "architectures", None) or not hasattr(cfg, "num_hidden_layers"):
+        return 0
+    windows = {layer_window(cfg, i) for i in range(cfg.num_hidden_layers)}
+    return windows.pop() if len(windows) == 1 else 0
+
+
 def stage_layers(num_layers: int, pi: ParallelInfo) -> range:
     """Contiguous layer range of this pipeline stage (earlier stages take the remainder)."""
     base, extra = divmod(num_layers, pi.pp_size)
@@ -54,7 +75,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(
             cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim,
             cfg.max_position_embeddings, rope_params(cfg), pi, qkv_bias,
-            cfg.rms_norm_eps if qk_norm else None, dtype)
+            cfg.rms_norm_eps if qk_norm else None, dtype, window=layer_window(cfg, layer_id))
         self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)

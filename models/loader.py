@@ -47,7 +47,7 @@ def resolve_dtype(name: str, hf_config, device_type: str) -> torch.dtype:
 
 
 def model_class(hf_config):
-    from . import moe  # noqa: F401  (registers the MoE families)
+    from . import gemma3, moe, nemotron_h  # noqa: F401  (register their families)
     archs = getattr(hf_config, "architectures", None) or []
     if not archs:
         raise ValueError("the model config has no 'architectures' field")

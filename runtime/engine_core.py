@@ -6,6 +6,7 @@ The same object serves the offline `LLM` (in-process) and the server (driven by
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import time
 from typing import Callable
@@ -13,6 +14,9 @@ from typing import Callable
 from .config import EngineConfig
 from .messages import EngineCoreOutputs, EngineCoreRequest, FinishReason
 from .request import Request
+from ..models.llama import kv_sliding_window
+from ..models.nemotron_h import has_recurrent_state
+from ..models.loader import load_hf_config
 from .scheduler import Scheduler, SchedulerOutput
 from .structured_output import StructuredOutputManager
 
@@ -47,10 +51,21 @@ class EngineCore:
         self.structured = StructuredOutputManager(cfg.model.tokenizer or cfg.model.model,
                                                   cfg.model.model, self.vocab_size)
         self.num_host_blocks = getattr(executor, "num_host_blocks", 0)
-        self.scheduler = Scheduler(cfg.scheduler, cfg.cache, num_blocks, self.max_model_len,
+        window = getattr(executor, "kv_sliding_window", None)
+        hf_config = load_hf_config(cfg.model.model) if window is None else None
+        cache_cfg = cfg.cache
+        if window is None:  # every layer windowed alike: out-of-window blocks are released
+            window = kv_sliding_window(hf_config)
+        if hf_config is not None and has_recurrent_state(hf_config) and cfg.cache.enable_prefix_caching:
+            # a prefix hit would skip tokens whose recurrent state was never computed; states
+            # checkpointed at block boundaries would allow it (not done yet)
+            log.info("prefix caching off: the model has recurrent (Mamba2) layers")
+            cache_cfg = dataclasses.replace(cache_cfg, enable_prefix_caching=False)
+        self.scheduler = Scheduler(cfg.scheduler, cache_cfg, num_blocks, self.max_model_len,
                                    async_scheduling=use_async, structured=self.structured,
                                    num_host_blocks=self.num_host_blocks,
-                                   max_loras=cfg.lora.max_loras if cfg.lora.enable_lora else 0)
+                                   max_loras=cfg.lora.max_loras if cfg.lora.enable_lora else 0,
+                                   sliding_window=window)
         self.scheduler.results_in_flight = lambda: [h for _, h in self.in_flight]
         self._lora_ranks: dict[tuple[int, str], int] = {}  # adapters seen: (id, path) → rank
         self.asleep: set[str] = set()  # sleep mode: the tags (weights, kv_cache) now asleep
@@ -61,9 +76,15 @@ class EngineCore:
         # observers of every plan that runs a forward, called before it is submitted (benchmarks)
         self.step_hooks: list[Callable[[SchedulerOutput], None]] = []
         bs = cfg.cache.block_size
+        # blocks one decoding request of max_model_len holds (a window: its live blocks only)
+        per_req = -(-self.max_model_len // bs)
+        if window:
+            per_req = min(per_req, -(-(window - 1) // bs) + 1)
         log.info("KV cache: %d blocks of %d tokens = %d tokens; max concurrency %.1f requests "
-                 "of max_model_len %d", num_blocks, bs, num_blocks * bs,
-                 num_blocks * bs / self.max_model_len, self.max_model_len)
+                 "of max_model_len %d%s", num_blocks, bs, num_blocks * bs,
+                 self.scheduler.kv.num_blocks / per_req, self.max_model_len,
+                 f" (sliding window {window}: at most {per_req} blocks per decoding request)"
+                 if window else "")
         if self.num_host_blocks:
             log.info("host KV tier: %d blocks = %d tokens", self.num_host_blocks, self.num_host_blocks * bs)
         log.info("startup: %s (total %.1f s)", ", ".join(

@@ -6,6 +6,16 @@ A block's hash is H(parent_hash, its token ids, extra keys); the first block's e
 cache salt, so tenants with different salts never share. A free block keeps its hash (and stays
 findable) until it is reused, so the free list doubles as the prefix cache's LRU eviction order.
 
+Sliding-window models (every attention layer with the same window W, e.g. Mistral): a block whose
+tokens all lie before the window of a request's next query (position < num_computed - W + 1) is
+released at the request's next allocation, and its place in the request's block list becomes the
+null block (id 0, reserved, never handed out), so block tables keep their logical layout; the
+attention kernels never read blocks outside the window. Admission therefore counts only a
+request's live window plus its new tokens. Prefix caching stays correct conservatively: a hit
+needs every block of the prefix still cached (released window blocks stay findable until evicted,
+like any freed block), and the blocks of a hit that lie outside the window are released at once.
+Models that mix sliding and full layers keep every block (their kernels still skip the dead ones).
+
 With `--kv-offload-size` a host tier sits behind it (runtime/kv_offload.py): freed cached blocks
 are copied to host memory, and a lookup that misses here continues there.
 """
@@ -38,9 +48,12 @@ class Block:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool):
+    def __init__(self, num_blocks: int, enable_caching: bool, reserve_null: bool = False):
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        # block 0 as the null block (sliding windows): a placeholder, never free, never cached
+        self.null = self.blocks[0] if reserve_null else None
+        self.free: OrderedDict[int, Block] = OrderedDict(
+            (b.block_id, b) for b in self.blocks if b is not self.null)
         self.cached: dict[bytes, Block] = {}
         self.enable_caching = enable_caching
         self.on_evict = None  # called with a block id when a cached block is reused (host tier)
@@ -91,11 +104,12 @@ class BlockPool:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 hash_algo: str = "sha256", num_host_blocks: int = 0):
+                 hash_algo: str = "sha256", num_host_blocks: int = 0, sliding_window: int = 0):
         self.block_size = block_size
-        self.num_blocks = num_blocks
+        self.sliding_window = sliding_window  # every layer's window (0: full attention)
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, reserve_null=sliding_window > 0)
+        self.num_blocks = num_blocks - (sliding_window > 0)  # usable blocks
         self.enable_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.hash = make_hasher(hash_algo)
         self.req_blocks: dict[str, list[Block]] = {}
         self.num_registered: dict[str, int] = {}  # blocks of a request already in the cache
@@ -157,6 +171,20 @@ class KVCacheManager:
             self.prefix_queries += req.num_tokens
             self.prefix_hits += num_cached - host
 
+    def release_outside_window(self, req: Request, num_computed: int) -> None:
+        """Sliding window: release the request's blocks wholly before the window of a query at
+        position `num_computed` (they become the null block in its list)."""
+        blocks = self.req_blocks.get(req.request_id)
+        if not self.sliding_window or not blocks:
+            return
+        dead = max(0, num_computed - self.sliding_window + 1) // self.block_size
+        gone = [b for b in blocks[:dead] if b is not self.pool.null]
+        if gone:
+            blocks[:dead] = [self.pool.null] * dead
+            self.pool.release(gone)
+            if self.offload is not None:
+                self._to_host(gone)
+
     def blocks_needed(self, req: Request, num_new_tokens: int, computed: list[Block]) -> int:
         have = len(self.req_blocks.get(req.request_id, ())) + len(computed)
         total = req.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
@@ -166,6 +194,7 @@ class KVCacheManager:
                        computed: list[Block] | None = None) -> list[int] | None:
         """Reserve blocks for `num_new_tokens` more tokens (after the cached prefix `computed`).
         Returns the ids of newly added blocks, or None if the pool cannot supply them."""
+        self.release_outside_window(req, req.num_computed_tokens)
         if not computed:  # the common decode case: usually no new block, nothing to register
             total = req.num_computed_tokens + num_new_tokens
             need = -(-total // self.block_size) - len(self.req_blocks.get(req.request_id, ()))
@@ -190,6 +219,8 @@ class KVCacheManager:
         if self.enable_caching:
             self._register_full_blocks(req, req.num_computed_tokens
                                        + len(computed) * self.block_size + num_new_tokens)
+        if computed:  # a prefix hit: its blocks before the window are not needed
+            self.release_outside_window(req, req.num_computed_tokens + len(computed) * self.block_size)
         return [b.block_id for b in new]
 
     def _load_from_host(self, computed: list) -> list[Block]:
@@ -215,32 +246,47 @@ class KVCacheManager:
         start = self.num_registered.get(req.request_id, 0)
         end = min(num_tokens // self.block_size, len(req.block_hashes), len(blocks))
         for i in range(start, end):
-            self.pool.register(blocks[i], req.block_hashes[i])
+            if blocks[i] is not self.pool.null:
+                self.pool.register(blocks[i], req.block_hashes[i])
         self.num_registered[req.request_id] = max(start, end)
 
     def free(self, req: Request, num_valid_tokens: int | None = None) -> None:
         """Release the request's blocks. Blocks past `num_valid_tokens` were allocated for a step
         that will not run: drop them from the prefix cache, their KV was never written."""
-        blocks = self.req_blocks.pop(req.request_id, [])
+        blocks = [b for b in self.req_blocks.pop(req.request_id, []) if b is not self.pool.null]
         self.num_registered.pop(req.request_id, None)
         if num_valid_tokens is not None:
             for b in blocks[num_valid_tokens // self.block_size:]:
                 if b.ref_cnt == 1 and b.block_hash is not None:
                     self.pool.forget(b)
         self.pool.release(list(reversed(blocks)))
-        if self.offload is not None:  # cached blocks nobody holds any more go to the host tier
-            for b in reversed(blocks):
-                if b.ref_cnt == 0 and b.block_hash is not None:
-                    self.offload.on_free(b.block_id, b.block_hash)
+        if self.offload is not None:
+            self._to_host(list(reversed(blocks)))
+
+    def _to_host(self, blocks: list[Block]) -> None:
+        """Cached blocks nobody holds any more go to the host tier."""
+        for b in blocks:
+            if b.ref_cnt == 0 and b.block_hash is not None:
+                self.offload.on_free(b.block_id, b.block_hash)
 
     def check_invariants(self) -> None:
         """Every block is owned (ref_cnt = number of holders) or free, exactly once."""
         holders: dict[int, int] = {}
-        for blocks in self.req_blocks.values():
+        null = self.pool.null
+        for rid, blocks in self.req_blocks.items():
+            blocks = [b for b in blocks if b is not null]
             assert len({b.block_id for b in blocks}) == len(blocks), "a block held twice"
             for b in blocks:
                 holders[b.block_id] = holders.get(b.block_id, 0) + 1
+            if null is not None:  # null blocks only before the live window, contiguous
+                live = self.req_blocks[rid]
+                k = sum(b is null for b in live)
+                assert all(b is null for b in live[:k]), f"{rid}: a null block inside the window"
+        if null is not None:
+            assert null.block_id not in self.pool.free and null.block_hash is None
         for b in self.pool.blocks:
+            if b is null:
+                continue
             assert b.ref_cnt == holders.get(b.block_id, 0), f"block {b.block_id} ref_cnt"
             assert (b.block_id in self.pool.free) == (b.ref_cnt == 0), f"block {b.block_id} free"
             if b.block_hash is not None:
@@ -258,6 +304,8 @@ class KVCacheManager:
         if self.pool.num_free != self.num_blocks:
             return False
         for b in self.pool.blocks:
+            if b is self.pool.null:
+                continue
             b.block_hash = None
         self.pool.cached.clear()
         if self.offload is not None:

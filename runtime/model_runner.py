@@ -207,7 +207,8 @@ class ModelRunner:
         attn = AttnMeta(torch.full((n,), -1, dtype=torch.long, device=self.device),
                         torch.tensor([0, n], dtype=torch.int32, device=self.device),
                         torch.tensor([n], dtype=torch.int32, device=self.device),
-                        torch.zeros((1, -(-n // self.block_size)), dtype=torch.int32, device=self.device))
+                        torch.zeros((1, -(-n // self.block_size)), dtype=torch.int32, device=self.device),
+                        state_idx=torch.full((1,), -1, dtype=torch.int32, device=self.device))
         with torch.inference_mode():
             h = self.model(ids, torch.zeros(n, dtype=torch.long, device=self.device), attn,
                            None if self.pi.is_first_stage else
@@ -229,9 +230,27 @@ class ModelRunner:
                                f"{total / 2**30:.1f} GiB); raise --gpu-memory-utilization")
         return num
 
+    def state_bytes(self) -> int:
+        """Bytes of the per-request recurrent states (Mamba2 conv + SSM), one slot per row."""
+        n = self.cfg.scheduler.max_num_seqs
+        total = 0
+        for m in getattr(self.model, "mamba_layers", list)():
+            conv, ssm = m.state_shapes(n)
+            total += np.prod(conv) * self.dtype.itemsize + np.prod(ssm) * 4
+        return int(total)
+
+    def allocate_states(self) -> None:
+        """Recurrent-state slots: one per input-batch row (a request's slot is its row)."""
+        n = self.cfg.scheduler.max_num_seqs
+        for m in getattr(self.model, "mamba_layers", list)():
+            conv, ssm = m.state_shapes(n)
+            m.conv_state = torch.zeros(conv, dtype=self.dtype, device=self.device)
+            m.ssm_state = torch.zeros(ssm, dtype=torch.float32, device=self.device)
+
     def allocate_kv_cache(self, num_blocks: int) -> None:
         t0 = time.perf_counter()
         self.num_blocks = num_blocks
+        self.allocate_states()
         for a in self.model.attention_layers():
             shape = (num_blocks, self.block_size, a.qkv_proj.num_kv_heads, a.head_dim)
             a.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
@@ -242,6 +261,15 @@ class ModelRunner:
             log.info("KV cache: %s, %d bytes per block of %d tokens, %.2f GiB",
                      str(self.kv_dtype).replace("torch.", ""), per_block, self.block_size,
                      num_blocks * per_block / 2**30)
+            kinds: dict[str, int] = {}  # bytes per token of each kind of layer state
+            for a in self.model.attention_layers():
+                kind = f"sliding-window {a.window}" if a.window else "full attention"
+                kinds[kind] = kinds.get(kind, 0) + 2 * a.qkv_proj.num_kv_heads * a.head_dim * self.kv_dtype.itemsize
+            log.info("KV bytes per token: %s", ", ".join(f"{k} {v}" for k, v in kinds.items()))
+            if self.state_bytes():
+                n = self.cfg.scheduler.max_num_seqs
+                log.info("recurrent (Mamba2) state: %d bytes per request, %d slots (max_num_seqs), "
+                         "%.3f GiB", self.state_bytes() // n, n, self.state_bytes() / 2**30)
 
     def compile(self) -> None:
         """torch.compile and CUDA-graph capture as the config says (runtime/compilation.py)."""
@@ -294,7 +322,8 @@ class ModelRunner:
         put(b.block_table[rows, :width], b.table[:B, :width])
         attn = AttnMeta(put(slots, b.slots), put(cu.astype(np.int32), b.qsl),
                         put(seq_lens.astype(np.int32), b.seq_lens), b.table[:B],
-                        is_decode=B > 0 and int(counts.max()) == 1)  # the plan decides the mode
+                        is_decode=B > 0 and int(counts.max()) == 1,  # the plan decides the mode
+                        state_idx=put(rows.astype(np.int32), b.state_idx))
         ids = put(input_ids, b.ids)
         if self.lora is not None:
             self.lora.prepare(plan, req_ids, counts, attn.is_decode, put)

@@ -99,7 +99,7 @@ class Scheduler:
     def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int,
                  max_model_len: int, async_scheduling: bool = False,
                  structured: StructuredOutputManager | None = None, num_host_blocks: int = 0,
-                 max_loras: int = 0):
+                 max_loras: int = 0, sliding_window: int = 0):
         self.cfg = sched
         self.max_loras = max_loras  # LoRA: most adapters among running requests (0: no LoRA)
         self.structured = structured
@@ -113,7 +113,7 @@ class Scheduler:
         self.async_scheduling = async_scheduling
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
-                                 cache.prefix_caching_hash_algo, num_host_blocks)
+                                 cache.prefix_caching_hash_algo, num_host_blocks, sliding_window)
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by policy key
         self.running: list[Request] = []

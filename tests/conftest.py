@@ -37,6 +37,21 @@ def make_checkpoint(path: Path, arch: str, **overrides) -> str:
             head_dim=16)),
         "MixtralForCausalLM": (transformers.MixtralConfig, dict(num_local_experts=4,
                                                                 num_experts_per_tok=2)),
+        # interleaved local (window 8, base 10k) / global (1M, linear x2) layers, soft-capping
+        "Gemma3ForCausalLM": (transformers.Gemma3TextConfig, dict(
+            num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                "rope_theta": 1e6}},
+            final_logit_softcapping=3.0, attn_logit_softcapping=2.0,  # the latter unused by HF
+            tie_word_embeddings=True,
+            pad_token_id=0)),
+        # Mamba2, attention, Mamba2, MLP blocks; 4 heads x 16 channels, 2 groups, state 16
+        "NemotronHForCausalLM": (transformers.NemotronHConfig, dict(
+            layers_block_type=["mamba", "attention", "mamba", "mlp"], num_hidden_layers=4,
+            head_dim=16, mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=16,
+            conv_kernel=4, chunk_size=8, pad_token_id=0)),
     }
     cls, extra = specific[arch]
     cfg = cls(**{**common, **extra, **overrides})
@@ -44,7 +59,7 @@ def make_checkpoint(path: Path, arch: str, **overrides) -> str:
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():  # larger weights than the default init so logits are far from flat
         for _name, p in model.named_parameters():
-            if p.dim() >= 2:
+            if p.dim() >= 2 or arch.startswith("Gemma"):  # Gemma's norms start at 0 (1 + w)
                 p.normal_(0, 0.1)
     model.save_pretrained(path)
     import shutil
@@ -58,7 +73,7 @@ def checkpoint(tmp_path_factory):
     cache = {}
 
     def get(arch: str, **overrides) -> str:
-        key = (arch, tuple(sorted(overrides.items())))
+        key = (arch, repr(sorted(overrides.items())))
         if key not in cache:
             cache[key] = make_checkpoint(tmp_path_factory.mktemp(arch), arch, **overrides)
         return cache[key]

@@ -40,8 +40,10 @@ class CheckingExecutor:
     max_in_flight = 1
     timings: dict = {}
 
-    def __init__(self, num_blocks: int, block_size: int, max_model_len: int, num_host_blocks: int = 0):
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int, num_host_blocks: int = 0,
+                 window: int = 0):
         self.num_blocks, self.bs = num_blocks, block_size
+        self.kv_sliding_window = window  # > 0: attention reads only the window (see below)
         self.num_host_blocks = num_host_blocks
         self.host: dict[tuple[int, int], tuple[int, int]] = {}  # (host block, offset) → (pos, token)
         self.max_model_len, self.vocab_size = max_model_len, VOCAB
@@ -103,10 +105,13 @@ class CheckingExecutor:
                 # on the GPU the copies run beside the forward: it must wait to overwrite one
                 assert blk not in outgoing or plan.wait_for_copies, f"block {blk} copied out unawaited"
                 self.kv[(blk, pos % self.bs)] = (pos, st["tokens"][pos])
-            if end >= st["known"]:
-                for pos in range(end):  # what attention reads
+            # what attention reads: everything, or with a window the keys of this step's queries
+            lo = max(0, s - self.kv_sliding_window + 1) if self.kv_sliding_window else 0
+            if end >= st["known"] or self.kv_sliding_window:
+                for pos in range(lo, end):
                     got = self.kv.get((st["blocks"][pos // self.bs], pos % self.bs))
                     assert got == (pos, st["tokens"][pos]), f"{rid}: KV of position {pos} is {got}"
+            if end >= st["known"]:
                 tok = self.next_token(st["tokens"][:end])
                 if end == len(st["tokens"]):
                     st["tokens"].append(tok)
@@ -218,6 +223,43 @@ def test_random_traces_keep_invariants_and_outputs(combo, tokenizer):
         except AssertionError as e:
             raise AssertionError(f"seed {seed}, combo {combo}: {e}") from e
     assert loaded > 0 or not combo[4], "no prefix hit in the host tier in any trace"
+
+
+@pytest.mark.parametrize("combo", [("fcfs", False, True, True), ("priority", True, True, True),
+                                   ("fcfs", True, False, False), ("priority", False, True, True, True)],
+                         ids=["sync-chunked-cache", "async-chunked-cache", "async-whole", "host"])
+def test_sliding_window_traces(combo, tokenizer):
+    """A model whose every layer has a 12-token window: blocks that leave the window go back to
+    the pool (the shadow KV check reads exactly each step's window, so a released block that
+    was still needed fails), with admission, preemption, aborts, prefix hits and the host tier;
+    outputs equal an unconstrained run's."""
+    released = 0
+    for seed in range(4):
+        trace, aborts = make_trace(seed, 96)
+        try:
+            policy, use_async, chunked, caching, offload = combo + (False,) * (5 - len(combo))
+            tight = engine_for(combo, num_blocks=13, executor=CheckingExecutor(
+                13, 8, 96, HOST_BLOCKS if offload else 0, window=12))
+            kv = tight.scheduler.kv
+            assert kv.sliding_window == 12 and kv.num_blocks == 12  # block 0: the null block
+            real = kv.release_outside_window
+
+            def counting(req, n, real=real):  # blocks that left the window
+                nonlocal released
+                nulls = lambda: kv.req_blocks.get(req.request_id, []).count(kv.pool.null)  # noqa: E731
+                before = nulls()
+                real(req, n)
+                released += nulls() - before
+            kv.release_outside_window = counting
+            got, aborted = run_trace(tight, trace, aborts, tokenizer)
+            free = engine_for(("fcfs", False, True, False), num_blocks=1000)
+            want, _ = run_trace(free, trace, {}, tokenizer)
+            for rid, outs in want.items():
+                if rid not in aborted:
+                    assert got[rid] == outs, rid
+        except AssertionError as e:
+            raise AssertionError(f"seed {seed}, combo {combo}: {e}") from e
+    assert released > 20, released
 
 
 @pytest.mark.parametrize("policy,kv", [("fcfs", "auto"), ("priority", "auto"), ("fcfs", "fp8")])

@@ -109,6 +109,45 @@ def test_paged_attention_fp16(interp):
                 dtype=torch.float16, seed=7), 2e-3, 2e-3)
 
 
+def window_case(q_lens, seq_lens, window, softcap, kw, atol=1e-5, rtol=1e-5):
+    """Sliding window (and soft-capping): blocks wholly before a request's first query window are
+    NaN, so a kernel that reads them (rather than skipping them) fails."""
+    q, k_cache, v_cache, qsl, lens, bt = make_batch(q_lens, seq_lens, **kw)
+    bs = k_cache.shape[1]
+    for i, (ql, sl) in enumerate(zip(q_lens, seq_lens)):
+        dead = max(0, sl - ql - window + 1) // bs
+        k_cache[bt[i, :dead].long()] = float("nan")
+        v_cache[bt[i, :dead].long()] = float("nan")
+    scale = q.shape[-1] ** -0.5
+    is_decode = int((qsl[1:] - qsl[:-1]).max()) <= 1
+    with poisoned_empty_like():
+        out = ta.paged_attention(q, k_cache, v_cache, qsl, lens, bt, scale, is_decode=is_decode,
+                                 window=window, softcap=softcap)
+    ref = paged_attention_ref(q, k_cache, v_cache, qsl, lens, bt, scale, is_decode=is_decode,
+                              window=window, softcap=softcap)
+    n = int(qsl[-1])
+    assert not ref[:n].isnan().any()
+    torch.testing.assert_close(out[:n].float(), ref[:n].float(), atol=atol, rtol=rtol)
+    assert torch.all(out[n:] == 0), "padding rows must be zero"
+    # the window changes the result (else this test proves nothing)
+    full = paged_attention_ref(q, k_cache.nan_to_num(), v_cache.nan_to_num(), qsl, lens, bt,
+                               scale, is_decode=is_decode, softcap=softcap)
+    assert not torch.allclose(full[:n], ref[:n])
+
+
+@pytest.mark.parametrize("window,softcap", [(8, 0.0), (13, 0.0), (20, 5.0)])
+@pytest.mark.parametrize("group", [1, 4])
+def test_paged_attention_sliding_window(interp, window, softcap, group):
+    interp(window_case, MIXED_Q, MIXED_S, window, softcap,
+           dict(kv_heads=2, group=group, head_dim=16, block_size=8, pad_tokens=3, seed=window))
+
+
+@pytest.mark.parametrize("window,softcap", [(8, 0.0), (21, 3.0)])
+def test_decode_sliding_window(interp, window, softcap):
+    interp(window_case, [1, 1, 1, 1, 1, 0], [1, 150, 37, 300, 16, 0], window, softcap,
+           dict(kv_heads=2, group=2, head_dim=16, block_size=8, pad_tokens=1, seed=window))
+
+
 def decode_split_case(group, head_dim):
     # T == B -> split path; the last request is CUDA-graph padding (no token, empty context) and
     # row T-1 is a padding row that must come back zero.

@@ -1,0 +1,73 @@
+"""Sliding-window attention: greedy parity with transformers (fp32, tiny configs whose window is
+shorter than the prompts, generating past it), chunked prefill equal to unchunked."""
+import pytest
+import torch
+
+from rankserve import LLM, SamplingParams
+
+from test_parity import hf_greedy, model_logits
+
+PROMPTS = [list(range(3, 43)), [1, 5, 9, 200, 31] * 5, [1, 300, 7]]
+NEW = 12  # hf_greedy's length
+
+# (arch, config overrides): Mistral windows every layer; Qwen2 windows the layers from
+# max_window_layers on; Qwen3 with explicit layer_types (interleaved)
+WINDOWED = [
+    ("MistralForCausalLM", dict(sliding_window=8)),
+    ("Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=12, max_window_layers=1)),
+    ("Qwen3ForCausalLM", dict(use_sliding_window=True, sliding_window=10,
+                              layer_types=["sliding_attention", "full_attention"])),
+]
+
+
+@pytest.mark.parametrize("arch,overrides", WINDOWED, ids=[a for a, _ in WINDOWED])
+def test_sliding_window_parity(checkpoint, arch, overrides):
+    import transformers
+    path = checkpoint(arch, **overrides)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    windows = [a.window for a in LLM_cache(path).engine.executor.runner.model.attention_layers()]
+    assert any(windows), "the config's window was not picked up"
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    expected = [hf_greedy(hf, p) for p in PROMPTS]
+    engines = [LLM_cache(path)] + ([LLM_cache(path, chunked=True)] if arch == "MistralForCausalLM"
+                                   else [])  # chunking once is enough (time)
+    for llm in engines:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        for p, o, e in zip(PROMPTS, outs, expected):
+            assert o.outputs[0].token_ids == e, f"{arch} prompt of {len(p)} tokens"
+    for p in PROMPTS[:2]:
+        with torch.no_grad():
+            ref = hf(torch.tensor([p])).logits[0, -1]
+        torch.testing.assert_close(model_logits(LLM_cache(path), p), ref, atol=1e-4, rtol=1e-4)
+
+
+_LLMS: dict = {}
+
+
+def LLM_cache(path, chunked=False):
+    """One engine per (checkpoint, chunking): block size 8 so blocks leave the window."""
+    key = (path, chunked)
+    if key not in _LLMS:
+        _LLMS.clear() if len(_LLMS) > 4 else None
+        kw = dict(max_num_batched_tokens=16, max_num_seqs=4) if chunked else dict(max_num_seqs=8)
+        _LLMS[key] = LLM(path, dtype="float32", block_size=8, **kw)
+    return _LLMS[key]
+
+
+def test_gemma3_parity(checkpoint):
+    """Gemma 3 (interleaved local/global layers, two RoPE bases, soft-capping, (1 + w) norms,
+    embedding scaling) against transformers' eager attention, chunked and not."""
+    import transformers
+    path = checkpoint("Gemma3ForCausalLM")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager").eval()
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    expected = [hf_greedy(hf, p) for p in PROMPTS]
+    for llm in (LLM_cache(path), LLM_cache(path, chunked=True)):
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        for p, o, e in zip(PROMPTS, outs, expected):
+            assert o.outputs[0].token_ids == e, f"prompt of {len(p)} tokens"
+    for p in PROMPTS[:2]:
+        with torch.no_grad():
+            ref = hf(torch.tensor([p])).logits[0, -1]
+        torch.testing.assert_close(model_logits(LLM_cache(path), p), ref, atol=1e-4, rtol=1e-4)
