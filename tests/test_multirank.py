@@ -162,8 +162,8 @@ def test_mpi_serve_tp2_chat_and_one_api_child(qwen3_chat_dir):
                 ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
             except OSError:
                 continue
-            if "rankserve.runtime.serve.app" in cmd:
-                api.append(ppid)
+            if "rankserve.runtime.serve.app" in cmd and ppid in pids.values():
+                api.append(ppid)  # API processes of this job (others may run on the machine)
         assert api == [pids[0]], (api, pids)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
