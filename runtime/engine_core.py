@@ -56,6 +56,8 @@ class EngineCore:
         cache_cfg = cfg.cache
         if window is None:  # every layer windowed alike: out-of-window blocks are released
             window = kv_sliding_window(hf_config)
+        if window >= self.max_model_len:  # nothing ever leaves the window
+            window = 0
         if hf_config is not None and has_recurrent_state(hf_config) and cfg.cache.enable_prefix_caching:
             # a prefix hit would skip tokens whose recurrent state was never computed; states
             # checkpointed at block boundaries would allow it (not done yet)

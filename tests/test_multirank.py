@@ -49,6 +49,14 @@ def test_expert_parallel_matches_single_rank(checkpoint, arch):
     assert mpi_generate(2, model, "--tp", "2", "--enable-expert-parallel") == single(model)
 
 
+@pytest.mark.parametrize("arch,overrides", [("Gemma3ForCausalLM", {}),
+                                            ("MistralForCausalLM", {"sliding_window": 8})])
+def test_sliding_window_tp2_matches_single_rank(checkpoint, arch, overrides):
+    """Sliding-window layers (window 8, generating past it) under --tp 2."""
+    model = checkpoint(arch, **overrides)
+    assert mpi_generate(2, model, "--tp", "2") == single(model)
+
+
 def test_stories_tp2_pp2():
     assert mpi_generate(4, str(STORIES_EMBEDDED), "--tp", "2", "--pp", "2") == single(str(STORIES_EMBEDDED))
 
