@@ -53,6 +53,8 @@ def test_mixed_batch_matches_peft(setup):
 def test_max_loras_smaller_than_adapters(setup):
     """One slot for three adapters: all requests complete, each with its own adapter."""
     base, adapters, refs = setup
+    if "Qwen3" in base:
+        pytest.skip("the scheduler's rule does not depend on the family")
     llm = LLM(base, dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=16,
               max_cpu_loras=2, max_num_seqs=16, max_num_batched_tokens=64)
     sched = llm.engine.scheduler
@@ -70,6 +72,8 @@ def test_max_loras_smaller_than_adapters(setup):
 
 def test_lora_errors(setup, tmp_path):
     base, adapters, _ = setup
+    if "Qwen3" in base:
+        pytest.skip("one family suffices")
     llm = LLM(base, dtype="float32", enable_lora=True, max_lora_rank=8)
     sp = SamplingParams(max_tokens=2)
     with pytest.raises(ValueError, match="max-lora-rank"):
