@@ -144,7 +144,9 @@ def test_constrained_requests_advance_every_step_under_async(qwen3_chat_dir):
     longest = max(len(o.outputs[0].token_ids) for o in outs)
     assert len(steps) <= longest + 2  # one prefill step, then one step per token
     assert all(filled_late)  # not filled when scheduled
-    assert all(p.grammar_bitmask is not None for p in steps if p.grammar_req_ids)  # but used
+    # but used: every plan's rows, except a last step run ahead for requests that have finished
+    # (generate() returns without waiting for it; its sampling runs when the engine next steps)
+    assert all(p.grammar_bitmask is not None for p in steps[:-1] if p.grammar_req_ids)
     assert sum(overlapped) >= longest - 2  # scheduled while the previous step was in flight
     # filled on the grammar thread while the engine handled the previous step's outputs
     assert len(threads) >= longest and all(t.startswith("grammar-fill") for t in threads), threads[:3]
