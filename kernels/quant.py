@@ -663,8 +663,11 @@ def _w4_skinny_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, y_ptr, M, N,
         if CHUNK_GROUP:
             s, z = _w4_scale_zero(s_ptr, z_ptr, g_ptr, k0 + tl.zeros([1], tl.int32), offs_n,
                                   n_mask[None, :], N, group_size, HAS_ZERO, False)
+        elif not HAS_GIDX:  # group_size % 8 == 0: the 8 rows of a packed row share one group
+            s, z = _w4_scale_zero(s_ptr, z_ptr, g_ptr, tl.minimum(k0 + 8 * offs_i, K - 1),
+                                  offs_n, mask, N, group_size, HAS_ZERO, False)
         for j in tl.static_range(8):
-            if not CHUNK_GROUP:
+            if HAS_GIDX:
                 rows = tl.minimum(k0 + 8 * offs_i + j, K - 1)
                 s, z = _w4_scale_zero(s_ptr, z_ptr, g_ptr, rows, offs_n, mask, N, group_size,
                                       HAS_ZERO, HAS_GIDX)
@@ -751,6 +754,8 @@ def _w4_dequant_kernel(qw_ptr, s_ptr, z_ptr, g_ptr, wt_ptr, N, K, group_size,
 
 def _w4_consts(zeros, g_idx, group_size, block_k) -> dict:
     """constexprs of the w4 kernels; CHUNK_GROUP: every BLOCK_K step lies in one group."""
+    # the kernels' per-packed-row scale gathers assume whole packed rows in a group
+    assert g_idx is not None or group_size % 8 == 0, f"w4a16: group_size {group_size} % 8 != 0"
     return dict(HAS_ZERO=zeros is not None, HAS_GIDX=g_idx is not None,
                 CHUNK_GROUP=g_idx is None and group_size % block_k == 0)
 
@@ -781,7 +786,7 @@ def w4_skinny(x2, qweight, scales, zeros, g_idx, group_size, bias, out, split=No
     N = qweight.shape[1]
     cfg = _skinny_w4_config(M, x2.is_cuda)
     consts = _w4_consts(zeros, g_idx, group_size, cfg["BLOCK_K"])
-    if not consts["CHUNK_GROUP"]:  # per-row scale / zero gathers: fewer stages (shared memory)
+    if consts["HAS_GIDX"]:  # per-row scale / zero gathers: fewer stages (shared memory)
         cfg["NUM_STAGES"] = min(cfg["NUM_STAGES"], 2)
     bk = cfg["BLOCK_K"]
     if split is None:
