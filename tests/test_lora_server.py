@@ -47,6 +47,8 @@ def test_lora_server(lora_setup):
         return client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0,
                                          extra_body={"ignore_eos": True}).choices[0].text
     assert complete("a") == texts[1] != texts[0]
+    # responses name the model the request selected, as vLLM does: the adapter, not the base
+    assert client.completions.create(model="a", prompt=PROMPT, max_tokens=1).model == "a"
     assert complete(base) == texts[0]
     with pytest.raises(openai.NotFoundError) as e:
         complete("b")
@@ -98,9 +100,11 @@ def test_unload_while_streaming_and_other_apis(lora_setup):
     m = httpx.post(s.url + "/v1/messages", headers=h, json={
         "model": "a", "max_tokens": 6, "temperature": 0, "messages": msgs}).json()
     assert m["content"][0]["text"] == chat.choices[0].message.content
+    assert chat.model == m["model"] == "a"
     resp = httpx.post(s.url + "/v1/responses", headers=auth, json={
         "model": "a", "max_output_tokens": 6, "temperature": 0, "input": "Once upon a time"})
     assert resp.status_code == 200, resp.text
+    assert resp.json()["model"] == "a"
     for path, body in (("/v1/messages", {"model": "nope", "max_tokens": 2, "messages": msgs}),
                        ("/v1/responses", {"model": "nope", "input": "x"})):
         assert httpx.post(s.url + path, headers={**h, **auth}, json=body).status_code == 404

@@ -214,7 +214,7 @@ async def create_message(ctx: ServeContext, req: MessagesRequest):
 
     def message(content, reason=None, seq=None, output_tokens=0, cached=0) -> dict:
         # Anthropic counts cache reads apart from input_tokens (clients add the two)
-        return {"id": mid, "type": "message", "role": "assistant", "model": ctx.model_name,
+        return {"id": mid, "type": "message", "role": "assistant", "model": ctx.served_name(req.model),
                 "content": content, "stop_reason": reason, "stop_sequence": seq,
                 "usage": {"input_tokens": len(prompt_ids) - cached,
                           "output_tokens": output_tokens, "cache_read_input_tokens": cached}}

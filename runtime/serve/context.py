@@ -221,6 +221,11 @@ class ServeContext:
         """The LoRA adapter a request's `model` names (None: the base model)."""
         return self.loras.get(name)
 
+    def served_name(self, name: str | None) -> str:
+        """The `model` a response reports: the adapter the request named, else the base model."""
+        lora = self.lora_for(name)
+        return lora.lora_name if lora is not None else self.model_name
+
     def need_tokenizer(self) -> None:
         if self.tokenizer is None:
             raise APIError("this model has no tokenizer: only token-id prompts are served")

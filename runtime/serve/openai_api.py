@@ -166,7 +166,7 @@ async def create_completion(ctx: ServeContext, req: CompletionRequest):
         choices = [choice(k, "".join(t), completion_logprobs(ctx, lps[k], 0), *ends[k], ids[k],
                           plps[k // n]) for k, t in enumerate(texts)]
         return {"id": rid, "object": "text_completion", "created": created,
-                "model": ctx.model_name, "choices": choices,
+                "model": ctx.served_name(req.model), "choices": choices,
                 "usage": usage(num_prompt, tokens, cached)}
 
     async def events():
@@ -187,12 +187,12 @@ async def create_completion(ctx: ServeContext, req: CompletionRequest):
                 continue
             first, started[k] = not started[k], True
             yield sse({"id": rid, "object": "text_completion", "created": created,
-                       "model": ctx.model_name, **null_usage,
+                       "model": ctx.served_name(req.model), **null_usage,
                        "choices": [choice(k, upd.text, lp, upd.finish_reason, upd.stop_reason,
                                           upd.token_ids, plps[i], first)]})
         if req.include_usage:
             yield sse({"id": rid, "object": "text_completion", "created": created,
-                       "model": ctx.model_name, "choices": [],
+                       "model": ctx.served_name(req.model), "choices": [],
                        "usage": usage(num_prompt, tokens, cached)})
         yield SSE_DONE
 
@@ -293,7 +293,7 @@ async def chat_events(ctx: ServeContext, run: ChatRun, stream: RequestStream, ri
     extra = {"usage": None} if req.include_usage else {}  # OpenAI: null until the last chunk
 
     def chunk(i, delta, finish=None, lp=None, stop=None, **more) -> bytes:
-        c = chat_chunk(rid, created, ctx.model_name, i, delta, finish, lp, stop)
+        c = chat_chunk(rid, created, ctx.served_name(req.model), i, delta, finish, lp, stop)
         c["choices"][0].update(more)
         return sse({**c, **extra})
     head = {"prompt_token_ids": run.prompt_token_ids} if req.return_token_ids else {}
@@ -301,7 +301,7 @@ async def chat_events(ctx: ServeContext, run: ChatRun, stream: RequestStream, ri
         head["prompt_logprobs"] = prompt_logprobs(ctx, (await stream.peek()).prompt_logprobs)
     echo = echo_text(req)
     for i in range(n):
-        yield sse({**chat_chunk(rid, created, ctx.model_name, i,
+        yield sse({**chat_chunk(rid, created, ctx.served_name(req.model), i,
                                 {"role": "assistant", "content": ""}), **head, **extra})
         if echo:
             yield chunk(i, {"content": echo})
@@ -321,7 +321,7 @@ async def chat_events(ctx: ServeContext, run: ChatRun, stream: RequestStream, ri
         yield chunk(upd.index, delta, finish, lp, upd.stop_reason if finish else None, **ids)
     if req.include_usage:
         yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                   "model": ctx.model_name, "choices": [],
+                   "model": ctx.served_name(req.model), "choices": [],
                    "usage": usage(len(run.prompt_token_ids), run.completion_tokens,
                                   run.num_cached_tokens)})
     yield SSE_DONE
@@ -359,7 +359,7 @@ async def create_chat_completion(ctx: ServeContext, req: ChatCompletionRequest):
             if req.return_token_ids:
                 choices[-1]["token_ids"] = ids[i]
         out = {"id": rid, "object": "chat.completion", "created": created,
-               "model": ctx.model_name, "choices": choices,
+               "model": ctx.served_name(req.model), "choices": choices,
                "usage": usage(len(prompt_ids), run.completion_tokens, run.num_cached_tokens)}
         if req.prompt_logprobs is not None:
             out["prompt_logprobs"] = prompt_logprobs(ctx, plps)

@@ -228,7 +228,7 @@ async def create_response(ctx: ServeContext, req: ResponsesRequest):
                 "status": "incomplete" if incomplete else status, "error": None,
                 "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
                 "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-                "model": ctx.model_name, "output": output,
+                "model": ctx.served_name(req.model), "output": output,
                 "parallel_tool_calls": req.parallel_tool_calls, "previous_response_id": None,
                 "reasoning": req.reasoning, "store": False,
                 "temperature": params.temperature, "top_p": params.top_p,
