@@ -4,15 +4,24 @@ A LoRA layer adds `(x A^T) B^T` (the scaling folded into B at load time) to the 
 adapters live in device slots: `a` [S, R, K] and `b` [S, N, R] hold S adapters (ranks padded
 with zeros to R); a token's slot is `token_slot[t]` (-1: the base model, no update).
 
-  lora_shrink(x, a, ...)  -> s [T, R] fp32     s[t] = a[slot(t)] @ x[t]
-  lora_expand(s, b, ...)  -> d [T, N] fp32     d[t] = b[slot(t)] @ s[t]
+  lora_shrink(x, a, ...)  -> s [P, T, R] fp32   s.sum(0)[t] = a[slot(t)] @ x[t], as P partial
+                                                 sums over K splits (summed by the expand)
+  lora_expand_add(y, s, b, token_slot, y_col, s_col)
+                          y[t, y_col:y_col+N] += (b[slot(t)] @ round(s.sum(0)[t, s_col:s_col+R]))
+                          in place, rounded to y's dtype like PEFT's `y + lora_B(lora_A(x))`
 
-Two kernels each:
-  BGMV (decode): one program per (token, output tile); a batched gather-matrix-vector product.
-  SGMV (prefill): one program per (segment, output tile), a segment being a run of tokens of one
+The shrink has two kernels:
+  BGMV (decode): one program per (token, output tile, K split); a batched gather-matrix-vector
+       product.
+  SGMV (prefill): one program per (segment, output tile, K split), a segment being a run of tokens of one
        request (`seg_start` [B+1], `seg_slot` [B], i.e. the batch's query_start_loc): tl.dot over
        BLOCK_M tokens at a time, the adapter tile loaded once per token block.
 Both read the same metadata layout and give the same result; the caller picks by batch shape.
+A shrink's K (the hidden size) is long and its N (the rank) tiny: K is split over programs (a first
+version ran one program per token over all of K: 25 us a call on an H200, W2 3.3x slower), and the
+expand sums the partials in a fixed order. The expand (K = rank) is one program per (token,
+output tile) in both phases and adds into the base layer's output in place: per LoRA layer one
+shrink plus one expand per sub-matrix, no cat / cast / add kernels.
 Grids depend only on T and on the (fixed) length of the segment buffers, so CUDA graphs replay
 them with new slot indices. Without CUDA or the Triton interpreter, the plain-torch references run
 (a loop over the S slots with masks: no data-dependent shapes, so torch.compile traces it).
@@ -35,7 +44,7 @@ def ref_lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slot: torch.Tensor) 
     for s in range(a.shape[0]):
         m = (token_slot == s).unsqueeze(-1)
         out = out + torch.where(m, xf @ a[s].float().t(), 0.0)
-    return out
+    return out.unsqueeze(0)  # one "partial"
 
 
 def ref_lora_expand(s: torch.Tensor, b: torch.Tensor, token_slot: torch.Tensor) -> torch.Tensor:
@@ -47,29 +56,39 @@ def ref_lora_expand(s: torch.Tensor, b: torch.Tensor, token_slot: torch.Tensor) 
     return out
 
 
+def ref_lora_expand_add(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor,
+                        token_slot: torch.Tensor, y_col: int, s_col: int) -> None:
+    N, R = b.shape[1], b.shape[2]
+    d = ref_lora_expand(s.sum(0)[:, s_col:s_col + R].to(b.dtype), b, token_slot)
+    y[:, y_col:y_col + N] += d.to(y.dtype)
+
+
 # ----------------------------------------------------------------------------------------------
 # BGMV: one token per program
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
-def _bgmv_kernel(x_ptr, w_ptr, slot_ptr, out_ptr, N, K, stride_xt, stride_ws, stride_wn,
-                 stride_ot, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[t, n] = sum_k w[slot(t), n, k] * x[t, k] (zero for slot -1)."""
+def _bgmv_kernel(x_ptr, w_ptr, slot_ptr, out_ptr, N, K, k_per_split, stride_xt, stride_ws,
+                 stride_wn, stride_ot, stride_os, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[split, t, n] = sum over the split's k of w[slot(t), n, k] * x[t, k] (0 for slot -1)."""
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
+    split = tl.program_id(2)
     slot = tl.load(slot_ptr + t)
     valid = slot >= 0
     slot = tl.maximum(slot, 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # elementwise partials, reduced once
+    k_start = split * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
+    for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        xk = tl.load(x_ptr + t * stride_xt + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+        xk = tl.load(x_ptr + t * stride_xt + offs_k, mask=offs_k < k_end, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + slot * stride_ws + offs_n[:, None] * stride_wn + offs_k[None, :],
-                    mask=(offs_n[:, None] < N) & (offs_k[None, :] < K), other=0.0).to(tl.float32)
-        acc += tl.sum(w * xk[None, :], axis=1)
-    acc = tl.where(valid, acc, 0.0)
-    tl.store(out_ptr + t * stride_ot + offs_n, acc, mask=offs_n < N)
+                    mask=(offs_n[:, None] < N) & (offs_k[None, :] < k_end), other=0.0)
+        acc += w.to(tl.float32) * xk[None, :]
+    out = tl.where(valid, tl.sum(acc, axis=1), 0.0)
+    tl.store(out_ptr + split * stride_os + t * stride_ot + offs_n, out, mask=offs_n < N)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -77,35 +96,64 @@ def _bgmv_kernel(x_ptr, w_ptr, slot_ptr, out_ptr, N, K, stride_xt, stride_ws, st
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
-def _sgmv_kernel(x_ptr, w_ptr, seg_start_ptr, seg_slot_ptr, out_ptr, N, K, stride_xt, stride_ws,
-                 stride_wn, stride_ot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-    """out[t, n] = sum_k w[seg_slot, n, k] * x[t, k] for t in the segment (zero for slot -1).
-    Tokens of no segment (padding) are left alone: the caller zero-fills `out`."""
+def _sgmv_kernel(x_ptr, w_ptr, seg_start_ptr, seg_slot_ptr, out_ptr, N, K, k_per_split, stride_xt,
+                 stride_ws, stride_wn, stride_ot, stride_os, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """out[split, t, n] = sum over the split's k of w[seg_slot, n, k] * x[t, k] for t in the
+    segment (zero for slot -1). Tokens of no segment (padding) are left alone: the caller
+    zero-fills `out`."""
     seg = tl.program_id(0)
     pid_n = tl.program_id(1)
+    split = tl.program_id(2)
     start = tl.load(seg_start_ptr + seg)
     end = tl.load(seg_start_ptr + seg + 1)
     slot = tl.load(seg_slot_ptr + seg)
     valid = slot >= 0
     slot = tl.maximum(slot, 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = split * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
     for m0 in range(start, end, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_start, k_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             xt = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xt + offs_k[None, :],
-                         mask=(offs_m[:, None] < end) & (offs_k[None, :] < K), other=0.0)
+                         mask=(offs_m[:, None] < end) & (offs_k[None, :] < k_end), other=0.0)
             wt = tl.load(w_ptr + slot * stride_ws + offs_n[None, :] * stride_wn + offs_k[:, None],
-                         mask=(offs_n[None, :] < N) & (offs_k[:, None] < K), other=0.0)
+                         mask=(offs_n[None, :] < N) & (offs_k[:, None] < k_end), other=0.0)
             if IEEE:
                 acc += tl.dot(xt.to(tl.float32), wt.to(tl.float32), input_precision="ieee")
             else:
                 acc = tl.dot(xt, wt, acc)
         acc = tl.where(valid, acc, 0.0)
-        tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_ot + offs_n[None, :], acc,
-                 mask=(offs_m[:, None] < end) & (offs_n[None, :] < N))
+        tl.store(out_ptr + split * stride_os + offs_m[:, None].to(tl.int64) * stride_ot
+                 + offs_n[None, :], acc, mask=(offs_m[:, None] < end) & (offs_n[None, :] < N))
+
+
+@triton.jit
+def _expand_add_kernel(s_ptr, b_ptr, slot_ptr, y_ptr, N, R, P, stride_sp, stride_st, stride_bs,
+                       stride_bn, stride_yt, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    """y[t, n] += round(b[slot(t), n, :] @ round(sum_p s[p, t, :])) for slot(t) >= 0."""
+    t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    slot = tl.load(slot_ptr + t)
+    if slot >= 0:
+        offs_r = tl.arange(0, BLOCK_R)
+        r_mask = offs_r < R
+        sa = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for p in range(P):  # the shrink's K-split partials, in order
+            sa += tl.load(s_ptr + p * stride_sp + t * stride_st + offs_r, mask=r_mask, other=0.0)
+        sr = sa.to(b_ptr.dtype.element_ty).to(tl.float32)  # lora_A(x) rounded to the model dtype
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        w = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + offs_n[:, None] * stride_bn
+                    + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+        d = tl.sum(w.to(tl.float32) * sr[None, :], axis=1).to(y_ptr.dtype.element_ty)
+        y_ptrs = y_ptr + t.to(tl.int64) * stride_yt + offs_n
+        y = tl.load(y_ptrs, mask=n_mask, other=0.0)
+        tl.store(y_ptrs, (y.to(tl.float32) + d.to(tl.float32)).to(y_ptr.dtype.element_ty),
+                 mask=n_mask)
 
 
 _INTERPRET = isinstance(_bgmv_kernel, InterpretedFunction)  # TRITON_INTERPRET=1 at import
@@ -115,34 +163,42 @@ def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or (_INTERPRET and t.device.type == "cpu")
 
 
-def _gmv(x, w, token_slot, seg_start, seg_slot, sgmv: bool) -> torch.Tensor:
-    """out[t] = w[slot(t)] @ x[t] for x [T, K] (row stride free, unit column stride), w [S, N, K]."""
+def _split_k(K: int, on_gpu: bool) -> tuple[int, int]:
+    """(splits P, K per split) of a shrink: >= 512 of K a program on the GPU (the interpreter
+    splits small tests too, to check the path), K per split a multiple of every BLOCK_K used."""
+    per, granule = (512, 128) if on_gpu else (16, 16)
+    split = max(1, min(32, K // per))
+    k_per_split = triton.cdiv(triton.cdiv(K, split), granule) * granule
+    return triton.cdiv(K, k_per_split), k_per_split
+
+
+def _shrink(x, w, token_slot, seg_start, seg_slot, sgmv: bool) -> torch.Tensor:
+    """Partials [P, T, N] fp32 of w[slot(t)] @ x[t], x [T, K] (unit column stride), w [S, N, K]."""
     T, K = x.shape
     N = w.shape[1]
     if x.stride(1) != 1:
         x = x.contiguous()
     w = w if w.stride(2) == 1 else w.contiguous()
+    on_gpu = x.is_cuda
+    split, kps = _split_k(K, on_gpu)
     if sgmv:
-        out = torch.zeros(T, N, dtype=torch.float32, device=x.device)
-        if T == 0:
-            return out
-        bn = 32 if x.is_cuda else 16
         # (the interpreter's tl.dot mis-reads 16-bit operands: it runs them in fp32)
         ieee = x.dtype == torch.float32 or _INTERPRET
-        bk = 32 if ieee else 64
-        grid = (seg_slot.shape[0], triton.cdiv(N, bn))
-        _sgmv_kernel[grid](x, w, seg_start, seg_slot, out, N, K, x.stride(0), w.stride(0),
-                           w.stride(1), out.stride(0), BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk,
-                           IEEE=ieee)
-        return out
-    out = torch.empty(T, N, dtype=torch.float32, device=x.device)
-    if T == 0:
-        return out
-    bn = min(64, triton.next_power_of_2(N)) if x.is_cuda else 16
-    bk = min(64, max(16, triton.next_power_of_2(K))) if x.is_cuda else 16  # expand: K = rank
-    _bgmv_kernel[(T, triton.cdiv(N, bn))](x, w, token_slot, out, N, K, x.stride(0), w.stride(0),
-                                          w.stride(1), out.stride(0), BLOCK_N=bn, BLOCK_K=bk)
-    return out
+        bn, bk = (32 if on_gpu else 16), (32 if ieee else 64)
+        part = torch.zeros(split, T, N, dtype=torch.float32, device=x.device)
+        if T:
+            _sgmv_kernel[(seg_slot.shape[0], triton.cdiv(N, bn), split)](
+                x, w, seg_start, seg_slot, part, N, K, kps, x.stride(0), w.stride(0), w.stride(1),
+                part.stride(1), part.stride(0), BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, IEEE=ieee)
+        return part
+    bn = min(64, triton.next_power_of_2(N)) if on_gpu else 16
+    bk = 128 if on_gpu else 16
+    part = torch.empty(split, T, N, dtype=torch.float32, device=x.device)
+    if T:
+        _bgmv_kernel[(T, triton.cdiv(N, bn), split)](
+            x, w, token_slot, part, N, K, kps, x.stride(0), w.stride(0), w.stride(1),
+            part.stride(1), part.stride(0), BLOCK_N=bn, BLOCK_K=bk)
+    return part
 
 
 # ----------------------------------------------------------------------------------------------
@@ -156,27 +212,30 @@ def _gmv(x, w, token_slot, seg_start, seg_slot, sgmv: bool) -> torch.Tensor:
 @torch.library.custom_op("rankserve::lora_shrink", mutates_args=())
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slot: torch.Tensor,
                 seg_start: torch.Tensor, seg_slot: torch.Tensor, sgmv: torch.Tensor) -> torch.Tensor:
-    """[T, K] x [S, R, K] → [T, R] fp32."""
+    """[T, K] x [S, R, K] → [P, T, R] fp32 partial sums over K splits."""
     if not _use_triton(x):
         return ref_lora_shrink(x, a, token_slot)
-    return _gmv(x, a, token_slot, seg_start, seg_slot, bool(sgmv))
+    return _shrink(x, a, token_slot, seg_start, seg_slot, bool(sgmv))
 
 
 @lora_shrink.register_fake
 def _(x, a, token_slot, seg_start, seg_slot, sgmv):
-    return x.new_empty((x.shape[0], a.shape[1]), dtype=torch.float32)
+    P = _split_k(x.shape[1], x.is_cuda)[0] if _use_triton(x) else 1
+    return x.new_empty((P, x.shape[0], a.shape[1]), dtype=torch.float32)
 
 
-@torch.library.custom_op("rankserve::lora_expand", mutates_args=())
-def lora_expand(s: torch.Tensor, b: torch.Tensor, token_slot: torch.Tensor,
-                seg_start: torch.Tensor, seg_slot: torch.Tensor, sgmv: torch.Tensor) -> torch.Tensor:
-    """[T, R] x [S, N, R] → [T, N] fp32 (`s` may be a column slice of a wider shrink output)."""
-    s = s.to(b.dtype)  # the intermediate is rounded to the model dtype, as PEFT's lora_A(x) is
-    if not _use_triton(s):
-        return ref_lora_expand(s, b, token_slot)
-    return _gmv(s, b, token_slot, seg_start, seg_slot, bool(sgmv))
-
-
-@lora_expand.register_fake
-def _(s, b, token_slot, seg_start, seg_slot, sgmv):
-    return s.new_empty((s.shape[0], b.shape[1]), dtype=torch.float32)
+@torch.library.custom_op("rankserve::lora_expand_add", mutates_args=("y",))
+def lora_expand_add(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, token_slot: torch.Tensor,
+                    y_col: int, s_col: int) -> None:
+    """y [T, >= y_col + N] += b [S, N, R] applied to s [P, T, >= s_col + R] (shrink partials),
+    per token's slot, in place."""
+    if not _use_triton(y):
+        return ref_lora_expand_add(y, s, b, token_slot, y_col, s_col)
+    T, N, R = y.shape[0], b.shape[1], b.shape[2]
+    if T == 0:
+        return
+    assert y.stride(1) == 1 and s.stride(2) == 1 and b.stride(2) == 1, "lora_expand_add: layout"
+    bn = 64 if y.is_cuda else 16
+    _expand_add_kernel[(T, triton.cdiv(N, bn))](
+        s[:, :, s_col:], b, token_slot, y[:, y_col:], N, R, s.shape[0], s.stride(0), s.stride(1),
+        b.stride(0), b.stride(1), y.stride(0), BLOCK_N=bn, BLOCK_R=triton.next_power_of_2(R))

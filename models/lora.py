@@ -22,7 +22,7 @@ import os
 import torch
 import torch.nn as nn
 
-from ..kernels.lora import lora_expand, lora_shrink
+from ..kernels.lora import lora_expand_add, lora_shrink
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .lora_config import TARGETS, adapter_rank, read_adapter_config  # noqa: F401
 from .quantization import LinearMethod
@@ -62,9 +62,13 @@ class LoRAMethod(LinearMethod):
         c, R = self.ctx, self.max_rank
         ts = c.token_slot[:x.shape[0]]
         s = lora_shrink(x, layer.lora_a, ts, c.seg_start, c.seg_slot, c.sgmv)
-        d = [lora_expand(s[:, i * R:(i + 1) * R], getattr(layer, f"lora_b{i}"), ts, c.seg_start,
-                         c.seg_slot, c.sgmv) for i in range(self.num_slices)]
-        return y + (torch.cat(d, -1) if len(d) > 1 else d[0]).to(y.dtype)
+        y2 = y.view(-1, y.shape[-1])
+        col = 0
+        for i in range(self.num_slices):  # each sub-matrix's update, added into y in place
+            b = getattr(layer, f"lora_b{i}")
+            lora_expand_add(y2, s, b, ts, col, i * R)
+            col += b.shape[1]
+        return y
 
 
 def _shapes(layer) -> tuple[int, list[int]]:

@@ -21,14 +21,19 @@ def _case(dtype_name: str):
     a = (torch.randn(S, 2 * R, K, generator=g) * 0.2).to(dtype)
     b = (torch.randn(S, N, R, generator=g) * 0.2).to(dtype)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=5e-2, rtol=5e-2)
-    ref_s = lora.ref_lora_shrink(x, a, token_slot)
+    ref_s = lora.ref_lora_shrink(x, a, token_slot)[0]
     assert ref_s[token_slot < 0].abs().max() == 0
+    y0 = torch.randn(T, N + 5, generator=g).to(dtype)
+    ref_y = y0.clone()
+    ref_y[:, 5:] += lora.ref_lora_expand(ref_s[:, R:].to(dtype), b, token_slot).to(dtype)
     for sgmv in (torch.tensor(False), torch.tensor(True)):
         s = lora.lora_shrink(x, a, token_slot, seg_start, seg_slot, sgmv)
-        torch.testing.assert_close(s, ref_s, **tol)
-        s1 = s[:, R:]  # the second slice of a fused shrink: a strided view
-        d = lora.lora_expand(s1, b, token_slot, seg_start, seg_slot, sgmv)
-        torch.testing.assert_close(d, lora.ref_lora_expand(s1.to(dtype), b, token_slot), **tol)
+        assert s.shape[0] > 1  # K split over programs: partial sums
+        torch.testing.assert_close(s.sum(0), ref_s, **tol)
+        y = y0.clone()  # the second sub-matrix of a fused shrink, added at column 5
+        lora.lora_expand_add(y, s, b, token_slot, 5, R)
+        torch.testing.assert_close(y, ref_y, **tol)
+        assert torch.equal(y[:, :5], y0[:, :5]) and torch.equal(y[token_slot < 0], y0[token_slot < 0])
     return True
 
 
