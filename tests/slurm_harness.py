@@ -97,7 +97,7 @@ InactiveLimit=0
 KillWait=10
 MinJobAge=60
 {nodes}
-PartitionName=ci Nodes={",".join(NODES)} Default=YES MaxTime=60 State=UP OverSubscribe=FORCE:2
+PartitionName=ci Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:2
 """
 
 
