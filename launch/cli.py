@@ -76,8 +76,11 @@ class _Group(click.Group):
     with the rank's name instead."""
 
     def invoke(self, ctx):
+        from .preflight import LaunchError, report
         try:
             return super().invoke(ctx)
+        except LaunchError as e:  # the same on every rank: one line, from one rank
+            sys.exit(report(e))
         except ValueError as e:
             from .discovery import detect_launcher
             if detect_launcher(os.environ) != "single":
