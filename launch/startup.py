@@ -41,13 +41,15 @@ def start_ranks(cfg: EngineConfig):
     from .bootstrap import init_distributed
     from .failure import install_failure_handlers
     from ..runtime.parallel import build_parallel_info
+    from .threads import set_rank_threads
+    threads = set_rank_threads(info)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     control = init_distributed(info, device)
     install_failure_handlers(info, control)
     pi = build_parallel_info(info.rank, info.world_size, pc)
     line = (f"rankserve rank {info.rank}/{info.world_size} host={socket.gethostname()} pid={os.getpid()} "
-          f"local_rank={info.local_rank} device={device} tp={pi.tp_rank}/{pi.tp_size} "
+          f"local_rank={info.local_rank} device={device} threads={threads} tp={pi.tp_rank}/{pi.tp_size} "
           f"pp={pi.pp_rank}/{pi.pp_size} ep={'on' if pi.enable_expert_parallel else 'off'}")
     sys.stdout.write(line + "\n")  # one write: ranks share the launcher's stdout
     sys.stdout.flush()

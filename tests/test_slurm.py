@@ -75,6 +75,22 @@ def test_srun_two_nodes_matches_single_rank(slurm, stories_llm, tmp_path, mpi, p
     assert got == _single(stories_llm)
 
 
+def test_srun_two_ranks_on_one_node_share_its_cores_and_mismatch_names_srun(slurm, tmp_path):
+    base = ["srun", "-N", "1", "-n", "2", "-w", "node1", RANKSERVE, "generate", str(STORIES_EMBEDDED),
+            "--max-tokens", "2", "--prompt", "x"]
+    r = _run(slurm, [*base, "--tp", "2"], cwd=tmp_path)
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-3000:]
+    # node1 has 2 CPUs and no binding (task/none): one torch thread per rank, not 2 each
+    assert sorted(re.findall(r"rank (\d)/2 host=node1 \S+ local_rank=\d device=cpu threads=(\d+)", log)) \
+        == [("0", "1"), ("1", "1")], log[-3000:]
+    r = _run(slurm, [*base, "--tp", "4"], cwd=tmp_path)
+    log = r.stdout + r.stderr
+    lines = [x for x in log.splitlines() if "rankserve: error:" in x]
+    assert r.returncode != 0 and "Traceback" not in log and len(lines) == 1, log[-3000:]
+    assert "needs 4 ranks but the job has 2; launch with `srun -n 4" in lines[0]
+
+
 def _wait_for(path: Path, pattern: str, timeout: float, job: str | None = None, env=None) -> re.Match:
     deadline = time.monotonic() + timeout
     text = ""
