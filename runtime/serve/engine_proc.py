@@ -102,8 +102,12 @@ def start_api_process(cfg: EngineConfig, server_args: ServerArgs, connect_addres
                 "engine_pid": os.getpid(),
                 "lora": {"enable": cfg.lora.enable_lora, "max_lora_rank": cfg.lora.max_lora_rank,
                          "modules": list(cfg.lora.lora_modules or ())}}
+    # its own session: a launcher that kills rank 0's process group (mpiexec after a rank died)
+    # or a terminal's Ctrl-C does not reach it; it answers what is in flight with an error event
+    # when this process is gone (client._watch) and is stopped by this process otherwise
     proc = subprocess.Popen([sys.executable, "-m", "rankserve.runtime.serve.app"],
-                            stdin=subprocess.PIPE, env=dict(os.environ if env is None else env))
+                            stdin=subprocess.PIPE, env=dict(os.environ if env is None else env),
+                            start_new_session=True)
     proc.stdin.write(msgspec.json.encode(settings))
     proc.stdin.close()
     return proc
