@@ -64,10 +64,12 @@ def build_config(kwargs: dict) -> EngineConfig:
         if value is not None:
             ctype, base = _click_type(f)
             given[f.name] = int(value) if isinstance(ctype, click.Choice) and base is int else value
+    from .caches import usable_caches
     try:
-        return EngineConfig.from_kwargs(**given)
+        cfg = EngineConfig.from_kwargs(**given)
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
+    return usable_caches(cfg, given_cache_dir="cache_dir" in given)
 
 
 class _Group(click.Group):

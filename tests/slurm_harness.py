@@ -151,9 +151,10 @@ def _munge() -> None:
 
 
 def _alive(pidfile: Path) -> bool:
+    """The daemon of this pid file runs (a stale file's pid may belong to something else now)."""
     try:
-        os.kill(int(pidfile.read_text().strip()), 0)
-        return True
+        pid = int(pidfile.read_text().strip())
+        return Path(f"/proc/{pid}/comm").read_text().strip().startswith("slurm")
     except (OSError, ValueError):
         return False
 
@@ -192,9 +193,10 @@ def ensure() -> Cluster:
     """Bring the cluster up (or reuse it). Raises Unavailable with the reason."""
     if os.geteuid() != 0:
         raise Unavailable("needs root (network namespaces, Slurm daemons)")
-    if not shutil.which("ip") or not shutil.which("unshare") or not shutil.which("apt-get") \
-            and not shutil.which("slurmd"):
-        raise Unavailable("needs iproute2, util-linux (unshare) and Debian's apt-get or Slurm")
+    if not all(shutil.which(t) for t in ("ip", "unshare", "nsenter", "runuser")):
+        raise Unavailable("needs iproute2 and util-linux (unshare, nsenter, runuser)")
+    if not shutil.which("slurmd") and not shutil.which("apt-get"):
+        raise Unavailable("Slurm is not installed and there is no apt-get to install it")
     STATE.mkdir(parents=True, exist_ok=True)
     with open(STATE / "lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent test sessions share one cluster
