@@ -256,11 +256,15 @@ def serve_engine(cfg: EngineConfig, server_args: ServerArgs, executor, *,
         log.info("removed the stale socket %s", path)
     bind, connect = engine_addresses(server_args.engine_address)
     stop = [False]
+    children: list[subprocess.Popen] = []
 
     def on_signal(signum, frame):
+        if stop[0] and signum == signal.SIGINT and children:  # the second Ctrl-C: now
+            children[0].send_signal(signal.SIGINT)  # (the API is in its own session)
         stop[0] = True
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     api = start_api_process(cfg, server_args, connect, api_env)  # loads its tokenizer meanwhile
+    children.append(api)
     server = None
     try:
         server = EngineServer(EngineCore(cfg, executor), cfg, bind)
