@@ -29,7 +29,7 @@ PROMPTS = ["Once upon a time", "Lily and Tom were"]
 
 
 @pytest.fixture(scope="session")
-def slurm():
+def slurm(request):
     try:
         cluster = slurm_harness.ensure()
     except slurm_harness.Unavailable as e:
@@ -38,7 +38,10 @@ def slurm():
         pytest.skip(f"no Slurm cluster: {e}")
     nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %o %T"], capture_output=True,
                            text=True, env=cluster.env).stdout
-    print(f"\nSlurm nodes (name address state):\n{nodes}", file=sys.stderr)
+    shown = "; ".join(" ".join(line.split()) for line in nodes.splitlines())
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:  # in the CI log, not only on failure
+        reporter.write_line(f"\nSlurm cluster up: nodes (name address state): {shown}")
     addrs = [line.split()[1] for line in nodes.splitlines()]
     assert len(set(addrs)) == 2, nodes  # two nodes, two different addresses
     if os.environ.get("CI_SLURM_STAMP"):  # .ci/run checks that the cluster came up
