@@ -24,12 +24,12 @@ class LaunchError(Exception):
         self.report = report
 
 
-def launch_command(info_launcher: str, n: int, env: Mapping[str, str]) -> str:
+def launch_command(launcher: str, n: int, env: Mapping[str, str]) -> str:
     """How to start n ranks with the launcher this job came from."""
     in_step = "SLURM_STEP_ID" in env or "SLURM_STEPID" in env  # srun, with or without MPI
-    if in_step or (info_launcher == "single" and "SLURM_JOB_ID" in env):  # or an sbatch/salloc shell
+    if in_step or (launcher == "single" and "SLURM_JOB_ID" in env):  # or an sbatch/salloc shell
         return f"srun -n {n} rankserve ..."
-    if info_launcher == "torchrun":
+    if launcher == "torchrun":
         return f"torchrun --nproc-per-node {n} -m rankserve.launch ..."
     return f"mpirun -np {n} rankserve ..."
 

@@ -88,7 +88,6 @@ def test_sigkilled_rank_under_mpiexec_gives_streams_an_error_event():
     os.kill(job.pid(1), signal.SIGKILL)
     log = job.finish()
     _ended_with_error(t, result, log)
-    assert "lost rank 1" in log and "Traceback" not in log, log[-3000:]
 
 
 def test_ctrl_c_under_mpiexec_no_traceback_and_streams_end_with_an_event():

@@ -24,7 +24,8 @@ import slurm_harness
 from conftest import REPO, STORIES_EMBEDDED
 
 pytestmark = pytest.mark.slurm
-RANKSERVE = str(Path(sys.executable).with_name("rankserve"))
+_SIBLING = Path(sys.executable).with_name("rankserve")  # this environment's command
+RANKSERVE = str(_SIBLING) if _SIBLING.exists() else (shutil.which("rankserve") or str(_SIBLING))
 PROMPTS = ["Once upon a time", "Lily and Tom were"]
 
 
