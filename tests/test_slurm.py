@@ -23,7 +23,7 @@ import pytest
 import slurm_harness
 from conftest import REPO, STORIES_EMBEDDED
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 _SIBLING = Path(sys.executable).with_name("rankserve")  # this environment's command
 RANKSERVE = str(_SIBLING) if _SIBLING.exists() else (shutil.which("rankserve") or str(_SIBLING))
 PROMPTS = ["Once upon a time", "Lily and Tom were"]
@@ -41,8 +41,10 @@ def slurm(request):
                            text=True, env=cluster.env).stdout
     shown = "; ".join(" ".join(line.split()) for line in nodes.splitlines())
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:  # in the CI log, not only on failure
-        reporter.write_line(f"\nSlurm cluster up: nodes (name address state): {shown}")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if reporter is not None and capture is not None:  # in the CI log, not only on failure
+        with capture.global_and_fixture_disabled():
+            reporter.write_line(f"\nSlurm cluster up: nodes (name address state): {shown}")
     addrs = [line.split()[1] for line in nodes.splitlines()]
     assert len(set(addrs)) == 2, nodes  # two nodes, two different addresses
     if os.environ.get("CI_SLURM_STAMP"):  # .ci/run checks that the cluster came up
