@@ -16,8 +16,8 @@ import pytest
 from conftest import STORIES_EMBEDDED
 from test_server import free_port
 
-pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.skipif(shutil.which("mpiexec") is None,
-                                                  reason="mpiexec not on PATH")]
+pytestmark = [pytest.mark.mpi, pytest.mark.slow,
+              pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not on PATH")]
 
 
 class Job:
