@@ -206,6 +206,30 @@ def _has_matplotlib() -> bool:
         return False
 
 
+_RENDEZVOUS = ("import os, time, torch, torch.distributed as dist; "
+               "from rankserve.launch.discovery import discover; "
+               "from rankserve.launch.bootstrap import init_distributed; "
+               "init_distributed(discover(), 'cpu', 60); t = torch.ones(1); dist.all_reduce(t); "
+               "print('job', os.environ['SLURM_JOB_ID'], 'step', os.environ['SLURM_STEP_ID'], "
+               "'sum', t.item(), flush=True); time.sleep(4)")
+
+
+def test_step_7_of_job_j_and_step_0_of_job_j_plus_1_both_rendezvous(slurm, tmp_path):
+    """Defect 1 end to end: these two steps used to get the same derived port; one rank 0 failed
+    with EADDRINUSE and the other job's rank 1 joined the wrong store. Now both meet their own."""
+    step = f"srun -N 2 -n 2 {sys.executable} -c \"{_RENDEZVOUS}\""
+    a = _sbatch(slurm, tmp_path, "--output=a-%j.out", "--wrap",
+                "for i in 1 2 3 4 5 6 7; do srun -N 1 -n 1 true; done; " + step)
+    b = _sbatch(slurm, tmp_path, "--output=b-%j.out", "--wrap", step)
+    if int(b) != int(a) + 1:
+        pytest.skip(f"another job was submitted in between ({a}, {b})")
+    for job, name, want_step in ((a, "a", "7"), (b, "b", "0")):
+        state = _wait_job_end(slurm, job, 120)
+        text = (tmp_path / f"{name}-{job}.out").read_text()
+        assert state == "COMPLETED", text[-3000:]
+        assert text.count(f"job {job} step {want_step} sum 2.0") == 2, text[-3000:]
+
+
 def test_killed_rank_ends_the_job_naming_it(slurm, tmp_path):
     cmd = ["srun", "-N", "2", "-n", "2", RANKSERVE, "generate", str(STORIES_EMBEDDED), "--tp", "2",
            "--max-tokens", "400", "--ignore-eos", *[a for p in PROMPTS * 20 for a in ("--prompt", p)]]
