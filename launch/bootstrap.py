@@ -9,9 +9,10 @@ Rendezvous:
 - MPI: rank 0 starts the torch TCPStore on port 0 (the kernel picks a free port, so there is no
   window between choosing a port and binding it) and broadcasts `host:port` over MPI. The host is
   127.0.0.1 when all ranks share one node, else `RANKSERVE_MASTER_ADDR` or this host's name.
-- Slurm without MPI: `MASTER_ADDR/MASTER_PORT` if set, else the first host of
-  `SLURM_STEP_NODELIST` (via `scontrol show hostnames` when available) and a port derived from
-  `SLURM_JOB_ID` and `SLURM_STEP_ID`.
+- Slurm without MPI: `MASTER_ADDR/MASTER_PORT` if set; else rank 0 (on the first host of
+  `SLURM_STEP_NODELIST`, via `scontrol show hostnames` when available) starts the store on port 0
+  and the other ranks learn that port from its rendezvous beacon, which answers only ranks of the
+  same job step (launch/rendezvous.py): no port can collide, no rank can join another job.
 - torchrun / deepspeed launcher: `env://` (MASTER_ADDR/MASTER_PORT, or torchrun's agent store).
 
 Idle waiting: `ControlChannel.bcast_idle` is the call workers sit in between requests. It posts a
@@ -242,9 +243,7 @@ def init_distributed(info: RankInfo, device: str, timeout_s: float = 600.0) -> C
         addr = None
         if info.rank == 0:
             host = _master_host(info)
-            # port 0: the kernel picks a free port and the store holds it from that moment on
-            store = dist.TCPStore(host, 0, info.world_size, is_master=True, timeout=timeout,
-                                  wait_for_workers=False)
+            store = _master_store(host, info.world_size, timeout)
             addr = f"{host}:{store.port}"
         addr = control.bcast(addr)
         if info.rank != 0:
@@ -255,8 +254,16 @@ def init_distributed(info: RankInfo, device: str, timeout_s: float = 600.0) -> C
         atexit.register(_destroy_process_group)
         return control
 
+    if info.launcher == "slurm" and not master_env(os.environ):
+        store, addr, beacon = _slurm_store(info, timeout_s)
+        log.info("rank %d: torch.distributed %s rendezvous at %s", info.rank, backend, addr)
+        dist.init_process_group(store=store, **kwargs)
+        if beacon is not None:
+            beacon.close()  # every rank has joined the store
+        atexit.register(_destroy_process_group)
+        return GlooControl()
     if info.launcher == "slurm":
-        addr = slurm_master_addr(os.environ)
+        addr = master_env(os.environ)
         init_method = f"tcp://{addr}"
     elif info.launcher == "torchrun":
         init_method = "env://"
@@ -289,19 +296,43 @@ def _master_host(info: RankInfo) -> str:
     return socket.gethostname()
 
 
-def slurm_master_addr(env) -> str:
-    """`host:port` for srun-launched ranks without MPI (same answer on every rank)."""
-    if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
-        return f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+def _master_store(host: str, world_size: int, timeout):
+    import torch.distributed as dist
+
+    # port 0: the kernel picks a free port and the store holds it from that moment on
+    return dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+
+
+def _slurm_store(info: RankInfo, timeout_s: float):
+    """(store, "host:port", beacon or None) for srun-launched ranks without MPI."""
+    import torch.distributed as dist
+
+    from .rendezvous import Beacon, candidate_ports, find, slurm_token
+
+    env = os.environ
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
     if not nodelist:
         raise RuntimeError("srun without MPI: SLURM_STEP_NODELIST/SLURM_JOB_NODELIST is not set")
-    host = first_host(nodelist)
-    job = int(env.get("SLURM_JOB_ID", "0"))
-    step = int(env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", "0")) or 0)
-    # below Linux's ephemeral range (32768+), distinct for concurrent steps of one job
-    port = 15000 + (job * 7 + step) % 15000
-    return f"{host}:{port}"
+    host = envs.get("RANKSERVE_MASTER_ADDR") or first_host(nodelist)  # where rank 0 runs
+    token = slurm_token(env)
+    candidates = candidate_ports(token)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    beacon = None
+    if info.rank == 0:
+        store = _master_store(host, info.world_size, timeout)
+        port = store.port
+        beacon = Beacon(token, candidates, str(port))
+    else:
+        port = int(find(host, token, candidates, timeout_s))
+        store = dist.TCPStore(host, port, info.world_size, is_master=False, timeout=timeout)
+    return store, f"{host}:{port}", beacon
+
+
+def master_env(env) -> str | None:
+    """`MASTER_ADDR:MASTER_PORT` when both are set (an explicit rendezvous), else None."""
+    if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        return f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+    return None
 
 
 def first_host(nodelist: str) -> str:

@@ -64,10 +64,12 @@ def build_config(kwargs: dict) -> EngineConfig:
         if value is not None:
             ctype, base = _click_type(f)
             given[f.name] = int(value) if isinstance(ctype, click.Choice) and base is int else value
+    from .caches import usable_caches
     try:
-        return EngineConfig.from_kwargs(**given)
+        cfg = EngineConfig.from_kwargs(**given)
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
+    return usable_caches(cfg, given_cache_dir="cache_dir" in given)
 
 
 class _Group(click.Group):
@@ -76,8 +78,11 @@ class _Group(click.Group):
     with the rank's name instead."""
 
     def invoke(self, ctx):
+        from .preflight import LaunchError, report
         try:
             return super().invoke(ctx)
+        except LaunchError as e:  # the same on every rank: one line, from one rank
+            sys.exit(report(e))
         except ValueError as e:
             from .discovery import detect_launcher
             if detect_launcher(os.environ) != "single":
@@ -347,7 +352,8 @@ def _parse_size(text: str) -> int:
 @engine_options
 @click.option("--sizes", default=None, help="comma-separated message sizes in bytes (64K, 16M, 1G); "
               "default: the sizes MODEL's TP/EP layers send for 1, 64 and 8192 tokens")
-@click.option("--ops", default="all_reduce,all_gather,all_to_all", show_default=True)
+@click.option("--ops", default=None, help="comma-separated, from all_reduce, all_gather, all_to_all "
+              "[default: all three with --sizes; else the ones MODEL's layers send]")
 @click.option("--iters", type=click.IntRange(min=1), default=20, show_default=True)
 @click.option("--warmup", type=click.IntRange(min=0), default=5, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write results (rank 0)")
@@ -358,28 +364,41 @@ def bench_comm(sizes, ops, iters, warmup, json_path, **kwargs):
     import torch
 
     from .discovery import discover
+    from .preflight import LaunchError
     from .startup import start_ranks
-    from ..runtime.bench.comm import OPS, model_message_sizes, run_comm_bench
+    from ..runtime.bench.comm import OPS, model_message_sizes, run_comm_bench, select_model_ops
     if kwargs.get("tensor_parallel_size") is None and kwargs.get("pipeline_parallel_size") is None:
         kwargs["tensor_parallel_size"] = discover().world_size
     cfg, _ = _bench_config(kwargs)
-    op_list = [o.strip() for o in ops.split(",") if o.strip()]
-    if set(op_list) - set(OPS):
+    op_list = [o.strip() for o in ops.split(",") if o.strip()] if ops else None
+    if op_list is not None and set(op_list) - set(OPS):
         raise click.UsageError(f"--ops: choose from {', '.join(OPS)}")
+
+    def model_sizes(dtype_bytes: int) -> dict[str, list[int]]:
+        from ..models.loader import load_hf_config
+        hf = load_hf_config(cfg.model.model)
+        topk = getattr(hf, "num_experts_per_tok", None) if cfg.parallel.enable_expert_parallel else None
+        return model_message_sizes(hf.hidden_size, [1, 64, 8192], dtype_bytes,
+                                   cfg.parallel.tensor_parallel_size, topk, hf.vocab_size)
+    notice = None
+    if sizes:
+        op_list = op_list or list(OPS)
+    else:  # checked before the rendezvous: the same answer on every rank
+        try:
+            op_list, notice = select_model_ops(op_list, model_sizes(1))
+        except ValueError as e:
+            raise LaunchError(str(e), report=discover().rank == 0) from None
     started = start_ranks(cfg)
     if started is None:
         raise click.UsageError("bench comm needs several ranks: mpirun -np N rankserve bench comm ...")
     info, control, pi, device = started
+    if notice and info.rank == 0:
+        click.echo(f"bench comm: {notice}", err=True)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # what the model sends
     if sizes:
         per_op = {op: [_parse_size(s) for s in sizes.split(",")] for op in op_list}
     else:
-        from ..models.loader import load_hf_config
-        hf = load_hf_config(cfg.model.model)
-        topk = getattr(hf, "num_experts_per_tok", None) if cfg.parallel.enable_expert_parallel else None
-        per_op = model_message_sizes(hf.hidden_size, [1, 64, 8192], dtype.itemsize,
-                                     cfg.parallel.tensor_parallel_size, topk, hf.vocab_size)
-        per_op = {op: s for op, s in per_op.items() if op in op_list}
+        per_op = {op: s for op, s in model_sizes(dtype.itemsize).items() if op in op_list}
     if sizes:  # the same sizes for every op: one table
         rows = run_comm_bench(per_op[op_list[0]], ops=tuple(op_list), dtype=dtype, iters=iters,
                               warmup=warmup, device=device)

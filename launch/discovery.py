@@ -119,6 +119,14 @@ def _discover_mpi(host: str) -> RankInfo:
     return _mpi_info
 
 
+def mpi_library() -> str:
+    """First line of MPI.Get_library_version() when MPI is in use here, else ""."""
+    if _mpi_info is None:
+        return ""
+    from mpi4py import MPI
+    return " ".join(MPI.Get_library_version().splitlines()[0].split())
+
+
 def _slurm_local_world_size(env: Mapping[str, str], world: int) -> int:
     # SLURM_STEP_TASKS_PER_NODE looks like "4(x2),3": tasks on node 0, 1, 2, ...
     spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from ..runtime.config import ConfigError, EngineConfig
+from ..runtime.config import EngineConfig
 
 log = logging.getLogger("rankserve.startup")
 
@@ -26,29 +26,30 @@ def make_llm(cfg: EngineConfig, executor=None):
 
 
 def start_ranks(cfg: EngineConfig):
-    """Discover, pin, bootstrap. Returns (info, control, parallel info, device) or None for a
-    single process without parallelism."""
-    from .discovery import discover
+    """Discover, check, pin, bootstrap. Returns (info, control, parallel info, device) or None for
+    a single process without parallelism. Raises `preflight.LaunchError` before any rendezvous
+    when the job cannot work (wrong rank count, missing device, mismatched MPI)."""
+    from .discovery import discover, mpi_library
+    from .preflight import check_mpi_world, check_world_size, resolve_device
     info = discover()
-    pc = cfg.parallel
-    if info.world_size == 1:
-        if pc.world_size > 1:
-            raise ConfigError(
-                f"--tensor-parallel-size {pc.tensor_parallel_size} × --pipeline-parallel-size "
-                f"{pc.pipeline_parallel_size} needs {pc.world_size} ranks; launch with "
-                f"`mpirun -np {pc.world_size} rankserve ...` (or srun)")
+    check_mpi_world(info, os.environ, mpi_library())
+    if info.world_size == 1 and cfg.parallel.world_size == 1:
         return None
+    check_world_size(info, cfg, os.environ)
+    device = resolve_device(info, cfg)
+    pc = cfg.parallel
     from .bootstrap import init_distributed
     from .failure import install_failure_handlers
     from ..runtime.parallel import build_parallel_info
-    device = cfg.device.resolve(info.local_rank)
+    from .threads import set_rank_threads
+    threads = set_rank_threads(info)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     control = init_distributed(info, device)
     install_failure_handlers(info, control)
     pi = build_parallel_info(info.rank, info.world_size, pc)
     line = (f"rankserve rank {info.rank}/{info.world_size} host={socket.gethostname()} pid={os.getpid()} "
-          f"local_rank={info.local_rank} device={device} tp={pi.tp_rank}/{pi.tp_size} "
+          f"local_rank={info.local_rank} device={device} threads={threads} tp={pi.tp_rank}/{pi.tp_size} "
           f"pp={pi.pp_rank}/{pi.pp_size} ep={'on' if pi.enable_expert_parallel else 'off'}")
     sys.stdout.write(line + "\n")  # one write: ranks share the launcher's stdout
     sys.stdout.flush()

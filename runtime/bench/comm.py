@@ -190,3 +190,28 @@ def model_message_sizes(hidden_size: int, num_tokens_list: list[int], dtype_byte
         if moe_topk:
             out.setdefault("all_to_all", set()).add(t * moe_topk * hidden_size * dtype_bytes)
     return {op: sorted(s) for op, s in out.items()}
+
+
+_NEEDS = {"all_reduce": "it needs --tp > 1", "all_gather": "it needs --tp > 1",
+          "all_to_all": "it needs a MoE model with --enable-expert-parallel"}
+
+
+def select_model_ops(requested: list[str] | None, available) -> tuple[list[str], str | None]:
+    """Ops to time at a model's own sizes: (ops, notice of the ones left out).
+
+    `requested` None means every op the model sends (the others are named in the notice); an op
+    requested by name that the model does not send is an error, never dropped silently.
+    """
+    if requested is None:
+        ops = [op for op in OPS if op in available]
+        skipped = [f"{op} ({_NEEDS[op]})" for op in OPS if op not in available]
+        if not ops:
+            raise ValueError("the model sends no collectives in this layout (" + "; ".join(skipped)
+                             + "); pass --tp, --enable-expert-parallel or --sizes")
+        return ops, ("not timed, the model does not send them here: " + "; ".join(skipped)
+                     if skipped else None)
+    missing = [op for op in requested if op not in available]
+    if missing:
+        raise ValueError("--ops " + ", ".join(f"{op}: the model sends none here ({_NEEDS[op]})"
+                                              for op in missing) + "; pass --sizes to time it anyway")
+    return requested, None

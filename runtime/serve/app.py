@@ -442,6 +442,8 @@ def main() -> None:
     except (ValueError, KeyError) as e:  # bad --renderer / parser names and the like
         log.error("the API server cannot start: %s", e)
         code = 1
+    except KeyboardInterrupt:  # a SIGINT sent to this process itself before uvicorn took over
+        code = 128 + signal.SIGINT
     sys.exit(code)
 
 

@@ -102,8 +102,12 @@ def start_api_process(cfg: EngineConfig, server_args: ServerArgs, connect_addres
                 "engine_pid": os.getpid(),
                 "lora": {"enable": cfg.lora.enable_lora, "max_lora_rank": cfg.lora.max_lora_rank,
                          "modules": list(cfg.lora.lora_modules or ())}}
+    # its own session: a launcher that kills rank 0's process group (mpiexec after a rank died)
+    # or a terminal's Ctrl-C does not reach it; it answers what is in flight with an error event
+    # when this process is gone (client._watch) and is stopped by this process otherwise
     proc = subprocess.Popen([sys.executable, "-m", "rankserve.runtime.serve.app"],
-                            stdin=subprocess.PIPE, env=dict(os.environ if env is None else env))
+                            stdin=subprocess.PIPE, env=dict(os.environ if env is None else env),
+                            start_new_session=True)
     proc.stdin.write(msgspec.json.encode(settings))
     proc.stdin.close()
     return proc
@@ -252,11 +256,15 @@ def serve_engine(cfg: EngineConfig, server_args: ServerArgs, executor, *,
         log.info("removed the stale socket %s", path)
     bind, connect = engine_addresses(server_args.engine_address)
     stop = [False]
+    children: list[subprocess.Popen] = []
 
     def on_signal(signum, frame):
+        if stop[0] and signum == signal.SIGINT and children:  # the second Ctrl-C: now
+            children[0].send_signal(signal.SIGINT)  # (the API is in its own session)
         stop[0] = True
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     api = start_api_process(cfg, server_args, connect, api_env)  # loads its tokenizer meanwhile
+    children.append(api)
     server = None
     try:
         server = EngineServer(EngineCore(cfg, executor), cfg, bind)

@@ -1,0 +1,49 @@
+"""Cache directories that work where HOME is read-only (common on compute nodes).
+
+`--cache-dir` (Inductor and autotune caches) defaults to ~/.cache/rankserve and Triton keeps its
+kernels in ~/.triton; on a node whose HOME is read-only (or absent) the first compiled kernel
+would fail. When a default cannot be written, it moves to a per-user directory under the node's
+temporary directory (`$TMPDIR`, else /tmp), with one notice. A --cache-dir given explicitly, or
+a TRITON_CACHE_DIR set by the user, is never changed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import tempfile
+
+log = logging.getLogger(__name__)
+
+
+def writable(path: str) -> bool:
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path):
+            return True
+    except OSError:
+        return False
+
+
+def fallback_root() -> str:
+    return os.path.join(tempfile.gettempdir(), f"rankserve-cache-{os.getuid()}")
+
+
+def usable_caches(cfg, given_cache_dir: bool, env=None):
+    """`cfg` with a writable --cache-dir; sets TRITON_CACHE_DIR when Triton's default is not
+    writable (Triton reads only that variable). Returns the (possibly new) config."""
+    env = os.environ if env is None else env
+    comp = cfg.compilation
+    if not given_cache_dir and not writable(comp.cache_dir):
+        new = os.path.join(fallback_root(), "rankserve")
+        log.warning("cache directory %s is not writable (read-only HOME?); using %s",
+                    comp.cache_dir, new)
+        cfg = dataclasses.replace(cfg, compilation=dataclasses.replace(comp, cache_dir=new))
+    if "TRITON_CACHE_DIR" not in env:
+        home = env.get("TRITON_HOME") or env.get("HOME") or os.path.expanduser("~")
+        triton_default = os.path.join(home, ".triton", "cache")
+        if not writable(triton_default):
+            env["TRITON_CACHE_DIR"] = os.path.join(fallback_root(), "triton")
+            log.warning("Triton's cache %s is not writable; using %s", triton_default,
+                        env["TRITON_CACHE_DIR"])
+    return cfg
