@@ -510,4 +510,6 @@ def serve(**kwargs):
             sys.exit(serve_engine(cfg, args, executor, api_env=env))
         finally:
             executor.shutdown()
-    sys.exit(run_multi_rank(cfg, started, lambda ex: serve_engine(cfg, args, ex, api_env=env)))
+    from ..runtime.serve.engine_proc import serve_replica
+    sys.exit(run_multi_rank(cfg, started, lambda ex: serve_engine(cfg, args, ex, api_env=env),
+                            lambda ex: serve_replica(cfg, ex)))
