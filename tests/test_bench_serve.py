@@ -37,7 +37,8 @@ def counters(url: str) -> dict[str, float]:
 def bench(server, tmp_path, **kw) -> tuple[int, dict, dict]:
     """(exit code, the saved JSON record, the server counters' increase during the run)."""
     before = counters(server.url)
-    args = ServeBenchArgs(base_url=server.url, tokenizer=TOK, disable_tqdm=True, result_dir=str(tmp_path),
+    kw = {"tokenizer": TOK, **kw}
+    args = ServeBenchArgs(base_url=server.url, disable_tqdm=True, result_dir=str(tmp_path),
                           result_filename="r.json", **kw)
     code = run(args)
     after = counters(server.url)
@@ -94,6 +95,22 @@ def test_sharegpt_text_prompts(server, tmp_path):
                              num_prompts=5, request_rate=50.0)
     assert code == 0 and rec["completed"] == 5 and delta["request_success_total"] == 5
     assert delta["request_prompt_tokens_sum"] == rec["total_input_tokens"] > 5 * 8
+
+
+def test_chat_endpoint(qwen3_chat_dir, tmp_path):
+    """Chat: text prompts (decoded random ids) in a user message; the opening role chunk is not
+    a token (TTFT and ITL count only chunks with output)."""
+    s = Server(str(qwen3_chat_dir), "--max-num-seqs", "8")
+    try:
+        code, rec, delta = bench(s, tmp_path, endpoint="/v1/chat/completions", tokenizer=str(qwen3_chat_dir),
+                                 num_prompts=6, random_input_len=12, random_output_len=8, ignore_eos=True,
+                                 max_concurrency=2)
+    finally:
+        assert s.stop() == 0
+    assert code == 0 and rec["completed"] == 6 and rec["backend"] == "openai-chat", rec["errors"]
+    assert rec["output_lens"] == [8] * 6 and delta["generation_tokens_total"] == 48
+    assert delta["request_prompt_tokens_sum"] == rec["total_input_tokens"]
+    assert all(len(itl) <= 7 for itl in rec["itls"])
 
 
 def test_failures_and_lost_tokens_are_counted(server, tmp_path):

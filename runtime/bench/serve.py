@@ -11,8 +11,8 @@ The flags and the numbers follow vLLM's `vllm bench serve`, so results compare a
   human turn is the prompt, the first reply's length the output length) and `prefix_repetition`
   (shared-prefix workload: N prefixes, each request one of them plus a suffix of its own).
 - Every request streams (`/v1/completions` or `/v1/chat/completions`, with
-  `stream_options.include_usage`): TTFT = time to the first chunk with a choice, ITL = gaps
-  between such chunks, TPOT = (E2E - TTFT) / (output tokens - 1), E2EL = end to end.
+  `stream_options.include_usage`): TTFT = time to the first chunk with output in a choice (a
+  chat stream's opening role-only chunk does not count), ITL = gaps between such chunks, TPOT = (E2E - TTFT) / (output tokens - 1), E2EL = end to end.
 - Nothing may be lost: a request counts as failed on an HTTP error, a stream that ends without a
   finish reason or without `[DONE]`, or (with `--ignore-eos`) fewer or more output tokens than
   asked for; the run prints them and exits with 1.
@@ -250,6 +250,13 @@ def _payload(args: ServeBenchArgs, model: str, req: SampleRequest) -> dict:
     return body
 
 
+def _has_output(choice: dict, chat: bool) -> bool:
+    """A chunk that carries generated tokens (or ends the choice)."""
+    if not chat or choice.get("finish_reason"):
+        return True
+    return any(v for k, v in (choice.get("delta") or {}).items() if k != "role")
+
+
 async def send_request(client, url: str, body: dict, req: SampleRequest, chat: bool, t0: float,
                        ignore_eos: bool) -> RequestResult:
     res = RequestResult(expected_output=req.output_len, prompt_len=req.prompt_len or 0)
@@ -284,6 +291,8 @@ async def send_request(client, url: str, body: dict, req: SampleRequest, chat: b
                     if msg.get("usage"):
                         usage = msg["usage"]
                     for choice in msg.get("choices") or ():
+                        if not _has_output(choice, chat):
+                            continue  # a chat stream's opening {"role": "assistant"} chunk
                         now = time.perf_counter()
                         if last is None:
                             res.ttft = now - start
