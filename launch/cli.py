@@ -315,8 +315,10 @@ def bench_multiturn(num_conversations, prefix_len, turns, turn_len, output_len, 
 
 
 @bench.command("serve")
-@click.option("--base-url", default="http://127.0.0.1:8000", show_default=True,
-              help="the server (rankserve or any OpenAI-compatible one)")
+@click.option("--base-url", default=None, help="the server (rankserve or any OpenAI-compatible one) "
+              "[default: http://HOST:PORT]")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True)
 @click.option("--endpoint", default="/v1/completions", show_default=True,
               help="/v1/completions or /v1/chat/completions (chat: prompts sent as a user message)")
 @click.option("--model", default=None, help="the requests' model field [default: the server's first model]")
@@ -365,7 +367,7 @@ def bench_multiturn(num_conversations, prefix_len, turns, turn_len, output_len, 
 @click.option("--plot", type=click.Path(dir_okay=False), default=None,
               help="histograms and tok/s over time, PNG (needs matplotlib)")
 @click.option("--disable-tqdm", is_flag=True)
-def bench_serve(goodput, percentile_metrics, metric_percentiles, metadata, **kwargs):
+def bench_serve(goodput, percentile_metrics, metric_percentiles, metadata, host, port, **kwargs):
     """Online benchmark against a running server: Poisson (bursty) arrivals or fixed concurrency;
     throughput, goodput, TTFT / TPOT / ITL / E2E percentiles; every request's tokens checked.
     Exits with 1 if a request failed or lost tokens. The API key comes from OPENAI_API_KEY."""
@@ -375,6 +377,7 @@ def bench_serve(goodput, percentile_metrics, metric_percentiles, metadata, **kwa
     except ValueError:
         raise click.UsageError("--metadata takes KEY=VALUE") from None
     try:
+        kwargs["base_url"] = kwargs["base_url"] or f"http://{host}:{port}"
         args = serve.ServeBenchArgs(
             **kwargs, goodput=serve.parse_goodput(goodput), metadata=meta,
             percentile_metrics=tuple(m.strip() for m in percentile_metrics.split(",") if m.strip()),

@@ -4,7 +4,10 @@ ShareGPT files work, lost tokens and failed requests are counted (exit code 1), 
 `bench scaling`."""
 from __future__ import annotations
 
+import contextlib
+import http.server
 import json
+import threading
 
 import httpx
 import numpy as np
@@ -113,11 +116,60 @@ def test_chat_endpoint(qwen3_chat_dir, tmp_path):
     assert all(len(itl) <= 7 for itl in rec["itls"])
 
 
+@contextlib.contextmanager
+def lossy_server():
+    """An OpenAI-style SSE server that streams one token fewer than asked for, or (prompts whose
+    first token id is even) cuts the stream after two chunks."""
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            body = json.dumps({"data": [{"id": "lossy"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):
+            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            n = req["max_tokens"] - 1
+            cut = req["prompt"][0] % 2 == 0
+            for i in range(2 if cut else n):
+                last = i == n - 1
+                chunk = {"choices": [{"index": 0, "text": "x", "finish_reason": "length" if last else None}]}
+                self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            if not cut:
+                usage = {"choices": [], "usage": {"prompt_tokens": len(req["prompt"]), "completion_tokens": n}}
+                self.wfile.write(b"data: " + json.dumps(usage).encode() + b"\n\ndata: [DONE]\n\n")
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+
+
 def test_failures_and_lost_tokens_are_counted(server, tmp_path):
-    # 500-token prompts and 100 tokens of ignore_eos output do not fit the 512-token context
-    code, rec, _ = bench(server, tmp_path, num_prompts=3, random_input_len=500, random_output_len=100,
+    # a prompt and output longer than the context: an HTTP 400, counted as a failure
+    code, rec, _ = bench(server, tmp_path, num_prompts=2, random_input_len=500, random_output_len=100,
                          ignore_eos=True)
-    assert code == 1 and rec["completed"] == 0 and rec["failed"] == 3 and len(rec["errors"]) == 3
+    assert code == 1 and rec["completed"] == 0 and rec["failed"] == 2 and rec["lost_tokens"] == 0
+    assert all(e.startswith("HTTP 400") for e in rec["errors"]), rec["errors"]
+    # a server that drops a token, and one that cuts a stream: both caught
+    with lossy_server() as url:
+        args = ServeBenchArgs(base_url=url, random_vocab_size=100, num_prompts=8, random_input_len=4,
+                              random_output_len=5, ignore_eos=True, disable_tqdm=True, seed=1,
+                              result_dir=str(tmp_path), result_filename="lossy.json")
+        assert run(args) == 1
+        rec = json.loads((tmp_path / "lossy.json").read_text())
+        lost = [e for e in rec["errors"] if e == "lost tokens: asked for 5 (ignore_eos), got 4"]
+        cut = [e for e in rec["errors"] if e == "the stream ended without a finish reason"]
+        assert rec["failed"] == 8 and lost and cut and len(lost) + len(cut) == 8
+        assert rec["lost_tokens"] == len(lost)
     # a server that is not there: every request fails, none hangs
     args = ServeBenchArgs(base_url="http://127.0.0.1:9", model="m", random_vocab_size=100, num_prompts=2,
                           random_input_len=4, random_output_len=2, disable_tqdm=True)

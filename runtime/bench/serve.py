@@ -12,7 +12,8 @@ The flags and the numbers follow vLLM's `vllm bench serve`, so results compare a
   (shared-prefix workload: N prefixes, each request one of them plus a suffix of its own).
 - Every request streams (`/v1/completions` or `/v1/chat/completions`, with
   `stream_options.include_usage`): TTFT = time to the first chunk with output in a choice (a
-  chat stream's opening role-only chunk does not count), ITL = gaps between such chunks, TPOT = (E2E - TTFT) / (output tokens - 1), E2EL = end to end.
+  chat stream's opening role-only chunk does not count), ITL = gaps between such chunks,
+  TPOT = (E2E - TTFT) / (output tokens - 1), E2EL = end to end.
 - Nothing may be lost: a request counts as failed on an HTTP error, a stream that ends without a
   finish reason or without `[DONE]`, or (with `--ignore-eos`) fewer or more output tokens than
   asked for; the run prints them and exits with 1.
