@@ -36,10 +36,10 @@ W1_SERVE="--random-vocab-size 151936 --random-input-len 562 --random-output-len 
 # it answers, run the bench serve runs of $SERVE_RUNS ("name:flags;..."), stop it
 serve_w1() { local name=$1; shift; local d; d=$(mktemp -d); cp runtime/bench/configs/qwen3-0.6b.json "$d/config.json"
   local port=$((20000 + RANDOM % 10000)) t0; t0=$(date +%s)
-  "$@" python3 -m rankserve.launch serve "$d" --load-format dummy --max-num-seqs 256 --max-model-len 4096 \
+  "$@" "$(command -v python3)" -m rankserve.launch serve "$d" --load-format dummy --max-num-seqs 256 --max-model-len 4096 \
     --cache-dir "$CACHE" --port $port ${SERVE_EXTRA:-} > "$OUT/$name-server.log" 2>&1 &
   local srv=$!
-  until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do
+  until python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health', timeout=5)" 2> /dev/null; do
     if ! kill -0 $srv 2> /dev/null || [ $(( $(date +%s) - t0 )) -gt 300 ]; then
       echo "$name: the server did not start"; tail -n 30 "$OUT/$name-server.log"; kill $srv 2> /dev/null; return; fi
     sleep 2; done
@@ -49,7 +49,8 @@ serve_w1() { local name=$1; shift; local d; d=$(mktemp -d); cp runtime/bench/con
     run "$name-$rname" 300 python3 -m rankserve.launch bench serve --base-url "http://127.0.0.1:$port" \
       $W1_SERVE $flags --result-filename "$name-$rname.json" --plot "$OUT/$name-$rname.png" --metadata gpus=$GPUS
   done
-  kill -INT $srv; wait $srv; }
+  kill -INT $srv; ( sleep 60; kill -9 $srv 2> /dev/null ) & local killer=$!
+  wait $srv; kill $killer 2> /dev/null; }
 for stage in "$@"; do case $stage in
   w2) run w2 150 python3 -m rankserve.launch bench latency llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 \
         --num-iters 3 --max-num-seqs 8 --cache-dir "$CACHE" --output-json "$OUT/w2.json" \
