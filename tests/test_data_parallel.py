@@ -168,3 +168,45 @@ def test_mpi_dp2_tp2_server():
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+def test_torchrun_style_dp2_without_mpi():
+    """Two ranks started the torchrun way (no MPI: gloo control channels, split per replica):
+    `serve --dp 2` answers with the single-rank tokens from both replicas."""
+    port, store = free_port(), free_port()
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", WORLD_SIZE="2",
+               LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store),
+               RANKSERVE_HEARTBEAT_TIMEOUT="20")
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "rankserve.launch", "serve", "--dp", "2", "--kv-cache-memory-gb", "0.02",
+         "--port", str(port)], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True) for r in range(2)]
+    lines: list[str] = []
+    for p in procs:
+        threading.Thread(target=lambda p=p: lines.extend(p.stdout), daemon=True).start()
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = [o.outputs[0].text for o in LLM(str(STORIES_EMBEDDED)).generate(PROMPTS, sp)]
+    try:
+        deadline = time.monotonic() + 180
+        while not any("rankserve: serving" in x for x in lines):
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, "".join(lines)[-3000:]
+            time.sleep(0.2)
+
+        def complete(prompt):
+            return httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, json={
+                "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}).json()["choices"][0]["text"]
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(complete, PROMPTS * 2)) == want * 2
+        served = metric_by_engine(httpx.get(f"http://127.0.0.1:{port}/metrics").text,
+                                  "rankserve:request_success_total")
+        assert set(served) == {"0", "1"} and sum(served.values()) == 2 * len(PROMPTS), served
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
