@@ -85,9 +85,9 @@ def test_refused_combinations():
         EngineConfig.from_kwargs(dp=0)
     with pytest.raises(ConfigError, match="rankserve serve --data-parallel-size"):
         LLM(str(STORIES_EMBEDDED), data_parallel_size=2)
-    r = subprocess.run([sys.executable, "-m", "rankserve.launch", "generate", "--prompt", "x", "--dp", "2"],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "served by `rankserve serve` only" in r.stderr, r.stderr[-2000:]
+    from rankserve.launch.startup import run_on_ranks  # generate and the benches
+    with pytest.raises(ConfigError, match="served by `rankserve serve` only"):
+        run_on_ranks(EngineConfig.from_kwargs(dp=2), lambda llm: None)
     r = subprocess.run([sys.executable, "-m", "rankserve.launch", "serve", "--dp", "2", "--tp", "2"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "needs 4 ranks" in r.stderr and "mpirun -np 4" in r.stderr, r.stderr[-2000:]
