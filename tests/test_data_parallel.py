@@ -1,8 +1,8 @@
 """Data parallelism (`--data-parallel-size`): the load balancer's choices, the rank layout, the
 combinations refused with a clear error, and a real `mpiexec -n 4 rankserve serve
 --data-parallel-size 2 --tp 2` on CPU: concurrent requests give the single-rank greedy tokens,
-both replicas serve (per-replica /metrics), shared prefixes stick to one replica, and a killed
-rank of replica 1 ends the job with the rank named."""
+both replicas serve (per-replica /metrics), shared prefixes stick to one replica, and a rank of
+replica 1 that fails ends the job with the rank named."""
 from __future__ import annotations
 
 import os
@@ -107,14 +107,16 @@ def metric_by_engine(text: str, name: str) -> dict[str, float]:
 def test_mpi_dp2_tp2_server():
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    # rank 3 (replica 1's TP rank 1) raises at its 260th step: later than the checks below take
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
-               RANKSERVE_HEARTBEAT_TIMEOUT="20")
+               RANKSERVE_HEARTBEAT_TIMEOUT="20", RANKSERVE_INJECT_FAULT="3:260")
     proc = subprocess.Popen(
-        ["mpiexec", "-disable-auto-cleanup", "-n", "4", sys.executable, "-m", "rankserve.launch", "serve",
+        ["mpiexec", "-n", "4", sys.executable, "-m", "rankserve.launch", "serve",
          "--data-parallel-size", "2", "--tp", "2", "--kv-cache-memory-gb", "0.02", "--port", str(port)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)
     lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     want = [o.outputs[0].text for o in LLM(str(STORIES_EMBEDDED)).generate(PROMPTS, sp)]
     try:
@@ -152,12 +154,21 @@ def test_mpi_dp2_tp2_server():
         hits = metric_by_engine(http.get("/metrics").text, "rankserve:prefix_cache_hits_total")
         assert max(hits.values()) >= 3 * 32, hits
 
-        # a rank of replica 1 dies: the job ends, naming it
-        rank3 = next(re.search(r"pid=(\d+)", x).group(1) for x in lines if x.startswith("rankserve rank 3/4"))
-        os.kill(int(rank3), signal.SIGKILL)
+        # a rank of replica 1 fails (two long requests: one per replica, and replica 1 passes its
+        # 260th step): the job ends, naming the rank, as for any rank
+        def long_request(prompt):
+            try:
+                return http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 260,
+                                                          "ignore_eos": True}).status_code
+            except httpx.HTTPError as e:  # the API process went down with the job
+                return type(e).__name__
+        with ThreadPoolExecutor(2) as pool:
+            codes = list(pool.map(long_request, PROMPTS[:2]))
         proc.wait(90)
+        reader.join(30)  # the last lines may still be in the pipe
         out = "".join(lines)
-        assert proc.returncode != 0 and "lost rank 3" in out, out[-3000:]
+        assert proc.returncode != 0 and re.search(r"rank 3 on \S+ failed", out), out[-3000:]
+        assert "injected fault" in out and codes != [200, 200], codes
     except AssertionError as e:
         raise AssertionError(f"{e}\n{''.join(lines)[-3000:]}") from e
     finally:
