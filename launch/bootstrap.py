@@ -106,6 +106,13 @@ class ControlChannel:
     def recv(self, source: int) -> Any:
         raise ValueError(f"recv from rank {source}: single-process run has no peers")
 
+    def split(self, groups: list[list[int]]) -> "ControlChannel":
+        """Collective: the channel of the group (of `groups`, a partition of the ranks) this rank
+        is in, with ranks numbered within it (data parallelism: one channel per replica)."""
+        if len(groups) == 1:
+            return self
+        raise ValueError(f"{type(self).__name__} cannot be split")
+
     def _log_size(self, what: str, nbytes: int) -> None:
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s: %d bytes", what, nbytes)
@@ -151,6 +158,14 @@ class MPIControl(ControlChannel):
     def gather(self, obj, root=0):
         return self.comm.gather(obj, root=root)
 
+    def split(self, groups):
+        color = next(i for i, g in enumerate(groups) if self.rank in g)
+        sub = self.comm.Split(color, key=self.rank)
+        try:
+            return MPIControl(sub)
+        finally:
+            sub.Free()  # MPIControl keeps its own duplicate
+
     def barrier(self):
         self.comm.barrier()
 
@@ -164,18 +179,28 @@ class MPIControl(ControlChannel):
 class GlooControl(ControlChannel):
     """A dedicated gloo group (srun without MPI, torchrun): works next to an NCCL default group."""
 
-    def __init__(self):
+    def __init__(self, group=None, ranks: list[int] | None = None):
         import torch
         import torch.distributed as dist
 
         self._torch, self._dist = torch, dist
-        self.group = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
+        self.group = group or dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
+        # torch.distributed names peers by their global rank; this channel by its own numbering
+        self.ranks = ranks or list(range(dist.get_world_size()))
+        self.rank = self.ranks.index(dist.get_rank())
+        self.world_size = len(self.ranks)
+
+    def split(self, groups):
+        mine = None
+        for g in groups:  # every rank creates every group, in the same order
+            pg = self._dist.new_group(g, backend="gloo", timeout=_IDLE_TIMEOUT)
+            if self._dist.get_rank() in g:
+                mine = (pg, list(g))
+        return GlooControl(*mine)
 
     def _bcast_bytes(self, buf: bytearray, root: int, idle: bool) -> None:
         t = self._torch.frombuffer(buf, dtype=self._torch.uint8)
-        work = self._dist.broadcast(t, src=root, group=self.group, async_op=True)
+        work = self._dist.broadcast(t, src=self.ranks[root], group=self.group, async_op=True)
         if idle:
             _poll(work.is_completed)
         work.wait()  # also raises if a peer dropped out
@@ -205,18 +230,18 @@ class GlooControl(ControlChannel):
 
     def gather(self, obj, root=0):
         out = [None] * self.world_size if self.rank == root else None
-        self._dist.gather_object(obj, out, dst=root, group=self.group)
+        self._dist.gather_object(obj, out, dst=self.ranks[root], group=self.group)
         return out
 
     def barrier(self):
         self._dist.barrier(group=self.group)
 
     def send(self, obj, dest):
-        self._dist.send_object_list([obj], dst=dest, group=self.group)
+        self._dist.send_object_list([obj], dst=self.ranks[dest], group=self.group)
 
     def recv(self, source):
         box = [None]
-        self._dist.recv_object_list(box, src=source, group=self.group)
+        self._dist.recv_object_list(box, src=self.ranks[source], group=self.group)
         return box[0]
 
 

@@ -319,6 +319,80 @@ def bench_multiturn(num_conversations, prefix_len, turns, turn_len, output_len, 
         raise click.ClickException(str(e)) from None
 
 
+@bench.command("serve")
+@click.option("--base-url", default=None, help="the server (rankserve or any OpenAI-compatible one) "
+              "[default: http://HOST:PORT]")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--endpoint", default="/v1/completions", show_default=True,
+              help="/v1/completions or /v1/chat/completions (chat: prompts sent as a user message)")
+@click.option("--model", default=None, help="the requests' model field [default: the server's first model]")
+@click.option("--tokenizer", default=None, help="tokenizer directory: token ids for random prompts, "
+              "text from them, ShareGPT lengths")
+@click.option("--dataset-name", type=click.Choice(["random", "sharegpt", "prefix_repetition"]),
+              default="random", show_default=True)
+@click.option("--dataset-path", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="ShareGPT-format JSON or JSONL")
+@click.option("--num-prompts", type=click.IntRange(min=1), default=1000, show_default=True)
+@click.option("--request-rate", type=float, default=float("inf"), show_default=True,
+              help="requests/s (inf: all at once)")
+@click.option("--burstiness", type=float, default=1.0, show_default=True,
+              help="gamma shape of the gaps between arrivals: 1 Poisson, < 1 burstier")
+@click.option("--max-concurrency", type=click.IntRange(min=1), default=None,
+              help="most requests in flight")
+@click.option("--random-input-len", type=click.IntRange(min=1), default=1024, show_default=True)
+@click.option("--random-output-len", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--random-range-ratio", type=float, default=0.0, show_default=True,
+              help="lengths uniform in [len*(1-r), len*(1+r)]")
+@click.option("--random-prefix-len", type=click.IntRange(min=0), default=0, show_default=True,
+              help="random tokens every random prompt starts with")
+@click.option("--random-vocab-size", type=click.IntRange(min=1), default=None,
+              help="draw token ids below this [default: the tokenizer's size]")
+@click.option("--random-prompt-format", type=click.Choice(["ids", "text"]), default="ids", show_default=True,
+              help="send random prompts as token ids, or as their decoded text (chat: always text)")
+@click.option("--sharegpt-output-len", type=click.IntRange(min=1), default=None,
+              help="output length of every ShareGPT request [default: the reply's length]")
+@click.option("--prefix-repetition-prefix-len", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--prefix-repetition-suffix-len", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--prefix-repetition-num-prefixes", type=click.IntRange(min=1), default=10, show_default=True)
+@click.option("--prefix-repetition-output-len", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--ignore-eos", is_flag=True, help="ask for exactly the output length (checked)")
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True)
+@click.option("--percentile-metrics", default="ttft,tpot,itl", show_default=True,
+              help="comma-separated: ttft, tpot, itl, e2el")
+@click.option("--metric-percentiles", default="99", show_default=True, help="comma-separated, e.g. 50,90,99")
+@click.option("--goodput", multiple=True, help='SLOs in ms, e.g. --goodput "ttft:500 tpot:50" (ttft, tpot, '
+              "itl, e2el)")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--save-result", is_flag=True, help="write the JSON record (to --result-dir)")
+@click.option("--result-dir", type=click.Path(file_okay=False), default=None)
+@click.option("--result-filename", default=None)
+@click.option("--metadata", multiple=True, help="KEY=VALUE added to the JSON (e.g. gpus=8 tp=8 for "
+              "bench scaling), repeatable")
+@click.option("--plot", type=click.Path(dir_okay=False), default=None,
+              help="histograms and tok/s over time, PNG (needs matplotlib)")
+@click.option("--disable-tqdm", is_flag=True)
+def bench_serve(goodput, percentile_metrics, metric_percentiles, metadata, host, port, **kwargs):
+    """Online benchmark against a running server: Poisson (bursty) arrivals or fixed concurrency;
+    throughput, goodput, TTFT / TPOT / ITL / E2E percentiles; every request's tokens checked.
+    Exits with 1 if a request failed or lost tokens. The API key comes from OPENAI_API_KEY."""
+    from ..runtime.bench import serve
+    try:
+        meta = dict(m.split("=", 1) for m in metadata)
+    except ValueError:
+        raise click.UsageError("--metadata takes KEY=VALUE") from None
+    try:
+        kwargs["base_url"] = kwargs["base_url"] or f"http://{host}:{port}"
+        args = serve.ServeBenchArgs(
+            **kwargs, goodput=serve.parse_goodput(goodput), metadata=meta,
+            percentile_metrics=tuple(m.strip() for m in percentile_metrics.split(",") if m.strip()),
+            metric_percentiles=tuple(float(p) for p in metric_percentiles.split(",") if p.strip()),
+            api_key=os.environ.get("OPENAI_API_KEY"))
+        sys.exit(serve.run(args))
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+
+
 @bench.command("scaling")
 @click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True))
 @click.option("--output-dir", type=click.Path(file_okay=False), default=None,
@@ -458,4 +532,6 @@ def serve(**kwargs):
             sys.exit(serve_engine(cfg, args, executor, api_env=env))
         finally:
             executor.shutdown()
-    sys.exit(run_multi_rank(cfg, started, lambda ex: serve_engine(cfg, args, ex, api_env=env)))
+    from ..runtime.serve.engine_proc import serve_replica
+    sys.exit(run_multi_rank(cfg, started, lambda ex: serve_engine(cfg, args, ex, api_env=env),
+                            lambda ex: serve_replica(cfg, ex)))

@@ -38,14 +38,14 @@ def parallel_layout(cfg: EngineConfig) -> str:
     pc = cfg.parallel
     parts = [f"--tensor-parallel-size {pc.tensor_parallel_size}",
              f"--pipeline-parallel-size {pc.pipeline_parallel_size}"]
-    dp = getattr(pc, "data_parallel_size", 1)
+    dp = pc.data_parallel_size
     if dp > 1:
         parts.insert(0, f"--data-parallel-size {dp}")
     return " × ".join(parts)
 
 
 def check_world_size(info: RankInfo, cfg: EngineConfig, env: Mapping[str, str]) -> None:
-    need = cfg.parallel.world_size
+    need = cfg.parallel.total_ranks  # every data-parallel replica's ranks
     if need == info.world_size:
         return
     raise LaunchError(

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from ..runtime.config import EngineConfig
+from ..runtime.config import ConfigError, EngineConfig
 
 log = logging.getLogger("rankserve.startup")
 
@@ -33,7 +33,7 @@ def start_ranks(cfg: EngineConfig):
     from .preflight import check_mpi_world, check_world_size, resolve_device
     info = discover()
     check_mpi_world(info, os.environ, mpi_library())
-    if info.world_size == 1 and cfg.parallel.world_size == 1:
+    if info.world_size == 1 and cfg.parallel.total_ranks == 1:
         return None
     check_world_size(info, cfg, os.environ)
     device = resolve_device(info, cfg)
@@ -49,7 +49,8 @@ def start_ranks(cfg: EngineConfig):
     install_failure_handlers(info, control)
     pi = build_parallel_info(info.rank, info.world_size, pc)
     line = (f"rankserve rank {info.rank}/{info.world_size} host={socket.gethostname()} pid={os.getpid()} "
-          f"local_rank={info.local_rank} device={device} threads={threads} tp={pi.tp_rank}/{pi.tp_size} "
+          f"local_rank={info.local_rank} device={device} threads={threads} "
+          f"{f'dp={pi.dp_rank}/{pi.dp_size} ' if pi.dp_size > 1 else ''}tp={pi.tp_rank}/{pi.tp_size} "
           f"pp={pi.pp_rank}/{pi.pp_size} ep={'on' if pi.enable_expert_parallel else 'off'}")
     sys.stdout.write(line + "\n")  # one write: ranks share the launcher's stdout
     sys.stdout.flush()
@@ -58,6 +59,10 @@ def start_ranks(cfg: EngineConfig):
 
 def run_on_ranks(cfg: EngineConfig, body: Callable[[object], None]) -> int:
     """Run `body(llm)` on rank 0 with an engine spanning every rank. Returns the exit code."""
+    if cfg.parallel.data_parallel_size > 1:  # before any rank joins anything: one clear message
+        raise ConfigError("--data-parallel-size > 1 is served by `rankserve serve` only (one engine "
+                          "per replica behind its API); generate and the benches run one engine: "
+                          "use --tp / --pp, or run one job per replica")
     started = start_ranks(cfg)
     if started is None:
         body(make_llm(cfg))
@@ -65,16 +70,27 @@ def run_on_ranks(cfg: EngineConfig, body: Callable[[object], None]) -> int:
     return run_multi_rank(cfg, started, lambda executor: body(make_llm(cfg, executor)))
 
 
-def run_multi_rank(cfg: EngineConfig, started, driver: Callable[[object], object]) -> int:
-    """Rank 0 runs `driver(executor)`; the others serve as workers until it shuts them down."""
+def run_multi_rank(cfg: EngineConfig, started, driver: Callable[[object], object],
+                   replica_driver: Callable[[object], object] | None = None) -> int:
+    """Rank 0 runs `driver(executor)`; the others serve as workers until it shuts them down.
+
+    With --data-parallel-size N (runtime/dp.py) every replica's first rank has an executor over
+    its replica's ranks: rank 0 runs `driver`, the other replicas' first ranks
+    `replica_driver`, and the rest are workers of their replica."""
     from ..runtime.executor import MultiRankExecutor
     from ..runtime.worker import run_worker
     info, control, pi, device = started
-    if info.rank != 0:
+    dp = None
+    if pi.dp_size > 1:
+        if replica_driver is None:
+            raise ConfigError("--data-parallel-size > 1 is served by `rankserve serve` only")
+        from ..runtime.dp import setup_replicas
+        control, dp = setup_replicas(cfg, control, pi, info.local_world_size == info.world_size)
+    if control.rank != 0:
         return run_worker(cfg, control, pi, device)
-    executor = MultiRankExecutor(cfg, control, pi, device)
+    executor = MultiRankExecutor(cfg, control, pi, device, dp)
     try:
-        result = driver(executor)
+        result = driver(executor) if pi.dp_rank == 0 else replica_driver(executor)
     finally:
         executor.shutdown()
     return result if isinstance(result, int) else 0

@@ -17,6 +17,8 @@ class ParallelInfo:
     pp_rank: int = 0
     pp_size: int = 1
     enable_expert_parallel: bool = False
+    dp_rank: int = 0  # data-parallel replica (runtime only: the layers never look at it)
+    dp_size: int = 1
 
     @property
     def is_first_stage(self) -> bool:

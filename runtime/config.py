@@ -111,6 +111,8 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = opt(1, "tensor-parallel ranks", alias="tp")
     pipeline_parallel_size: int = opt(1, "pipeline stages", alias="pp")
+    data_parallel_size: int = opt(1, "engine replicas, each of TP × PP ranks, behind one API "
+                                  "(rankserve serve; the job has TP × PP × DP ranks)", alias="dp")
     enable_expert_parallel: bool = opt(False, "shard MoE experts across the TP group (EP = TP)")
 
     def validate(self):
@@ -118,10 +120,27 @@ class ParallelConfig:
                self.tensor_parallel_size)
         _check(self.pipeline_parallel_size >= 1, "pipeline_parallel_size", ">= 1",
                self.pipeline_parallel_size)
+        _check(self.data_parallel_size >= 1, "data_parallel_size", ">= 1", self.data_parallel_size)
+        if self.data_parallel_size > 1 and self.enable_expert_parallel:
+            # vLLM's DP + EP ("wide EP") shards experts over all replicas' ranks, so every replica
+            # must step in lockstep (dummy batches when idle) for the expert all-to-all; the
+            # replicas here are independent engines, so it is refused rather than run as
+            # something else. A MoE model runs with DP when each replica holds its experts
+            # (sharded over its own TP group).
+            raise ConfigError("--data-parallel-size > 1 with --enable-expert-parallel (DP + EP, "
+                              "\"wide EP\") is not supported: replicas are independent engines; "
+                              "drop --enable-expert-parallel (each replica then holds all experts, "
+                              "sharded over its --tp ranks)")
 
     @property
     def world_size(self) -> int:
+        """Ranks of one engine (one data-parallel replica)."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def total_ranks(self) -> int:
+        """Ranks of the whole job: every replica's."""
+        return self.world_size * self.data_parallel_size
 
 
 @dataclass(frozen=True)

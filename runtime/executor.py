@@ -2,7 +2,8 @@
 
 `UniprocExecutor` drives one ModelRunner in this process. `MultiRankExecutor` (rank 0 of an
 mpirun/srun job) broadcasts each plan over the control channel to the workers of every rank and
-runs its own share; the engine core cannot tell them apart.
+runs its own share; the engine core cannot tell them apart. With data parallelism each replica's
+first rank has a `MultiRankExecutor` over its replica's ranks (runtime/dp.py), carried in `dp`.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import time
 import torch
 
 from ..models.parallel import ParallelInfo
-from .config import EngineConfig
+from .config import ConfigError, EngineConfig
 from .model_runner import ModelRunner
 from .model_runner import ModelRunnerOutput
 from .rpc import RunnerRPC, raise_errors
@@ -24,6 +25,12 @@ log = logging.getLogger("rankserve.executor")
 class UniprocExecutor:
     def __init__(self, cfg: EngineConfig, device: torch.device | None = None,
                  pi: ParallelInfo | None = None):
+        if cfg.parallel.data_parallel_size > 1:
+            raise ConfigError(
+                f"--data-parallel-size {cfg.parallel.data_parallel_size} (data_parallel_size) runs "
+                "one engine per replica on ranks of their own: serve it with `mpirun -np N rankserve "
+                "serve --data-parallel-size ...` (N = TP × PP × DP); the offline LLM, generate and "
+                "the benches run one engine")
         if device is None:
             device = torch.device(cfg.device.resolve(0))
             if device.type == "cuda":
@@ -71,9 +78,11 @@ class UniprocExecutor:
 class MultiRankExecutor:
     """Rank 0's executor; `control` is the launcher's control channel (MPI or gloo)."""
 
-    def __init__(self, cfg: EngineConfig, control, pi: ParallelInfo, device: torch.device):
+    def __init__(self, cfg: EngineConfig, control, pi: ParallelInfo, device: torch.device,
+                 dp=None):
         from .worker import Worker
         self.control = control
+        self.dp = dp  # runtime.dp.DataParallelContext when this engine is one of several replicas
         self.device = device
         self.worker = Worker(cfg, control, pi, device)
         self.max_model_len = self.worker.runner.max_model_len

@@ -1,7 +1,8 @@
-"""Rank context: TP/PP coordinates and process groups of one rank, and pipeline send/recv.
+"""Rank context: DP/TP/PP coordinates and process groups of one rank, and pipeline send/recv.
 
-Ranks are laid out stage-major: rank = pp_rank * tp + tp_rank, so a TP group is a block of
-consecutive ranks (on one node when tp ≤ GPUs per node: its all-reduces stay on NVLink).
+Ranks are laid out replica-major, then stage-major: rank = dp_rank * (pp * tp) + pp_rank * tp +
+tp_rank. So a data-parallel replica is a block of consecutive ranks and a TP group a block
+within it (on one node when tp ≤ GPUs per node: its all-reduces stay on NVLink).
 """
 from __future__ import annotations
 
@@ -13,25 +14,35 @@ from .config import ConfigError, ParallelConfig
 
 def build_parallel_info(rank: int, world_size: int, pc: ParallelConfig) -> ParallelInfo:
     """Collective over all ranks (each TP group is created by every rank, in the same order)."""
-    tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
-    if world_size != tp * pp:
+    tp, pp, dp = pc.tensor_parallel_size, pc.pipeline_parallel_size, pc.data_parallel_size
+    if world_size != tp * pp * dp:
+        dp_part = f" × --data-parallel-size {dp}" if dp > 1 else ""
         raise ConfigError(
-            f"--tensor-parallel-size {tp} × --pipeline-parallel-size {pp} = {tp * pp} ranks, but "
-            f"the job has {world_size}; launch with e.g. `mpirun -np {tp * pp} rankserve ...`")
-    pp_rank, tp_rank = divmod(rank, tp)
+            f"--tensor-parallel-size {tp} × --pipeline-parallel-size {pp}{dp_part} = {tp * pp * dp} "
+            f"ranks, but the job has {world_size}; launch with e.g. `mpirun -np {tp * pp * dp} "
+            "rankserve ...`")
+    dp_rank, local = divmod(rank, tp * pp)
+    pp_rank, tp_rank = divmod(local, tp)
     tp_group = None
     if tp > 1:
         import torch.distributed as dist
-        for stage in range(pp):
-            ranks = list(range(stage * tp, (stage + 1) * tp))
+        for block in range(dp * pp):  # every (replica, stage) in rank order
+            ranks = list(range(block * tp, (block + 1) * tp))
             group = dist.new_group(ranks)
             if rank in ranks:
                 tp_group = group
-    return ParallelInfo(tp_rank, tp, tp_group, pp_rank, pp, pc.enable_expert_parallel)
+    return ParallelInfo(tp_rank, tp, tp_group, pp_rank, pp, pc.enable_expert_parallel, dp_rank, dp)
+
+
+def replica_ranks(pc: ParallelConfig) -> list[list[int]]:
+    """The global ranks of each data-parallel replica, replica 0 first."""
+    n = pc.world_size
+    return [list(range(r * n, (r + 1) * n)) for r in range(pc.data_parallel_size)]
 
 
 def global_rank(pi: ParallelInfo, pp_rank: int) -> int:
-    return pp_rank * pi.tp_size + pi.tp_rank
+    """The job-wide rank of this rank's TP peer in stage `pp_rank` of its replica."""
+    return pi.dp_rank * pi.pp_size * pi.tp_size + pp_rank * pi.tp_size + pi.tp_rank
 
 
 def recv_hidden(pi: ParallelInfo, shape, dtype, device) -> torch.Tensor:

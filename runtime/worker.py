@@ -29,7 +29,8 @@ class Worker:
         self.runner = ModelRunner(cfg, pi, device)
         self.rpc = RunnerRPC(self.runner, control.rank)
         self.num_host_blocks = 0
-        # the rank whose sampled ids go back to rank 0: TP rank 0 of the last stage
+        # the rank whose sampled ids go back to rank 0: TP rank 0 of the last stage (ranks on
+        # the control channel, which spans one data-parallel replica)
         self.result_rank = global_rank(ParallelInfo(0, pi.tp_size, None, pi.pp_size - 1,
                                                     pi.pp_size), pi.pp_size - 1)
 
@@ -90,7 +91,7 @@ def run_worker(cfg: EngineConfig, control, pi: ParallelInfo, device: torch.devic
     """Loop of ranks 1..N-1: wait (without spinning) for a command, run it, repeat."""
     worker = Worker(cfg, control, pi, device)
     worker.init_cache(None)
-    fault, steps = _fault_step(control.rank), 0
+    fault, steps = _fault_step(global_rank(pi, pi.pp_rank)), 0  # the job-wide rank
     while True:
         kind, payload = control.bcast_idle(None)
         if kind == "step":

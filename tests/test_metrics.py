@@ -19,7 +19,7 @@ def test_engine_stats_become_gauges_and_counters():
                                   num_generation_tokens=1))
     m.record_finished("stop", 10, 4, 0.5)
     m.record_finished("length", 10, 16, 1.5)
-    m.ttft.observe(0.02)
+    m.engines[0].ttft.observe(0.02)
     text = m.exposition().decode()
     expect = {
         "rankserve:num_requests_running": 1, "rankserve:num_requests_waiting": 0,
@@ -34,8 +34,8 @@ def test_engine_stats_become_gauges_and_counters():
     }
     for name, value in expect.items():
         assert metric(text, name) == value, name
-    assert 'rankserve:request_success_total{finished_reason="stop",model_name="tiny"} 1.0' in text
-    assert 'rankserve:num_requests_running{model_name="tiny"} 1.0' in text
+    assert 'rankserve:request_success_total{engine="0",finished_reason="stop",model_name="tiny"} 1.0' in text
+    assert 'rankserve:num_requests_running{engine="0",model_name="tiny"} 1.0' in text
 
 
 def test_host_tier_counters_and_sleep_gauge():
@@ -46,7 +46,7 @@ def test_host_tier_counters_and_sleep_gauge():
     m.record_stats(SchedulerStats(prefix_queries=150, prefix_hits=16, host_prefix_queries=134,
                                   host_prefix_hits=96, host_blocks_stored=12, host_blocks_loaded=6,
                                   host_blocks_used=12, host_blocks_total=64))
-    m.sleep_level.set(2)
+    m.set_sleep_level(2)
     text = m.exposition().decode()
     expect = {"rankserve:prefix_cache_queries_total": 150, "rankserve:prefix_cache_hits_total": 16,
               "rankserve:host_prefix_cache_queries_total": 134,
@@ -56,3 +56,20 @@ def test_host_tier_counters_and_sleep_gauge():
               "rankserve:engine_sleep_level": 2}
     for name, value in expect.items():
         assert metric(text, name) == value, name
+
+
+def test_per_engine_series_and_total():
+    """Data parallelism: one series per replica (label engine); the total is their sum."""
+    m = Metrics("tiny", num_engines=2)
+    m.record_stats(SchedulerStats(num_running=3, num_generation_tokens=3, prefix_hits=8), engine=0)
+    m.record_stats(SchedulerStats(num_running=2, num_generation_tokens=2, prefix_hits=4), engine=1)
+    m.record_stats(SchedulerStats(num_running=1, num_generation_tokens=1, prefix_hits=12), engine=1)
+    m.record_finished("length", 5, 4, 0.1, engine=1)
+    text = m.exposition().decode()
+    assert 'rankserve:num_requests_running{engine="0",model_name="tiny"} 3.0' in text
+    assert 'rankserve:num_requests_running{engine="1",model_name="tiny"} 1.0' in text
+    assert 'rankserve:generation_tokens_total{engine="1",model_name="tiny"} 3.0' in text
+    assert 'rankserve:prefix_cache_hits_total{engine="1",model_name="tiny"} 12.0' in text
+    assert metric(text, "rankserve:generation_tokens_total") == 6
+    assert metric(text, "rankserve:prefix_cache_hits_total") == 20
+    assert 'rankserve:request_success_total{engine="1",finished_reason="length",model_name="tiny"} 1.0' in text

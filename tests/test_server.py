@@ -280,9 +280,8 @@ def wait_idle(server, timeout: float = 30) -> str:
 
 
 def finished(text: str, reason: str) -> float:
-    m = re.search(rf'^rankserve:request_success_total{{finished_reason="{reason}"[^}}]*}} (\S+)$',
-                  text, re.M)
-    return float(m.group(1)) if m else 0.0
+    return sum(float(m.group(1)) for m in re.finditer(
+        rf'^rankserve:request_success_total{{[^}}]*finished_reason="{reason}"[^}}]*}} (\S+)$', text, re.M))
 
 
 def test_disconnects_free_every_block(server):

@@ -39,7 +39,7 @@ def tok():
 def make_client(tok) -> EngineClient:
     client = EngineClient("ipc://unused", tok, [EOS], Metrics("m"))
     client.sent = []
-    client._send = lambda kind, payload: client.sent.append((kind, payload))
+    client._send = lambda kind, payload, engine=0: client.sent.append((kind, payload))
     return client
 
 

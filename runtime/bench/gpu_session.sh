@@ -2,7 +2,7 @@
 # One GPU-machine session: correctness, then the two standard workloads, with a table at the end.
 # Run from the repo root on the GPU machine: `bash runtime/bench/gpu_session.sh STAGE` where STAGE
 # is one of: w2 w2warm w2l2 w2cublas w1 w1l2 w1fp8kv w1so sotests w2hf w1hf tests e2e2 kernels kdecode
-# sleep kvtier sleeptests launchtests (several may be given; w2/w1 run the default level (1 on CUDA),
+# sleep kvtier sleeptests launchtests servew1 servew1dp2 (several may be given; w2/w1 run the default level (1 on CUDA),
 # w2l2/w1l2 --compilation-level 2; w1fp8kv = W1 with --kv-cache-dtype fp8 (compare with w1);
 # e2e2 = the level-2 end-to-end tests alone; w1so = W1 with a JSON-schema constraint on every
 # request (needs QWEN3_TOKENIZER; compare with w1); sotests = the structured-output tests on CUDA
@@ -10,8 +10,11 @@
 # kdecode = the kernel benchmark's skinny-GEMM and prepare_qkv parts; sleep = device memory before/after
 # sleep level 1 and 2 and the time to wake up, Llama-3.1-8B shape with dummy weights; kvtier = a
 # multi-turn shared-prefix workload larger than a 2048-block device KV cache, without and with a
-# 32 GiB host tier (TTFT, throughput, hits per tier); sleeptests = the sleep / host-tier GPU tests; launchtests = srun-style ranks without MPI
-# over NCCL, needs 2 GPUs). Results land in $OUT
+# 32 GiB host tier (TTFT, throughput, hits per tier); sleeptests = the sleep / host-tier GPU tests;
+# launchtests = srun-style ranks without MPI over NCCL (needs 2 GPUs);
+# servew1 = `rankserve serve` on Qwen3-0.6B (dummy weights, token-id prompts) and `rankserve bench
+# serve` with the W1 lengths at fixed concurrency 256 and at Poisson rates 10, 20 and 40 req/s;
+# servew1dp2 = the concurrency-256 run against `mpiexec -n 2 ... --data-parallel-size 2` (2 GPUs)). Results land in $OUT
 # (or ./bench_results). Each stage has its own time limit; one device call runs at most 10
 # minutes, so split a session, e.g.: `w2 w2warm w1 tests` | `kernels w2hf w1hf`. w2 is the cold
 # start (empty --cache-dir), w2warm the same command again (the cache matters at level 2).
@@ -26,6 +29,29 @@ run() { local name=$1 limit=$2; shift 2; local t0=$(date +%s)
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
   printf '%-10s rc=%-3s %4ss\n' "$name" "$rc" "$(( $(date +%s) - t0 ))" | tee -a "$OUT/summary.txt"
   tail -n 25 "$OUT/$name.log"; }
+# W1's lengths for bench serve: 562 × (1 ± 0.822) = [100, 1023], EOS ignored (every length checked)
+W1_SERVE="--random-vocab-size 151936 --random-input-len 562 --random-output-len 562 --random-range-ratio 0.822
+  --ignore-eos --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --disable-tqdm --save-result
+  --result-dir $OUT"
+# serve_w1 NAME [LAUNCHER...]: start a server on Qwen3-0.6B's shape ($SERVE_EXTRA added), wait until
+# it answers, run the bench serve runs of $SERVE_RUNS ("name:flags;..."), stop it
+serve_w1() { local name=$1; shift; local d; d=$(mktemp -d); cp runtime/bench/configs/qwen3-0.6b.json "$d/config.json"
+  local port=$((20000 + RANDOM % 10000)) t0; t0=$(date +%s)
+  "$@" "$(command -v python3)" -m rankserve.launch serve "$d" --load-format dummy --max-num-seqs 256 --max-model-len 4096 \
+    --cache-dir "$CACHE" --port $port ${SERVE_EXTRA:-} > "$OUT/$name-server.log" 2>&1 &
+  local srv=$!
+  until python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health', timeout=5)" 2> /dev/null; do
+    if ! kill -0 $srv 2> /dev/null || [ $(( $(date +%s) - t0 )) -gt 300 ]; then
+      echo "$name: the server did not start"; tail -n 30 "$OUT/$name-server.log"; kill $srv 2> /dev/null; return; fi
+    sleep 2; done
+  echo "$name: server ready in $(( $(date +%s) - t0 )) s"
+  local runs run_spec; IFS=';' read -ra runs <<< "$SERVE_RUNS"
+  for run_spec in "${runs[@]}"; do local rname=${run_spec%%:*} flags=${run_spec#*:}
+    run "$name-$rname" 300 python3 -m rankserve.launch bench serve --base-url "http://127.0.0.1:$port" \
+      $W1_SERVE $flags --result-filename "$name-$rname.json" --plot "$OUT/$name-$rname.png" --metadata gpus=$GPUS
+  done
+  kill -INT $srv; ( sleep 60; kill -9 $srv 2> /dev/null ) & local killer=$!
+  wait $srv; kill $killer 2> /dev/null; }
 for stage in "$@"; do case $stage in
   w2) run w2 150 python3 -m rankserve.launch bench latency llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 \
         --num-iters 3 --max-num-seqs 8 --cache-dir "$CACHE" --output-json "$OUT/w2.json" \
@@ -63,6 +89,10 @@ for stage in "$@"; do case $stage in
         --cache-dir "$CACHE" --output-json "$OUT/kvtier$gib.json"; done ;;
   sleeptests) run sleeptests 200 python3 -m pytest -q -m gpu tests/test_gpu_sleep.py ;;
   launchtests) run launchtests 200 python3 -m pytest -q -m gpu tests/test_launch_gpu.py ;;
+  servew1) GPUS=1 SERVE_RUNS="c256:--num-prompts 256 --max-concurrency 256;r10:--num-prompts 400 --request-rate 10;r20:--num-prompts 400 --request-rate 20;r40:--num-prompts 400 --request-rate 40" \
+        serve_w1 servew1 ;;
+  servew1dp2) GPUS=2 SERVE_RUNS="c256:--num-prompts 256 --max-concurrency 256;r40:--num-prompts 400 --request-rate 40" \
+        SERVE_EXTRA="--data-parallel-size 2" serve_w1 servew1dp2 mpiexec -n 2 ;;
   *) echo "unknown stage $stage" ;;
 esac; done
 echo "== summary"; cat "$OUT/summary.txt"

@@ -1,14 +1,16 @@
 """Strong scaling across runs: `rankserve bench scaling DIR|FILE.json ...`.
 
 Reads the JSON records of `rankserve bench throughput|latency --output-json` (e.g. the
-`throughput-tpN.json` files of `slurm/scaling.sbatch`), groups them by (kind, model, workload)
+`throughput-tpN.json` files of `slurm/scaling.sbatch`) and of `rankserve bench serve
+--save-result` (online runs; the GPU count comes from `--metadata gpus=N`, or tp × pp × dp given
+the same way), groups them by (kind, model, workload)
 and compares each run's rankserve tokens/s with the run on the fewest GPUs of its group:
 
     speedup    = tok/s ÷ baseline tok/s
     efficiency = speedup ÷ (GPUs ÷ baseline GPUs)       (1.0 = perfect strong scaling)
 
 GPUs is the engine's world size (TP × PP, `results.rankserve.num_devices`). Tokens/s is output
-tok/s for throughput records and decode tok/s for latency records. Writes scaling.md (a table to
+tok/s for throughput and serve records and decode tok/s for latency records. Writes scaling.md (a table to
 paste into a README), scaling.json and, with matplotlib, scaling.png. No torch import: this runs
 on a login node.
 """
@@ -19,8 +21,9 @@ import os
 import sys
 from pathlib import Path
 
-METRIC = {"throughput": "output_tokens_per_s", "latency": "decode_tokens_per_s"}
-METRIC_LABEL = {"throughput": "output tok/s", "latency": "decode tok/s"}
+METRIC = {"throughput": "output_tokens_per_s", "latency": "decode_tokens_per_s",
+          "serve": "output_throughput"}
+METRIC_LABEL = {"throughput": "output tok/s", "latency": "decode tok/s", "serve": "output tok/s"}
 
 
 # ---- reading --------------------------------------------------------------------------------
@@ -59,7 +62,9 @@ def read_record(path: Path) -> tuple[dict | None, str | None]:
         return None, f"not JSON ({e})"
     if not isinstance(rec, dict) or rec.get("kind") not in METRIC:
         return None, (None if isinstance(rec, dict) and rec.get("kind") == "scaling"
-                      else "not a rankserve bench throughput/latency record")
+                      else "not a rankserve bench throughput/latency/serve record")
+    if rec["kind"] == "serve":
+        return read_serve_record(path, rec)
     r = (rec.get("results") or {}).get("rankserve")
     metric = METRIC[rec["kind"]]
     if not isinstance(r, dict) or metric not in r or "num_devices" not in r:
@@ -78,7 +83,33 @@ def read_record(path: Path) -> tuple[dict | None, str | None]:
         command=env.get("command")), None
 
 
+def read_serve_record(path: Path, rec: dict) -> tuple[dict | None, str | None]:
+    """A `bench serve --save-result` record: the server's GPUs are not visible to the client,
+    so they come from its --metadata (gpus=N, or tp/pp/dp)."""
+    meta = rec.get("metadata") or {}
+    split = {k: int(meta[k]) for k in ("tp", "pp", "dp") if str(meta.get(k, "")).isdigit()}
+    gpus = meta.get("gpus")
+    if gpus is None and split:
+        gpus = split.get("tp", 1) * split.get("pp", 1) * split.get("dp", 1)
+    if gpus is None or not str(gpus).isdigit():
+        return None, "a bench serve record without its GPU count: run it with --metadata gpus=N"
+    if rec.get("failed"):
+        return None, f"{rec['failed']} request(s) failed in this run"
+    env = rec.get("env") or {}
+    return dict(
+        path=str(path), kind="serve", model=meta.get("model") or rec.get("model_id") or "?",
+        workload=rec.get("workload") or {}, gpus=int(gpus), tp=split.get("tp"), pp=split.get("pp"),
+        ep=None, dp=split.get("dp"), tokens_per_s=float(rec["output_throughput"]),
+        total_tokens_per_s=rec.get("total_token_throughput"), latency_s=rec.get("duration"),
+        date=env.get("date"), gpu=meta.get("gpu"), command=env.get("command")), None
+
+
 def workload_label(kind: str, w: dict) -> str:
+    if kind == "serve":
+        rate = w.get("request_rate")
+        how = (f"max concurrency {w['max_concurrency']}" if w.get("max_concurrency") else "") + (
+            "" if rate in (None, float("inf")) else f"{', ' if w.get('max_concurrency') else ''}{rate:g} req/s")
+        return f"{w.get('num_prompts')} {w.get('dataset')} requests online, {how or 'all at once'}"
     if kind == "latency":
         return f"batch {w.get('batch_size')}, {w.get('input_len')} in / {w.get('output_len')} out"
     i, o = w.get("input_len") or ["?", "?"], w.get("output_len") or ["?", "?"]

@@ -79,7 +79,7 @@ def add_admin_routes(app: FastAPI, client: EngineClient, metrics: Metrics) -> No
 
     def track(result: dict) -> None:
         client.sleeping = bool(result.get("is_sleeping"))
-        metrics.sleep_level.set(result.get("level", 0) if client.sleeping else 0)
+        metrics.set_sleep_level(result.get("level", 0) if client.sleeping else 0)
 
     @app.post("/sleep")
     async def sleep(level: int = Query(1, description="1: weights to host memory, KV cache "

@@ -397,9 +397,10 @@ async def serve(settings: dict) -> int:
     args = ServerArgs(**settings["server_args"])
     tokenizer = load_tokenizer(settings["tokenizer"])
     eos = eos_token_ids_of(tokenizer, settings["model"]) if tokenizer is not None else []
-    metrics = Metrics(settings["served_model_name"])
-    client = EngineClient(settings["engine_address"], tokenizer, eos, metrics,
-                          settings.get("engine_pid"))
+    # one engine address, or one per data-parallel replica (replica 0 first)
+    addresses = settings.get("engine_addresses") or [settings["engine_address"]]
+    metrics = Metrics(settings["served_model_name"], len(addresses))
+    client = EngineClient(addresses, tokenizer, eos, metrics, settings.get("engine_pid"))
     await client.start()
     model_type, defaults = _model_files(settings["model"])
     ctx = ServeContext(args, settings["served_model_name"], settings["model"], tokenizer, client,

@@ -1,6 +1,10 @@
-"""The API process's connection to the EngineCore: sends requests over ZMQ, receives outputs,
+"""The API process's connection to the EngineCore(s): sends requests over ZMQ, receives outputs,
 detokenizes them (OutputProcessor: stop strings, n > 1 fan-out) and hands each request its
-updates; records the metrics on the way."""
+updates; records the metrics on the way.
+
+With data parallelism (`--data-parallel-size N`) there is one engine core per replica, each
+behind its own socket; a request goes to the one `LoadBalancer` picks (load, prefix affinity),
+admin calls go to all of them."""
 from __future__ import annotations
 
 import asyncio
@@ -24,6 +28,7 @@ from ..messages import (
 )
 from ..outputs import OutputProcessor
 from ..sampling_params import SamplingParams
+from .load_balancer import LoadBalancer
 from .metrics import Metrics
 
 log = logging.getLogger("rankserve.serve")
@@ -101,17 +106,25 @@ class RequestStream:
 
 
 class _Child:
-    __slots__ = ("first", "index", "last", "num_prompt", "stream")
+    __slots__ = ("engine", "first", "index", "last", "num_prompt", "stream")
 
-    def __init__(self, stream: RequestStream, index: int, num_prompt: int):
-        self.stream, self.index, self.num_prompt = stream, index, num_prompt
+    def __init__(self, stream: RequestStream, index: int, num_prompt: int, engine: int):
+        self.stream, self.index, self.num_prompt, self.engine = stream, index, num_prompt, engine
         self.first = self.last = None
 
 
+# admin calls every replica must run (the others go to replica 0 alone)
+BROADCAST_CALLS = frozenset({"get_model_info", "reset_prefix_cache", "admin"})
+# a trainer's process group spans the ranks of one engine; several replicas would need one each
+SINGLE_ENGINE_ADMIN = frozenset({"init_weights_update_group", "update_weights_from_distributed",
+                                 "destroy_weights_update_group"})
+
+
 class EngineClient:
-    def __init__(self, address: str, tokenizer, eos_token_ids: list[int], metrics: Metrics,
+    def __init__(self, address: str | list[str], tokenizer, eos_token_ids: list[int], metrics: Metrics,
                  engine_pid: int | None = None):
-        self.address = address
+        self.addresses = [address] if isinstance(address, str) else list(address)
+        self.balancer = LoadBalancer(len(self.addresses))
         self.processor = OutputProcessor(tokenizer)
         self.eos_token_ids = eos_token_ids
         self.metrics = metrics
@@ -126,19 +139,29 @@ class EngineClient:
         self.model_info: dict = {}
         self.sleeping = False  # as the last sleep / wake-up call left it (the engine checks too)
 
+    @property
+    def num_engines(self) -> int:
+        return len(self.addresses)
+
     async def start(self) -> None:
         self.ctx = zmq.asyncio.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        for opt in (zmq.LINGER, zmq.SNDHWM, zmq.RCVHWM):
-            self.sock.setsockopt(opt, 0)
-        self.sock.connect(self.address)
-        self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._watch())]
-        self.model_info = await self.call("get_model_info")
+        self.socks = []
+        for address in self.addresses:
+            sock = self.ctx.socket(zmq.DEALER)
+            for opt in (zmq.LINGER, zmq.SNDHWM, zmq.RCVHWM):
+                sock.setsockopt(opt, 0)
+            sock.connect(address)
+            self.socks.append(sock)
+        self._tasks = [asyncio.create_task(self._recv_loop(e)) for e in range(self.num_engines)]
+        self._tasks.append(asyncio.create_task(self._watch()))
+        self.model_info = await self.call("get_model_info")  # also introduces us to every engine
+        self.balancer.block_size = self.model_info.get("block_size", 16)
 
     async def stop(self) -> None:
         for t in self._tasks:
             t.cancel()
-        self.sock.close(0)
+        for sock in self.socks:
+            sock.close(0)
         self.ctx.term()
 
     # ---- requests ---------------------------------------------------------------------------
@@ -153,52 +176,79 @@ class EngineClient:
         child_ids = self.processor.add_request(rid, prompt, prompt_token_ids, params)
         stream = RequestStream(self, rid, child_ids)
         self.streams[rid] = stream
+        # the choices of one request stay together: they share the prompt's KV blocks
+        engine = self.balancer.pick(prompt_token_ids, lora_request and lora_request.lora_name,
+                                    len(child_ids))
         for i, cid in enumerate(child_ids):
-            self.children[cid] = _Child(stream, i, len(prompt_token_ids))
+            self.children[cid] = _Child(stream, i, len(prompt_token_ids), engine)
             req = engine_request(cid, prompt_token_ids, params, self.eos_token_ids, priority, index=i,
                                  lora_request=lora_request)
-            self._send(EngineCoreRequestType.ADD, encoder.encode(req))
+            self._send(EngineCoreRequestType.ADD, encoder.encode(req), engine)
         return stream
 
     def abort(self, child_ids: list[str]) -> None:
         now = time.monotonic()
+        per_engine: dict[int, list[str]] = {}
         for cid in child_ids:
             child, st = self.children.pop(cid, None), self.processor.states.get(cid)
-            if child is not None and st is not None:
-                self.metrics.record_finished("abort", child.num_prompt, len(st.out.token_ids),
-                                             now - child.stream.arrival)
+            if child is not None:
+                self.balancer.finished(child.engine)
+                if st is not None:
+                    self.metrics.record_finished("abort", child.num_prompt, len(st.out.token_ids),
+                                                 now - child.stream.arrival, child.engine)
+            # a finished child needs no abort; an unknown one may be anywhere: tell every engine
+            for e in [child.engine] if child is not None else range(self.num_engines):
+                per_engine.setdefault(e, []).append(cid)
         self.processor.abort(child_ids)
         if not self.dead:
-            self._send(EngineCoreRequestType.ABORT, encoder.encode(child_ids))
+            for e, ids in per_engine.items():
+                self._send(EngineCoreRequestType.ABORT, encoder.encode(ids), e)
 
     async def call(self, method: str, *args, timeout: float | None = None):
-        """Run `util_<method>` in the engine process and return its result."""
+        """Run `util_<method>` in the engine process and return its result. With several
+        replicas, the calls of BROADCAST_CALLS run on every replica and their results merge."""
         if self.dead:
             raise EngineDeadError(self.dead)
+        if self.num_engines == 1 or method not in BROADCAST_CALLS:
+            return await self._call(0, method, args, timeout)
+        if method == "admin" and args[0] in SINGLE_ENGINE_ADMIN:
+            return {"status": 400, "message": f"{args[0]} is not supported with --data-parallel-size "
+                    f"{self.num_engines} (a trainer's process group spans one engine's ranks)"}
+        results = await asyncio.gather(*(self._call(e, method, args, timeout)
+                                         for e in range(self.num_engines)))
+        if method == "reset_prefix_cache":
+            return all(results)
+        if method == "admin":  # the first replica that refused or failed speaks for all
+            return next((r for r in results if r.get("status") != 200), results[0])
+        return dict(results[0], num_engines=self.num_engines)
+
+    async def _call(self, engine: int, method: str, args, timeout: float | None):
         call_id = next(self._call_ids)
         fut = self.calls[call_id] = asyncio.get_running_loop().create_future()
-        self._send(EngineCoreRequestType.UTILITY, encoder.encode((call_id, method, list(args))))
+        self._send(EngineCoreRequestType.UTILITY, encoder.encode((call_id, method, list(args))), engine)
         try:
             return await asyncio.wait_for(fut, timeout)
         finally:
             self.calls.pop(call_id, None)
 
-    def _send(self, kind: EngineCoreRequestType, payload: bytes) -> None:
+    def _send(self, kind: EngineCoreRequestType, payload: bytes, engine: int = 0) -> None:
         # with no high-water mark a DEALER send never blocks, so no await is needed
-        self.sock.send_multipart([kind.value, payload], flags=zmq.NOBLOCK)
+        self.socks[engine].send_multipart([kind.value, payload], flags=zmq.NOBLOCK)
 
     # ---- outputs ----------------------------------------------------------------------------
-    async def _recv_loop(self) -> None:
+    async def _recv_loop(self, engine: int) -> None:
+        sock = self.socks[engine]
         while True:
-            msg = await self.sock.recv()
+            msg = await sock.recv()
             try:
-                self._handle(outputs_decoder.decode(msg))
+                self._handle(outputs_decoder.decode(msg), engine)
             except Exception:
                 log.exception("failed to process engine outputs")
 
-    def _handle(self, outs: EngineCoreOutputs) -> None:
+    def _handle(self, outs: EngineCoreOutputs, engine: int = 0) -> None:
         if outs.engine_dead:
-            self._mark_dead(f"the engine failed: {outs.engine_dead}")
+            which = f" (data-parallel replica {engine})" if self.num_engines > 1 else ""
+            self._mark_dead(f"the engine failed{which}: {outs.engine_dead}")
             return
         if outs.utility_result is not None:
             call_id, result, err = outs.utility_result
@@ -206,7 +256,8 @@ class EngineClient:
             if fut is not None and not fut.done():
                 fut.set_exception(RuntimeError(err)) if err else fut.set_result(result)
         if outs.stats is not None:
-            self.metrics.record_stats(outs.stats)
+            self.metrics.record_stats(outs.stats, engine)
+            self.balancer.record_stats(engine, outs.stats.num_waiting, outs.stats.kv_usage)
         now = time.monotonic()
         for o in outs.outputs:
             child = self.children.get(o.request_id)
@@ -219,16 +270,17 @@ class EngineClient:
                 continue
             ro, abort = self.processor.process(o)
             if abort:  # a stop string matched: the engine does not know
-                self._send(EngineCoreRequestType.ABORT, encoder.encode([o.request_id]))
+                self._send(EngineCoreRequestType.ABORT, encoder.encode([o.request_id]), engine)
             if ro is None:
                 continue
             out = ro.outputs[child.index]
+            em = self.metrics.engines[child.engine]
             if o.new_token_ids:
                 if child.first is None:
-                    self.metrics.ttft.observe(now - stream.arrival)
+                    em.ttft.observe(now - stream.arrival)
                     child.first = now
                 else:
-                    self.metrics.itl.observe(now - child.last)
+                    em.itl.observe(now - child.last)
                 child.last = now
             stream.queue.put_nowait(Update(child.index, out.delta_text, list(out.delta_token_ids),
                                            out.delta_logprobs, out.finish_reason, out.stop_reason,
@@ -237,8 +289,9 @@ class EngineClient:
             if out.finish_reason is not None:
                 del self.children[o.request_id]
                 stream.unfinished.discard(o.request_id)
-                self.metrics.record_finished(out.finish_reason, child.num_prompt,
-                                             len(out.token_ids), now - stream.arrival)
+                self.balancer.finished(child.engine)
+                em.record_finished(out.finish_reason, child.num_prompt, len(out.token_ids),
+                                   now - stream.arrival)
 
     # ---- engine death -----------------------------------------------------------------------
     async def _watch(self) -> None:

@@ -7,6 +7,10 @@ already be initialised here. The two talk over one ZMQ ROUTER (engine) / DEALER 
   API → engine   [EngineCoreRequestType, payload]   ADD: EngineCoreRequest, ABORT: [ids],
                                                     UTILITY: [call_id, method, args], SHUTDOWN
   engine → API   EngineCoreOutputs                  tokens, stats, utility replies, engine_dead
+
+With data parallelism (runtime/dp.py) rank 0 serves replica 0 this way and the API also connects
+to the other replicas' leaders, which run `serve_replica`: the same loop without an API child,
+until rank 0 sends them SHUTDOWN.
 """
 from __future__ import annotations
 
@@ -93,10 +97,11 @@ def engine_addresses(engine_address: str | None) -> tuple[str, str]:
 
 
 def start_api_process(cfg: EngineConfig, server_args: ServerArgs, connect_address: str,
-                      env: dict[str, str] | None) -> subprocess.Popen:
+                      env: dict[str, str] | None, replicas: list[str] = ()) -> subprocess.Popen:
     """Spawn `python -m rankserve.runtime.serve.app`; its settings go over stdin (keeps the API
-    key out of `ps`)."""
+    key out of `ps`). `replicas`: the other data-parallel replicas' engine addresses."""
     settings = {"server_args": server_args.to_dict(), "engine_address": connect_address,
+                "engine_addresses": [connect_address, *replicas],
                 "model": cfg.model.model, "tokenizer": cfg.model.tokenizer or cfg.model.model,
                 "served_model_name": cfg.model.served_model_name or cfg.model.model,
                 "engine_pid": os.getpid(),
@@ -117,14 +122,19 @@ class EngineServer:
     """Drives one EngineCore from a ROUTER socket. The API's identity is learned from its first
     message (there is exactly one API process)."""
 
-    def __init__(self, core: EngineCore, cfg: EngineConfig, bind_address: str):
+    def __init__(self, core: EngineCore, cfg: EngineConfig, bind_address: str | None = None,
+                 bound: tuple | None = None):
+        """Binds `bind_address`, or takes `bound` = (zmq context, ROUTER socket) listening already."""
         self.core, self.cfg = core, cfg
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDHWM, 0)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
-        self.sock.bind(bind_address)
+        if bound is not None:
+            self.ctx, self.sock = bound
+        else:
+            self.ctx = zmq.Context()
+            self.sock = self.ctx.socket(zmq.ROUTER)
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.setsockopt(zmq.SNDHWM, 0)
+            self.sock.setsockopt(zmq.RCVHWM, 0)
+            self.sock.bind(bind_address)
         self.peer: bytes | None = None
         self.stop_requested = False
         self.ready_url: str | None = None
@@ -226,15 +236,25 @@ class EngineServer:
                 api.kill()
                 api.wait()
                 return 0
-            if not self.core.has_work:
-                self.sock.poll(IDLE_POLL_MS)  # block: no busy-spinning while idle
-            changed = self.drain()
-            if self.core.has_work:
-                outs = self.core.step()
-                if outs.outputs or outs.stats is not None:  # (a PP submit returns neither)
-                    self.send(outs)
-            elif changed:  # e.g. an abort freed blocks: let the metrics see it
-                self.send(EngineCoreOutputs(stats=self.core.scheduler.stats(), timestamp=time.time()))
+            self.turn()
+
+    def run_replica(self) -> int:
+        """A data-parallel replica's loop: no API child here; serve until SHUTDOWN arrives."""
+        while not self.stop_requested:
+            self.turn()
+        return 0
+
+    def turn(self) -> None:
+        """Wait for input while idle, take what arrived, run a step if there is work."""
+        if not self.core.has_work:
+            self.sock.poll(IDLE_POLL_MS)  # block: no busy-spinning while idle
+        changed = self.drain()
+        if self.core.has_work:
+            outs = self.core.step()
+            if outs.outputs or outs.stats is not None:  # (a PP submit returns neither)
+                self.send(outs)
+        elif changed:  # e.g. an abort freed blocks: let the metrics see it
+            self.send(EngineCoreOutputs(stats=self.core.scheduler.stats(), timestamp=time.time()))
 
     def close(self) -> None:
         self.sock.close(0)
@@ -257,13 +277,15 @@ def serve_engine(cfg: EngineConfig, server_args: ServerArgs, executor, *,
     bind, connect = engine_addresses(server_args.engine_address)
     stop = [False]
     children: list[subprocess.Popen] = []
+    dp = getattr(executor, "dp", None)
+    replicas = dp.addresses if dp is not None else []
 
     def on_signal(signum, frame):
         if stop[0] and signum == signal.SIGINT and children:  # the second Ctrl-C: now
             children[0].send_signal(signal.SIGINT)  # (the API is in its own session)
         stop[0] = True
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    api = start_api_process(cfg, server_args, connect, api_env)  # loads its tokenizer meanwhile
+    api = start_api_process(cfg, server_args, connect, api_env, replicas)  # loads its tokenizer meanwhile
     children.append(api)
     server = None
     try:
@@ -285,6 +307,7 @@ def serve_engine(cfg: EngineConfig, server_args: ServerArgs, executor, *,
                 api.wait()
         if server is not None:
             server.close()
+        stop_replicas(replicas)
         if bind.startswith("ipc://"):
             try:
                 os.unlink(bind[len("ipc://"):])
@@ -292,3 +315,35 @@ def serve_engine(cfg: EngineConfig, server_args: ServerArgs, executor, *,
                 pass
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def stop_replicas(addresses: list[str]) -> None:
+    """Send SHUTDOWN to the other data-parallel replicas' engines (rank 0, when it stops)."""
+    if not addresses:
+        return
+    ctx = zmq.Context()
+    try:
+        for address in addresses:
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 2000)  # long enough to deliver, never a hang
+            sock.connect(address)
+            sock.send_multipart([EngineCoreRequestType.SHUTDOWN.value, b""])
+            sock.close()
+    finally:
+        ctx.term()
+
+
+def serve_replica(cfg: EngineConfig, executor) -> int:
+    """Data-parallel replica k > 0, on its first rank: an EngineCore behind the socket bound in
+    runtime/dp.py, serving the API on rank 0 until it sends SHUTDOWN. An engine error is told to
+    the API (it answers 503), then raised: the failure handlers take the job down, naming this
+    rank, like any rank's failure."""
+    server = EngineServer(EngineCore(cfg, executor), cfg, bound=executor.dp.bound)
+    try:
+        return server.run_replica()
+    except Exception as e:
+        log.error("data-parallel replica %d failed", executor.dp.dp_rank)
+        server.send(EngineCoreOutputs(engine_dead=f"{type(e).__name__}: {e}"))
+        raise
+    finally:
+        server.close()

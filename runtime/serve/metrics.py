@@ -16,67 +16,15 @@ _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 2
                   100000)
 
 
-class Metrics:
-    def __init__(self, model_name: str):
-        self.registry = prom.CollectorRegistry()
-        r, labels = self.registry, ["model_name"]
+class EngineMetrics:
+    """The series of one engine replica (label `engine`, as vLLM's): its scheduler's gauges and
+    counters and the latencies of the requests it served."""
 
-        def gauge(name, doc):
-            return prom.Gauge("rankserve:" + name, doc, labels, registry=r).labels(model_name)
-
-        def counter(name, doc):
-            return prom.Counter("rankserve:" + name, doc, labels, registry=r).labels(model_name)
-
-        def histogram(name, doc, buckets):
-            return prom.Histogram("rankserve:" + name, doc, labels, buckets=buckets,
-                                  registry=r).labels(model_name)
-
-        self.running = gauge("num_requests_running", "Requests in the running batch")
-        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
-        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1)")
-        self.kv_blocks_used = gauge("kv_cache_blocks_used", "KV-cache blocks in use")
-        self.kv_blocks_total = gauge("kv_cache_blocks_total", "KV-cache blocks in all")
-        self.preemptions = counter("num_preemptions", "Preemptions of running requests")
-        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the "
-                                      "prefix cache")
-        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens computed (prefill)")
-        self.generation_tokens = counter("generation_tokens", "Tokens generated")
-        self.grammar_compile = counter("grammar_compile_seconds", "Seconds compiling structured-"
-                                       "output grammars (worker threads, off the step loop)")
-        self.grammar_mask = counter("grammar_mask_seconds", "Seconds of the step loop filling "
-                                    "structured-output token bitmasks")
-        # the host tier of the prefix cache (--kv-offload-size); its hit rate is
-        # host_prefix_cache_hits / host_prefix_cache_queries, the device tier's
-        # prefix_cache_hits / prefix_cache_queries
-        self.host_prefix_queries = counter("host_prefix_cache_queries", "Prompt tokens looked up "
-                                           "in the host KV tier (the device tier missed them)")
-        self.host_prefix_hits = counter("host_prefix_cache_hits", "Prompt tokens found in the "
-                                        "host KV tier (copied back instead of recomputed)")
-        self.host_blocks_stored = counter("host_kv_blocks_stored", "KV blocks copied to the host tier")
-        self.host_blocks_loaded = counter("host_kv_blocks_loaded", "KV blocks copied back from the "
-                                          "host tier")
-        self.host_blocks_used = gauge("host_kv_cache_blocks_used", "Host-tier KV blocks in use")
-        self.host_blocks_total = gauge("host_kv_cache_blocks_total", "Host-tier KV blocks in all")
-        self.sleep_level = gauge("engine_sleep_level", "Sleep mode: 0 awake, 1 weights in host "
-                                 "memory, 2 weights discarded (KV cache discarded at 1 and 2)")
-        self._success = prom.Counter("rankserve:request_success", "Finished requests by finish "
-                                     "reason", ["model_name", "finished_reason"], registry=r)
-        self._model = model_name
-        self.lora_info = prom.Gauge("rankserve:lora_requests_info", "Running and waiting LoRA "
-                                    "adapters (vLLM's lora_requests_info; value: the time)",
-                                    ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
-                                    registry=r)
-        self.ttft = histogram("time_to_first_token_seconds", "Time to first token",
-                              _LATENCY_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Time between output tokens",
-                             _LATENCY_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "Request latency, arrival to finish",
-                             _LATENCY_BUCKETS)
-        self.req_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per request",
-                                           _TOKEN_BUCKETS)
-        self.req_generation_tokens = histogram("request_generation_tokens", "Generated tokens per "
-                                               "request", _TOKEN_BUCKETS)
+    def __init__(self, parents: dict, success, model_name: str, engine: int):
+        for attr, parent in parents.items():
+            setattr(self, attr, parent.labels(model_name, str(engine)))
+        self._success = success
+        self._labels = (model_name, str(engine))
         self._last = SchedulerStats()  # the engine's cumulative counters, as last seen
 
     def record_stats(self, s: SchedulerStats) -> None:
@@ -89,33 +37,101 @@ class Metrics:
         self.host_blocks_total.set(s.host_blocks_total)
         self.prompt_tokens.inc(s.num_prompt_tokens)
         self.generation_tokens.inc(s.num_generation_tokens)
-        for counter, new, old in ((self.preemptions, s.num_preemptions, self._last.num_preemptions),
-                                  (self.prefix_queries, s.prefix_queries, self._last.prefix_queries),
-                                  (self.prefix_hits, s.prefix_hits, self._last.prefix_hits),
-                                  (self.grammar_compile, s.grammar_compile_seconds,
-                                   self._last.grammar_compile_seconds),
-                                  (self.grammar_mask, s.grammar_mask_seconds,
-                                   self._last.grammar_mask_seconds),
-                                  (self.host_prefix_queries, s.host_prefix_queries,
-                                   self._last.host_prefix_queries),
-                                  (self.host_prefix_hits, s.host_prefix_hits, self._last.host_prefix_hits),
-                                  (self.host_blocks_stored, s.host_blocks_stored,
-                                   self._last.host_blocks_stored),
-                                  (self.host_blocks_loaded, s.host_blocks_loaded,
-                                   self._last.host_blocks_loaded)):
-            counter.inc(max(0, new - old))
-        if s.max_lora:
-            self.lora_info.clear()
-            self.lora_info.labels(str(s.max_lora), s.waiting_lora_adapters,
-                                  s.running_lora_adapters).set(time.time())
+        for counter, field in ((self.preemptions, "num_preemptions"),
+                               (self.prefix_queries, "prefix_queries"),
+                               (self.prefix_hits, "prefix_hits"),
+                               (self.grammar_compile, "grammar_compile_seconds"),
+                               (self.grammar_mask, "grammar_mask_seconds"),
+                               (self.host_prefix_queries, "host_prefix_queries"),
+                               (self.host_prefix_hits, "host_prefix_hits"),
+                               (self.host_blocks_stored, "host_blocks_stored"),
+                               (self.host_blocks_loaded, "host_blocks_loaded")):
+            counter.inc(max(0, getattr(s, field) - getattr(self._last, field)))
         self._last = s
 
     def record_finished(self, finish_reason: str, num_prompt: int, num_generated: int,
                         e2e_s: float) -> None:
-        self._success.labels(self._model, finish_reason).inc()
+        self._success.labels(*self._labels, finish_reason).inc()
         self.e2e.observe(e2e_s)
         self.req_prompt_tokens.observe(num_prompt)
         self.req_generation_tokens.observe(num_generated)
+
+
+class Metrics:
+    """Every series carries `model_name` and `engine` (the data-parallel replica, "0" without
+    data parallelism); the total over replicas is the sum over `engine`
+    (`sum without (engine) (...)`)."""
+
+    def __init__(self, model_name: str, num_engines: int = 1):
+        self.registry = prom.CollectorRegistry()
+        r, labels = self.registry, ["model_name", "engine"]
+        parents: dict = {}
+
+        def gauge(attr, name, doc):
+            parents[attr] = prom.Gauge("rankserve:" + name, doc, labels, registry=r)
+
+        def counter(attr, name, doc):
+            parents[attr] = prom.Counter("rankserve:" + name, doc, labels, registry=r)
+
+        def histogram(attr, name, doc, buckets):
+            parents[attr] = prom.Histogram("rankserve:" + name, doc, labels, buckets=buckets, registry=r)
+
+        gauge("running", "num_requests_running", "Requests in the running batch")
+        gauge("waiting", "num_requests_waiting", "Requests waiting to be scheduled")
+        gauge("kv_usage", "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1)")
+        gauge("kv_blocks_used", "kv_cache_blocks_used", "KV-cache blocks in use")
+        gauge("kv_blocks_total", "kv_cache_blocks_total", "KV-cache blocks in all")
+        counter("preemptions", "num_preemptions", "Preemptions of running requests")
+        counter("prefix_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        counter("prefix_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        counter("prompt_tokens", "prompt_tokens", "Prompt tokens computed (prefill)")
+        counter("generation_tokens", "generation_tokens", "Tokens generated")
+        counter("grammar_compile", "grammar_compile_seconds", "Seconds compiling structured-output "
+                "grammars (worker threads, off the step loop)")
+        counter("grammar_mask", "grammar_mask_seconds", "Seconds of the step loop filling "
+                "structured-output token bitmasks")
+        # the host tier of the prefix cache (--kv-offload-size); its hit rate is
+        # host_prefix_cache_hits / host_prefix_cache_queries, the device tier's
+        # prefix_cache_hits / prefix_cache_queries
+        counter("host_prefix_queries", "host_prefix_cache_queries", "Prompt tokens looked up in the "
+                "host KV tier (the device tier missed them)")
+        counter("host_prefix_hits", "host_prefix_cache_hits", "Prompt tokens found in the host KV "
+                "tier (copied back instead of recomputed)")
+        counter("host_blocks_stored", "host_kv_blocks_stored", "KV blocks copied to the host tier")
+        counter("host_blocks_loaded", "host_kv_blocks_loaded", "KV blocks copied back from the host tier")
+        gauge("host_blocks_used", "host_kv_cache_blocks_used", "Host-tier KV blocks in use")
+        gauge("host_blocks_total", "host_kv_cache_blocks_total", "Host-tier KV blocks in all")
+        gauge("sleep_level", "engine_sleep_level", "Sleep mode: 0 awake, 1 weights in host memory, "
+              "2 weights discarded (KV cache discarded at 1 and 2)")
+        histogram("ttft", "time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS)
+        histogram("itl", "inter_token_latency_seconds", "Time between output tokens", _LATENCY_BUCKETS)
+        histogram("e2e", "e2e_request_latency_seconds", "Request latency, arrival to finish",
+                  _LATENCY_BUCKETS)
+        histogram("req_prompt_tokens", "request_prompt_tokens", "Prompt tokens per request", _TOKEN_BUCKETS)
+        histogram("req_generation_tokens", "request_generation_tokens", "Generated tokens per request",
+                  _TOKEN_BUCKETS)
+        success = prom.Counter("rankserve:request_success", "Finished requests by finish reason",
+                               [*labels, "finished_reason"], registry=r)
+        self.lora_info = prom.Gauge("rankserve:lora_requests_info", "Running and waiting LoRA "
+                                    "adapters (vLLM's lora_requests_info; value: the time)",
+                                    ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                                    registry=r)
+        self.engines = [EngineMetrics(parents, success, model_name, e) for e in range(num_engines)]
+
+    def record_stats(self, s: SchedulerStats, engine: int = 0) -> None:
+        self.engines[engine].record_stats(s)
+        if s.max_lora:
+            self.lora_info.clear()
+            self.lora_info.labels(str(s.max_lora), s.waiting_lora_adapters,
+                                  s.running_lora_adapters).set(time.time())
+
+    def record_finished(self, finish_reason: str, num_prompt: int, num_generated: int,
+                        e2e_s: float, engine: int = 0) -> None:
+        self.engines[engine].record_finished(finish_reason, num_prompt, num_generated, e2e_s)
+
+    def set_sleep_level(self, level: int) -> None:
+        for e in self.engines:  # every replica sleeps and wakes with the others
+            e.sleep_level.set(level)
 
     def exposition(self) -> bytes:
         return prom.generate_latest(self.registry)

@@ -1,0 +1,216 @@
+"""`rankserve bench serve` against a live rankserve server (embedded stories260K): its request and
+token counts equal the server's own /metrics counters, shared prefixes hit the prefix cache,
+ShareGPT files work, lost tokens and failed requests are counted (exit code 1), the JSON feeds
+`bench scaling`."""
+from __future__ import annotations
+
+import contextlib
+import http.server
+import json
+import threading
+
+import httpx
+import numpy as np
+import pytest
+
+from rankserve.runtime.bench import scaling
+from rankserve.runtime.bench.serve import ServeBenchArgs, arrivals, parse_goodput, run
+from test_server import Server, metric
+
+from conftest import STORIES_EMBEDDED
+
+TOK = str(STORIES_EMBEDDED)
+
+
+# stories260K is a base model: a minimal chat template lets the chat endpoint serve it
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--max-num-seqs", "16", "--chat-template", CHAT_TEMPLATE)
+    yield s
+    assert s.stop() == 0
+
+
+def counters(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics").text
+    names = ("request_success_total", "generation_tokens_total", "prompt_tokens_total",
+             "request_prompt_tokens_sum", "request_generation_tokens_sum", "prefix_cache_hits_total")
+    # a labelled counter has no sample before its first request
+    return {n: metric(text, "rankserve:" + n) if "rankserve:" + n + "{" in text else 0.0 for n in names}
+
+
+def bench(server, tmp_path, **kw) -> tuple[int, dict, dict]:
+    """(exit code, the saved JSON record, the server counters' increase during the run)."""
+    before = counters(server.url)
+    kw = {"tokenizer": TOK, **kw}
+    args = ServeBenchArgs(base_url=server.url, disable_tqdm=True, result_dir=str(tmp_path),
+                          result_filename="r.json", **kw)
+    code = run(args)
+    after = counters(server.url)
+    record = json.loads((tmp_path / "r.json").read_text())
+    return code, record, {k: after[k] - before[k] for k in after}
+
+
+def test_counts_match_server_metrics(server, tmp_path):
+    code, rec, delta = bench(
+        server, tmp_path, num_prompts=24, random_input_len=24, random_output_len=12,
+        random_range_ratio=0.5, ignore_eos=True, request_rate=200.0, burstiness=0.5, max_concurrency=6,
+        percentile_metrics=("ttft", "tpot", "itl", "e2el"), metric_percentiles=(50.0, 90.0),
+        goodput={"e2el": 60_000.0}, plot=str(tmp_path / "p.png"))
+    assert code == 0 and rec["completed"] == 24 and rec["failed"] == 0, rec["errors"]
+    # the benchmark's numbers are the server's: requests, generated and prompt tokens
+    assert delta["request_success_total"] == 24
+    assert delta["generation_tokens_total"] == rec["total_output_tokens"]
+    assert delta["request_generation_tokens_sum"] == rec["total_output_tokens"]
+    assert delta["request_prompt_tokens_sum"] == rec["total_input_tokens"] == sum(rec["input_lens"])
+    assert delta["prompt_tokens_total"] <= rec["total_input_tokens"]  # minus prefix-cache hits
+    # ignore_eos: every request got exactly the lengths it asked for, drawn in [6, 18]
+    assert rec["output_lens"] == [len_ for len_ in rec["output_lens"] if 6 <= len_ <= 18]
+    assert sum(rec["output_lens"]) == rec["total_output_tokens"]
+    assert 1 <= rec["max_concurrent_requests"] <= 6
+    d = rec["duration"]
+    assert rec["output_throughput"] == pytest.approx(rec["total_output_tokens"] / d)
+    assert rec["request_goodput"] == pytest.approx(rec["request_throughput"])  # a 60 s SLO
+    for m in ("ttft", "tpot", "itl", "e2el"):
+        assert 0 < rec[f"median_{m}_ms"] <= rec[f"p90_{m}_ms"]
+    assert rec["p90_ttft_ms"] <= rec["p90_e2el_ms"]
+    # one ITL per chunk after the first: at least as many as tokens beyond the first, per request
+    assert all(len(itl) <= n - 1 for itl, n in zip(rec["itls"], rec["output_lens"]))
+    assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_shared_prefixes_hit_and_tight_goodput(server, tmp_path):
+    code, rec, delta = bench(
+        server, tmp_path, dataset_name="prefix_repetition", num_prompts=12, prefix_repetition_prefix_len=64,
+        prefix_repetition_suffix_len=8, prefix_repetition_num_prefixes=2, prefix_repetition_output_len=4,
+        ignore_eos=True, max_concurrency=2, goodput={"ttft": 0.001})
+    assert code == 0 and rec["completed"] == 12
+    assert delta["prefix_cache_hits_total"] >= 10 * 64 - 2 * 16  # all but the first of each prefix
+    assert delta["prompt_tokens_total"] < rec["total_input_tokens"]
+    assert rec["request_goodput"] == 0  # nobody gets a first token in a microsecond
+
+
+def test_sharegpt_text_prompts(server, tmp_path):
+    path = tmp_path / "sg.jsonl"
+    rows = [{"conversations": [{"from": "human", "value": f"Once upon a time there was a {w} who"},
+                               {"from": "gpt", "value": "lived in a small house by the sea and sang."}]}
+            for w in ("cat", "dog", "bird")]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    code, rec, delta = bench(server, tmp_path, dataset_name="sharegpt", dataset_path=str(path),
+                             num_prompts=5, request_rate=50.0)
+    assert code == 0 and rec["completed"] == 5 and delta["request_success_total"] == 5
+    assert delta["request_prompt_tokens_sum"] == rec["total_input_tokens"] > 5 * 8
+
+
+def test_chat_endpoint(server, tmp_path):
+    """Chat: text prompts (decoded random ids) in a user message; the opening role chunk is not
+    a token (TTFT and ITL count only chunks with output)."""
+    code, rec, delta = bench(server, tmp_path, endpoint="/v1/chat/completions", num_prompts=6,
+                             random_input_len=12, random_output_len=8, ignore_eos=True, max_concurrency=2)
+    assert code == 0 and rec["completed"] == 6 and rec["backend"] == "openai-chat", rec["errors"]
+    assert rec["output_lens"] == [8] * 6 and delta["generation_tokens_total"] == 48
+    assert delta["request_prompt_tokens_sum"] == rec["total_input_tokens"]
+    assert all(len(itl) <= 7 for itl in rec["itls"])
+
+
+@contextlib.contextmanager
+def lossy_server():
+    """An OpenAI-style SSE server that streams one token fewer than asked for, or (prompts whose
+    first token id is even) cuts the stream after two chunks."""
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            body = json.dumps({"data": [{"id": "lossy"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):
+            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            n = req["max_tokens"] - 1
+            cut = req["prompt"][0] % 2 == 0
+            for i in range(2 if cut else n):
+                last = i == n - 1
+                chunk = {"choices": [{"index": 0, "text": "x", "finish_reason": "length" if last else None}]}
+                self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            if not cut:
+                usage = {"choices": [], "usage": {"prompt_tokens": len(req["prompt"]), "completion_tokens": n}}
+                self.wfile.write(b"data: " + json.dumps(usage).encode() + b"\n\ndata: [DONE]\n\n")
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+
+
+def test_failures_and_lost_tokens_are_counted(server, tmp_path):
+    # a prompt and output longer than the context: an HTTP 400, counted as a failure
+    code, rec, _ = bench(server, tmp_path, num_prompts=2, random_input_len=500, random_output_len=100,
+                         ignore_eos=True)
+    assert code == 1 and rec["completed"] == 0 and rec["failed"] == 2 and rec["lost_tokens"] == 0
+    assert all(e.startswith("HTTP 400") for e in rec["errors"]), rec["errors"]
+    # a server that drops a token, and one that cuts a stream: both caught
+    with lossy_server() as url:
+        args = ServeBenchArgs(base_url=url, random_vocab_size=100, num_prompts=8, random_input_len=4,
+                              random_output_len=5, ignore_eos=True, disable_tqdm=True, seed=1,
+                              result_dir=str(tmp_path), result_filename="lossy.json")
+        assert run(args) == 1
+        rec = json.loads((tmp_path / "lossy.json").read_text())
+        lost = [e for e in rec["errors"] if e == "lost tokens: asked for 5 (ignore_eos), got 4"]
+        cut = [e for e in rec["errors"] if e == "the stream ended without a finish reason"]
+        assert rec["failed"] == 8 and lost and cut and len(lost) + len(cut) == 8
+        assert rec["lost_tokens"] == len(lost)
+    # a server that is not there: every request fails, none hangs
+    args = ServeBenchArgs(base_url="http://127.0.0.1:9", model="m", random_vocab_size=100, num_prompts=2,
+                          random_input_len=4, random_output_len=2, disable_tqdm=True)
+    assert run(args) == 1
+
+
+def test_scaling_reads_serve_records(server, tmp_path):
+    for gpus in (1, 2):
+        d = tmp_path / str(gpus)
+        d.mkdir()
+        code, rec, _ = bench(server, d, num_prompts=4, random_input_len=8, random_output_len=4,
+                             ignore_eos=True, metadata={"gpus": str(gpus), "tp": str(gpus)})
+        assert code == 0
+        (tmp_path / f"serve-{gpus}.json").write_text(json.dumps(rec))
+    groups = scaling.run([str(tmp_path / "serve-1.json"), str(tmp_path / "serve-2.json")],
+                         str(tmp_path / "out"), make_plot=False)
+    assert len(groups) == 1 and [r["gpus"] for r in groups[0]["runs"]] == [1, 2]
+    assert groups[0]["runs"][0]["speedup"] == 1.0 and "online" in groups[0]["label"]
+
+
+def test_args_and_arrivals():
+    assert parse_goodput(["ttft:500 tpot:50", "e2el:2000"]) == {"ttft": 500, "tpot": 50, "e2el": 2000}
+    with pytest.raises(ValueError, match="METRIC:MILLISECONDS"):
+        parse_goodput(["ttft=5"])
+    with pytest.raises(ValueError, match="unknown metric"):
+        ServeBenchArgs(percentile_metrics=("ttfb",)).validate()
+    # gamma gaps: mean 1/rate whatever the burstiness; burstier means more spread
+    import asyncio
+    gaps = {}
+    for b in (0.25, 4.0):
+        rng = np.random.default_rng(0)
+        slept = []
+
+        async def fake_sleep(s):
+            slept.append(s)
+        real, asyncio.sleep = asyncio.sleep, fake_sleep
+        try:
+            async def drain():
+                return [i async for i in arrivals(4001, 100.0, b, rng)]
+            assert asyncio.run(drain()) == list(range(4001))
+        finally:
+            asyncio.sleep = real
+        gaps[b] = np.asarray(slept)
+        assert gaps[b].mean() == pytest.approx(0.01, rel=0.1)
+    assert gaps[0.25].std() > 3 * gaps[4.0].std()
