@@ -47,7 +47,7 @@ def resolve_dtype(name: str, hf_config, device_type: str) -> torch.dtype:
 
 
 def model_class(hf_config):
-    from . import gemma3, moe, nemotron_h  # noqa: F401  (register their families)
+    from . import deepseek, gemma3, moe, nemotron_h  # noqa: F401  (register their families)
     archs = getattr(hf_config, "architectures", None) or []
     if not archs:
         raise ValueError("the model config has no 'architectures' field")
@@ -72,6 +72,9 @@ def finalize_weights(model) -> None:
         method = getattr(mod, "quant", None)
         if method is not None:
             method.after_loading(mod)
+    hook = getattr(model, "after_loading", None)  # model-level work (DeepSeek: MLA's kv_b_proj)
+    if hook is not None:
+        hook()
 
 
 def quant_summary(model) -> str:
@@ -110,6 +113,8 @@ def load_weights(model, model_dir: str, progress: bool = True) -> int:
                         loader(param, src, shard)
                     loaded.add(target)
     missing = [n for n in params if n not in loaded and not _tied_alias(model, n, loaded)]
+    if missing and hasattr(model, "drop_missing"):  # optional parts the checkpoint lacks (MTP)
+        missing = model.drop_missing(missing, loaded)
     if missing:
         raise ValueError(f"checkpoint {model_dir!r} lacks weights for: {missing[:5]}"
                          f"{' ...' if len(missing) > 5 else ''}")
