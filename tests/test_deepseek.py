@@ -40,3 +40,15 @@ def test_greedy_and_logits_match_transformers(checkpoint, arch):
 
 def test_v3_variant_matches_transformers(checkpoint):
     _parity(checkpoint("DeepseekV3ForCausalLM", **V3_VARIANTS["plain"]))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("flags", [["--tp", "2"], ["--pp", "2"], ["--tp", "2", "--enable-expert-parallel"]])
+def test_v3_parallel_matches_single_rank(checkpoint, flags):
+    """The tiny V3 (MLA, dense + MoE layers, shared expert, grouped routing) under mpiexec -n 2."""
+    import shutil
+    if shutil.which("mpiexec") is None:
+        pytest.skip("mpiexec not on PATH")
+    from test_multirank import mpi_generate, single
+    model = checkpoint("DeepseekV3ForCausalLM")
+    assert mpi_generate(2, model, *flags) == single(model)
