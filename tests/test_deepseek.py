@@ -52,3 +52,84 @@ def test_v3_parallel_matches_single_rank(checkpoint, flags):
     from test_multirank import mpi_generate, single
     model = checkpoint("DeepseekV3ForCausalLM")
     assert mpi_generate(2, model, *flags) == single(model)
+
+
+def _mtp_checkpoint(tmp_path, base: str):
+    """The tiny V3 plus one MTP layer as DeepSeek ships it (model.layers.3.*: a decoder layer,
+    enorm, hnorm, eh_proj, shared_head, embed_tokens), made from a 4-layer transformers model
+    whose layer 3 serves as the reference block."""
+    import json
+    import shutil
+    import transformers
+    from safetensors.torch import load_file, save_file
+    cfg = json.loads(open(f"{base}/config.json").read())
+    cfg4 = transformers.DeepseekV3Config(**{**cfg, "num_hidden_layers": 4})
+    torch.manual_seed(1)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg4, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.1)
+    hf.save_pretrained(tmp_path / "hf4")
+    state = load_file(str(tmp_path / "hf4" / "model.safetensors"))
+    g = torch.Generator().manual_seed(2)
+    extra = {"enorm.weight": 1 + 0.1 * torch.randn(64, generator=g),
+             "hnorm.weight": 1 + 0.1 * torch.randn(64, generator=g),
+             "eh_proj.weight": 0.1 * torch.randn(64, 128, generator=g),
+             "shared_head.norm.weight": 1 + 0.1 * torch.randn(64, generator=g),
+             "shared_head.head.weight": 0.1 * torch.randn(512, 64, generator=g),
+             "embed_tokens.weight": 0.1 * torch.randn(512, 64, generator=g)}
+    state.update({f"model.layers.3.{k}": v for k, v in extra.items()})
+    out = tmp_path / "mtp"
+    shutil.copytree(base, out)
+    save_file(state, str(out / "model.safetensors"))
+    cfg.update(num_hidden_layers=3, num_nextn_predict_layers=1)
+    (out / "config.json").write_text(json.dumps(cfg))
+    return str(out), hf, extra
+
+
+def test_mtp_layer_loads_and_matches_reference(checkpoint, tmp_path):
+    from rankserve.models.layers import AttnMeta
+    path, hf, extra = _mtp_checkpoint(tmp_path, checkpoint("DeepseekV3ForCausalLM"))
+    llm = LLM(path, dtype="float32", max_num_seqs=2)
+    runner = llm.engine.executor.runner
+    model = runner.model
+    assert len(model.mtp) == 1 and len(model.attention_layers()) == 4  # its own latent cache
+    prompt = PROMPTS[3][:20]
+    n = len(prompt)
+    ids = torch.tensor(prompt)
+
+    def meta(m):
+        return AttnMeta(torch.arange(m), torch.tensor([0, m], dtype=torch.int32),
+                        torch.tensor([m], dtype=torch.int32),
+                        torch.arange(-(-m // runner.block_size), dtype=torch.int32)[None])
+    with torch.inference_mode():
+        h = model(ids, torch.arange(n), meta(n))  # main model, after its final norm
+        # pairs (h_t, token t+1) at t's position, as speculative decoders feed them
+        ours = model.mtp_logits(model.mtp_forward(h[:-1], ids[1:], torch.arange(n - 1), meta(n - 1)))
+    # reference: transformers' layer 3 on eh_proj([enorm(E t+1) | hnorm(h_t)]), causal
+    def rms(x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    with torch.no_grad():
+        x = torch.cat([rms(extra["embed_tokens.weight"][ids[1:]], extra["enorm.weight"]),
+                       rms(h[:-1], extra["hnorm.weight"])], -1) @ extra["eh_proj.weight"].T
+        x = x[None]
+        pos = torch.arange(n - 1)[None]
+        mask = torch.full((n - 1, n - 1), float("-inf")).triu(1)[None, None]
+        y = hf.model.layers[3](x, attention_mask=mask, position_ids=pos,
+                               position_embeddings=hf.model.rotary_emb(x, pos))
+        y = y[0] if isinstance(y, tuple) else y
+        ref = rms(y[0], extra["shared_head.norm.weight"]) @ extra["shared_head.head.weight"].T
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+    # the main forward skips MTP: transformers' 3 layers (it ignores layer 3) give the same tokens
+    import transformers
+    hf3 = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = llm.generate([{"prompt_token_ids": prompt}],
+                       SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == hf_greedy(hf3, prompt)
+
+
+def test_checkpoint_without_mtp_runs_without_it(checkpoint):
+    llm = LLM(checkpoint("DeepseekV3ForCausalLM"), dtype="float32", max_num_seqs=2)
+    model = llm.engine.executor.runner.model
+    assert not hasattr(model, "mtp") and len(model.attention_layers()) == 3
