@@ -88,6 +88,22 @@ def mla_rope(cfg) -> tuple[torch.Tensor, float, float]:
     return inv, float(attn_factor), softmax_scale
 
 
+_TABLES: dict[tuple, tuple[torch.Tensor, float]] = {}
+
+
+def mla_cos_sin(cfg) -> tuple[torch.Tensor, float]:
+    """(fp32 [max_pos, R] table: cos then sin of the R/2 frequencies, times the attention factor;
+    softmax scale). One table per device shared by every layer: V3's 163840 positions make it
+    40 MiB, which per layer would cost 2.5 GiB."""
+    key = (repr(sorted(rope_params(cfg).items())), cfg.qk_rope_head_dim, cfg.qk_nope_head_dim,
+           cfg.max_position_embeddings, str(torch.get_default_device()))
+    if key not in _TABLES:
+        inv, attn_factor, scale = mla_rope(cfg)
+        freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32), inv)
+        _TABLES[key] = torch.cat([freqs.cos(), freqs.sin()], -1) * attn_factor, scale
+    return _TABLES[key]
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
     """Rotate x [..., R] by (cos, sin) [..., R/2] in fp32. Interleaved pairs (x0, x1), (x2, x3)...
     come out in rotate-half order (first elements, then second ones), as transformers returns
@@ -117,12 +133,10 @@ class MLAAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.L, 1e-6, dtype)
         self.kv_b_proj = ColumnParallelLinear(self.L, [H * (self.N + self.V)], False, pi, dtype)
         self.o_proj = RowParallelLinear(H * self.V, hidden, bias, pi, dtype)
-        inv, attn_factor, self.scale = mla_rope(cfg)
+        table, self.scale = mla_cos_sin(cfg)
         # V2 rotates interleaved pairs (complex form); V3 does when rope_interleave (its default)
         self.interleave = cfg.architectures[0] == "DeepseekV2ForCausalLM" or bool(getattr(cfg, "rope_interleave", True))
-        freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32), inv)
-        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], -1) * attn_factor,
-                             persistent=False)
+        self.register_buffer("cos_sin", table, persistent=False)
         self.window = 0  # full attention (for the runner's per-kind KV report)
         self.kv_kind = f"MLA latent ({self.L} + {self.R})"
         # the latent cache, bound by the model runner; v_cache stays empty (width 0)
