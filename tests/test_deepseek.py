@@ -133,3 +133,58 @@ def test_checkpoint_without_mtp_runs_without_it(checkpoint):
     llm = LLM(checkpoint("DeepseekV3ForCausalLM"), dtype="float32", max_num_seqs=2)
     model = llm.engine.executor.runner.model
     assert not hasattr(model, "mtp") and len(model.attention_layers()) == 3
+
+
+def _quantize_block_fp8(src: str, dst, block: int = 16):
+    """Block-FP8 copy of a tiny DeepSeek checkpoint as DeepSeek-V3 ships it (`weight` e4m3 and
+    `weight_scale_inv` per block for every attention, MLP and expert projection; embeddings, norms,
+    router and head dense), and a dense copy of the dequantized weights (the reference)."""
+    import json
+    import shutil
+    from safetensors.torch import load_file, save_file
+    state = load_file(f"{src}/model.safetensors")
+    out, deq = {}, {}
+    for name, w in state.items():
+        if w.dim() == 2 and (".self_attn." in name or ("_proj." in name and ".mlp." in name)):
+            s = w.abs().unflatten(0, (-1, block)).unflatten(2, (-1, block)).amax((1, 3)) / 448
+            full = s.repeat_interleave(block, 0).repeat_interleave(block, 1)
+            q = (w / full).clamp(-448, 448).to(torch.float8_e4m3fn)
+            out[name], out[name + "_scale_inv"] = q, s
+            deq[name] = q.float() * full
+        else:
+            out[name] = deq[name] = w
+    for d, tensors in ((dst / "fp8", out), (dst / "deq", deq)):
+        shutil.copytree(src, d)
+        save_file(tensors, str(d / "model.safetensors"))
+    cfg = json.loads((dst / "fp8" / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                  "weight_block_size": [block, block]}
+    (dst / "fp8" / "config.json").write_text(json.dumps(cfg))
+    return str(dst / "fp8"), str(dst / "deq")
+
+
+def test_block_fp8_checkpoint(checkpoint, tmp_path):
+    """DeepSeek-V3's block FP8: projections and experts stay FP8 and the absorbed form uses the
+    dequantized kv_b_proj. Against transformers on the dequantized weights with its activations
+    quantized as ours are (per 1 x 16 group; test_quantization's reference), except c_kv, which
+    the absorbed form never quantizes: close logits, as test_quantization allows."""
+    import transformers
+    from rankserve.kernels.quant import FP8
+    from test_quantization import LOGIT_TIE_TOL, LOGIT_TOL, fake_quant_activations
+    fp8, deq = _quantize_block_fp8(checkpoint("DeepseekV3ForCausalLM"), tmp_path)
+    llm = LLM(fp8, dtype="float32", max_num_seqs=2)
+    model = llm.engine.executor.runner.model
+    layer = model.model.layers["1"]
+    assert layer.self_attn.q_a_proj.weight.dtype == FP8 and layer.self_attn.kv_b_proj.weight.dtype == FP8
+    assert layer.mlp.experts.w13.dtype == FP8 and layer.mlp.shared_experts.gate_up_proj.weight.dtype == FP8
+    hf = transformers.AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32,
+                                                           experts_implementation="eager").eval()
+    dense = hf.model.layers[1].self_attn.kv_b_proj.weight
+    torch.testing.assert_close(layer.self_attn.w_kv_b, dense, atol=0, rtol=0)
+    fq = fake_quant_activations(hf, 16)
+    fq.storages = {p.untyped_storage().data_ptr() for n, p in hf.named_parameters()
+                   if ("_proj" in n and "kv_b_proj" not in n) and "embed" not in n}
+    with fq, torch.no_grad():
+        refs = [hf(torch.tensor([p])).logits[0, -1] for p in PROMPTS]
+    errs = [float((model_logits(llm, p) - r).norm() / r.norm()) for p, r in zip(PROMPTS, refs)]
+    assert sum(e < LOGIT_TOL for e in errs) >= 2 and max(errs) < LOGIT_TIE_TOL, errs
