@@ -188,3 +188,49 @@ def test_block_fp8_checkpoint(checkpoint, tmp_path):
         refs = [hf(torch.tensor([p])).logits[0, -1] for p in PROMPTS]
     errs = [float((model_logits(llm, p) - r).norm() / r.norm()) for p, r in zip(PROMPTS, refs)]
     assert sum(e < LOGIT_TOL for e in errs) >= 2 and max(errs) < LOGIT_TIE_TOL, errs
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("level", [1, 2])
+def test_gpu_graphs_match_eager(checkpoint, level):
+    """The Triton MLA path (prefill and split-KV decode) under CUDA graphs / torch.compile gives
+    eager's greedy tokens; a long prompt makes decode split its keys."""
+    path = checkpoint("DeepseekV3ForCausalLM")
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS + [list(range(3, 200))]] * 2
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    common = dict(dtype="float32", max_num_seqs=16, gpu_memory_utilization=0.3)
+    eager = [o.outputs[0].token_ids for o in LLM(path, enforce_eager=True, **common).generate(prompts, sp)]
+    fast = LLM(path, compilation_level=level, **common)
+    assert fast.engine.executor.runner.compiled_model.graphs, "no CUDA graph was captured"
+    assert [o.outputs[0].token_ids for o in fast.generate(prompts, sp)] == eager
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_bf16_close_to_transformers(checkpoint):
+    import transformers
+    path = checkpoint("DeepseekV3ForCausalLM")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(path, dtype="bfloat16", max_num_seqs=4, gpu_memory_utilization=0.3)
+    for p in PROMPTS:
+        with torch.no_grad():
+            ref = hf(torch.tensor([p])).logits[0, -1]
+        ours = _device_logits(llm, p).float().cpu()
+        assert float((ours - ref).norm() / ref.norm()) < 3e-2
+
+
+def _device_logits(llm, prompt):
+    """test_parity.model_logits on the runner's device (the Triton path on CUDA)."""
+    from rankserve.models.layers import AttnMeta
+    runner = llm.engine.executor.runner
+    n, dev = len(prompt), runner.device
+    i32 = dict(dtype=torch.int32, device=dev)
+    attn = AttnMeta(torch.arange(n, device=dev), torch.tensor([0, n], **i32), torch.tensor([n], **i32),
+                    torch.arange(-(-n // runner.block_size), **i32)[None])
+    with torch.inference_mode():
+        h = runner.model(torch.tensor(prompt, device=dev), torch.arange(n, device=dev), attn)
+        return runner.model.compute_logits(h[-1:])[0]
