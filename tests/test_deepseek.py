@@ -7,9 +7,17 @@ from rankserve import LLM, SamplingParams
 
 from test_parity import PROMPTS, NEW, hf_greedy, model_logits
 
-V3_VARIANTS = {  # beyond the fixture's config: q without compression, rotate-half RoPE, no YaRN
-    "plain": dict(q_lora_rank=None, rope_interleave=False, n_group=1, topk_group=1,
-                  norm_topk_prob=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+VARIANTS = {  # beyond the fixtures' configs
+    # V3: q without compression, rotate-half RoPE, no YaRN, one group, no normalization
+    "v3-plain": ("DeepseekV3ForCausalLM", dict(
+        q_lora_rank=None, rope_interleave=False, n_group=1, topk_group=1, norm_topk_prob=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    # V2: plain softmax top-k, compressed q, YaRN, no shared expert, every layer MoE
+    "v2-greedy": ("DeepseekV2ForCausalLM", dict(
+        topk_method="greedy", n_group=None, topk_group=None, q_lora_rank=48, n_shared_experts=0,
+        first_k_dense_replace=0, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0,
+            "original_max_position_embeddings": 128, "mscale": 1.0, "mscale_all_dim": 0.5})),
 }
 
 
@@ -38,8 +46,10 @@ def test_greedy_and_logits_match_transformers(checkpoint, arch):
     assert runner.kv_bytes_per_block() == 3 * (32 + 16) * 4 * runner.block_size
 
 
-def test_v3_variant_matches_transformers(checkpoint):
-    _parity(checkpoint("DeepseekV3ForCausalLM", **V3_VARIANTS["plain"]))
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_variant_matches_transformers(checkpoint, variant):
+    arch, overrides = VARIANTS[variant]
+    _parity(checkpoint(arch, **overrides))
 
 
 @pytest.mark.mpi
