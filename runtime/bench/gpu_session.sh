@@ -2,7 +2,7 @@
 # One GPU-machine session: correctness, then the two standard workloads, with a table at the end.
 # Run from the repo root on the GPU machine: `bash runtime/bench/gpu_session.sh STAGE` where STAGE
 # is one of: w2 w2warm w2l2 w2cublas w1 w1l2 w1fp8kv w1so sotests w2hf w1hf tests e2e2 kernels kdecode
-# sleep kvtier sleeptests dskv dstests dsw2 dsw1 dsw2fp8 dsw1fp8 (several may be given; w2/w1 run the default level (1 on CUDA),
+# sleep kvtier sleeptests kmla dskv dstests dsw2 dsw1 dsw2fp8 dsw1fp8 (several may be given; w2/w1 run the default level (1 on CUDA),
 # w2l2/w1l2 --compilation-level 2; w1fp8kv = W1 with --kv-cache-dtype fp8 (compare with w1);
 # e2e2 = the level-2 end-to-end tests alone; w1so = W1 with a JSON-schema constraint on every
 # request (needs QWEN3_TOKENIZER; compare with w1); sotests = the structured-output tests on CUDA
@@ -13,7 +13,8 @@
 # 32 GiB host tier (TTFT, throughput, hits per tier); sleeptests = the sleep / host-tier GPU tests;
 # dsw2/dsw1 = W2 / W1 on deepseek-v3-small (DeepSeek-V3 layers and MLA widths, 8 layers, 64
 # experts, dummy bf16 weights; the *fp8 ones block FP8 as V3 ships), dskv = KV bytes per token of
-# its MLA latent against decompressed K/V and GQA models, dstests = the DeepSeek GPU tests). Results land in $OUT
+# its MLA latent against decompressed K/V and GQA models, dstests = the DeepSeek GPU tests, kmla =
+# the MLA kernel benchmark). Results land in $OUT
 # (or ./bench_results). Each stage has its own time limit; one device call runs at most 10
 # minutes, so split a session, e.g.: `w2 w2warm w1 tests` | `kernels w2hf w1hf`. w2 is the cold
 # start (empty --cache-dir), w2warm the same command again (the cache matters at level 2).
@@ -64,6 +65,7 @@ for stage in "$@"; do case $stage in
         --prefix-len 2048 --turns 4 --turn-len 64 --output-len 64 --concurrency 4 --kv-offload-size $gib \
         --cache-dir "$CACHE" --output-json "$OUT/kvtier$gib.json"; done ;;
   sleeptests) run sleeptests 200 python3 -m pytest -q -m gpu tests/test_gpu_sleep.py ;;
+  kmla) run kmla 200 python3 -m rankserve.kernels.benchmark --only mla --json "$OUT/kmla.json" ;;
   dskv) run dskv 60 python3 -m rankserve.runtime.bench.kv_bytes deepseek-v3-small qwen3-30b-a3b llama-3.1-70b ;;
   dstests) run dstests 200 python3 -m pytest -q -m gpu tests/test_deepseek_mla_kernel.py tests/test_deepseek.py ;;
   dsw2|dsw2fp8) m=deepseek-v3-small; [ $stage = dsw2fp8 ] && m=deepseek-v3-small-fp8
