@@ -52,6 +52,24 @@ def test_variant_matches_transformers(checkpoint, variant):
     _parity(checkpoint(arch, **overrides))
 
 
+def test_chunked_prefill_and_prefix_hits_keep_tokens(checkpoint):
+    """The latent cache through the engine's paths: chunked prefill (8-token budget) beside
+    decodes, prefix-cache hits (prompts sharing 16 and 32 tokens, then a second round), a small
+    cache (8 blocks) give transformers' greedy tokens."""
+    import transformers
+    path = checkpoint("DeepseekV3ForCausalLM")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    base = list(range(3, 40))
+    prompts = [base, base[:16] + [7, 8, 9], base[:32] + [11], base[:5]]
+    llm = LLM(path, dtype="float32", max_num_seqs=4, max_num_batched_tokens=8,
+              num_gpu_blocks_override=8, max_model_len=64)
+    sp = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    for _ in range(2):  # the second round hits the prefix cache
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+        assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p) for p in prompts]
+    assert llm.engine.scheduler.kv.prefix_hits > 0
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("flags", [["--tp", "2"], ["--pp", "2"], ["--tp", "2", "--enable-expert-parallel"]])
 def test_v3_parallel_matches_single_rank(checkpoint, flags):
