@@ -44,6 +44,7 @@ from .layers import (
 from .llama import FusedDecoder, rope_params
 from .moe import FusedExperts, MoECausalLM
 from .parallel import ParallelInfo, tp_all_reduce
+from .quantization import Unquantized
 from .registry import MODELS
 
 log = logging.getLogger("rankserve.models")
@@ -268,6 +269,7 @@ class MTPLayer(nn.Module):
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.eh_proj = ColumnParallelLinear(2 * cfg.hidden_size, [cfg.hidden_size], False, REPLICATED, dtype)
+        self.eh_proj.set_method(Unquantized())  # 16-bit in DeepSeek-V3's FP8 checkpoint too
         self.block = DeepseekDecoderLayer(cfg, layer_id, pi, dtype, v3=True)
         self.shared_head = SharedHead(cfg, pi, dtype)
 
@@ -318,6 +320,8 @@ class DeepseekV2ForCausalLM(MoECausalLM):
             if not hasattr(self, "mtp") or k >= len(self.mtp):
                 return []
             name = f"mtp.{k}.{'block.' if rest.startswith(_BLOCK_PARTS) else ''}{rest}"
+            if rest.startswith("eh_proj.") and rest != "eh_proj.weight":
+                raise ValueError(f"{name}: a quantized MTP eh_proj is not supported (16-bit only)")
         if ".self_attn." in name:  # MLA's projections keep their checkpoint names
             return [(name, None)]
         return super().map_weight(name)
@@ -343,9 +347,13 @@ class DeepseekV2ForCausalLM(MoECausalLM):
                     positions: torch.Tensor, attn: AttnMeta, k: int = 0) -> torch.Tensor:
         """Depth k of MTP: from the hidden states the main model's forward returned for tokens
         t (after its final norm; for k > 0, this method's previous output) and the ids of tokens
-        t + 1, the hidden states that predict tokens t + 2 (logits: `mtp_logits`). `positions`
-        and `attn` are those of tokens t + 1 (the layer's own latent cache, allocated by the
-        model runner with the others, holds them at attn.slot_mapping)."""
+        t + 1, the hidden states that predict tokens t + 2 (logits: `mtp_logits`).
+
+        `positions` rotate the pairs (vLLM's MTP drafting, and the test, use those of tokens t);
+        `attn` is ordinary attention metadata: the layer's own latent cache (allocated by the
+        model runner with the others, `attention_layers()[-1]`) stores the pairs at
+        attn.slot_mapping, so drafting over several steps can reuse the request's block table.
+        Runs on the last pipeline stage (where `mtp` lives); eager, not CUDA-graphed."""
         layer = self.mtp[k]
         e = layer.enorm(layer.embed_tokens(next_token_ids))
         h = layer.eh_proj(torch.cat([e, layer.hnorm(hidden)], -1))
