@@ -1,7 +1,7 @@
 """Triton kernels behind `rankserve::mla_attention` (layout and semantics: kernels/mla.py).
 
 - `store_latent`: this step's [c_kv | k_pe] rows into their cache slots (slot -1: skipped).
-- `mla_attention_triton`: one program per (query token, block of heads). All heads share the one
+- `mla_attention_triton`: one program per (block of heads, query token). All heads share the one
   latent key/value stream, so a program loads each [BLOCK_N, L + R] tile of the paged cache once
   for BLOCK_H heads (tl.dot on [BLOCK_H, L] x [L, BLOCK_N], then [BLOCK_H, BLOCK_N] x
   [BLOCK_N, L]), with an online softmax over the token's causal range. Decode batches (one query
@@ -48,8 +48,8 @@ def _mla_kernel(q_ptr, cache_ptr, out_ptr, part_ptr, qsl_ptr, seq_lens_ptr, bt_p
                 BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr,
                 BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
                 NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr):
-    t = tl.program_id(0)
-    hb = tl.program_id(1)
+    hb = tl.program_id(0)  # fastest: a token's head blocks run together and share its tiles in L2
+    t = tl.program_id(1)
     split = tl.program_id(2)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = heads < H
@@ -163,7 +163,7 @@ def mla_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, query_start_lo
     part = torch.empty(T, splits, H, L + 2, dtype=torch.float32, device=q.device) if splits > 1 else out
     big = L > 256
     kw = dict(num_warps=8 if big else 4, num_stages=2) if on_gpu else {}
-    _mla_kernel[(T, grid_h, splits)](
+    _mla_kernel[(grid_h, T, splits)](
         q, kv_cache, out, part, query_start_loc, seq_lens, block_table, B,
         T, scale * _LOG2E, q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), out.stride(0), out.stride(1), block_table.stride(0),

@@ -139,7 +139,9 @@ class MLAAttention(nn.Module):
         self.interleave = cfg.architectures[0] == "DeepseekV2ForCausalLM" or bool(getattr(cfg, "rope_interleave", True))
         self.register_buffer("cos_sin", table, persistent=False)
         self.window = 0  # full attention (for the runner's per-kind KV report)
-        self.kv_kind = f"MLA latent ({self.L} + {self.R})"
+        # the startup log's label; the decompressed K/V it replaces, for comparison
+        self.kv_kind = (f"MLA latent ({self.L} + {self.R} values; decompressed K/V would be "
+                        f"{H} heads x ({qk} + {self.V}))")
         # the latent cache, bound by the model runner; v_cache stays empty (width 0)
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
