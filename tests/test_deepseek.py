@@ -262,3 +262,22 @@ def _device_logits(llm, prompt):
     with torch.inference_mode():
         h = runner.model(torch.tensor(prompt, device=dev), torch.arange(n, device=dev), attn)
         return runner.model.compute_logits(h[-1:])[0]
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("topk_method", "noaux_tc", "topk_method 'noaux_tc' is not supported for DeepseekV2"),
+    ("moe_layer_freq", 2, "moe_layer_freq 2"),
+    ("rope_parameters", {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}, "rope_type 'linear'"),
+])
+def test_unsupported_settings_are_refused(checkpoint, field, value, words):
+    from rankserve.models.loader import build_model, load_hf_config
+    from rankserve.models.parallel import ParallelInfo
+    cfg = load_hf_config(checkpoint("DeepseekV2ForCausalLM"))
+    setattr(cfg, field, value)
+    with pytest.raises(ValueError, match=words):
+        build_model(cfg, ParallelInfo(), torch.float32, torch.device("meta"))
+
+
+def test_fp8_kv_cache_is_refused_for_mla(checkpoint):
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8 is not supported for MLA"):
+        LLM(checkpoint("DeepseekV3ForCausalLM"), dtype="float32", kv_cache_dtype="fp8")
