@@ -55,19 +55,23 @@ def test_variant_matches_transformers(checkpoint, variant):
 def test_chunked_prefill_and_prefix_hits_keep_tokens(checkpoint):
     """The latent cache through the engine's paths: chunked prefill (8-token budget) beside
     decodes, prefix-cache hits (prompts sharing 16 and 32 tokens, then a second round), a small
-    cache (8 blocks) give transformers' greedy tokens."""
+    cache (8 blocks) with a host tier behind it give transformers' greedy tokens."""
     import transformers
     path = checkpoint("DeepseekV3ForCausalLM")
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     base = list(range(3, 40))
     prompts = [base, base[:16] + [7, 8, 9], base[:32] + [11], base[:5]]
+    # a host tier of 32 blocks behind the 8 device blocks: the latent cache (no V) goes out and back
     llm = LLM(path, dtype="float32", max_num_seqs=4, max_num_batched_tokens=8,
-              num_gpu_blocks_override=8, max_model_len=64)
+              num_gpu_blocks_override=8, max_model_len=64, kv_offload_size=32 * 16 * 3 * 48 * 4 / 2**30)
     sp = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
-    for _ in range(2):  # the second round hits the prefix cache
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
-        assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p) for p in prompts]
-    assert llm.engine.scheduler.kv.prefix_hits > 0
+    filler = [list(range(100 + 40 * i, 140 + 40 * i)) for i in range(2)]
+    # the third round finds the first one's prefixes in the host tier (the filler evicted them)
+    for batch in (prompts, filler, prompts):
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], sp)
+        assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p) for p in batch]
+    kv = llm.engine.scheduler.kv
+    assert kv.prefix_hits > 0 and kv.offload.hits > 0
 
 
 @pytest.mark.mpi
