@@ -29,11 +29,25 @@ def slice_shape(t) -> list[int]:
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+# architectures whose configs also ship under other model types with remote code (Kimi-K2:
+# model_type "kimi_k2", DeepseekV3ForCausalLM): read with transformers' own config class
+_BUILTIN_CONFIGS = {"DeepseekV3ForCausalLM": "DeepseekV3Config", "DeepseekV2ForCausalLM": "DeepseekV2Config"}
+
+
 def load_hf_config(model_dir: str):
-    from transformers import AutoConfig
-    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+    import json
+    import transformers
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
         raise ValueError(f"{model_dir!r} is not a model directory (no config.json)")
-    return AutoConfig.from_pretrained(model_dir)
+    with open(path) as f:
+        raw = json.load(f)
+    arch = (raw.get("architectures") or [None])[0]
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    if arch in _BUILTIN_CONFIGS and raw.get("model_type") not in CONFIG_MAPPING:
+        raw.pop("auto_map", None)  # never run the checkpoint's code
+        return getattr(transformers, _BUILTIN_CONFIGS[arch]).from_dict(raw)
+    return transformers.AutoConfig.from_pretrained(model_dir)
 
 
 def resolve_dtype(name: str, hf_config, device_type: str) -> torch.dtype:

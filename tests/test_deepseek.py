@@ -285,3 +285,20 @@ def test_unsupported_settings_are_refused(checkpoint, field, value, words):
 def test_fp8_kv_cache_is_refused_for_mla(checkpoint):
     with pytest.raises(ValueError, match="--kv-cache-dtype fp8 is not supported for MLA"):
         LLM(checkpoint("DeepseekV3ForCausalLM"), dtype="float32", kv_cache_dtype="fp8")
+
+
+def test_kimi_k2_style_config_loads_without_remote_code(checkpoint, tmp_path):
+    """Kimi-K2 ships the V3 architecture under model_type "kimi_k2" with remote code: read with
+    transformers' DeepseekV3Config (the remote code never runs), the same model."""
+    import json
+    import shutil
+    src = checkpoint("DeepseekV3ForCausalLM")
+    kimi = tmp_path / "kimi"
+    shutil.copytree(src, kimi)
+    cfg = json.loads((kimi / "config.json").read_text())
+    cfg.update(model_type="kimi_k2", auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config"})
+    (kimi / "config.json").write_text(json.dumps(cfg))
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    a, b = (LLM(p, dtype="float32", max_num_seqs=2).generate([{"prompt_token_ids": PROMPTS[0]}], sp)
+            for p in (str(kimi), src))
+    assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids
