@@ -26,10 +26,16 @@ CASES = [  # (q_lens, seq_lens, is_decode): mixed prefill / chunk / decode, then
 ]
 
 
-def _check(device, dtype, L, R, H, atol):
+LONG = [  # on the GPU: contexts long enough for split-KV decode, and a longer prefill chunk
+    ([1, 1, 1, 1], [1, 700, 3000, 129], True),
+    ([300, 1, 64], [300, 2048, 1000], False),
+]
+
+
+def _check(device, dtype, L, R, H, atol, cases=CASES):
     from rankserve.kernels.mla import mla_attention_ref
     from rankserve.kernels.triton_mla import mla_attention_triton
-    for q_lens, seq_lens, decode in CASES:
+    for q_lens, seq_lens, decode in cases:
         q, cache, qsl, lens, table = _case(device, dtype, L, R, H, q_lens, seq_lens)
         if decode:  # T == B
             q = q[:len(seq_lens)]
@@ -65,5 +71,5 @@ def test_mla_kernel_interpreter(interp):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_mla_kernel_gpu_bf16():
     _check("cuda", torch.bfloat16, 512, 64, 16, 2e-2)  # DeepSeek-V3's latent widths
-    _check("cuda", torch.bfloat16, 512, 64, 128, 2e-2)
+    _check("cuda", torch.bfloat16, 512, 64, 128, 2e-2, CASES + LONG)
     _store_check("cuda")
