@@ -186,6 +186,7 @@ class Router(nn.Module):
         E = cfg.n_routed_experts
         self.top_k, self.num_experts, self.v3 = cfg.num_experts_per_tok, E, v3
         self.scale = float(cfg.routed_scaling_factor)
+        # V2: as DeepSeek's own code (transformers' V2 never normalizes; V2 configs set it false)
         self.normalize = bool(cfg.norm_topk_prob) and (v3 or self.top_k > 1)
         self.groups, self.topk_group = cfg.n_group or 1, cfg.topk_group or 1
         self.grouped = v3 or cfg.topk_method == "group_limited_greedy"
@@ -199,14 +200,14 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.weight)
         T, G = logits.shape[0], self.groups
-        if self.v3:
+        if self.v3:  # the bias steers the choice only; weights come from the scores
             scores = logits.sigmoid()
             choice = scores + self.e_score_correction_bias
-            group_scores = choice.view(T, G, -1).topk(2, dim=-1)[0].sum(-1)
         else:
             scores = choice = logits.softmax(-1)
-            group_scores = choice.view(T, G, -1).amax(-1)
-        if self.grouped:
+        if self.grouped:  # V3 ranks groups by their two best scores, V2 by the best one
+            groups = choice.view(T, G, -1)
+            group_scores = groups.topk(2, dim=-1)[0].sum(-1) if self.v3 else groups.amax(-1)
             keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(self.topk_group, -1)[1], 1.0)
             keep = keep.bool().unsqueeze(-1).expand(T, G, self.num_experts // G).reshape(T, -1)
             choice = choice.masked_fill(~keep, float("-inf") if self.v3 else 0.0)
