@@ -304,3 +304,18 @@ def test_kimi_k2_style_config_loads_without_remote_code(checkpoint, tmp_path):
     a, b = (LLM(p, dtype="float32", max_num_seqs=2).generate([{"prompt_token_ids": PROMPTS[0]}], sp)
             for p in (str(kimi), src))
     assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids
+
+
+def test_bench_counts_the_latent(capsys):
+    """The shipped deepseek-v3-small: its floor counts MLA's latent KV (layers x 576 values) and
+    the absorbed form's attention FLOPs; the KV table sets it beside decompressed K/V and GQA."""
+    from rankserve.models.loader import load_hf_config
+    from rankserve.runtime.bench import kv_bytes
+    from rankserve.runtime.bench.common import model_stats, resolve_model
+    s = model_stats(load_hf_config(resolve_model("deepseek-v3-small")[0]))
+    assert s.kv_bytes_per_token(2) == 8 * (512 + 64) * 2
+    assert s.attn_flops_per_context == 2 * (2 * 512 + 64) * 128 * 8
+    assert 18e9 < s.num_params < 19e9 and s.num_experts == 64 and s.top_k == 8
+    kv_bytes.main(["deepseek-v3-small", "llama-3.1-70b"])
+    out = capsys.readouterr().out
+    assert "MLA latent (512 + 64)" in out and "1,152" in out and "81,920" in out and "4,096" in out
