@@ -18,36 +18,46 @@ import torch
 import triton
 import triton.language as tl
 
+from .attention import FP8_KV
+from .triton_attention import _to_fp8
+
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _store_latent_kernel(kv_ptr, cache_ptr, slot_ptr, stride_t, WIDTH: tl.constexpr,
-                         BLOCK: tl.constexpr):
+def _store_latent_kernel(kv_ptr, cache_ptr, slot_ptr, scale_ptr, stride_t, WIDTH: tl.constexpr,
+                         BLOCK: tl.constexpr, KV_FP8: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t)
     if slot < 0:
         return
     d = tl.arange(0, BLOCK)
     x = tl.load(kv_ptr + t * stride_t + d, mask=d < WIDTH)
-    tl.store(cache_ptr + slot * WIDTH + d, x.to(cache_ptr.dtype.element_ty), mask=d < WIDTH)
+    if KV_FP8:
+        y = _to_fp8(x.to(tl.float32), tl.load(scale_ptr))
+    else:
+        y = x.to(cache_ptr.dtype.element_ty)
+    tl.store(cache_ptr + slot * WIDTH + d, y, mask=d < WIDTH)
 
 
-def store_latent(kv: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def store_latent(kv: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 kv_scale: torch.Tensor | None = None) -> None:
     T, width = kv.shape
     assert kv_cache.is_contiguous() and kv_cache.shape[-1] == width
+    fp8 = kv_cache.dtype == FP8_KV
     if T:
-        _store_latent_kernel[(T,)](kv, kv_cache, slot_mapping, kv.stride(0), WIDTH=width,
-                                   BLOCK=triton.next_power_of_2(width))
+        _store_latent_kernel[(T,)](kv, kv_cache, slot_mapping, kv_scale if fp8 else kv,
+                                   kv.stride(0), WIDTH=width, BLOCK=triton.next_power_of_2(width),
+                                   KV_FP8=fp8)
 
 
 @triton.jit
-def _mla_kernel(q_ptr, cache_ptr, out_ptr, part_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, num_reqs,
-                num_tokens, scale_log2e, stride_qt, stride_qh, stride_cb, stride_cs, stride_ot,
+def _mla_kernel(q_ptr, cache_ptr, out_ptr, part_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, kv_scale_ptr,
+                num_reqs, num_tokens, scale_log2e, stride_qt, stride_qh, stride_cb, stride_cs, stride_ot,
                 stride_oh, stride_bt, H: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
                 BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr,
                 BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
-                NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr):
+                NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr):
     hb = tl.program_id(0)  # fastest: a token's head blocks run together and share its tiles in L2
     t = tl.program_id(1)
     split = tl.program_id(2)
@@ -76,6 +86,10 @@ def _mla_kernel(q_ptr, cache_ptr, out_ptr, part_ptr, qsl_ptr, seq_lens_ptr, bt_p
     q_row = q_ptr + t64 * stride_qt + heads[:, None].to(tl.int64) * stride_qh
     q_l = tl.load(q_row + dl[None, :], mask=hm[:, None] & lm[None, :], other=0.0)
     q_r = tl.load(q_row + L + dr[None, :], mask=hm[:, None] & rm[None, :], other=0.0)
+    if KV_FP8:  # fp8 tiles widen exactly to the query's dtype; the scale folds into the
+        # softmax scale here and into the output at the end
+        kv_scale = tl.load(kv_scale_ptr)
+        scale_log2e = scale_log2e * kv_scale
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     den = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
@@ -87,6 +101,9 @@ def _mla_kernel(q_ptr, cache_ptr, out_ptr, part_ptr, qsl_ptr, seq_lens_ptr, bt_p
         base = cache_ptr + blk * stride_cb + (s % BLOCK_SIZE).to(tl.int64) * stride_cs
         k_l = tl.load(base[:, None] + dl[None, :], mask=sm[:, None] & lm[None, :], other=0.0)
         k_r = tl.load(base[:, None] + L + dr[None, :], mask=sm[:, None] & rm[None, :], other=0.0)
+        if KV_FP8:
+            k_l = k_l.to(q_l.dtype)
+            k_r = k_r.to(q_l.dtype)
         if IEEE:
             sc = tl.dot(q_l, tl.trans(k_l), input_precision="ieee")
             sc += tl.dot(q_r, tl.trans(k_r), input_precision="ieee")
@@ -103,6 +120,8 @@ def _mla_kernel(q_ptr, cache_ptr, out_ptr, part_ptr, qsl_ptr, seq_lens_ptr, bt_p
         else:
             acc = tl.dot(p.to(k_l.dtype), k_l, acc * alpha[:, None])
         m = m_new
+    if KV_FP8:
+        acc = acc * kv_scale
     if NUM_SPLITS == 1:
         out = tl.where(den[:, None] > 0, acc / den[:, None], 0.0)
         o_ptr = out_ptr + t64 * stride_ot + heads[:, None].to(tl.int64) * stride_oh + dl[None, :]
@@ -146,7 +165,8 @@ def _num_splits(num_tokens: int, heads_blocks: int, max_blocks: int, block_size:
 
 def mla_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                          seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float,
-                         kv_lora_rank: int, is_decode: bool = False) -> torch.Tensor:
+                         kv_lora_rank: int, is_decode: bool = False,
+                         kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     T, H, width = q.shape
     L = kv_lora_rank
     R = width - L
@@ -164,13 +184,14 @@ def mla_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, query_start_lo
     big = L > 256
     kw = dict(num_warps=8 if big else 4, num_stages=2) if on_gpu else {}
     _mla_kernel[(grid_h, T, splits)](
-        q, kv_cache, out, part, query_start_loc, seq_lens, block_table, B,
+        q, kv_cache, out, part, query_start_loc, seq_lens, block_table,
+        kv_scale if kv_cache.dtype == FP8_KV else seq_lens, B,
         T, scale * _LOG2E, q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         H=H, L=L, R=R, BLOCK_SIZE=kv_cache.shape[1], BLOCK_H=block_h,
         BLOCK_L=triton.next_power_of_2(L), BLOCK_R=max(16, triton.next_power_of_2(R)),
         BLOCK_N=(32 if big else 64) if on_gpu else 16, BLOCK_B=triton.next_power_of_2(B + 1),
-        NUM_SPLITS=splits, IEEE=q.dtype == torch.float32, **kw)
+        NUM_SPLITS=splits, IEEE=q.dtype == torch.float32, KV_FP8=kv_cache.dtype == FP8_KV, **kw)
     if splits > 1:
         _mla_reduce_kernel[(T, H)](part, out, out.stride(0), out.stride(1), H=H, L=L,
                                    BLOCK_L=triton.next_power_of_2(L), NUM_SPLITS=splits)

@@ -146,6 +146,9 @@ class MLAAttention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.w_kv_b: torch.Tensor | None = None  # dense kv_b_proj when the checkpoint's is FP8
+        # fp8 latent cache (--kv-cache-dtype fp8): one scale for c_kv and k_pe (stored = x /
+        # k_scale), from the checkpoint's self_attn.k_scale when it has one, else 1.0
+        self.register_buffer("k_scale", torch.ones((), dtype=torch.float32), persistent=False)
 
     def kv_cache_shapes(self, num_blocks: int, block_size: int) -> tuple[tuple, tuple]:
         """One latent cache per layer: [c_kv | k_pe] per token, shared by every head."""
@@ -172,7 +175,7 @@ class MLAAttention(nn.Module):
         w = (self.kv_b_proj.weight if self.w_kv_b is None else self.w_kv_b).view(H, N + self.V, L)
         q_lat = torch.bmm(q_nope.transpose(0, 1), w[:, :N]).transpose(0, 1)  # [T, H, L]
         o = mla_attention(torch.cat([q_lat, q_pe], -1), torch.cat([c_kv, k_pe], -1), self.k_cache,
-                          attn.slot_mapping, attn.query_start_loc, attn.seq_lens, attn.block_table,
+                          self.k_scale, attn.slot_mapping, attn.query_start_loc, attn.seq_lens, attn.block_table,
                           self.scale, L, attn.is_decode)
         o = torch.bmm(o.transpose(0, 1), w[:, N:].transpose(1, 2))  # [H, T, V]
         return self.o_proj(o.transpose(0, 1).reshape(T, H * self.V))

@@ -151,9 +151,6 @@ class ModelRunner:
     def _kv_cache_dtype(self) -> torch.dtype:
         if not self.cfg.cache.fp8_kv:
             return self.dtype
-        if any(hasattr(a, "kv_cache_shapes") for a in self.model.attention_layers()):
-            raise ValueError(f"--kv-cache-dtype {self.cfg.cache.kv_cache_dtype} is not supported for "
-                             "MLA models (DeepSeek-V2/V3) yet: their latent cache is 16-bit")
         if self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
             raise ValueError(f"--kv-cache-dtype {self.cfg.cache.kv_cache_dtype} needs a GPU with fp8 "
                              "support (compute capability 8.9 or newer: Ada, Hopper, Blackwell)")

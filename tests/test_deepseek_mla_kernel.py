@@ -32,16 +32,21 @@ LONG = [  # on the GPU: contexts long enough for split-KV decode, and a longer p
 ]
 
 
-def _check(device, dtype, L, R, H, atol, cases=CASES):
+def _check(device, dtype, L, R, H, atol, cases=CASES, fp8=False):
     from rankserve.kernels.mla import mla_attention_ref
     from rankserve.kernels.triton_mla import mla_attention_triton
     for q_lens, seq_lens, decode in cases:
         q, cache, qsl, lens, table = _case(device, dtype, L, R, H, q_lens, seq_lens)
+        kv_scale = None
+        if fp8:  # an fp8 latent cache with its per-layer scale
+            kv_scale = torch.tensor(0.37, device=device)
+            cache = (cache.float() / kv_scale).to(torch.float8_e4m3fn)
         if decode:  # T == B
             q = q[:len(seq_lens)]
         scale = (L + R) ** -0.5
-        ref = mla_attention_ref(q, cache, qsl, lens, table, scale, L, is_decode=decode)
-        out = mla_attention_triton(q, cache, qsl, lens, table, scale, L, is_decode=decode)
+        ref = mla_attention_ref(q, cache, qsl, lens, table, scale, L, is_decode=decode, kv_scale=kv_scale)
+        out = mla_attention_triton(q, cache, qsl, lens, table, scale, L, is_decode=decode,
+                                   kv_scale=kv_scale)
         torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=atol)
         assert out[int(qsl[-1]):].abs().max().item() == 0 if out.shape[0] > int(qsl[-1]) else True
 
@@ -49,12 +54,15 @@ def _check(device, dtype, L, R, H, atol, cases=CASES):
 def _store_check(device):
     from rankserve.kernels.mla import store_latent_ref
     from rankserve.kernels.triton_mla import store_latent
-    kv = torch.randn(5, 24, device=device)
+    kv = torch.randn(5, 24, device=device) * 100
     slots = torch.tensor([3, -1, 17, 0, 30], device=device)
-    a, b = torch.zeros(2, 16, 1, 24, device=device), torch.zeros(2, 16, 1, 24, device=device)
-    store_latent_ref(kv, a, slots)
-    store_latent(kv, b, slots)
-    assert torch.equal(a, b)
+    for dtype in (torch.float32, torch.float8_e4m3fn):  # fp8: scaled, saturated, bit for bit
+        scale = torch.tensor(0.37, device=device)
+        a, b = (torch.zeros(2, 16, 1, 24, device=device).to(dtype) for _ in range(2))
+        store_latent_ref(kv, a, slots, scale)
+        store_latent(kv, b, slots, scale)
+        assert torch.equal(a.view(torch.uint8) if dtype != torch.float32 else a,
+                           b.view(torch.uint8) if dtype != torch.float32 else b)
 
 
 def _interp_body():
@@ -63,6 +71,7 @@ def _interp_body():
     # the 16-bit path (tensor-core dots, p rounded to the cache dtype); fp16, as the
     # interpreter computes bf16 wrongly (the paged-attention kernel's too)
     _check("cpu", torch.float16, 64, 16, 20, 2e-2)
+    _check("cpu", torch.float32, 32, 16, 4, 1e-5, fp8=True)
     _store_check("cpu")
 
 
@@ -75,4 +84,5 @@ def test_mla_kernel_interpreter(interp):
 def test_mla_kernel_gpu_bf16():
     _check("cuda", torch.bfloat16, 512, 64, 16, 2e-2)  # DeepSeek-V3's latent widths
     _check("cuda", torch.bfloat16, 512, 64, 128, 2e-2, CASES + LONG)
+    _check("cuda", torch.bfloat16, 512, 64, 128, 2e-2, CASES + LONG, fp8=True)
     _store_check("cuda")
