@@ -2,7 +2,7 @@
 # One GPU-machine session: correctness, then the two standard workloads, with a table at the end.
 # Run from the repo root on the GPU machine: `bash runtime/bench/gpu_session.sh STAGE` where STAGE
 # is one of: w2 w2warm w2l2 w2cublas w1 w1l2 w1fp8kv w1so sotests w2hf w1hf tests e2e2 kernels kdecode
-# sleep kvtier sleeptests kmla dskv dstests dsw2 dsw1 dsw2fp8 dsw1fp8 (several may be given; w2/w1 run the default level (1 on CUDA),
+# sleep kvtier sleeptests kmla dskv dstests dsw2 dsw1 dsw2fp8 dsw1fp8 dsw1kv8 (several may be given; w2/w1 run the default level (1 on CUDA),
 # w2l2/w1l2 --compilation-level 2; w1fp8kv = W1 with --kv-cache-dtype fp8 (compare with w1);
 # e2e2 = the level-2 end-to-end tests alone; w1so = W1 with a JSON-schema constraint on every
 # request (needs QWEN3_TOKENIZER; compare with w1); sotests = the structured-output tests on CUDA
@@ -12,7 +12,8 @@
 # multi-turn shared-prefix workload larger than a 2048-block device KV cache, without and with a
 # 32 GiB host tier (TTFT, throughput, hits per tier); sleeptests = the sleep / host-tier GPU tests;
 # dsw2/dsw1 = W2 / W1 on deepseek-v3-small (DeepSeek-V3 layers and MLA widths, 8 layers, 64
-# experts, dummy bf16 weights; the *fp8 ones block FP8 as V3 ships), dskv = KV bytes per token of
+# experts, dummy bf16 weights; the *fp8 ones block FP8 as V3 ships; dsw1kv8 = dsw1 with the fp8
+# latent cache), dskv = KV bytes per token of
 # its MLA latent against decompressed K/V and GQA models, dstests = the DeepSeek GPU tests, kmla =
 # the MLA kernel benchmark). Results land in $OUT
 # (or ./bench_results). Each stage has its own time limit; one device call runs at most 10
@@ -71,9 +72,10 @@ for stage in "$@"; do case $stage in
   dsw2|dsw2fp8) m=deepseek-v3-small; [ $stage = dsw2fp8 ] && m=deepseek-v3-small-fp8
         run $stage 240 python3 -m rankserve.launch bench latency $m --batch-size 1 --input-len 128 --output-len 256 \
         --num-iters 3 --max-num-seqs 8 --max-model-len 4096 --cache-dir "$CACHE" --output-json "$OUT/$stage.json" ;;
-  dsw1|dsw1fp8) m=deepseek-v3-small; [ $stage = dsw1fp8 ] && m=deepseek-v3-small-fp8
+  dsw1|dsw1fp8|dsw1kv8) m=deepseek-v3-small; [ $stage = dsw1fp8 ] && m=deepseek-v3-small-fp8
+        kv=; [ $stage = dsw1kv8 ] && kv="--kv-cache-dtype fp8"
         run $stage 420 python3 -m rankserve.launch bench throughput $m --workload w1 --max-num-seqs 256 \
-        --max-model-len 4096 --cache-dir "$CACHE" --output-json "$OUT/$stage.json" ;;
+        --max-model-len 4096 $kv --cache-dir "$CACHE" --output-json "$OUT/$stage.json" ;;
   *) echo "unknown stage $stage" ;;
 esac; done
 echo "== summary"; cat "$OUT/summary.txt"
