@@ -331,9 +331,38 @@ def bench_moe_fp8(ceil, quick):
     return rows
 
 
+def bench_mla(ceil, quick):
+    """MLA (DeepSeek-V3 widths: latent 512 + 64, 128 heads) over a paged latent cache: decode
+    (bytes: the latent of every context token once) and prefill (FLOPs of the absorbed form)."""
+    from . import triton_mla
+    L, R, HM = 512, 64, 128
+    rows = []
+
+    def inputs(q_lens, seq_lens):
+        _, k_cache, _, qsl, lens, table = attention_inputs(q_lens, seq_lens)
+        cache = torch.randn(k_cache.shape[0], BLOCK, 1, L + R, dtype=DT, device="cuda")
+        q = torch.randn(sum(q_lens), HM, L + R, dtype=DT, device="cuda")
+        return q, cache, qsl, lens, table
+    for ctx in ([1024, 8192] if quick else [1024, 4096, 8192]):
+        for B in ([1, 64, 256] if quick else [1, 16, 64, 256]):
+            args = inputs([1] * B, [ctx] * B)
+            fn = lambda: triton_mla.mla_attention_triton(*args, 0.1, L, is_decode=True)  # noqa: E731
+            nbytes = B * ctx * (L + R) * 2 + B * HM * (2 * L + R) * 2
+            flops = 2 * B * ctx * HM * (2 * L + R)
+            rows.append(row("mla_decode", f"B={B} ctx={ctx}", fn, nbytes, flops, ceil))
+            args = None
+    for B, n in ([(1, 2048)] if quick else [(1, 1024), (1, 4096), (8, 1024)]):
+        args = inputs([n] * B, [n] * B)
+        fn = lambda: triton_mla.mla_attention_triton(*args, 0.1, L, is_decode=False)  # noqa: E731
+        flops = 2 * B * HM * (2 * L + R) * n * (n + 1) / 2
+        rows.append(row("mla_prefill", f"B={B} L={n}", fn, B * n * (L + R) * 2, flops, ceil))
+        args = None
+    return rows
+
+
 PARTS = {"linear": bench_linear, "skinny": bench_skinny, "decode": bench_decode,
          "prefill": bench_prefill, "prepare_qkv": bench_prepare_qkv, "moe": bench_moe,
-         "fp8": bench_fp8, "w4a16": bench_w4a16, "moe_fp8": bench_moe_fp8}
+         "fp8": bench_fp8, "w4a16": bench_w4a16, "moe_fp8": bench_moe_fp8, "mla": bench_mla}
 
 
 def main(argv=None) -> int:

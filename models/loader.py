@@ -29,11 +29,25 @@ def slice_shape(t) -> list[int]:
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+# architectures whose configs also ship under other model types with remote code (Kimi-K2:
+# model_type "kimi_k2", DeepseekV3ForCausalLM): read with transformers' own config class
+_BUILTIN_CONFIGS = {"DeepseekV3ForCausalLM": "DeepseekV3Config", "DeepseekV2ForCausalLM": "DeepseekV2Config"}
+
+
 def load_hf_config(model_dir: str):
-    from transformers import AutoConfig
-    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+    import json
+    import transformers
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
         raise ValueError(f"{model_dir!r} is not a model directory (no config.json)")
-    return AutoConfig.from_pretrained(model_dir)
+    with open(path) as f:
+        raw = json.load(f)
+    arch = (raw.get("architectures") or [None])[0]
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    if arch in _BUILTIN_CONFIGS and raw.get("model_type") not in CONFIG_MAPPING:
+        raw.pop("auto_map", None)  # never run the checkpoint's code
+        return getattr(transformers, _BUILTIN_CONFIGS[arch]).from_dict(raw)
+    return transformers.AutoConfig.from_pretrained(model_dir)
 
 
 def resolve_dtype(name: str, hf_config, device_type: str) -> torch.dtype:
@@ -47,7 +61,7 @@ def resolve_dtype(name: str, hf_config, device_type: str) -> torch.dtype:
 
 
 def model_class(hf_config):
-    from . import gemma3, moe, nemotron_h  # noqa: F401  (register their families)
+    from . import deepseek, gemma3, moe, nemotron_h  # noqa: F401  (register their families)
     archs = getattr(hf_config, "architectures", None) or []
     if not archs:
         raise ValueError("the model config has no 'architectures' field")
@@ -72,6 +86,9 @@ def finalize_weights(model) -> None:
         method = getattr(mod, "quant", None)
         if method is not None:
             method.after_loading(mod)
+    hook = getattr(model, "after_loading", None)  # model-level work (DeepSeek: MLA's kv_b_proj)
+    if hook is not None:
+        hook()
 
 
 def quant_summary(model) -> str:
@@ -110,6 +127,8 @@ def load_weights(model, model_dir: str, progress: bool = True) -> int:
                         loader(param, src, shard)
                     loaded.add(target)
     missing = [n for n in params if n not in loaded and not _tied_alias(model, n, loaded)]
+    if missing and hasattr(model, "drop_missing"):  # optional parts the checkpoint lacks (MTP)
+        missing = model.drop_missing(missing, loaded)
     if missing:
         raise ValueError(f"checkpoint {model_dir!r} lacks weights for: {missing[:5]}"
                          f"{' ...' if len(missing) > 5 else ''}")

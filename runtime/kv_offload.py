@@ -229,8 +229,8 @@ class HostBuffer:
 def kv_tensors(model) -> list[torch.Tensor]:
     """The per-layer KV-cache tensors of this rank (first dimension: blocks)."""
     out = []
-    for a in model.attention_layers():
-        out += [a.k_cache, a.v_cache]
+    for a in model.attention_layers():  # an MLA layer's V cache has width 0: nothing to copy
+        out += [t for t in (a.k_cache, a.v_cache) if t.dim() < 4 or t.shape[-1]]
     return out
 
 

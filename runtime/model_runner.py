@@ -180,10 +180,19 @@ class ModelRunner:
             log.info("fp8 KV cache: the checkpoint has no k/v scales; using 1.0 (e4m3 holds +-448)")
 
     def kv_bytes_per_block(self) -> int:
-        layers = self.model.attention_layers()
-        a = layers[0]
-        per_layer = 2 * self.block_size * a.qkv_proj.num_kv_heads * a.head_dim * self.kv_dtype.itemsize
-        return per_layer * len(layers)
+        return sum(self._kv_token_bytes(a) for a in self.model.attention_layers()) * self.block_size
+
+    def _kv_shapes(self, a, num_blocks: int) -> tuple[tuple, tuple]:
+        """K and V cache shapes of one attention layer; an MLA layer keeps one latent cache (its
+        V has width 0)."""
+        if hasattr(a, "kv_cache_shapes"):
+            return a.kv_cache_shapes(num_blocks, self.block_size)
+        shape = (num_blocks, self.block_size, a.qkv_proj.num_kv_heads, a.head_dim)
+        return shape, shape
+
+    def _kv_token_bytes(self, a) -> int:
+        k, v = self._kv_shapes(a, 1)
+        return int(np.prod(k[2:]) + np.prod(v[2:])) * self.kv_dtype.itemsize
 
     def determine_num_blocks(self) -> int:
         c = self.cfg.cache
@@ -252,9 +261,9 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.allocate_states()
         for a in self.model.attention_layers():
-            shape = (num_blocks, self.block_size, a.qkv_proj.num_kv_heads, a.head_dim)
-            a.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-            a.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            k_shape, v_shape = self._kv_shapes(a, num_blocks)
+            a.k_cache = torch.zeros(k_shape, dtype=self.kv_dtype, device=self.device)
+            a.v_cache = torch.zeros(v_shape, dtype=self.kv_dtype, device=self.device)
         if num_blocks > 1:  # not the memory profile's placeholder
             self.timings["kv_alloc"] = time.perf_counter() - t0
             per_block = self.kv_bytes_per_block()
@@ -263,8 +272,9 @@ class ModelRunner:
                      num_blocks * per_block / 2**30)
             kinds: dict[str, int] = {}  # bytes per token of each kind of layer state
             for a in self.model.attention_layers():
-                kind = f"sliding-window {a.window}" if a.window else "full attention"
-                kinds[kind] = kinds.get(kind, 0) + 2 * a.qkv_proj.num_kv_heads * a.head_dim * self.kv_dtype.itemsize
+                kind = getattr(a, "kv_kind", None) or (
+                    f"sliding-window {a.window}" if a.window else "full attention")
+                kinds[kind] = kinds.get(kind, 0) + self._kv_token_bytes(a)
             log.info("KV bytes per token: %s", ", ".join(f"{k} {v}" for k, v in kinds.items()))
             if self.state_bytes():
                 n = self.cfg.scheduler.max_num_seqs

@@ -52,6 +52,23 @@ def make_checkpoint(path: Path, arch: str, **overrides) -> str:
             layers_block_type=["mamba", "attention", "mamba", "mlp"], num_hidden_layers=4,
             head_dim=16, mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=16,
             conv_kernel=4, chunk_size=8, pad_token_id=0)),
+        # MLA (latent 32 + rope 16), 1 dense + 2 MoE layers (8 experts in 4 groups, top-2 of the
+        # best 2 groups, 1 shared expert), YaRN with mscale; the model has one MTP layer
+        "DeepseekV3ForCausalLM": (transformers.DeepseekV3Config, dict(
+            num_hidden_layers=3, num_key_value_heads=4, first_k_dense_replace=1, n_routed_experts=8,
+            n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2,
+            moe_intermediate_size=32, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16,
+            qk_rope_head_dim=16, v_head_dim=24, num_nextn_predict_layers=1,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 64, "beta_fast": 32,
+                             "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707})),
+        # V2: no q compression, softmax routing limited to the best 2 of 4 groups, 2 shared experts
+        "DeepseekV2ForCausalLM": (transformers.DeepseekV2Config, dict(
+            num_hidden_layers=3, num_key_value_heads=4, first_k_dense_replace=1, n_routed_experts=8,
+            n_shared_experts=2, num_experts_per_tok=2, topk_method="group_limited_greedy",
+            n_group=4, topk_group=2, routed_scaling_factor=1.5, moe_intermediate_size=32,
+            kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=16,
+            v_head_dim=16)),
     }
     cls, extra = specific[arch]
     cfg = cls(**{**common, **extra, **overrides})
@@ -61,6 +78,9 @@ def make_checkpoint(path: Path, arch: str, **overrides) -> str:
         for _name, p in model.named_parameters():
             if p.dim() >= 2 or arch.startswith("Gemma"):  # Gemma's norms start at 0 (1 + w)
                 p.normal_(0, 0.1)
+        for name, b in model.named_buffers():  # DeepSeek-V3's routing bias: let it matter
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
     model.save_pretrained(path)
     import shutil
     for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"):

@@ -13,13 +13,15 @@ measured width: `byte_widths`; P = prompt length, O = output tokens of a request
             every non-embedding parameter plus the LM head (the input embedding is a row gather;
             a tied matrix counts once, as the head). For MoE the routed experts count by the
             expected share a step of n tokens touches under uniform routing, 1 - (1 - k/E)^n.
-  KV read   Σ_req Σ_{t<O} (P + t) × kv_bytes_per_token: each step that produces a token reads
+  KV read   Σ_req Σ_{t<O} (P + t) × kv_bytes_per_token (MLA: the latent, layers × (L + R)
+            values): each step that produces a token reads
             the KV of its whole context once (t = 0 is the prefill over the prompt).
   KV write  Σ_req (P + O - 1) × kv_bytes_per_token (the last sampled token is never written).
 FLOPs:
   linear    2 × (non-embedding parameters active per token) × Σ (P + O - 1) tokens processed
             + 2 × V × H × Σ O (the LM head only runs on sampled positions).
-  attention 4 × head_dim × heads × layers × Σ context over processed tokens (QKᵀ and PV), where
+  attention 4 × head_dim × heads × layers × Σ context over processed tokens (QKᵀ and PV; MLA:
+            2 × (2 kv_lora_rank + rope dims) per head, the absorbed form), where
             a prompt token at position i sees i + 1 tokens and decode token t sees P + t.
 
 The floor ignores activations, the sampler, launch overheads and communication, so
@@ -77,13 +79,27 @@ class ModelStats:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    # MLA (DeepSeek-V2/V3): the cached latent per token and layer (kv_lora_rank + rope dims), and
+    # kv_lora_rank itself; 0 for models that cache per-head keys and values
+    kv_latent: int = 0
+    kv_lora_rank: int = 0
 
     @property
     def head_params(self) -> int:
         return self.vocab_size * self.hidden_size
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        if self.kv_latent:
+            return self.num_layers * self.kv_latent * dtype_bytes
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    @property
+    def attn_flops_per_context(self) -> int:
+        """FLOPs of one query token against one context token, all heads and layers: QK^T and
+        PV over head_dim, or for MLA's absorbed form over the latent (L + R, then L)."""
+        per_head = 2 * (2 * self.kv_lora_rank + (self.kv_latent - self.kv_lora_rank)) \
+            if self.kv_latent else 4 * self.head_dim
+        return per_head * self.num_heads * self.num_layers
 
     def step_weight_params(self, num_tokens: int) -> float:
         """Parameters one forward over `num_tokens` tokens must read."""
@@ -122,7 +138,10 @@ def model_stats(hf_config) -> ModelStats:
         vocab_size=hf_config.vocab_size, hidden_size=hf_config.hidden_size,
         num_layers=hf_config.num_hidden_layers, num_heads=heads,
         num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads)
+        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+        kv_latent=(hf_config.kv_lora_rank + hf_config.qk_rope_head_dim)
+        if getattr(hf_config, "kv_lora_rank", None) else 0,
+        kv_lora_rank=getattr(hf_config, "kv_lora_rank", None) or 0)
 
 
 # ---- workloads ------------------------------------------------------------------------------
@@ -263,7 +282,7 @@ def physical_floor(stats: ModelStats, prompt_lens: list[int], output_lens: list[
                   + stats.head_params * dtype_bytes for n in step_tokens)
     kv_read, kv_write = ctx_read * kv_tok, kv_written * kv_tok
     flops_linear = 2 * stats.active_params_per_token * tokens + 2 * stats.head_params * sum(output_lens)
-    flops_attn = 4 * stats.head_dim * stats.num_heads * stats.num_layers * attn_ctx
+    flops_attn = stats.attn_flops_per_context * attn_ctx
     nbytes, flops = weights + kv_read + kv_write, flops_linear + flops_attn
     t_mem = nbytes / (ceilings["hbm_GBps"] * 1e9 * num_devices)
     t_comp = flops / (ceilings["matmul_TFLOPs"] * 1e12 * num_devices)

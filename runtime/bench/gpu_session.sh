@@ -1,23 +1,25 @@
 #!/usr/bin/env bash
-# One GPU-machine session: correctness, then the two standard workloads, with a table at the end.
-# Run from the repo root on the GPU machine: `bash runtime/bench/gpu_session.sh STAGE` where STAGE
-# is one of: w2 w2warm w2l2 w2cublas w1 w1l2 w1fp8kv w1so sotests w2hf w1hf tests e2e2 kernels kdecode
-# sleep kvtier sleeptests launchtests servew1 servew1dp2 (several may be given; w2/w1 run the default level (1 on CUDA),
-# w2l2/w1l2 --compilation-level 2; w1fp8kv = W1 with --kv-cache-dtype fp8 (compare with w1);
-# e2e2 = the level-2 end-to-end tests alone; w1so = W1 with a JSON-schema constraint on every
-# request (needs QWEN3_TOKENIZER; compare with w1); sotests = the structured-output tests on CUDA
-# (they need ../shared/tokenizers/qwen3 beside the repo); w2cublas = W2 with the skinny decode GEMMs off;
-# kdecode = the kernel benchmark's skinny-GEMM and prepare_qkv parts; sleep = device memory before/after
-# sleep level 1 and 2 and the time to wake up, Llama-3.1-8B shape with dummy weights; kvtier = a
-# multi-turn shared-prefix workload larger than a 2048-block device KV cache, without and with a
-# 32 GiB host tier (TTFT, throughput, hits per tier); sleeptests = the sleep / host-tier GPU tests;
-# launchtests = srun-style ranks without MPI over NCCL (needs 2 GPUs);
-# servew1 = `rankserve serve` on Qwen3-0.6B (dummy weights, token-id prompts) and `rankserve bench
-# serve` with the W1 lengths at fixed concurrency 256 and at Poisson rates 10, 20 and 40 req/s;
-# servew1dp2 = the concurrency-256 run against `mpiexec -n 2 ... --data-parallel-size 2` (2 GPUs)). Results land in $OUT
-# (or ./bench_results). Each stage has its own time limit; one device call runs at most 10
-# minutes, so split a session, e.g.: `w2 w2warm w1 tests` | `kernels w2hf w1hf`. w2 is the cold
-# start (empty --cache-dir), w2warm the same command again (the cache matters at level 2).
+# One GPU-machine session: correctness, then the workloads, each stage with its own time limit, a
+# table at the end. Run from the repo root on the GPU machine: `bash runtime/bench/gpu_session.sh
+# STAGE...`; results land in $OUT (or ./bench_results). One device call runs at most 10 minutes,
+# so split a session, e.g. `w2 w2warm w1 tests` | `kernels w2hf w1hf`. Stages:
+#   w2, w2warm        W2 cold (empty --cache-dir) and again warm; w2l2 / w1l2 at --compilation-level 2
+#   w1                W1; w1fp8kv with --kv-cache-dtype fp8; w1so with a JSON-schema constraint on
+#                     every request (needs QWEN3_TOKENIZER); w2cublas with the skinny GEMMs off
+#   w2hf, w1hf        the same workloads on transformers
+#   tests, e2e2       GPU tests (kernels, skinny GEMMs, graphs/compile vs eager); e2e2 level 2 only
+#   sotests           structured-output tests on CUDA (need ../shared/tokenizers/qwen3)
+#   kernels, kdecode  kernel benchmark (all / skinny GEMM + prepare_qkv)
+#   sleep, kvtier     sleep level 1/2 memory and wake time (Llama-3.1-8B shape); a multi-turn
+#                     workload over a 2048-block device cache without and with a 32 GiB host tier
+#   sleeptests        sleep / host-tier GPU tests
+#   launchtests       srun-style ranks without MPI over NCCL (needs 2 GPUs)
+#   servew1           `rankserve serve` (Qwen3-0.6B shape) + `rankserve bench serve` with W1's
+#                     lengths at concurrency 256 and Poisson 10/20/40 req/s; servew1dp2 the same
+#                     against `mpiexec -n 2 ... --data-parallel-size 2` (2 GPUs)
+#   dsw2, dsw1        W2 / W1 on deepseek-v3-small (V3 layers and MLA widths, 8 layers, 64 experts,
+#                     dummy bf16 weights); dsw2fp8 / dsw1fp8 block FP8; dsw1kv8 the fp8 latent cache;
+#                     dskv KV bytes per token (MLA vs GQA); dstests DeepSeek GPU tests; kmla MLA kernels
 # PROFILE_DIR=dir profiles W1 and W2 (kernel table in the log, trace in dir).
 set -u
 OUT=${OUT:-bench_results}; mkdir -p "$OUT"
@@ -93,6 +95,16 @@ for stage in "$@"; do case $stage in
         serve_w1 servew1 ;;
   servew1dp2) GPUS=2 SERVE_RUNS="c256:--num-prompts 256 --max-concurrency 256;r40:--num-prompts 400 --request-rate 40" \
         SERVE_EXTRA="--data-parallel-size 2" serve_w1 servew1dp2 mpiexec -n 2 ;;
+  kmla) run kmla 200 python3 -m rankserve.kernels.benchmark --only mla --json "$OUT/kmla.json" ;;
+  dskv) run dskv 60 python3 -m rankserve.runtime.bench.kv_bytes deepseek-v3-small qwen3-30b-a3b llama-3.1-70b ;;
+  dstests) run dstests 200 python3 -m pytest -q -m gpu tests/test_deepseek_mla_kernel.py tests/test_deepseek.py ;;
+  dsw2|dsw2fp8) m=deepseek-v3-small; [ $stage = dsw2fp8 ] && m=deepseek-v3-small-fp8
+        run $stage 240 python3 -m rankserve.launch bench latency $m --batch-size 1 --input-len 128 --output-len 256 \
+        --num-iters 3 --max-num-seqs 8 --max-model-len 4096 --cache-dir "$CACHE" --output-json "$OUT/$stage.json" ;;
+  dsw1|dsw1fp8|dsw1kv8) m=deepseek-v3-small; [ $stage = dsw1fp8 ] && m=deepseek-v3-small-fp8
+        kv=; [ $stage = dsw1kv8 ] && kv="--kv-cache-dtype fp8"
+        run $stage 420 python3 -m rankserve.launch bench throughput $m --workload w1 --max-num-seqs 256 \
+        --max-model-len 4096 $kv --cache-dir "$CACHE" --output-json "$OUT/$stage.json" ;;
   *) echo "unknown stage $stage" ;;
 esac; done
 echo "== summary"; cat "$OUT/summary.txt"

@@ -87,6 +87,10 @@ PARSERS.register("qwen3", "hermes")(Family(think_tags, hermes_tools))
 PARSERS.register("llama3_json")(Family(None, llama3_json_tools))
 PARSERS.register("mistral")(Family(None, mistral_tools))
 PARSERS.register("deepseek_v3", "deepseek_v31")(Family(think_tags, deepseek_v31_tools))
+# DeepSeek-R1 (vLLM's --reasoning-parser name): <think>...</think>, the opening tag either
+# generated or already in the prompt (make_parser decides from the prompt); its older tool-call
+# format (function<｜tool▁sep｜>name + a ```json block) is not implemented, so no tools
+PARSERS.register("deepseek_r1")(Family(think_tags, None))
 
 
 def make_parser(tokenizer: Any, tool_parser: str | None = None,
