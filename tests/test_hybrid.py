@@ -1,5 +1,8 @@
 """Hybrid Mamba2 + attention family (Nemotron-H): greedy parity with transformers (fp32, tiny
 random config), chunked prefill equal to unchunked, batches mixing prefill and decode."""
+import shutil
+
+import pytest
 import torch
 
 from rankserve import LLM, SamplingParams
@@ -60,3 +63,14 @@ def test_nemotron_h_preemption_and_mixed_batches(checkpoint):
     assert got == want
     assert tight.engine.scheduler.num_preemptions > 0
     assert not tight.engine.scheduler.kv.enable_caching  # off for recurrent models
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not on PATH")
+@pytest.mark.parametrize("groups", [2, 1])
+def test_nemotron_h_tp2_matches_single_rank(checkpoint, groups):
+    """Mamba2 mixer under --tp 2: heads and their state split; 2 groups: one B/C group and one
+    norm group per rank; 1 group: B/C replicated, the norm's group spread over both ranks."""
+    from test_multirank import mpi_generate, single
+    model = checkpoint("NemotronHForCausalLM", n_groups=groups)
+    assert mpi_generate(2, model, "--tp", "2") == single(model)
