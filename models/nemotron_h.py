@@ -120,7 +120,7 @@ class Mamba2Mixer(nn.Module):
         T = x.shape[0]
         z, xbc, dt = self.in_proj(x).split([self.inter, self.conv_dim, self.H], dim=-1)
         xbc = mamba_conv1d(xbc.contiguous(), self.conv_weight, self.conv_bias, self.conv_state,
-                           attn.query_start_loc, attn.seq_lens, attn.state_idx)
+                           attn.query_start_loc, attn.seq_lens, attn.state_idx, attn.is_decode)
         xs, B, C = xbc.split([self.inter, self.G * self.N, self.G * self.N], dim=-1)
         y = ssd_scan(xs.reshape(T, self.H, self.P), dt.contiguous(), self.dt_bias,
                      -torch.exp(self.A_log.float()), B.reshape(T, self.G, self.N),

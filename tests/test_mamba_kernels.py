@@ -44,6 +44,28 @@ def test_causal_conv1d(interp, C, K, bias):
     interp(conv_case, C, K, bias, C + K)
 
 
+def conv_update_case(C, K, bias, seed):
+    """Decode: continuing requests, a fresh one (a one-token prompt), a padding request."""
+    from rankserve.kernels import triton_mamba as tm
+    g = torch.Generator().manual_seed(seed)
+    T, qsl, lens, idx = make_meta([1, 1, 1, 0], [7, 1, 30, 0], [1, 4, 0, -1], pad=1)  # T == B
+    x = torch.randn(T, C, generator=g)
+    w = torch.randn(C, K, generator=g)
+    b = torch.randn(C, generator=g) if bias else None
+    state = torch.randn(6, K - 1, C, generator=g)
+    ref_state = state.clone()
+    ref = mamba.causal_conv1d_ref(x, w, b, ref_state, qsl, lens, idx)
+    out = tm.causal_conv1d_update(x, w, b, state, qsl, lens, idx)
+    torch.testing.assert_close(out[:3], ref[:3], atol=1e-5, rtol=1e-5)
+    assert torch.all(out[3:] == 0)
+    torch.testing.assert_close(state, ref_state, atol=0, rtol=0)  # others' slots untouched
+
+
+@pytest.mark.parametrize("C,K,bias", [(48, 4, True), (130, 2, False)])
+def test_causal_conv1d_update(interp, C, K, bias):
+    interp(conv_update_case, C, K, bias, C * K)
+
+
 def test_conv1d_ref_chunked_equals_whole():
     """The reference itself: a prompt in two chunks (state carried) equals it in one."""
     g = torch.Generator().manual_seed(0)
