@@ -74,3 +74,65 @@ def test_nemotron_h_tp2_matches_single_rank(checkpoint, groups):
     from test_multirank import mpi_generate, single
     model = checkpoint("NemotronHForCausalLM", n_groups=groups)
     assert mpi_generate(2, model, "--tp", "2") == single(model)
+
+
+class EagerReplay:
+    """A CUDA graph's stand-in on the CPU: `replay` runs the forward again on the arguments it
+    was "captured" with (views of the persistent input buffers) into the captured output, so
+    whatever a real graph would bake in at capture (shapes, Python values, the mode) stays
+    fixed, and everything else must come from the buffers each step fills."""
+
+    def __init__(self, forward, args):
+        self.forward, self.args = forward, args
+        self.out = forward(*args)
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+        self.out.copy_(self.forward(*self.args))
+
+
+def test_nemotron_h_graph_replay_path_equals_eager(checkpoint):
+    """The decode-graph path of the model runner (CompiledModel._run_graph: batches padded to a
+    captured size, padding requests without KV or state slots, state slots read from the
+    persistent buffers) on the CPU, with replays standing in for CUDA graphs: the same greedy
+    tokens as the eager path, with decode batches of 1 to 4 requests padded to 2 or 8."""
+    path = checkpoint("NemotronHForCausalLM")
+    prompts = [[3 + (5 * i + j) % 400 for j in range(6 + 7 * i)] for i in range(4)]
+    params = [SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True) for i in range(4)]
+    kw = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=16)
+    want = [o.outputs[0].token_ids for o in LLM(path, **kw).generate(
+        [{"prompt_token_ids": p} for p in prompts], params)]
+    llm = LLM(path, **kw)
+    cm = llm.engine.executor.runner.compiled_model
+    assert not cm.graphs  # CPU: nothing captured
+    with torch.inference_mode():
+        for bs in (8, 2):
+            g = EagerReplay(cm.forward, cm.graph_inputs(bs))
+            cm.graphs[bs] = (g, g.out)
+    got = [o.outputs[0].token_ids for o in llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], params)]
+    assert got == want
+    assert cm.graphs[8][0].replays > 0 and cm.graphs[2][0].replays > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("level", [1, 2])
+def test_nemotron_h_cuda_graphs_match_eager_gpu(checkpoint, level):
+    """On the GPU: decode CUDA graphs (Triton conv1d update and SSD update kernels, state slots
+    from the persistent buffers, padded batches) give the eager path's greedy tokens (fp32),
+    and bf16 stays close to them."""
+    path = checkpoint("NemotronHForCausalLM")
+    prompts = [{"prompt_token_ids": [3 + (5 * i + j) % 400 for j in range(6 + 37 * i)]} for i in range(6)]
+    params = [SamplingParams(temperature=0, max_tokens=8 + 5 * i, ignore_eos=True) for i in range(6)]
+    common = dict(max_num_seqs=8, gpu_memory_utilization=0.3)
+
+    def run(llm):
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    eager = run(LLM(path, dtype="float32", enforce_eager=True, **common))
+    fast = LLM(path, dtype="float32", compilation_level=level, **common)
+    assert fast.engine.executor.runner.compiled_model.graphs, "no CUDA graph was captured"
+    assert run(fast) == eager
+    bf16 = run(LLM(path, dtype="bfloat16", compilation_level=level, **common))
+    assert sum(a[:4] == b[:4] for a, b in zip(bf16, eager)) >= len(eager) - 2  # near-ties may flip
