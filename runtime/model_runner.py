@@ -268,8 +268,13 @@ class ModelRunner:
             log.info("KV bytes per token: %s", ", ".join(f"{k} {v}" for k, v in kinds.items()))
             if self.state_bytes():
                 n = self.cfg.scheduler.max_num_seqs
-                log.info("recurrent (Mamba2) state: %d bytes per request, %d slots (max_num_seqs), "
-                         "%.3f GiB", self.state_bytes() // n, n, self.state_bytes() / 2**30)
+                conv = ssm = 0  # bytes per request, whatever its length (0 per token)
+                for m in self.model.mamba_layers():
+                    c, s = m.state_shapes(1)
+                    conv, ssm = conv + np.prod(c) * self.dtype.itemsize, ssm + np.prod(s) * 4
+                log.info("recurrent (Mamba2) state per request (0 per token): conv %d bytes, SSM %d "
+                         "bytes; %d slots (max_num_seqs), %.3f GiB", conv, ssm, n,
+                         self.state_bytes() / 2**30)
 
     def compile(self) -> None:
         """torch.compile and CUDA-graph capture as the config says (runtime/compilation.py)."""
