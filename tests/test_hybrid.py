@@ -136,3 +136,29 @@ def test_nemotron_h_cuda_graphs_match_eager_gpu(checkpoint, level):
     assert run(fast) == eager
     bf16 = run(LLM(path, dtype="bfloat16", compilation_level=level, **common))
     assert sum(a[:4] == b[:4] for a, b in zip(bf16, eager)) >= len(eager) - 2  # near-ties may flip
+
+
+def test_shipped_hybrid_config_and_its_floor():
+    """nemotron-h-8b (the bench config): Nemotron-H-8B's 8,100,852,736 parameters on the meta
+    device, 24 Mamba2 / 4 attention / 24 MLP blocks; the floor counts KV for the 4 attention
+    layers only, the recurrent state once written by the prefill and read + written by each
+    decode step, and the SSM FLOPs."""
+    from transformers import AutoConfig
+
+    from rankserve.runtime.bench import common
+    path, named = common.resolve_model("nemotron-h-8b")
+    cfg = AutoConfig.from_pretrained(path)
+    assert named and cfg.architectures == ["NemotronHForCausalLM"]
+    s = common.model_stats(cfg)
+    assert s.num_params == 8_100_852_736
+    assert s.body_params == s.num_params - 2 * 131072 * 4096  # embedding and head apart
+    assert s.num_kv_layers == 4 and s.kv_bytes_per_token(2) == 2 * 4 * 8 * 128 * 2
+    conv, ssm = 3 * (8192 + 2 * 8 * 128), 128 * 64 * 128  # per layer: K - 1 rows; H x P x N
+    assert s.state_bytes(2) == 24 * (conv * 2 + ssm * 4)
+    assert s.ssm_flops_per_token == 24 * (4 * ssm + 2 * 4 * (8192 + 2 * 8 * 128))
+    ceil = {"hbm_GBps": 1e-9, "matmul_TFLOPs": 1e-12}  # 1 byte/s and 1 FLOP/s
+    f = common.physical_floor(s, [3], [2], [3, 1], 2, ceil)
+    assert f["bytes_state"] == 3 * s.state_bytes(2)  # prefill writes; the decode step reads + writes
+    assert f["flops_ssm"] == 4 * s.ssm_flops_per_token  # 3 prompt tokens + 1 decode token
+    assert f["bytes_kv_write"] == 4 * s.kv_bytes_per_token(2)
+    assert f["flops_attention"] == 4 * 128 * 32 * 4 * (1 + 2 + 3 + 4)

@@ -16,11 +16,16 @@ measured width: `byte_widths`; P = prompt length, O = output tokens of a request
   KV read   Σ_req Σ_{t<O} (P + t) × kv_bytes_per_token: each step that produces a token reads
             the KV of its whole context once (t = 0 is the prefill over the prompt).
   KV write  Σ_req (P + O - 1) × kv_bytes_per_token (the last sampled token is never written).
+            (KV layers only: a hybrid model's Mamba2 and MLP blocks have none.)
+  state     hybrid models: Σ_req (2 O - 1) × recurrent state bytes (conv + SSM): the prefill
+            writes a request's state, each of its O - 1 decode steps reads and writes it.
 FLOPs:
   linear    2 × (non-embedding parameters active per token) × Σ (P + O - 1) tokens processed
             + 2 × V × H × Σ O (the LM head only runs on sampled positions).
   attention 4 × head_dim × heads × layers × Σ context over processed tokens (QKᵀ and PV), where
             a prompt token at position i sees i + 1 tokens and decode token t sees P + t.
+  SSM       Mamba2 layers: (4 × heads × head_dim × state + 2 × conv width × conv channels) per
+            processed token and layer (the recurrence's update and readout, the conv).
 
 The floor ignores activations, the sampler, launch overheads and communication, so
 `achieved_fraction = floor / measured` is at most ~1 and says how close a run is to the hardware.
@@ -77,13 +82,22 @@ class ModelStats:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    num_kv_layers: int | None = None  # layers with a KV cache (None: all of them)
+    state_bytes_fixed: int = 0  # recurrent state per request in fp32 (Mamba2 SSM states)
+    state_elems: int = 0  # recurrent state per request in the model dtype (conv states)
+    ssm_flops_per_token: int = 0  # Mamba2 layers' recurrence + conv FLOPs, all layers
 
     @property
     def head_params(self) -> int:
         return self.vocab_size * self.hidden_size
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+        layers = self.num_layers if self.num_kv_layers is None else self.num_kv_layers
+        return 2 * layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def state_bytes(self, dtype_bytes: int) -> int:
+        """Recurrent (Mamba2) state of one request, any length."""
+        return self.state_bytes_fixed + self.state_elems * dtype_bytes
 
     def step_weight_params(self, num_tokens: int) -> float:
         """Parameters one forward over `num_tokens` tokens must read."""
@@ -107,13 +121,18 @@ def model_stats(hf_config) -> ModelStats:
     total = body = experts = 0
     for name, p in model.named_parameters():  # tied weights appear once
         total += p.numel()
-        if "embed_tokens" in name or name.startswith("lm_head"):
+        if name.endswith(("embed_tokens.weight", "embeddings.weight")) or name.startswith("lm_head"):
             continue
         if ".experts." in name:
             experts += p.numel()
         else:
             body += p.numel()
     num_experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", 0)
+    conv = ssm = flops = 0
+    for m in getattr(model, "mamba_layers", list)():
+        c, st = m.state_shapes(1)
+        conv, ssm = conv + c[1] * c[2], ssm + st[1] * st[2] * st[3]
+        flops += 4 * st[1] * st[2] * st[3] + 2 * m.K * m.conv_dim
     heads = hf_config.num_attention_heads
     return ModelStats(
         num_params=total, body_params=body, expert_params=experts,
@@ -122,7 +141,9 @@ def model_stats(hf_config) -> ModelStats:
         vocab_size=hf_config.vocab_size, hidden_size=hf_config.hidden_size,
         num_layers=hf_config.num_hidden_layers, num_heads=heads,
         num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads)
+        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+        num_kv_layers=len(model.attention_layers()), state_bytes_fixed=4 * ssm, state_elems=conv,
+        ssm_flops_per_token=flops)
 
 
 # ---- workloads ------------------------------------------------------------------------------
@@ -259,17 +280,21 @@ def physical_floor(stats: ModelStats, prompt_lens: list[int], output_lens: list[
         kv_written += p + o - 1
         tokens += p + o - 1
         attn_ctx += p * (p + 1) // 2 + (o - 1) * p + (o - 1) * o // 2  # prompt, then decode
+    state = sum(2 * o - 1 for o in output_lens) * stats.state_bytes(dtype_bytes)
     weights = sum((stats.step_weight_params(n) - stats.head_params) * lin_b
                   + stats.head_params * dtype_bytes for n in step_tokens)
     kv_read, kv_write = ctx_read * kv_tok, kv_written * kv_tok
     flops_linear = 2 * stats.active_params_per_token * tokens + 2 * stats.head_params * sum(output_lens)
-    flops_attn = 4 * stats.head_dim * stats.num_heads * stats.num_layers * attn_ctx
-    nbytes, flops = weights + kv_read + kv_write, flops_linear + flops_attn
+    kv_layers = stats.num_layers if stats.num_kv_layers is None else stats.num_kv_layers
+    flops_attn = 4 * stats.head_dim * stats.num_heads * kv_layers * attn_ctx
+    flops_ssm = stats.ssm_flops_per_token * tokens
+    nbytes, flops = weights + kv_read + kv_write + state, flops_linear + flops_attn + flops_ssm
     t_mem = nbytes / (ceilings["hbm_GBps"] * 1e9 * num_devices)
     t_comp = flops / (ceilings["matmul_TFLOPs"] * 1e12 * num_devices)
     return dict(num_steps=len(step_tokens), tokens_processed=tokens,
                 bytes_weights=weights, bytes_kv_read=kv_read, bytes_kv_write=kv_write,
-                bytes_total=nbytes, flops_linear=flops_linear, flops_attention=flops_attn,
+                bytes_state=state, bytes_total=nbytes, flops_linear=flops_linear,
+                flops_attention=flops_attn, flops_ssm=flops_ssm,
                 flops_total=flops, t_memory_s=t_mem, t_compute_s=t_comp,
                 floor_s=max(t_mem, t_comp), bound="memory" if t_mem >= t_comp else "compute",
                 num_devices=num_devices)
