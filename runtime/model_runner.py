@@ -181,6 +181,8 @@ class ModelRunner:
 
     def kv_bytes_per_block(self) -> int:
         layers = self.model.attention_layers()
+        if not layers:  # a pipeline stage of a hybrid model with only Mamba2 / MLP blocks
+            return 0
         a = layers[0]
         per_layer = 2 * self.block_size * a.qkv_proj.num_kv_heads * a.head_dim * self.kv_dtype.itemsize
         return per_layer * len(layers)
@@ -189,6 +191,8 @@ class ModelRunner:
         c = self.cfg.cache
         if c.num_gpu_blocks_override:
             return c.num_gpu_blocks_override
+        if not self.kv_bytes_per_block():  # no KV here: as many blocks as requests could use
+            return self.cfg.scheduler.max_num_seqs * -(-self.max_model_len // self.block_size) + 1
         if self.device.type == "cuda":
             t0 = time.perf_counter()
             num = self._profile_num_blocks()

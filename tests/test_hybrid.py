@@ -67,13 +67,14 @@ def test_nemotron_h_preemption_and_mixed_batches(checkpoint):
 
 @pytest.mark.mpi
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not on PATH")
-@pytest.mark.parametrize("groups", [2, 1])
-def test_nemotron_h_tp2_matches_single_rank(checkpoint, groups):
+@pytest.mark.parametrize("groups,n,flags", [(2, 4, ["--tp", "2", "--pp", "2"]), (1, 2, ["--tp", "2"])])
+def test_nemotron_h_tp2_matches_single_rank(checkpoint, groups, n, flags):
     """Mamba2 mixer under --tp 2: heads and their state split; 2 groups: one B/C group and one
-    norm group per rank; 1 group: B/C replicated, the norm's group spread over both ranks."""
+    norm group per rank; 1 group: B/C replicated, the norm's group spread over both ranks.
+    With --pp 2 the second stage (Mamba2 + MLP blocks) has no KV cache at all."""
     from test_multirank import mpi_generate, single
     model = checkpoint("NemotronHForCausalLM", n_groups=groups)
-    assert mpi_generate(2, model, "--tp", "2") == single(model)
+    assert mpi_generate(n, model, *flags) == single(model)
 
 
 class EagerReplay:
