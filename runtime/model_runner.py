@@ -234,13 +234,17 @@ class ModelRunner:
                                f"{total / 2**30:.1f} GiB); raise --gpu-memory-utilization")
         return num
 
+    @property
+    def ssm_dtype(self) -> torch.dtype:
+        return torch.float32 if self.cfg.cache.mamba_ssm_cache_dtype == "float32" else self.dtype
+
     def state_bytes(self) -> int:
         """Bytes of the per-request recurrent states (Mamba2 conv + SSM), one slot per row."""
         n = self.cfg.scheduler.max_num_seqs
         total = 0
         for m in getattr(self.model, "mamba_layers", list)():
             conv, ssm = m.state_shapes(n)
-            total += np.prod(conv) * self.dtype.itemsize + np.prod(ssm) * 4
+            total += np.prod(conv) * self.dtype.itemsize + np.prod(ssm) * self.ssm_dtype.itemsize
         return int(total)
 
     def allocate_states(self) -> None:
@@ -249,7 +253,7 @@ class ModelRunner:
         for m in getattr(self.model, "mamba_layers", list)():
             conv, ssm = m.state_shapes(n)
             m.conv_state = torch.zeros(conv, dtype=self.dtype, device=self.device)
-            m.ssm_state = torch.zeros(ssm, dtype=torch.float32, device=self.device)
+            m.ssm_state = torch.zeros(ssm, dtype=self.ssm_dtype, device=self.device)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         t0 = time.perf_counter()
@@ -275,10 +279,11 @@ class ModelRunner:
                 conv = ssm = 0  # bytes per request, whatever its length (0 per token)
                 for m in self.model.mamba_layers():
                     c, s = m.state_shapes(1)
-                    conv, ssm = conv + np.prod(c) * self.dtype.itemsize, ssm + np.prod(s) * 4
+                    conv += np.prod(c) * self.dtype.itemsize
+                    ssm += np.prod(s) * self.ssm_dtype.itemsize
                 log.info("recurrent (Mamba2) state per request (0 per token): conv %d bytes, SSM %d "
-                         "bytes; %d slots (max_num_seqs), %.3f GiB", conv, ssm, n,
-                         self.state_bytes() / 2**30)
+                         "bytes (%s); %d slots (max_num_seqs), %.3f GiB", conv, ssm,
+                         str(self.ssm_dtype).replace("torch.", ""), n, self.state_bytes() / 2**30)
 
     def compile(self) -> None:
         """torch.compile and CUDA-graph capture as the config says (runtime/compilation.py)."""

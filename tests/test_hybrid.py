@@ -155,7 +155,7 @@ def test_shipped_hybrid_config_and_its_floor():
     assert s.body_params == s.num_params - 2 * 131072 * 4096  # embedding and head apart
     assert s.num_kv_layers == 4 and s.kv_bytes_per_token(2) == 2 * 4 * 8 * 128 * 2
     conv, ssm = 3 * (8192 + 2 * 8 * 128), 128 * 64 * 128  # per layer: K - 1 rows; H x P x N
-    assert s.state_bytes(2) == 24 * (conv * 2 + ssm * 4)
+    assert s.state_bytes(2) == 24 * (conv * 2 + ssm * 4) and s.state_bytes(2, 2) == 24 * (conv + ssm) * 2
     assert s.ssm_flops_per_token == 24 * (4 * ssm + 2 * 4 * (8192 + 2 * 8 * 128))
     ceil = {"hbm_GBps": 1e-9, "matmul_TFLOPs": 1e-12}  # 1 byte/s and 1 FLOP/s
     f = common.physical_floor(s, [3], [2], [3, 1], 2, ceil)
@@ -163,3 +163,23 @@ def test_shipped_hybrid_config_and_its_floor():
     assert f["flops_ssm"] == 4 * s.ssm_flops_per_token  # 3 prompt tokens + 1 decode token
     assert f["bytes_kv_write"] == 4 * s.kv_bytes_per_token(2)
     assert f["flops_attention"] == 4 * 128 * 32 * 4 * (1 + 2 + 3 + 4)
+    half = common.physical_floor(s, [3], [2], [3, 1], 2, ceil, widths=dict(linear=2, kv=2, ssm=2))
+    assert half["bytes_state"] == 3 * s.state_bytes(2, 2)  # --mamba-ssm-cache-dtype auto (bf16)
+
+
+def test_mamba_ssm_cache_dtype(checkpoint):
+    """--mamba-ssm-cache-dtype: float32 SSM states by default; auto stores them in the model
+    dtype (bf16 here: half the state memory), and greedy decoding stays close."""
+    path = checkpoint("NemotronHForCausalLM")
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    runs = {}
+    for flag, want in (("float32", torch.float32), ("auto", torch.bfloat16)):
+        llm = LLM(path, dtype="bfloat16", max_num_seqs=4, mamba_ssm_cache_dtype=flag)
+        runner = llm.engine.executor.runner
+        assert {m.ssm_state.dtype for m in runner.model.mamba_layers()} == {want}
+        runs[flag] = ([o.outputs[0].token_ids for o in llm.generate(prompts, params)], runner.state_bytes())
+    (fp32, fp32_bytes), (bf16, bf16_bytes) = runs["float32"], runs["auto"]
+    assert sum(a[:3] == b[:3] for a, b in zip(fp32, bf16)) >= len(PROMPTS) - 1  # near-ties may flip
+    elems = 2 * 4 * 16 * 16 * 4  # 2 Mamba2 layers x 4 heads x head_dim 16 x state 16, 4 slots
+    assert fp32_bytes - bf16_bytes == 2 * elems  # 2 bytes saved per element

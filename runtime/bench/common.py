@@ -83,8 +83,8 @@ class ModelStats:
     num_kv_heads: int
     head_dim: int
     num_kv_layers: int | None = None  # layers with a KV cache (None: all of them)
-    state_bytes_fixed: int = 0  # recurrent state per request in fp32 (Mamba2 SSM states)
-    state_elems: int = 0  # recurrent state per request in the model dtype (conv states)
+    conv_state_elems: int = 0  # recurrent state per request, in the model dtype (Mamba2 conv)
+    ssm_state_elems: int = 0  # recurrent state per request (Mamba2 SSM, fp32 by default)
     ssm_flops_per_token: int = 0  # Mamba2 layers' recurrence + conv FLOPs, all layers
 
     @property
@@ -95,9 +95,9 @@ class ModelStats:
         layers = self.num_layers if self.num_kv_layers is None else self.num_kv_layers
         return 2 * layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
-    def state_bytes(self, dtype_bytes: int) -> int:
+    def state_bytes(self, dtype_bytes: int, ssm_bytes: int = 4) -> int:
         """Recurrent (Mamba2) state of one request, any length."""
-        return self.state_bytes_fixed + self.state_elems * dtype_bytes
+        return self.conv_state_elems * dtype_bytes + self.ssm_state_elems * ssm_bytes
 
     def step_weight_params(self, num_tokens: int) -> float:
         """Parameters one forward over `num_tokens` tokens must read."""
@@ -142,7 +142,7 @@ def model_stats(hf_config) -> ModelStats:
         num_layers=hf_config.num_hidden_layers, num_heads=heads,
         num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
         head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
-        num_kv_layers=len(model.attention_layers()), state_bytes_fixed=4 * ssm, state_elems=conv,
+        num_kv_layers=len(model.attention_layers()), conv_state_elems=conv, ssm_state_elems=ssm,
         ssm_flops_per_token=flops)
 
 
@@ -251,7 +251,8 @@ class StepLog:
 
 def byte_widths(runner) -> dict:
     """Bytes per weight of the linear layers and experts (quantized: FP8 ~1, 4-bit ~0.52, with
-    their scales) and per KV-cache element, measured on the runner's model, for the floor."""
+    their scales), per KV-cache element and (hybrid models) per SSM-state element, measured on
+    the runner's model, for the floor."""
     nbytes = logical = 0
     for mod in runner.model.modules():
         if getattr(mod, "quant", None) is None:
@@ -263,7 +264,10 @@ def byte_widths(runner) -> dict:
         else:  # fused experts
             logical += mod.w13.numel() + mod.w2.numel()
     kv = getattr(runner, "kv_dtype", runner.dtype)
-    return dict(linear=nbytes / logical if logical else runner.dtype.itemsize, kv=kv.itemsize)
+    widths = dict(linear=nbytes / logical if logical else runner.dtype.itemsize, kv=kv.itemsize)
+    if getattr(runner.model, "mamba_layers", list)():  # hybrid: the SSM states' width too
+        widths["ssm"] = runner.ssm_dtype.itemsize
+    return widths
 
 
 def physical_floor(stats: ModelStats, prompt_lens: list[int], output_lens: list[int],
@@ -280,7 +284,8 @@ def physical_floor(stats: ModelStats, prompt_lens: list[int], output_lens: list[
         kv_written += p + o - 1
         tokens += p + o - 1
         attn_ctx += p * (p + 1) // 2 + (o - 1) * p + (o - 1) * o // 2  # prompt, then decode
-    state = sum(2 * o - 1 for o in output_lens) * stats.state_bytes(dtype_bytes)
+    state_b = stats.state_bytes(dtype_bytes, widths.get("ssm", 4) if widths else 4)
+    state = sum(2 * o - 1 for o in output_lens) * state_b
     weights = sum((stats.step_weight_params(n) - stats.head_params) * lin_b
                   + stats.head_params * dtype_bytes for n in step_tokens)
     kv_read, kv_write = ctx_read * kv_tok, kv_written * kv_tok

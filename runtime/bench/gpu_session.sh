@@ -2,7 +2,7 @@
 # One GPU-machine session: correctness, then the two standard workloads, with a table at the end.
 # Run from the repo root on the GPU machine: `bash runtime/bench/gpu_session.sh STAGE` where STAGE
 # is one of: w2 w2warm w2l2 w2cublas w1 w1l2 w1fp8kv w1so sotests w2hf w1hf tests e2e2 kernels kdecode
-# sleep kvtier sleeptests w1hybrid hybtests kmamba (several may be given; w2/w1 run the default level (1 on CUDA),
+# sleep kvtier sleeptests w1hybrid w1hybridbf16 hybtests kmamba (several may be given; w2/w1 run the default level (1 on CUDA),
 # w2l2/w1l2 --compilation-level 2; w1fp8kv = W1 with --kv-cache-dtype fp8 (compare with w1);
 # e2e2 = the level-2 end-to-end tests alone; w1so = W1 with a JSON-schema constraint on every
 # request (needs QWEN3_TOKENIZER; compare with w1); sotests = the structured-output tests on CUDA
@@ -11,7 +11,8 @@
 # sleep level 1 and 2 and the time to wake up, Llama-3.1-8B shape with dummy weights; kvtier = a
 # multi-turn shared-prefix workload larger than a 2048-block device KV cache, without and with a
 # 32 GiB host tier (TTFT, throughput, hits per tier); sleeptests = the sleep / host-tier GPU tests;
-# w1hybrid = W1 on the Nemotron-H-8B shape (hybrid Mamba2 / attention, dummy weights);
+# w1hybrid = W1 on the Nemotron-H-8B shape (hybrid Mamba2 / attention, dummy weights; w1hybridbf16:
+# with bf16 SSM states);
 # hybtests = the hybrid model and Mamba2 kernel GPU tests; kmamba = the kernel benchmark's Mamba2
 # part). Results land in $OUT
 # (or ./bench_results). Each stage has its own time limit; one device call runs at most 10
@@ -65,6 +66,8 @@ for stage in "$@"; do case $stage in
         --cache-dir "$CACHE" --output-json "$OUT/kvtier$gib.json"; done ;;
   w1hybrid) run w1hybrid 400 python3 -m rankserve.launch bench throughput nemotron-h-8b --workload w1 \
         --max-num-seqs 256 --cache-dir "$CACHE" --output-json "$OUT/w1hybrid.json" ;;
+  w1hybridbf16) run w1hybridbf16 400 python3 -m rankserve.launch bench throughput nemotron-h-8b --workload w1 \
+        --max-num-seqs 256 --mamba-ssm-cache-dtype auto --cache-dir "$CACHE" --output-json "$OUT/w1hybridbf16.json" ;;
   hybtests) run hybtests 300 python3 -m pytest -q -m gpu tests/test_hybrid.py tests/test_mamba_kernels.py ;;
   kmamba) run kmamba 150 python3 -m rankserve.kernels.benchmark --only mamba --json "$OUT/kmamba.json" ;;
   sleeptests) run sleeptests 200 python3 -m pytest -q -m gpu tests/test_gpu_sleep.py ;;
