@@ -277,7 +277,12 @@ def ssd_scan(x, dt, dt_bias, A, B, C, D, ssm_state, query_start_loc, seq_lens, s
     args = (x, dt, dt_bias, A, B, C, D, ssm_state, y, query_start_loc, seq_lens, state_idx,
             *_ssd_args(x, dt, B, C, ssm_state, y))
     if is_decode:
-        _ssd_update_kernel[(nb, H)](*args, **common)
+        _ssd_update_kernel[(nb, H)](*args, num_warps=8 if common["BLOCK_P"] * common["BLOCK_N"] > 4096
+                                    else 4, **common)
     else:
-        _ssd_scan_kernel[(nb, H)](*args, CHUNK=16 if not x.is_cuda else 64, **common)
+        # a [P, N] state and [64, N] B/C tiles per program: more warps above 64 x 64 keep them
+        # in registers; two stages bound the shared memory the chunk loop's loads are staged in
+        big = common["BLOCK_P"] * common["BLOCK_N"] > 4096
+        _ssd_scan_kernel[(nb, H)](*args, CHUNK=16 if not x.is_cuda else 64, num_warps=8 if big else 4,
+                                  num_stages=2, **common)
     return y
