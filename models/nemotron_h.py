@@ -7,7 +7,7 @@ parts are exactly the Mamba2 mixer and its per-request state; Granite 4.0-H adds
 scaling multipliers and shared experts on top of the same mixer.
 
 Mamba2 mixer: in_proj -> [z | xBC | dt]; xBC -> silu(causal conv1d) (state: the last K - 1
-inputs); SSD scan over heads (state [H, P, N] fp32); y * silu(z) -> grouped RMSNorm -> out_proj.
+inputs); SSD scan over heads (state [H, P, N], fp32 by default); y * silu(z) -> grouped RMSNorm -> out_proj.
 States live per request in slots (the request's row of the model runner's input batch), are
 read iff the request continues (seq_len > q_len) and written back every step; see
 kernels/mamba.py. Tensor parallelism: see Mamba2Mixer.
@@ -80,7 +80,7 @@ class Mamba2Mixer(nn.Module):
             raise ValueError(f"Mamba2 time_step_limit {[lo, hi]} is not supported (only [0, inf]: "
                              "dt is not clamped)")
         self.H = divide(H, tp, "mamba_num_heads")
-        self.G_full, self.group_size = G, H * self.P // G
+        self.group_size = H * self.P // G  # the gated norm's groups (channels)
         self.inter = self.H * self.P
         self.conv_dim = self.inter + 2 * self.G * self.N
         self.eps = cfg.layer_norm_epsilon
