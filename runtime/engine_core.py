@@ -59,6 +59,9 @@ class EngineCore:
         if window >= self.max_model_len:  # nothing ever leaves the window
             window = 0
         recurrent = hf_config is not None and has_recurrent_state(hf_config)
+        if recurrent and self.num_host_blocks:
+            raise ValueError("--kv-offload-size keeps evicted prefix-cache blocks in host memory, and "
+                             "prefix caching is off for models with recurrent (Mamba2) layers: drop it")
         if recurrent and cfg.cache.enable_prefix_caching:
             # a prefix hit would skip tokens whose recurrent state was never computed; states
             # checkpointed at block boundaries would allow it (not done yet)

@@ -183,3 +183,11 @@ def test_mamba_ssm_cache_dtype(checkpoint):
     assert sum(a[:3] == b[:3] for a, b in zip(fp32, bf16)) >= len(PROMPTS) - 1  # near-ties may flip
     elems = 2 * 4 * 16 * 16 * 4  # 2 Mamba2 layers x 4 heads x head_dim 16 x state 16, 4 slots
     assert fp32_bytes - bf16_bytes == 2 * elems  # 2 bytes saved per element
+
+
+def test_host_kv_tier_is_refused_for_hybrid_models(checkpoint):
+    """The host KV tier keeps prefix-cache blocks; prefix caching is off for recurrent models,
+    so --kv-offload-size is a clear startup error for them rather than a silent no-op."""
+    with pytest.raises(ValueError, match="kv-offload-size"):
+        LLM(checkpoint("NemotronHForCausalLM"), dtype="float32", max_num_seqs=4, kv_offload_size=0.01,
+            kv_cache_memory_gb=0.01)
