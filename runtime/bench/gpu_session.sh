@@ -12,7 +12,7 @@
 # multi-turn shared-prefix workload larger than a 2048-block device KV cache, without and with a
 # 32 GiB host tier (TTFT, throughput, hits per tier); sleeptests = the sleep / host-tier GPU tests;
 # w1hybrid = W1 on the Nemotron-H-8B shape (hybrid Mamba2 / attention, dummy weights; w1hybridbf16:
-# with bf16 SSM states);
+# with bf16 SSM states; each may take most of a 10-minute device call: run them one per call);
 # hybtests = the hybrid model and Mamba2 kernel GPU tests; kmamba = the kernel benchmark's Mamba2
 # part). Results land in $OUT
 # (or ./bench_results). Each stage has its own time limit; one device call runs at most 10
@@ -64,9 +64,9 @@ for stage in "$@"; do case $stage in
         --num-gpu-blocks-override 2048 --max-model-len 4096 --max-num-seqs 64 --num-conversations 32 \
         --prefix-len 2048 --turns 4 --turn-len 64 --output-len 64 --concurrency 4 --kv-offload-size $gib \
         --cache-dir "$CACHE" --output-json "$OUT/kvtier$gib.json"; done ;;
-  w1hybrid) run w1hybrid 400 python3 -m rankserve.launch bench throughput nemotron-h-8b --workload w1 \
+  w1hybrid) run w1hybrid 540 python3 -m rankserve.launch bench throughput nemotron-h-8b --workload w1 \
         --max-num-seqs 256 --cache-dir "$CACHE" --output-json "$OUT/w1hybrid.json" ;;
-  w1hybridbf16) run w1hybridbf16 400 python3 -m rankserve.launch bench throughput nemotron-h-8b --workload w1 \
+  w1hybridbf16) run w1hybridbf16 540 python3 -m rankserve.launch bench throughput nemotron-h-8b --workload w1 \
         --max-num-seqs 256 --mamba-ssm-cache-dtype auto --cache-dir "$CACHE" --output-json "$OUT/w1hybridbf16.json" ;;
   hybtests) run hybtests 300 python3 -m pytest -q -m gpu tests/test_hybrid.py tests/test_mamba_kernels.py ;;
   kmamba) run kmamba 150 python3 -m rankserve.kernels.benchmark --only mamba --json "$OUT/kmamba.json" ;;
