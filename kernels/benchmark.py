@@ -6,7 +6,9 @@ vs the unfused sequences), decode and prefill attention, prepare_qkv (q/k norm +
 and fused MoE at real model sizes
 (32 q / 8 kv heads, head_dim 128, block 16; MoE with 128 experts top-8, H 2048, I 768), and the
 quantized GEMMs of quant.py (FP8 W8A8, 4-bit weight-only, FP8 MoE) against bf16 at Llama-3.1-8B
-sizes, with triton.testing.do_bench (median), and reports each against the ceiling that bounds it.
+sizes, and the Mamba2 ops of triton_mamba.py at Nemotron-H-8B layer sizes (128 heads x 64, state
+128, 8 groups, conv width 4; fp32 SSM state), with triton.testing.do_bench (median), and reports
+each against the ceiling that bounds it.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import sys
 import torch
 import triton
 
-from . import gemv, moe, quant, triton_attention as ta
+from . import gemv, moe, quant, triton_attention as ta, triton_mamba as tm
 
 H, KH, D, BLOCK = 32, 8, 128, 16
 E, TOPK, HID, INTER = 128, 8, 2048, 768
@@ -357,12 +359,58 @@ def bench_mla(ceil, quick):
         flops = 2 * B * HM * (2 * L + R) * n * (n + 1) / 2
         rows.append(row("mla_prefill", f"B={B} L={n}", fn, B * n * (L + R) * 2, flops, ceil))
         args = None
+
+
+MH, MP, MN, MG, MK = 128, 64, 128, 8, 4  # Nemotron-H-8B's Mamba2 layer
+MC = MH * MP + 2 * MG * MN  # conv channels (x, B, C)
+
+
+def mamba_inputs(q_lens, cont: bool, device="cuda"):
+    """A step of requests with `q_lens` tokens each (continuing from a saved state if `cont`),
+    one state slot per request: (conv args, scan args) for triton_mamba."""
+    B, T = len(q_lens), sum(q_lens)
+    qsl = torch.zeros(B + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor(q_lens).cumsum(0)
+    lens = torch.tensor(q_lens, dtype=torch.int32) + (100 if cont else 0)
+    qsl, lens, idx = qsl.to(device), lens.to(device), torch.arange(B, dtype=torch.int32, device=device)
+    r = lambda *shape, dt=DT: torch.randn(*shape, dtype=dt, device=device)  # noqa: E731
+    conv = (r(T, MC), r(MC, MK), r(MC), r(B, MK - 1, MC), qsl, lens, idx)
+    xbc = r(T, MC)
+    x, Bm, Cm = xbc.split([MH * MP, MG * MN, MG * MN], -1)
+    scan = (x.view(T, MH, MP), r(T, MH), r(MH), -torch.rand(MH, device=device), Bm.view(T, MG, MN),
+            Cm.view(T, MG, MN), r(MH), r(B, MH, MP, MN, dt=torch.float32), qsl, lens, idx)
+    return conv, scan
+
+
+def bench_mamba(ceil, quick):
+    """Decode (one token per request: the state read and written is the traffic) and prefill
+    (B prompts of L tokens from zero states) at one Nemotron-H-8B layer's sizes."""
+    rows = []
+    state = MH * MP * MN * 4  # fp32 SSM state per request
+    for B in ([1, 256] if quick else [1, 16, 64, 256]):
+        conv, scan = mamba_inputs([1] * B, cont=True)
+        rows.append(row("mamba_conv_update", f"B={B} C={MC}", lambda: tm.causal_conv1d_update(*conv),
+                        B * MC * 2 * (2 * (MK - 1) + 2), 2 * B * MK * MC, ceil))
+        rows.append(row("mamba_ssd_update", f"B={B} H={MH} P={MP} N={MN}",
+                        lambda: tm.ssd_scan(*scan, is_decode=True), 2 * B * state, 4 * B * MH * MP * MN, ceil))
+    for B, L in ([(1, 2048)] if quick else [(1, 2048), (1, 8192), (8, 1024)]):
+        conv, scan = mamba_inputs([L] * B, cont=False)
+        T = B * L
+        rows.append(row("mamba_conv1d", f"B={B} L={L} C={MC}", lambda: tm.causal_conv1d(*conv),
+                        2 * T * MC * 2, 2 * T * MK * MC, ceil))
+        # per token and head: C B^T and M x over a 64-token chunk, C s and the state update
+        flops = T * MH * (2 * 64 * (MN + MP) + 4 * MP * MN)
+        nbytes = T * (2 * MH * MP + 2 * MG * MN + MH) * 2 + B * state
+        rows.append(row("mamba_ssd_scan", f"B={B} L={L} H={MH} P={MP} N={MN}",
+                        lambda: tm.ssd_scan(*scan, is_decode=False), nbytes, flops, ceil))
+        conv = scan = None
     return rows
 
 
 PARTS = {"linear": bench_linear, "skinny": bench_skinny, "decode": bench_decode,
          "prefill": bench_prefill, "prepare_qkv": bench_prepare_qkv, "moe": bench_moe,
-         "fp8": bench_fp8, "w4a16": bench_w4a16, "moe_fp8": bench_moe_fp8, "mla": bench_mla}
+         "fp8": bench_fp8, "w4a16": bench_w4a16, "moe_fp8": bench_moe_fp8, "mla": bench_mla,
+         "mamba": bench_mamba}
 
 
 def main(argv=None) -> int:

@@ -76,16 +76,18 @@ def ssd_scan_ref(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor, A: to
 @torch.library.custom_op("rankserve::mamba_conv1d", mutates_args=("conv_state",))
 def mamba_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  conv_state: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                 state_idx: torch.Tensor) -> torch.Tensor:
-    """silu(causal depthwise conv1d) over a mixed batch, conv states updated (module doc)."""
+                 state_idx: torch.Tensor, is_decode: bool) -> torch.Tensor:
+    """silu(causal depthwise conv1d) over a mixed batch, conv states updated (module doc);
+    `is_decode` (one token per request, T == B) selects the single-step kernel on the GPU."""
     if x.is_cuda:
         from . import triton_mamba as tm
-        return tm.causal_conv1d(x, weight, bias, conv_state, query_start_loc, seq_lens, state_idx)
+        conv = tm.causal_conv1d_update if is_decode else tm.causal_conv1d
+        return conv(x, weight, bias, conv_state, query_start_loc, seq_lens, state_idx)
     return causal_conv1d_ref(x, weight, bias, conv_state, query_start_loc, seq_lens, state_idx)
 
 
 @mamba_conv1d.register_fake
-def _(x, weight, bias, conv_state, query_start_loc, seq_lens, state_idx):
+def _(x, weight, bias, conv_state, query_start_loc, seq_lens, state_idx, is_decode):
     return torch.empty_like(x)
 
 

@@ -122,6 +122,57 @@ def causal_conv1d(x, weight, bias, conv_state, query_start_loc, seq_lens, state_
 
 
 @triton.jit
+def _conv1d_update_kernel(x_ptr, w_ptr, b_ptr, state_ptr, out_ptr, qsl_ptr, seq_lens_ptr, idx_ptr,
+                          stride_xt, stride_ss, stride_sk, stride_ot, C: tl.constexpr,
+                          K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr):
+    # decode: request i owns token i (T == B); a padding request (no token, or slot -1) writes
+    # a zero output row and touches no state
+    i = tl.program_id(0)
+    cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cm = cs < C
+    tok = tl.load(qsl_ptr + i)
+    slot = tl.load(idx_ptr + i).to(tl.int64)
+    out_ptrs = out_ptr + i.to(tl.int64) * stride_ot + cs
+    if (tl.load(qsl_ptr + i + 1) == tok) | (slot < 0):
+        tl.store(out_ptrs, tl.zeros([BLOCK_C], out_ptr.dtype.element_ty), mask=cm)
+        return
+    # a fresh request (a one-token prompt) starts from zeros
+    sm = cm & (tl.zeros([BLOCK_C], tl.int32) + tl.load(seq_lens_ptr + i) > 1)
+    acc = tl.zeros([BLOCK_C], tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cs, mask=cm, other=0.0).to(tl.float32)
+    row = state_ptr + slot * stride_ss + cs
+    for k in tl.static_range(K - 1):
+        v = tl.load(row + k * stride_sk, mask=sm, other=0.0)
+        acc += v.to(tl.float32) * tl.load(w_ptr + cs * K + k, mask=cm, other=0.0).to(tl.float32)
+        if k > 0:  # shift left: row k - 1 was read in the previous iteration
+            tl.store(row + (k - 1) * stride_sk, v, mask=cm)
+    x = tl.load(x_ptr + tok.to(tl.int64) * stride_xt + cs, mask=cm, other=0.0)
+    acc += x.to(tl.float32) * tl.load(w_ptr + cs * K + K - 1, mask=cm, other=0.0).to(tl.float32)
+    tl.store(row + (K - 2) * stride_sk, x.to(state_ptr.dtype.element_ty), mask=cm)
+    tl.store(out_ptrs, (acc / (1.0 + tl.exp(-acc))).to(out_ptr.dtype.element_ty), mask=cm)
+
+
+def causal_conv1d_update(x, weight, bias, conv_state, query_start_loc, seq_lens, state_idx):
+    """Decode twin of `causal_conv1d` (at most one token per request, T == B: the model
+    runner's promise in decode mode): conv and state shift in one launch, no search."""
+    T, C = x.shape
+    K = weight.shape[1]
+    assert K >= 2 and T == seq_lens.shape[0] and conv_state.shape[1:] == (K - 1, C)
+    assert conv_state.stride(2) == 1
+    out = torch.empty_like(x)
+    if T == 0:
+        return out
+    block_c = min(128, triton.next_power_of_2(C))
+    w = weight.contiguous()
+    _conv1d_update_kernel[(T, triton.cdiv(C, block_c))](
+        x, w, bias if bias is not None else w, conv_state, out, query_start_loc, seq_lens,
+        state_idx, x.stride(0), conv_state.stride(0), conv_state.stride(1), out.stride(0),
+        C=C, K=K, HAS_BIAS=bias is not None, BLOCK_C=block_c)
+    return out
+
+
+@triton.jit
 def _ssd_scan_kernel(x_ptr, dt_ptr, dt_bias_ptr, A_ptr, B_ptr, C_ptr, D_ptr, state_ptr, y_ptr,
                      qsl_ptr, seq_lens_ptr, idx_ptr, stride_xt, stride_xh, stride_dtt,
                      stride_bt, stride_bg, stride_ct, stride_cg, stride_ss, stride_sh, stride_sp,
@@ -226,7 +277,12 @@ def ssd_scan(x, dt, dt_bias, A, B, C, D, ssm_state, query_start_loc, seq_lens, s
     args = (x, dt, dt_bias, A, B, C, D, ssm_state, y, query_start_loc, seq_lens, state_idx,
             *_ssd_args(x, dt, B, C, ssm_state, y))
     if is_decode:
-        _ssd_update_kernel[(nb, H)](*args, **common)
+        _ssd_update_kernel[(nb, H)](*args, num_warps=8 if common["BLOCK_P"] * common["BLOCK_N"] > 4096
+                                    else 4, **common)
     else:
-        _ssd_scan_kernel[(nb, H)](*args, CHUNK=16 if not x.is_cuda else 64, **common)
+        # a [P, N] state and [64, N] B/C tiles per program: more warps above 64 x 64 keep them
+        # in registers; two stages bound the shared memory the chunk loop's loads are staged in
+        big = common["BLOCK_P"] * common["BLOCK_N"] > 4096
+        _ssd_scan_kernel[(nb, H)](*args, CHUNK=16 if not x.is_cuda else 64, num_warps=8 if big else 4,
+                                  num_stages=2, **common)
     return y

@@ -86,6 +86,7 @@ class CompiledModel:
             b.qsl[:B + 1].copy_(torch.tensor([0, q_len, T]))
             b.seq_lens[:B].fill_(q_len)
             b.table[:B].zero_()
+            b.state_idx[:B].fill_(-1)  # and no recurrent state
             hidden = None if b.hidden is None else b.hidden[:T]
             self.forward(b.ids[:T], b.pos[:T], b.attn(T, B, is_decode=q_len == 1), hidden)
         if self.device.type == "cuda":
@@ -132,16 +133,11 @@ class CompiledModel:
         """One graph per padded decode batch size; padding requests have no query and no
         context, padding tokens write to slot -1 (nowhere)."""
         from tqdm import tqdm
-        b = self.batch
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         sizes = sorted(self.capture_sizes(), reverse=True)
         for bs in tqdm(sizes, desc="Capturing CUDA graphs", disable=not self.show_progress):
-            b.slots[:bs].fill_(-1)
-            b.qsl[:bs + 1].copy_(torch.arange(bs + 1, device=self.device))
-            b.seq_lens[:bs].fill_(1)
-            hidden = None if b.hidden is None else b.hidden[:bs]
-            args = (b.ids[:bs], b.pos[:bs], b.attn(bs, bs, is_decode=True), hidden)
+            args = self.graph_inputs(bs)
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):  # compile for this size / warm up outside the capture
@@ -152,6 +148,18 @@ class CompiledModel:
                 out = self.forward(*args)
             self.graphs[bs] = (graph, out)
         torch.cuda.synchronize()
+
+    def graph_inputs(self, bs: int) -> tuple:
+        """The forward's arguments for a decode graph of `bs` requests: views of the persistent
+        buffers, which every replay reads. For the capture the requests are fresh one-token
+        ones without a KV slot (-1) or a recurrent-state slot (-1): it writes nothing."""
+        b = self.batch
+        b.slots[:bs].fill_(-1)
+        b.qsl[:bs + 1].copy_(torch.arange(bs + 1, device=self.device))
+        b.seq_lens[:bs].fill_(1)
+        b.state_idx[:bs].fill_(-1)
+        hidden = None if b.hidden is None else b.hidden[:bs]
+        return b.ids[:bs], b.pos[:bs], b.attn(bs, bs, is_decode=True), hidden
 
     def _run_graph(self, T: int, attn: AttnMeta, hidden_in: torch.Tensor | None
                    ) -> torch.Tensor | None:

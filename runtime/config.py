@@ -77,6 +77,9 @@ class CacheConfig:
     kv_cache_dtype: str = opt("auto", "KV-cache storage: auto (the model dtype) or fp8 (= fp8_e4m3: "
                               "e4m3 with per-layer k/v scales, twice the tokens of a 16-bit cache)",
                               choices=("auto", "fp8", "fp8_e4m3"))
+    mamba_ssm_cache_dtype: str = opt("float32", "Mamba2 SSM state storage (hybrid models): float32, or "
+                                     "auto (the model dtype: half the state memory and traffic)",
+                                     choices=("auto", "float32"))
 
     def validate(self):
         _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "in (0, 1]",

@@ -58,7 +58,11 @@ class EngineCore:
             window = kv_sliding_window(hf_config)
         if window >= self.max_model_len:  # nothing ever leaves the window
             window = 0
-        if hf_config is not None and has_recurrent_state(hf_config) and cfg.cache.enable_prefix_caching:
+        recurrent = hf_config is not None and has_recurrent_state(hf_config)
+        if recurrent and self.num_host_blocks:
+            raise ValueError("--kv-offload-size keeps evicted prefix-cache blocks in host memory, and "
+                             "prefix caching is off for models with recurrent (Mamba2) layers: drop it")
+        if recurrent and cfg.cache.enable_prefix_caching:
             # a prefix hit would skip tokens whose recurrent state was never computed; states
             # checkpointed at block boundaries would allow it (not done yet)
             log.info("prefix caching off: the model has recurrent (Mamba2) layers")
@@ -82,11 +86,15 @@ class EngineCore:
         per_req = -(-self.max_model_len // bs)
         if window:
             per_req = min(per_req, -(-(window - 1) // bs) + 1)
+        concurrency = self.scheduler.kv.num_blocks / per_req
         log.info("KV cache: %d blocks of %d tokens = %d tokens; max concurrency %.1f requests "
-                 "of max_model_len %d%s", num_blocks, bs, num_blocks * bs,
-                 self.scheduler.kv.num_blocks / per_req, self.max_model_len,
+                 "of max_model_len %d%s%s", num_blocks, bs, num_blocks * bs,
+                 min(concurrency, cfg.scheduler.max_num_seqs) if recurrent else concurrency,
+                 self.max_model_len,
                  f" (sliding window {window}: at most {per_req} blocks per decoding request)"
-                 if window else "")
+                 if window else "",
+                 f" (KV blocks for {concurrency:.1f}; recurrent-state slots for max_num_seqs "
+                 f"{cfg.scheduler.max_num_seqs})" if recurrent else "")
         if self.num_host_blocks:
             log.info("host KV tier: %d blocks = %d tokens", self.num_host_blocks, self.num_host_blocks * bs)
         log.info("startup: %s (total %.1f s)", ", ".join(

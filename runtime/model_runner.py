@@ -198,6 +198,8 @@ class ModelRunner:
         c = self.cfg.cache
         if c.num_gpu_blocks_override:
             return c.num_gpu_blocks_override
+        if not self.kv_bytes_per_block():  # no KV here: as many blocks as requests could use
+            return self.cfg.scheduler.max_num_seqs * -(-self.max_model_len // self.block_size) + 1
         if self.device.type == "cuda":
             t0 = time.perf_counter()
             num = self._profile_num_blocks()
@@ -239,13 +241,17 @@ class ModelRunner:
                                f"{total / 2**30:.1f} GiB); raise --gpu-memory-utilization")
         return num
 
+    @property
+    def ssm_dtype(self) -> torch.dtype:
+        return torch.float32 if self.cfg.cache.mamba_ssm_cache_dtype == "float32" else self.dtype
+
     def state_bytes(self) -> int:
         """Bytes of the per-request recurrent states (Mamba2 conv + SSM), one slot per row."""
         n = self.cfg.scheduler.max_num_seqs
         total = 0
         for m in getattr(self.model, "mamba_layers", list)():
             conv, ssm = m.state_shapes(n)
-            total += np.prod(conv) * self.dtype.itemsize + np.prod(ssm) * 4
+            total += np.prod(conv) * self.dtype.itemsize + np.prod(ssm) * self.ssm_dtype.itemsize
         return int(total)
 
     def allocate_states(self) -> None:
@@ -254,7 +260,7 @@ class ModelRunner:
         for m in getattr(self.model, "mamba_layers", list)():
             conv, ssm = m.state_shapes(n)
             m.conv_state = torch.zeros(conv, dtype=self.dtype, device=self.device)
-            m.ssm_state = torch.zeros(ssm, dtype=torch.float32, device=self.device)
+            m.ssm_state = torch.zeros(ssm, dtype=self.ssm_dtype, device=self.device)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         t0 = time.perf_counter()
@@ -278,8 +284,14 @@ class ModelRunner:
             log.info("KV bytes per token: %s", ", ".join(f"{k} {v}" for k, v in kinds.items()))
             if self.state_bytes():
                 n = self.cfg.scheduler.max_num_seqs
-                log.info("recurrent (Mamba2) state: %d bytes per request, %d slots (max_num_seqs), "
-                         "%.3f GiB", self.state_bytes() // n, n, self.state_bytes() / 2**30)
+                conv = ssm = 0  # bytes per request, whatever its length (0 per token)
+                for m in self.model.mamba_layers():
+                    c, s = m.state_shapes(1)
+                    conv += np.prod(c) * self.dtype.itemsize
+                    ssm += np.prod(s) * self.ssm_dtype.itemsize
+                log.info("recurrent (Mamba2) state per request (0 per token): conv %d bytes, SSM %d "
+                         "bytes (%s); %d slots (max_num_seqs), %.3f GiB", conv, ssm,
+                         str(self.ssm_dtype).replace("torch.", ""), n, self.state_bytes() / 2**30)
 
     def compile(self) -> None:
         """torch.compile and CUDA-graph capture as the config says (runtime/compilation.py)."""

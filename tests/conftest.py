@@ -78,6 +78,12 @@ def make_checkpoint(path: Path, arch: str, **overrides) -> str:
         for _name, p in model.named_parameters():
             if p.dim() >= 2 or arch.startswith("Gemma"):  # Gemma's norms start at 0 (1 + w)
                 p.normal_(0, 0.1)
+            elif arch.startswith("NemotronH"):  # per-head / per-channel values that differ, so
+                p.mul_(1 + 0.2 * torch.randn_like(p))  # a tensor-parallel split must get them right
+            if "conv1d" in _name:  # x, B, C large enough that the SSM state (not only D x) counts
+                p.normal_(0, 0.5)
+            if _name.endswith("dt_bias"):  # time steps of a trained model's range, not HF's init
+                p.uniform_(-2, 1)  # (whose tiny dt would hit transformers' prefill-only clamp)
         for name, b in model.named_buffers():  # DeepSeek-V3's routing bias: let it matter
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0, 0.1)

@@ -22,19 +22,26 @@ def make_meta(q_lens=Q_LENS, seq_lens=SEQ_LENS, slots=SLOTS, pad=2):
             torch.tensor(slots, dtype=torch.int32))
 
 
-def conv_case(C, K, bias, seed):
+def on(device, dtype, *ts):
+    return [None if t is None else t.to(device, dtype) for t in ts]
+
+
+def conv_case(C, K, bias, seed, device="cpu", dtype=torch.float32):
     from rankserve.kernels import triton_mamba as tm
     g = torch.Generator().manual_seed(seed)
-    T, qsl, lens, idx = make_meta()
+    T, *meta = make_meta()
+    qsl, lens, idx = on(device, None, *meta)
     x = torch.randn(T, C, generator=g)
     w = torch.randn(C, K, generator=g)
     b = torch.randn(C, generator=g) if bias else None
     state = torch.randn(6, K - 1, C, generator=g)
+    x, w, b, state = on(device, dtype, x, w, b, state)
     ref_state = state.clone()
     ref = mamba.causal_conv1d_ref(x, w, b, ref_state, qsl, lens, idx)
     out = tm.causal_conv1d(x, w, b, state, qsl, lens, idx)
     n = int(qsl[-1])
-    torch.testing.assert_close(out[:n], ref[:n], atol=1e-5, rtol=1e-5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[:n], ref[:n], atol=tol, rtol=tol)
     assert torch.all(out[n:] == 0)
     torch.testing.assert_close(state, ref_state, atol=0, rtol=0)
 
@@ -42,6 +49,31 @@ def conv_case(C, K, bias, seed):
 @pytest.mark.parametrize("C,K,bias", [(48, 4, True), (130, 4, False), (16, 2, True)])
 def test_causal_conv1d(interp, C, K, bias):
     interp(conv_case, C, K, bias, C + K)
+
+
+def conv_update_case(C, K, bias, seed, device="cpu", dtype=torch.float32):
+    """Decode: continuing requests, a fresh one (a one-token prompt), a padding request."""
+    from rankserve.kernels import triton_mamba as tm
+    g = torch.Generator().manual_seed(seed)
+    T, qsl, lens, idx = make_meta([1, 1, 1, 0], [7, 1, 30, 0], [1, 4, 0, -1], pad=1)  # T == B
+    qsl, lens, idx = on(device, None, qsl, lens, idx)
+    x = torch.randn(T, C, generator=g)
+    w = torch.randn(C, K, generator=g)
+    b = torch.randn(C, generator=g) if bias else None
+    state = torch.randn(6, K - 1, C, generator=g)
+    x, w, b, state = on(device, dtype, x, w, b, state)
+    ref_state = state.clone()
+    ref = mamba.causal_conv1d_ref(x, w, b, ref_state, qsl, lens, idx)
+    out = tm.causal_conv1d_update(x, w, b, state, qsl, lens, idx)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[:3], ref[:3], atol=tol, rtol=tol)
+    assert torch.all(out[3:] == 0)
+    torch.testing.assert_close(state, ref_state, atol=0, rtol=0)  # others' slots untouched
+
+
+@pytest.mark.parametrize("C,K,bias", [(48, 4, True), (130, 2, False)])
+def test_causal_conv1d_update(interp, C, K, bias):
+    interp(conv_update_case, C, K, bias, C * K)
 
 
 def test_conv1d_ref_chunked_equals_whole():
@@ -63,17 +95,23 @@ def make_ssd(T, H, P, G, N, slots, seed):
             r(H), r(slots, H, P, N))
 
 
-def ssd_case(q_lens, seq_lens, slots, H, P, G, N, decode, seed):
+def ssd_case(q_lens, seq_lens, slots, H, P, G, N, decode, seed, device="cpu", dtype=torch.float32):
+    """fp32 (the interpreter) or the model dtype on the GPU (activations in it, the state and
+    A in fp32 as in the model)."""
     from rankserve.kernels import triton_mamba as tm
-    T, qsl, lens, idx = make_meta(q_lens, seq_lens, slots)
+    T, *meta = make_meta(q_lens, seq_lens, slots)
+    qsl, lens, idx = on(device, None, *meta)
     x, dt, dt_bias, A, B, C, D, state = make_ssd(T, H, P, G, N, 6, seed)
+    x, dt, dt_bias, B, C, D = on(device, dtype, x, dt, dt_bias, B, C, D)
+    A, state = on(device, None, A, state)
     ref_state = state.clone()
     ref = mamba.ssd_scan_ref(x, dt, dt_bias, A, B, C, D, ref_state, qsl, lens, idx)
     y = tm.ssd_scan(x, dt, dt_bias, A, B, C, D, state, qsl, lens, idx, is_decode=decode)
     n = int(qsl[-1])
-    torch.testing.assert_close(y[:n], ref[:n], atol=1e-4, rtol=1e-4)
+    tol = 1e-4 if dtype == torch.float32 and device == "cpu" else 3e-2  # GPU: tf32 / bf16 dots
+    torch.testing.assert_close(y[:n], ref[:n], atol=tol, rtol=tol)
     assert torch.all(y[n:] == 0)
-    torch.testing.assert_close(state, ref_state, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(state, ref_state, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("H,P,G,N", [(4, 16, 2, 16), (2, 24, 1, 8)])
@@ -97,3 +135,17 @@ def test_ssd_ref_chunked_equals_whole():
              for a, b in ((0, 7), (7, 8), (8, 20))]
     torch.testing.assert_close(torch.cat(parts), whole)
     torch.testing.assert_close(s1, s2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mamba_kernels_gpu(dtype):
+    """The same cases compiled for the GPU, in bf16 (and fp32), against the references."""
+    for C, K, bias in [(48, 4, True), (130, 4, False), (1280, 4, True)]:
+        conv_case(C, K, bias, C + K, "cuda", dtype)
+        conv_update_case(C, K, bias, C * K, "cuda", dtype)
+    for H, P, G, N in [(4, 16, 2, 16), (2, 24, 1, 8), (8, 64, 1, 128)]:
+        ssd_case([13, 9, 137, 1, 0], [13, 29, 137, 140, 0], [2, 0, 4, 3, -1], H, P, G, N, False,
+                 H + P, "cuda", dtype)
+        ssd_case([1, 1, 1, 0], [7, 1, 30, 0], [1, 4, 0, -1], H, P, G, N, True, H * P, "cuda", dtype)

@@ -17,12 +17,17 @@ measured width: `byte_widths`; P = prompt length, O = output tokens of a request
             values): each step that produces a token reads
             the KV of its whole context once (t = 0 is the prefill over the prompt).
   KV write  Σ_req (P + O - 1) × kv_bytes_per_token (the last sampled token is never written).
+            (KV layers only: a hybrid model's Mamba2 and MLP blocks have none.)
+  state     hybrid models: Σ_req (2 O - 1) × recurrent state bytes (conv + SSM): the prefill
+            writes a request's state, each of its O - 1 decode steps reads and writes it.
 FLOPs:
   linear    2 × (non-embedding parameters active per token) × Σ (P + O - 1) tokens processed
             + 2 × V × H × Σ O (the LM head only runs on sampled positions).
   attention 4 × head_dim × heads × layers × Σ context over processed tokens (QKᵀ and PV; MLA:
             2 × (2 kv_lora_rank + rope dims) per head, the absorbed form), where
             a prompt token at position i sees i + 1 tokens and decode token t sees P + t.
+  SSM       Mamba2 layers: (4 × heads × head_dim × state + 2 × conv width × conv channels) per
+            processed token and layer (the recurrence's update and readout, the conv).
 
 The floor ignores activations, the sampler, launch overheads and communication, so
 `achieved_fraction = floor / measured` is at most ~1 and says how close a run is to the hardware.
@@ -83,15 +88,24 @@ class ModelStats:
     # kv_lora_rank itself; 0 for models that cache per-head keys and values
     kv_latent: int = 0
     kv_lora_rank: int = 0
+    num_kv_layers: int | None = None  # layers with a KV cache (None: all of them)
+    conv_state_elems: int = 0  # recurrent state per request, in the model dtype (Mamba2 conv)
+    ssm_state_elems: int = 0  # recurrent state per request (Mamba2 SSM, fp32 by default)
+    ssm_flops_per_token: int = 0  # Mamba2 layers' recurrence + conv FLOPs, all layers
 
     @property
     def head_params(self) -> int:
         return self.vocab_size * self.hidden_size
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        layers = self.num_layers if self.num_kv_layers is None else self.num_kv_layers
         if self.kv_latent:
-            return self.num_layers * self.kv_latent * dtype_bytes
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+            return layers * self.kv_latent * dtype_bytes
+        return 2 * layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def state_bytes(self, dtype_bytes: int, ssm_bytes: int = 4) -> int:
+        """Recurrent (Mamba2) state of one request, any length."""
+        return self.conv_state_elems * dtype_bytes + self.ssm_state_elems * ssm_bytes
 
     @property
     def attn_flops_per_context(self) -> int:
@@ -99,7 +113,8 @@ class ModelStats:
         PV over head_dim, or for MLA's absorbed form over the latent (L + R, then L)."""
         per_head = 2 * (2 * self.kv_lora_rank + (self.kv_latent - self.kv_lora_rank)) \
             if self.kv_latent else 4 * self.head_dim
-        return per_head * self.num_heads * self.num_layers
+        layers = self.num_layers if self.num_kv_layers is None else self.num_kv_layers
+        return per_head * self.num_heads * layers
 
     def step_weight_params(self, num_tokens: int) -> float:
         """Parameters one forward over `num_tokens` tokens must read."""
@@ -123,13 +138,18 @@ def model_stats(hf_config) -> ModelStats:
     total = body = experts = 0
     for name, p in model.named_parameters():  # tied weights appear once
         total += p.numel()
-        if "embed_tokens" in name or name.startswith("lm_head"):
+        if name.endswith(("embed_tokens.weight", "embeddings.weight")) or name.startswith("lm_head"):
             continue
         if ".experts." in name:
             experts += p.numel()
         else:
             body += p.numel()
     num_experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", 0)
+    conv = ssm = flops = 0
+    for m in getattr(model, "mamba_layers", list)():
+        c, st = m.state_shapes(1)
+        conv, ssm = conv + c[1] * c[2], ssm + st[1] * st[2] * st[3]
+        flops += 4 * st[1] * st[2] * st[3] + 2 * m.K * m.conv_dim
     heads = hf_config.num_attention_heads
     return ModelStats(
         num_params=total, body_params=body, expert_params=experts,
@@ -141,7 +161,9 @@ def model_stats(hf_config) -> ModelStats:
         head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
         kv_latent=(hf_config.kv_lora_rank + hf_config.qk_rope_head_dim)
         if getattr(hf_config, "kv_lora_rank", None) else 0,
-        kv_lora_rank=getattr(hf_config, "kv_lora_rank", None) or 0)
+        kv_lora_rank=getattr(hf_config, "kv_lora_rank", None) or 0,
+        num_kv_layers=len(model.attention_layers()), conv_state_elems=conv, ssm_state_elems=ssm,
+        ssm_flops_per_token=flops)
 
 
 # ---- workloads ------------------------------------------------------------------------------
@@ -249,7 +271,8 @@ class StepLog:
 
 def byte_widths(runner) -> dict:
     """Bytes per weight of the linear layers and experts (quantized: FP8 ~1, 4-bit ~0.52, with
-    their scales) and per KV-cache element, measured on the runner's model, for the floor."""
+    their scales), per KV-cache element and (hybrid models) per SSM-state element, measured on
+    the runner's model, for the floor."""
     nbytes = logical = 0
     for mod in runner.model.modules():
         if getattr(mod, "quant", None) is None:
@@ -261,7 +284,10 @@ def byte_widths(runner) -> dict:
         else:  # fused experts
             logical += mod.w13.numel() + mod.w2.numel()
     kv = getattr(runner, "kv_dtype", runner.dtype)
-    return dict(linear=nbytes / logical if logical else runner.dtype.itemsize, kv=kv.itemsize)
+    widths = dict(linear=nbytes / logical if logical else runner.dtype.itemsize, kv=kv.itemsize)
+    if getattr(runner.model, "mamba_layers", list)():  # hybrid: the SSM states' width too
+        widths["ssm"] = runner.ssm_dtype.itemsize
+    return widths
 
 
 def physical_floor(stats: ModelStats, prompt_lens: list[int], output_lens: list[int],
@@ -278,17 +304,21 @@ def physical_floor(stats: ModelStats, prompt_lens: list[int], output_lens: list[
         kv_written += p + o - 1
         tokens += p + o - 1
         attn_ctx += p * (p + 1) // 2 + (o - 1) * p + (o - 1) * o // 2  # prompt, then decode
+    state_b = stats.state_bytes(dtype_bytes, widths.get("ssm", 4) if widths else 4)
+    state = sum(2 * o - 1 for o in output_lens) * state_b
     weights = sum((stats.step_weight_params(n) - stats.head_params) * lin_b
                   + stats.head_params * dtype_bytes for n in step_tokens)
     kv_read, kv_write = ctx_read * kv_tok, kv_written * kv_tok
     flops_linear = 2 * stats.active_params_per_token * tokens + 2 * stats.head_params * sum(output_lens)
     flops_attn = stats.attn_flops_per_context * attn_ctx
-    nbytes, flops = weights + kv_read + kv_write, flops_linear + flops_attn
+    flops_ssm = stats.ssm_flops_per_token * tokens
+    nbytes, flops = weights + kv_read + kv_write + state, flops_linear + flops_attn + flops_ssm
     t_mem = nbytes / (ceilings["hbm_GBps"] * 1e9 * num_devices)
     t_comp = flops / (ceilings["matmul_TFLOPs"] * 1e12 * num_devices)
     return dict(num_steps=len(step_tokens), tokens_processed=tokens,
                 bytes_weights=weights, bytes_kv_read=kv_read, bytes_kv_write=kv_write,
-                bytes_total=nbytes, flops_linear=flops_linear, flops_attention=flops_attn,
+                bytes_state=state, bytes_total=nbytes, flops_linear=flops_linear,
+                flops_attention=flops_attn, flops_ssm=flops_ssm,
                 flops_total=flops, t_memory_s=t_mem, t_compute_s=t_comp,
                 floor_s=max(t_mem, t_comp), bound="memory" if t_mem >= t_comp else "compute",
                 num_devices=num_devices)

@@ -20,6 +20,9 @@
 #   dsw2, dsw1        W2 / W1 on deepseek-v3-small (V3 layers and MLA widths, 8 layers, 64 experts,
 #                     dummy bf16 weights); dsw2fp8 / dsw1fp8 block FP8; dsw1kv8 the fp8 latent cache;
 #                     dskv KV bytes per token (MLA vs GQA); dstests DeepSeek GPU tests; kmla MLA kernels
+#   w1hybrid          W1 on the Nemotron-H-8B shape (hybrid Mamba2 / attention, dummy weights);
+#                     w1hybridbf16 with bf16 SSM states (each may take most of a call); hybtests the
+#                     hybrid / Mamba2 GPU tests; kmamba the Mamba2 kernel benchmark
 # PROFILE_DIR=dir profiles W1 and W2 (kernel table in the log, trace in dir).
 set -u
 OUT=${OUT:-bench_results}; mkdir -p "$OUT"
@@ -89,6 +92,12 @@ for stage in "$@"; do case $stage in
         --num-gpu-blocks-override 2048 --max-model-len 4096 --max-num-seqs 64 --num-conversations 32 \
         --prefix-len 2048 --turns 4 --turn-len 64 --output-len 64 --concurrency 4 --kv-offload-size $gib \
         --cache-dir "$CACHE" --output-json "$OUT/kvtier$gib.json"; done ;;
+  w1hybrid) run w1hybrid 540 python3 -m rankserve.launch bench throughput nemotron-h-8b --workload w1 \
+        --max-num-seqs 256 --cache-dir "$CACHE" --output-json "$OUT/w1hybrid.json" ;;
+  w1hybridbf16) run w1hybridbf16 540 python3 -m rankserve.launch bench throughput nemotron-h-8b --workload w1 \
+        --max-num-seqs 256 --mamba-ssm-cache-dtype auto --cache-dir "$CACHE" --output-json "$OUT/w1hybridbf16.json" ;;
+  hybtests) run hybtests 300 python3 -m pytest -q -m gpu tests/test_hybrid.py tests/test_mamba_kernels.py ;;
+  kmamba) run kmamba 150 python3 -m rankserve.kernels.benchmark --only mamba --json "$OUT/kmamba.json" ;;
   sleeptests) run sleeptests 200 python3 -m pytest -q -m gpu tests/test_gpu_sleep.py ;;
   launchtests) run launchtests 200 python3 -m pytest -q -m gpu tests/test_launch_gpu.py ;;
   servew1) GPUS=1 SERVE_RUNS="c256:--num-prompts 256 --max-concurrency 256;r10:--num-prompts 400 --request-rate 10;r20:--num-prompts 400 --request-rate 20;r40:--num-prompts 400 --request-rate 40" \
