@@ -33,7 +33,30 @@ def _clean(err: Exception) -> str:
     return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", msg).replace("Check failed: (error.empty()) is false: ", "")
 
 
+# xgrammar 0.2.9 writes a JSON string with minLength / maxLength as `"\"" [^"\\\r\n]{m,n} "\""`
+# (its own rule for other strings excludes \0-\x1f and allows escapes): raw control characters
+# such as a tab get through, which no JSON parser accepts, and escapes do not. The mended class:
+# one JSON string character, an escape counting as one as JSON Schema counts it.
+_LOOSE_CHAR = '[^\\"\\\\\\r\\n]'
+_JSON_CHAR = ('([^\\0-\\x1f\\"\\\\] | "\\\\" [\\"\\\\/bfnrt] '
+              '| "\\\\u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])')
+
+
+def _json_strings(grammar):
+    """The grammar with xgrammar's loose length-bounded string characters mended (see above)."""
+    import xgrammar as xgr
+    ebnf = str(grammar)
+    if _LOOSE_CHAR not in ebnf:
+        return grammar
+    return xgr.Grammar.from_ebnf(ebnf.replace(_LOOSE_CHAR, _JSON_CHAR))
+
+
 def parse_grammar(so: StructuredOutputsParams):
+    """The xgrammar Grammar for a constraint, its JSON strings mended (_json_strings)."""
+    return _json_strings(_parse_grammar(so))
+
+
+def _parse_grammar(so: StructuredOutputsParams):
     """The xgrammar Grammar for a constraint; ValueError naming the problem if it is invalid."""
     import xgrammar as xgr
     kind = so.kind

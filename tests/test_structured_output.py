@@ -279,6 +279,28 @@ def test_slow_compile_does_not_stall_others_and_failures_finish_with_error():
     assert re.fullmatch("[a-z ]+", llm.tokenizer.decode(toks))
 
 
+def test_length_bounded_strings_stay_json():
+    """xgrammar 0.2.9 writes a string with minLength / maxLength as `[^"\\\r\n]{m,n}`: raw
+    control characters (a tab) allowed, escapes not — a sampled tab made invalid JSON (seen
+    at 5 of 18 outputs of a random tiny Qwen3, on the GPU and on CPU). parse_grammar mends
+    such character classes, also inside structural tags."""
+    import xgrammar as xgr
+    from rankserve.runtime.structured_output import parse_grammar
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 4}},
+              "required": ["name"], "additionalProperties": False}
+
+    def accepts(so, text):
+        return xgr.testing._is_grammar_accept_string(parse_grammar(so), text)
+    for so, wrap in [(SO(json=schema), "{}"), (SO(structural_tag=json.dumps({
+            "structures": [{"begin": "<f>", "schema": schema, "end": "</f>"}],
+            "triggers": ["<f>"]})), "x<f>{}</f>")]:
+        def text(name):
+            return wrap.replace("{}", '{"name": "%s"}' % name)
+        assert accepts(so, text("ab\\tc")) and accepts(so, text("\\u00e9")), so  # escapes count as one
+        for bad in ("a\tb", "a\x01", "abcde"):  # raw control characters are not JSON
+            assert not accepts(so, text(bad)), (so, bad)
+
+
 def test_tokenizer_info_trusts_the_vocabulary(qwen3_chat_dir, monkeypatch):
     """If xgrammar misreads a byte-level tokenizer as plain strings (it inspects the tokenizer
     object, which differs across transformers versions), a newline token would count as the two
