@@ -44,6 +44,8 @@ class Request:
         self.prompt_logprobs: list = []
         # structured outputs: compilation future, then the grammar matcher (structured_output.py)
         self.grammar = None
+        # speculative decoding: the proposer's guesses of the next tokens, verified next step
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:
@@ -71,6 +73,7 @@ class Request:
         self.status = RequestStatus.PREEMPTED
         self.num_computed_tokens = 0
         self.num_sent = None
+        self.spec_token_ids = []
         self.num_preemptions += 1
 
     def sort_key(self, policy: str):

@@ -69,6 +69,9 @@ class SchedulerOutput:
     blocks_to_host: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     blocks_from_host: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
     wait_for_copies: bool = False
+    # speculative decoding: draft tokens scheduled after each request's known tokens (their
+    # count is in num_scheduled_tokens); the runner verifies them in this step
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     def bitmask(self) -> np.ndarray | None:
         """The grammar rows, filled on first use (or by the fill `fill_async` started). On one
@@ -95,12 +98,32 @@ class SchedulerOutput:
         return self.total_num_scheduled_tokens == 0
 
 
+class SpecDecodingStats:
+    """Cumulative counts of verified drafts (vLLM's spec_decode metrics)."""
+
+    def __init__(self):
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.accepted_per_pos: list[int] = []
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_drafts:
+            self.accepted_per_pos += [0] * (num_drafts - len(self.accepted_per_pos))
+        for j in range(num_accepted):
+            self.accepted_per_pos[j] += 1
+
+
 class Scheduler:
     def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int,
                  max_model_len: int, async_scheduling: bool = False,
                  structured: StructuredOutputManager | None = None, num_host_blocks: int = 0,
-                 max_loras: int = 0, sliding_window: int = 0):
+                 max_loras: int = 0, sliding_window: int = 0, spec_lookahead: int = 0):
         self.cfg = sched
+        # speculative decoding: KV slots reserved past each step's tokens for the proposer
+        self.spec_lookahead = spec_lookahead
+        self.spec = SpecDecodingStats()
         self.max_loras = max_loras  # LoRA: most adapters among running requests (0: no LoRA)
         self.structured = structured
         self.compiling: list[Request] = []  # waiting for their grammar: not schedulable yet
@@ -170,6 +193,7 @@ class Scheduler:
         self.finished_ids = []
         budget = self.cfg.max_num_batched_tokens
         step: dict[str, tuple[Request, int, list[int], bool]] = {}  # id → (req, n, new blocks, new)
+        drafts: dict[str, list[int]] = {}  # speculative decoding: drafts scheduled this step
         preempted = False
         if self.compiling:
             self._poll_grammars()
@@ -184,7 +208,8 @@ class Scheduler:
             if n <= 0 or (req.num_pending and not self._can_run_ahead(req)):
                 i += 1  # its last step is still in flight
                 continue
-            new_blocks = self.kv.allocate_slots(req, n)
+            spec = self._drafts(req, n, budget)
+            new_blocks = self.kv.allocate_slots(req, n + len(spec) + self._ahead(req, n + len(spec)))
             while new_blocks is None:
                 victim = max((r for r in self.running if r.num_in_flight == 0),
                              key=lambda r: r.sort_key(self.cfg.policy), default=None)
@@ -192,17 +217,21 @@ class Scheduler:
                     break
                 if victim.request_id in step:
                     budget += step.pop(victim.request_id)[1]
+                    drafts.pop(victim.request_id, None)
                 if self.running.index(victim) < i:
                     i -= 1
                 self._preempt(victim, out)
                 preempted = True
                 if victim is req:
                     break
-                new_blocks = self.kv.allocate_slots(req, n)
+                new_blocks = self.kv.allocate_slots(req, n + len(spec) + self._ahead(req, n + len(spec)))
             if new_blocks is None:
                 if req.status == RequestStatus.RUNNING:
                     i += 1
                 continue  # else req itself was preempted; running[i] is now the next one
+            if spec:
+                drafts[req.request_id] = spec
+                n += len(spec)
             step[req.request_id] = (req, n, new_blocks, False)
             budget -= n
             i += 1
@@ -226,7 +255,7 @@ class Scheduler:
             if n > budget and not self.cfg.enable_chunked_prefill:
                 break
             n = min(n, budget)
-            new_blocks = self.kv.allocate_slots(req, n, computed)
+            new_blocks = self.kv.allocate_slots(req, n + self._ahead(req, n, num_cached), computed)
             if new_blocks is None:
                 break
             self.waiting.pop(j)
@@ -243,7 +272,11 @@ class Scheduler:
 
         constrained = []
         for req, n, new_blocks, new in step.values():
-            if self._commit(req, n, new_blocks, new, out) and req.grammar and req.grammar.active:
+            spec = drafts.get(req.request_id)
+            if spec:
+                out.spec_token_ids[req.request_id] = spec
+            req.spec_token_ids = []  # scheduled now, or stale
+            if self._commit(req, n, new_blocks, new, out, len(spec or ())) and req.grammar and req.grammar.active:
                 constrained.append(req)
         if constrained:
             out.grammar_req_ids = [r.request_id for r in constrained]
@@ -323,8 +356,24 @@ class Scheduler:
                 and req.num_output_tokens + req.num_pending < req.max_tokens
                 and req.num_tokens + req.num_pending < self.max_model_len)
 
+    def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
+        """The proposed tokens `req` verifies this step (after its n known ones): only for a
+        plain decode, within the budget and never past max_tokens or max_model_len."""
+        if not req.spec_token_ids or req.num_pending or req.num_tokens - req.num_computed_tokens != 1:
+            return []
+        k = min(len(req.spec_token_ids), budget - n,
+                req.max_tokens - req.num_output_tokens - 1, self.max_model_len - 1 - req.num_tokens)
+        return req.spec_token_ids[:max(k, 0)]
+
+    def _ahead(self, req: Request, n: int, num_cached: int = 0) -> int:
+        """Slots the proposer writes past this step's tokens (within max_model_len)."""
+        if not self.spec_lookahead:
+            return 0
+        end = max(req.num_computed_tokens, num_cached) + n
+        return max(0, min(self.spec_lookahead, self.max_model_len - end))
+
     def _commit(self, req: Request, n: int, new_blocks: list[int], new: bool,
-                out: SchedulerOutput) -> bool:
+                out: SchedulerOutput, num_drafts: int = 0) -> bool:
         """Add `req` to the plan; True if this step samples its next token."""
         rid = req.request_id
         if new:
@@ -339,7 +388,7 @@ class Scheduler:
         start = req.num_computed_tokens
         self._step_prompt_tokens += max(0, min(start + n, req.num_prompt_tokens) - start)
         req.num_computed_tokens += n
-        samples = req.num_computed_tokens >= req.num_tokens + req.num_pending
+        samples = req.num_computed_tokens - num_drafts >= req.num_tokens + req.num_pending
         if samples:
             req.num_pending += 1
         req.num_in_flight += 1
@@ -394,21 +443,33 @@ class Scheduler:
                 unseen.append((req.grammar, tok))
         if unseen:
             self.structured.accept(unseen)
-        for rid, tok, lp in zip(result.req_ids, result.sampled_token_ids, logprobs):
+        accepted = result.accepted
+        for i, (rid, tok, lp) in enumerate(zip(result.req_ids, result.sampled_token_ids, logprobs)):
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            req.append_token(tok)
-            self._step_gen_tokens += 1
-            reason, stop = self._check_stop(req, tok)
+            new = [tok]
+            if rid in sched.spec_token_ids:
+                new = accepted[i] + new
+                self._roll_back(req, len(sched.spec_token_ids[rid]), len(accepted[i]))
+            if result.draft_token_ids is not None:
+                req.spec_token_ids = result.draft_token_ids[i]
+            reason = None
+            for k, tok in enumerate(new):
+                req.append_token(tok)
+                self._step_gen_tokens += 1
+                reason, stop = self._check_stop(req, tok)
+                if reason is not None:
+                    del new[k + 1:]  # tokens past a stop are dropped
+                    break
             if req.grammar is not None:
                 if req.grammar.failed:  # the mask makes this impossible
                     reason = FinishReason.ERROR
                 elif reason is None and req.grammar.terminated:
                     reason = FinishReason.STOP
-            o = EngineCoreOutput(rid, [tok], new_logprobs=[lp] if lp is not None else None,
+            o = EngineCoreOutput(rid, new, new_logprobs=[lp] if lp is not None else None,
                                  num_cached_tokens=max(req.num_cached_tokens, 0))
-            if req.num_output_tokens == 1 and req.sampling_params.prompt_logprobs is not None:
+            if req.num_output_tokens == len(new) and req.sampling_params.prompt_logprobs is not None:
                 o.prompt_logprobs = req.prompt_logprobs
             if reason is not None:
                 self.running.remove(req)
@@ -421,6 +482,13 @@ class Scheduler:
             if rid in self.requests:
                 self.requests[rid].prompt_logprobs.extend(entries)
         return EngineCoreOutputs(outputs=outputs, stats=self.stats(), timestamp=time.time())
+
+    def _roll_back(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        """The rejected drafts' KV is garbage: recompute from the first of them, and give back
+        the blocks past what the request now holds (the proposer's lookahead too)."""
+        req.num_computed_tokens -= num_drafts - num_accepted
+        self.kv.trim(req, req.num_computed_tokens)
+        self.spec.record(num_drafts, num_accepted)
 
     def _check_stop(self, req: Request, tok: int):
         sp = req.sampling_params
@@ -450,6 +518,10 @@ class Scheduler:
             names = lambda rs: ",".join(sorted({r.lora_request.lora_name for r in rs  # noqa: E731
                                                 if r.lora_request}))
             s.running_lora_adapters, s.waiting_lora_adapters = names(self.running), names(self.waiting)
+        if self.spec.num_drafts:
+            s.spec_num_drafts, s.spec_num_draft_tokens = self.spec.num_drafts, self.spec.num_draft_tokens
+            s.spec_num_accepted_tokens = self.spec.num_accepted_tokens
+            s.spec_accepted_per_pos = list(self.spec.accepted_per_pos)
         if self.structured is not None:
             s.grammar_compile_seconds = self.structured.compile_seconds
             s.grammar_mask_seconds = self.structured.mask_seconds
