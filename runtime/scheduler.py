@@ -48,6 +48,9 @@ class CachedRequestData:
     new_token_ids: list[int]  # appended since the runner last saw this request
     new_block_ids: list[int]
     num_computed_tokens: int
+    # blocks the request holds after this plan (speculative decoding gives blocks back; -1:
+    # the runner's count plus new_block_ids)
+    num_blocks: int = -1
 
 
 @dataclass
@@ -124,6 +127,7 @@ class Scheduler:
         # speculative decoding: KV slots reserved past each step's tokens for the proposer
         self.spec_lookahead = spec_lookahead
         self.spec = SpecDecodingStats()
+        self.spec_trims = False  # set once speculative decoding has given blocks back
         self.max_loras = max_loras  # LoRA: most adapters among running requests (0: no LoRA)
         self.structured = structured
         self.compiling: list[Request] = []  # waiting for their grammar: not schedulable yet
@@ -382,7 +386,8 @@ class Scheduler:
                 req.num_computed_tokens, req.num_prompt_tokens, req.eos_token_id, req.lora_request))
         else:
             out.cached_reqs.append(CachedRequestData(
-                rid, req.all_token_ids[req.num_sent:], new_blocks, req.num_computed_tokens))
+                rid, req.all_token_ids[req.num_sent:], new_blocks, req.num_computed_tokens,
+                len(self.kv.req_blocks[rid]) if self.spec_trims else -1))
         req.num_sent = req.num_tokens
         out.num_scheduled_tokens[rid] = n
         start = req.num_computed_tokens
@@ -487,7 +492,8 @@ class Scheduler:
         """The rejected drafts' KV is garbage: recompute from the first of them, and give back
         the blocks past what the request now holds (the proposer's lookahead too)."""
         req.num_computed_tokens -= num_drafts - num_accepted
-        self.kv.trim(req, req.num_computed_tokens)
+        if self.kv.trim(req, req.num_computed_tokens):
+            self.spec_trims = True
         self.spec.record(num_drafts, num_accepted)
 
     def _check_stop(self, req: Request, tok: int):

@@ -63,6 +63,15 @@ class Metrics:
         self._success = prom.Counter("rankserve:request_success", "Finished requests by finish "
                                      "reason", ["model_name", "finished_reason"], registry=r)
         self._model = model_name
+        # speculative decoding (vLLM's spec_decode counters): acceptance rate is
+        # num_accepted_tokens / num_draft_tokens, mean acceptance length
+        # 1 + num_accepted_tokens / num_drafts
+        self.spec_drafts = counter("spec_decode_num_drafts", "Verify passes with drafts")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        self._spec_per_pos = prom.Counter("rankserve:spec_decode_num_accepted_tokens_per_pos",
+                                          "Draft tokens accepted, by position in the draft",
+                                          ["model_name", "position"], registry=r)
         self.lora_info = prom.Gauge("rankserve:lora_requests_info", "Running and waiting LoRA "
                                     "adapters (vLLM's lora_requests_info; value: the time)",
                                     ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
@@ -102,8 +111,18 @@ class Metrics:
                                   (self.host_blocks_stored, s.host_blocks_stored,
                                    self._last.host_blocks_stored),
                                   (self.host_blocks_loaded, s.host_blocks_loaded,
-                                   self._last.host_blocks_loaded)):
+                                   self._last.host_blocks_loaded),
+                                  (self.spec_drafts, s.spec_num_drafts, self._last.spec_num_drafts),
+                                  (self.spec_draft_tokens, s.spec_num_draft_tokens,
+                                   self._last.spec_num_draft_tokens),
+                                  (self.spec_accepted, s.spec_num_accepted_tokens,
+                                   self._last.spec_num_accepted_tokens)):
             counter.inc(max(0, new - old))
+        old = self._last.spec_accepted_per_pos
+        for pos, n in enumerate(s.spec_accepted_per_pos):
+            prev = old[pos] if pos < len(old) else 0
+            if n > prev or not prev:
+                self._spec_per_pos.labels(self._model, str(pos)).inc(max(0, n - prev))
         if s.max_lora:
             self.lora_info.clear()
             self.lora_info.labels(str(s.max_lora), s.waiting_lora_adapters,

@@ -1,0 +1,119 @@
+"""The engine fuzz test (tests/test_engine_fuzz.py) with speculative decoding: the checking
+executor's model verifies the scheduled drafts (accepting the prefix its next-token function
+agrees with) and proposes new ones (right or wrong at random), writes the KV of every scheduled
+token, rejected drafts included, into its shadow cache and, as a draft model does, writes its
+lookahead slots too. A rollback that leaves a rejected draft's KV in place, a block handed out
+while a proposer still writes to it, or a leaked block fails the test; the outputs must equal
+a plain run's."""
+import random
+
+import pytest
+
+from rankserve.runtime.model_runner import ModelRunnerOutput
+
+from conftest import STORIES_EMBEDDED
+from test_engine_fuzz import CheckingExecutor, engine_for, make_trace, run_trace, tokenizer  # noqa: F401
+
+K = 3
+
+
+class SpecCheckingExecutor(CheckingExecutor):
+    def __init__(self, *args, lookahead: int = 0, seed: int = 0, **kw):
+        super().__init__(*args, **kw)
+        self.lookahead = lookahead
+        self.rng = random.Random(seed)
+
+    def continuation(self, seq, n):
+        seq = list(seq)
+        for _ in range(n):
+            seq.append(self.next_token(seq))
+        return seq[-n:] if n else []
+
+    def submit(self, plan) -> ModelRunnerOutput:
+        for rid in plan.finished_req_ids:
+            self.reqs.pop(rid, None)
+        start = {}
+        for r in plan.new_reqs:
+            assert r.req_id not in self.reqs, f"{r.req_id} sent as new twice"
+            self.reqs[r.req_id] = dict(tokens=list(r.token_ids), known=len(r.token_ids),
+                                       blocks=list(r.block_ids))
+            start[r.req_id] = r.num_computed_tokens
+        for r in plan.cached_reqs:
+            st = self.reqs[r.req_id]
+            for k, t in enumerate(r.new_token_ids):  # what we emitted, truncated at a stop
+                pos = st["known"] + k
+                assert pos < len(st["tokens"]) and st["tokens"][pos] == t, f"{r.req_id}: token {pos}"
+            del st["tokens"][st["known"] + len(r.new_token_ids):]
+            st["known"] += len(r.new_token_ids)
+            if r.num_blocks >= 0:  # blocks given back after rejected drafts
+                st["blocks"] = st["blocks"][:r.num_blocks - len(r.new_block_ids)]
+            st["blocks"] += r.new_block_ids
+            start[r.req_id] = r.num_computed_tokens
+        req_ids, sampled, accepted, proposals = [], [], [], []
+        for rid, n in plan.num_scheduled_tokens.items():
+            st, s = self.reqs[rid], start[rid]
+            drafts = plan.spec_token_ids.get(rid, [])
+            known = st["tokens"]
+            assert len(known) == st["known"], f"{rid}: scheduled before its tokens were sent"
+            seq = known + drafts
+            end = s + n
+            assert end <= len(seq) and (not drafts or end == len(seq)), f"{rid}: inputs"
+            for pos in range(s, end):
+                self.kv[(st["blocks"][pos // self.bs], pos % self.bs)] = (pos, seq[pos])
+            for pos in range(0, end):  # attention reads the whole context
+                got = self.kv.get((st["blocks"][pos // self.bs], pos % self.bs))
+                assert got == (pos, seq[pos]), f"{rid}: KV of position {pos} is {got}"
+            if end < len(known):
+                continue  # a prefill chunk
+            emitted = []
+            for j in range(len(drafts) + 1):
+                t = self.next_token(seq[:len(known) + j])
+                emitted.append(t)
+                if j == len(drafts) or drafts[j] != t:
+                    break
+            st["tokens"] = known + emitted
+            # the proposer writes its own KV past the emitted tokens (a draft model's lookahead)
+            last = len(st["tokens"]) - 1
+            ahead = min(self.lookahead, self.max_model_len - last)
+            assert len(st["blocks"]) * self.bs >= last + ahead, f"{rid}: lookahead slots not reserved"
+            for pos in range(last, last + ahead):
+                self.kv[(st["blocks"][pos // self.bs], pos % self.bs)] = (pos, -1)
+            # half the proposals right, the rest wrong from a random position on
+            right = self.continuation(st["tokens"], K)
+            cut = K if self.rng.random() < 0.5 else self.rng.randrange(K)
+            prop = right[:cut] + [(t + 1) % self.vocab_size for t in right[cut:]]
+            req_ids.append(rid)
+            sampled.append(emitted[-1])
+            accepted.append(emitted[:-1])
+            proposals.append(prop[:self.rng.randrange(K + 1)])
+        return ModelRunnerOutput(req_ids, sampled, accepted=accepted, draft_token_ids=proposals)
+
+
+@pytest.mark.parametrize("combo", [("fcfs", False, True, True), ("priority", False, True, False),
+                                   ("fcfs", False, False, True)],
+                         ids=["chunked-cache", "priority-chunked", "whole-cache"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_spec_traces_keep_invariants_no_leaks_same_outputs(combo, method, tokenizer):
+    spec = {"method": method, "num_speculative_tokens": K}
+    if method == "draft_model":
+        spec["model"] = str(STORIES_EMBEDDED)  # the checking executor never loads it
+    lookahead = K if method == "draft_model" else 0
+    drafted = 0
+    for seed in range(6):
+        trace, aborts = make_trace(seed, 96)
+        try:
+            ex = SpecCheckingExecutor(13, 8, 96, lookahead=lookahead, seed=seed)
+            tight = engine_for(combo, num_blocks=13, executor=ex, speculative_config=spec)
+            got, aborted = run_trace(tight, trace, aborts, tokenizer)
+            assert tight.scheduler.num_preemptions > 0 or seed > 0 or not combo[2]
+            kv = tight.scheduler.kv
+            assert kv.num_free_blocks == kv.num_blocks, "blocks leaked"
+            drafted += tight.scheduler.spec.num_accepted_tokens
+            free = engine_for(("fcfs", False, True, False), num_blocks=1000)
+            want, _ = run_trace(free, trace, {}, tokenizer)
+            for rid, outs in want.items():
+                if rid not in aborted:
+                    assert got[rid] == outs, rid
+        except AssertionError as e:
+            raise AssertionError(f"seed {seed}, combo {combo}: {e}") from e
+    assert drafted > 50
