@@ -464,6 +464,12 @@ class ModelRunner:
         toks, acc = tokens.tolist(), num_acc.tolist()
         out.sampled_token_ids = [t[a] for t, a in zip(toks, acc)]
         out.accepted = [t[:a] for t, a in zip(toks, acc)]
+        if md.max_num_logprobs is not None:  # requests with logprobs verify no drafts: one row
+            nums = [self.reqs[r].sampling_params.logprobs for r in inp.sample_req_ids]
+            raw_lp = logits[spec.row_start].float().log_softmax(-1)
+            entries = gather_logprobs(raw_lp, torch.tensor(out.sampled_token_ids, device=dev),
+                                      [n or 0 for n in nums])
+            out.logprobs = [e if n is not None else None for e, n in zip(entries, nums)]
 
     def _propose(self, inp: StepInputs, hidden: torch.Tensor, out: ModelRunnerOutput,
                  tokens: torch.Tensor, num_acc: torch.Tensor) -> None:

