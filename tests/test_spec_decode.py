@@ -51,7 +51,8 @@ def test_config_parses_vllm_keys_and_refuses_the_rest():
     p = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 5, '
                                  '"prompt_lookup_min": 2, "prompt_lookup_max": 4}')
     assert (p.method, p.num_speculative_tokens, p.prompt_lookup_min, p.prompt_lookup_max) == ("ngram", 5, 2, 4)
-    assert parse_speculative_config({"model": str(STORIES_EMBEDDED), "num_speculative_tokens": 2}).method == "draft_model"
+    p = parse_speculative_config({"model": str(STORIES_EMBEDDED), "num_speculative_tokens": 2})
+    assert p.method == "draft_model"
     for bad, words in [({"method": "eagle", "num_speculative_tokens": 2}, ["eagle", "not implemented"]),
                        ({"method": "mtp", "num_speculative_tokens": 1}, ["mtp", "not implemented"]),
                        ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 4},

@@ -12,7 +12,8 @@ import pytest
 from rankserve.runtime.model_runner import ModelRunnerOutput
 
 from conftest import STORIES_EMBEDDED
-from test_engine_fuzz import CheckingExecutor, engine_for, make_trace, run_trace, tokenizer  # noqa: F401
+from test_engine_fuzz import CheckingExecutor, engine_for, make_trace, run_trace
+from test_engine_fuzz import tokenizer  # noqa: F401 - the fixture
 
 K = 3
 
@@ -93,7 +94,7 @@ class SpecCheckingExecutor(CheckingExecutor):
                                    ("fcfs", False, False, True)],
                          ids=["chunked-cache", "priority-chunked", "whole-cache"])
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_spec_traces_keep_invariants_no_leaks_same_outputs(combo, method, tokenizer):
+def test_spec_traces_keep_invariants_no_leaks_same_outputs(combo, method, tokenizer):  # noqa: F811
     spec = {"method": method, "num_speculative_tokens": K}
     if method == "draft_model":
         spec["model"] = str(STORIES_EMBEDDED)  # the checking executor never loads it
