@@ -96,7 +96,8 @@ class Proposer:
 @PROPOSERS.register("ngram")
 class NgramProposer(Proposer):
     """Prompt lookup: find the latest earlier occurrence of the context's last n tokens (n from
-    prompt_lookup_max down to prompt_lookup_min) and propose the k tokens that followed it.
+    prompt_lookup_max down to prompt_lookup_min) and propose the k tokens that followed it
+    (continued periodically when the context ends first).
     Vectorised over the batch: for each n, a [B, L] comparison per n-gram position."""
 
     def propose(self, ctx: ProposeContext) -> list[list[int]]:
@@ -138,11 +139,15 @@ def propose_ngram(tokens: np.ndarray, lens: np.ndarray, n_min: int, n_max: int,
         has = match.any(1)
         last = P - 1 - np.argmax(match[:, ::-1], axis=1)  # the latest occurrence
         found[idx[has]] = last[has] + n
-    out = []
-    for i in range(B):  # slicing out the proposals: O(B), not per token
-        s = found[i]
-        out.append(tokens[i, s:min(s + room[i], lens[i])].tolist() if s >= 0 else [])
-    return out
+    # the continuation runs up to the end of the context; past it the text repeats with the
+    # period of the match (the tokens from the continuation's start on), so every hit gives
+    # `room` drafts: uniform verify batches replay a CUDA graph
+    hit = found >= 0
+    period = np.maximum(lens - found, 1)
+    k = int(room.max())
+    cols = found[:, None] + np.arange(k)[None, :] % period[:, None]
+    drafts = np.take_along_axis(tokens, np.clip(cols, 0, L - 1), 1)
+    return [drafts[i, :room[i]].tolist() if hit[i] else [] for i in range(B)]
 
 
 @PROPOSERS.register("draft_model")

@@ -162,12 +162,14 @@ def test_rejection_sampler_seeded_requests_are_reproducible():
 def test_ngram_lookup_is_vectorised_over_the_batch():
     toks = np.array([[1, 2, 3, 4, 1, 2, 3, 0, 0],     # "1 2 3" seen before → 4, 1, 2 (k=3)
                      [5, 6, 7, 8, 9, 5, 6, 0, 0],     # "5 6" → 7, 8, 9
-                     [1, 1, 1, 1, 1, 1, 1, 1, 1],     # the latest occurrence: only one token left
+                     [1, 1, 1, 1, 1, 1, 1, 1, 1],     # the latest occurrence: one token, then its period
                      [3, 4, 5, 6, 7, 8, 9, 9, 2]])    # no earlier "9 2", "2": none
     lens = np.array([7, 7, 9, 9])
     out = propose_ngram(toks, lens, 1, 3, np.array([3, 3, 3, 3]))
-    assert out == [[4, 1, 2], [7, 8, 9], [1], []]
+    assert out == [[4, 1, 2], [7, 8, 9], [1, 1, 1], []]  # the last one continued periodically
     assert propose_ngram(toks, lens, 1, 3, np.array([1, 0, 3, 3]))[:2] == [[4], []]
+    # "5 6 7 5 6": "5 6" → 7, then the period 7 5 6 → 7 5 6 7
+    assert propose_ngram(np.array([[5, 6, 7, 5, 6]]), np.array([5]), 2, 2, np.array([4])) == [[7, 5, 6, 7]]
     assert propose_ngram(toks, lens, 3, 3, np.array([3, 3, 3, 3]))[1] == []  # "9 5 6" is new
 
 
@@ -258,3 +260,27 @@ def test_sampled_token_frequencies_match_plain(stories_base):
     for pa, pb in zip(a, b):
         tv = 0.5 * np.abs(np.bincount(pa, minlength=512) - np.bincount(pb, minlength=512)).sum() / len(pa)
         assert tv < 0.2, tv
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("level", [1, 2])
+def test_gpu_verify_graphs_give_the_plain_greedy_tokens(draft_dir, level, monkeypatch):
+    """On the GPU: uniform verify batches (1 + k tokens a request) replay CUDA graphs (the
+    target's and the draft model's), and the tokens are those of plain decoding with graphs."""
+    from rankserve.runtime.compilation import CompiledModel
+    common = dict(dtype="float32", max_num_seqs=8, gpu_memory_utilization=0.3, compilation_level=level)
+    prompts = PROMPTS + ["Sam had a red ball. Sam had a red ball. Sam had a"]
+    want = _greedy(LLM(str(STORIES_EMBEDDED), **common), prompts, max_tokens=60)
+    replays = []
+    real = CompiledModel._run_verify_graph
+    monkeypatch.setattr(CompiledModel, "_run_verify_graph",
+                        lambda self, T, attn: replays.append(T) or real(self, T, attn))
+    for spec in (NGRAM, {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": 3}):
+        llm = LLM(str(STORIES_EMBEDDED), speculative_config=spec, **common)
+        runner = llm.engine.executor.runner
+        assert runner.compiled_model.verify_graphs, "no verify graph was captured"
+        replays.clear()
+        assert _greedy(llm, prompts, max_tokens=60) == want, spec["method"]
+        assert replays, spec["method"]
+        assert llm.engine.scheduler.stats().spec_num_accepted_tokens > 0

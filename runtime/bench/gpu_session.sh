@@ -2,7 +2,7 @@
 # One GPU-machine session: correctness, then the two standard workloads, with a table at the end.
 # Run from the repo root on the GPU machine: `bash runtime/bench/gpu_session.sh STAGE` where STAGE
 # is one of: w2 w2warm w2l2 w2cublas w1 w1l2 w1fp8kv w1so sotests w2hf w1hf tests e2e2 kernels kdecode
-# sleep kvtier sleeptests (several may be given; w2/w1 run the default level (1 on CUDA),
+# sleep kvtier sleeptests w2spec spectests (several may be given; w2/w1 run the default level (1 on CUDA),
 # w2l2/w1l2 --compilation-level 2; w1fp8kv = W1 with --kv-cache-dtype fp8 (compare with w1);
 # e2e2 = the level-2 end-to-end tests alone; w1so = W1 with a JSON-schema constraint on every
 # request (needs QWEN3_TOKENIZER; compare with w1); sotests = the structured-output tests on CUDA
@@ -10,7 +10,11 @@
 # kdecode = the kernel benchmark's skinny-GEMM and prepare_qkv parts; sleep = device memory before/after
 # sleep level 1 and 2 and the time to wake up, Llama-3.1-8B shape with dummy weights; kvtier = a
 # multi-turn shared-prefix workload larger than a 2048-block device KV cache, without and with a
-# 32 GiB host tier (TTFT, throughput, hits per tier); sleeptests = the sleep / host-tier GPU tests). Results land in $OUT
+# 32 GiB host tier (TTFT, throughput, hits per tier); sleeptests = the sleep / host-tier GPU tests;
+# w2spec = W2 speculative decoding: plain on repetitive prompts (w2rep), n-gram on them (w2ngram),
+# n-gram on random prompts (w2ngramrand: lookups that rarely hit), a 2-layer dummy draft model
+# (w2draft: dummy weights, so drafts are never accepted: the cost of verifying them);
+# spectests = the speculative-decoding GPU tests (verify CUDA graphs)). Results land in $OUT
 # (or ./bench_results). Each stage has its own time limit; one device call runs at most 10
 # minutes, so split a session, e.g.: `w2 w2warm w1 tests` | `kernels w2hf w1hf`. w2 is the cold
 # start (empty --cache-dir), w2warm the same command again (the cache matters at level 2).
@@ -61,6 +65,14 @@ for stage in "$@"; do case $stage in
         --prefix-len 2048 --turns 4 --turn-len 64 --output-len 64 --concurrency 4 --kv-offload-size $gib \
         --cache-dir "$CACHE" --output-json "$OUT/kvtier$gib.json"; done ;;
   sleeptests) run sleeptests 200 python3 -m pytest -q -m gpu tests/test_gpu_sleep.py ;;
+  w2spec) W2="python3 -m rankserve.launch bench latency llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 --max-num-seqs 8 --cache-dir $CACHE"
+        NG='{"method": "ngram", "num_speculative_tokens": 4}'
+        DM='{"method": "draft_model", "model": "llama-3.1-8b-draft", "num_speculative_tokens": 4}'
+        run w2rep 150 $W2 --prompt-kind repeat --output-json "$OUT/w2rep.json"
+        run w2ngram 150 $W2 --prompt-kind repeat --speculative-config "$NG" --output-json "$OUT/w2ngram.json"
+        run w2ngramrand 150 $W2 --speculative-config "$NG" --output-json "$OUT/w2ngramrand.json"
+        run w2draft 180 $W2 --speculative-config "$DM" --output-json "$OUT/w2draft.json" ;;
+  spectests) run spectests 300 python3 -m pytest -q -x -m gpu tests/test_spec_decode.py ;;
   *) echo "unknown stage $stage" ;;
 esac; done
 echo "== summary"; cat "$OUT/summary.txt"
