@@ -75,7 +75,8 @@ class EngineCore:
                                    async_scheduling=use_async, structured=self.structured,
                                    num_host_blocks=self.num_host_blocks,
                                    max_loras=cfg.lora.max_loras if cfg.lora.enable_lora else 0,
-                                   sliding_window=window, spec_lookahead=lookahead_slots(cfg.spec))
+                                   sliding_window=window, spec_lookahead=lookahead_slots(cfg.spec),
+                                   spec_enabled=cfg.spec is not None)
         self.scheduler.results_in_flight = lambda: [h for _, h in self.in_flight]
         self._lora_ranks: dict[tuple[int, str], int] = {}  # adapters seen: (id, path) → rank
         self.asleep: set[str] = set()  # sleep mode: the tags (weights, kv_cache) now asleep

@@ -148,6 +148,7 @@ class ModelRunner:
         self.compiled_model = CompiledModel(self.model, cfg, self.batch, self.max_model_len, device,
                                             show_progress=pi.tp_rank == 0)
         self.proposer = None  # speculative decoding (runtime/spec_decode.py)
+        self._skip_proposals = False
         if cfg.spec is not None:
             from .spec_decode import make_proposer
             self.proposer = make_proposer(self, cfg.spec)
@@ -369,6 +370,7 @@ class ModelRunner:
         # exact even when the last token is still a placeholder
         out_counts = (seq_lens - nspec - np.array([s.num_prompt_tokens for s in states]))[sample_mask]
         grammar = (plan.grammar_req_ids, plan.bitmask) if plan.grammar_req_ids else None
+        self._skip_proposals = plan.skip_proposals
         q = int(counts[0]) if B and counts.min() == counts.max() else 0
         return StepInputs(ids, put(positions, b.pos), attn, put(logits_indices),
                           sample_ids, out_counts, prompt_lp, grammar, q,
@@ -474,6 +476,8 @@ class ModelRunner:
     def _propose(self, inp: StepInputs, hidden: torch.Tensor, out: ModelRunnerOutput,
                  tokens: torch.Tensor, num_acc: torch.Tensor) -> None:
         from .spec_decode import ProposeContext, can_speculate
+        if self._skip_proposals:
+            return
         rows = np.array([self.reqs[r].row for r in inp.sample_req_ids], dtype=np.int64)
         eligible = np.array([can_speculate(self.reqs[r].sampling_params) for r in inp.sample_req_ids],
                             dtype=bool)

@@ -46,6 +46,8 @@ class Request:
         self.grammar = None
         # speculative decoding: the proposer's guesses of the next tokens, verified next step
         self.spec_token_ids: list[int] = []
+        self.spec_misses = 0  # verify passes in a row that accepted nothing
+        self.spec_pause = 0  # steps left without drafts (backoff after misses)
 
     @property
     def num_tokens(self) -> int:

@@ -75,6 +75,8 @@ class SchedulerOutput:
     # speculative decoding: draft tokens scheduled after each request's known tokens (their
     # count is in num_scheduled_tokens); the runner verifies them in this step
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # no request of this plan takes proposals (all paused): the proposer may skip its work
+    skip_proposals: bool = False
 
     def bitmask(self) -> np.ndarray | None:
         """The grammar rows, filled on first use (or by the fill `fill_async` started). On one
@@ -101,6 +103,10 @@ class SchedulerOutput:
         return self.total_num_scheduled_tokens == 0
 
 
+SPEC_MISSES = 4  # verify passes in a row with nothing accepted before a request pauses drafting
+SPEC_MAX_PAUSE = 64  # steps
+
+
 class SpecDecodingStats:
     """Cumulative counts of verified drafts (vLLM's spec_decode metrics)."""
 
@@ -122,10 +128,12 @@ class Scheduler:
     def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int,
                  max_model_len: int, async_scheduling: bool = False,
                  structured: StructuredOutputManager | None = None, num_host_blocks: int = 0,
-                 max_loras: int = 0, sliding_window: int = 0, spec_lookahead: int = 0):
+                 max_loras: int = 0, sliding_window: int = 0, spec_lookahead: int = 0,
+                 spec_enabled: bool = False):
         self.cfg = sched
         # speculative decoding: KV slots reserved past each step's tokens for the proposer
         self.spec_lookahead = spec_lookahead
+        self.spec_enabled = spec_enabled
         self.spec = SpecDecodingStats()
         self.spec_trims = False  # set once speculative decoding has given blocks back
         self.max_loras = max_loras  # LoRA: most adapters among running requests (0: no LoRA)
@@ -274,6 +282,8 @@ class Scheduler:
             step[req.request_id] = (req, n, new_blocks, True)
             budget -= n
 
+        if self.spec_enabled:  # nobody to propose for: the proposer may skip its work
+            out.skip_proposals = all(r.spec_pause > 0 for r, *_ in step.values())
         constrained = []
         for req, n, new_blocks, new in step.values():
             spec = drafts.get(req.request_id)
@@ -457,7 +467,8 @@ class Scheduler:
             if rid in sched.spec_token_ids:
                 new = accepted[i] + new
                 self._roll_back(req, len(sched.spec_token_ids[rid]), len(accepted[i]))
-            if result.draft_token_ids is not None:
+            paused = self._paused(req)
+            if result.draft_token_ids is not None and not paused:
                 req.spec_token_ids = result.draft_token_ids[i]
             reason = None
             for k, tok in enumerate(new):
@@ -492,9 +503,23 @@ class Scheduler:
         """The rejected drafts' KV is garbage: recompute from the first of them, and give back
         the blocks past what the request now holds (the proposer's lookahead too)."""
         req.num_computed_tokens -= num_drafts - num_accepted
+        req.spec_misses = 0 if num_accepted else req.spec_misses + 1
+        if req.spec_misses >= SPEC_MISSES:  # pause: 2, 4, ... steps, at most SPEC_MAX_PAUSE
+            req.spec_pause = min(2 ** (req.spec_misses - SPEC_MISSES + 1), SPEC_MAX_PAUSE)
         if self.kv.trim(req, req.num_computed_tokens):
             self.spec_trims = True
         self.spec.record(num_drafts, num_accepted)
+
+    @staticmethod
+    def _paused(req: Request) -> bool:
+        """Drafts that keep being rejected cost a verify each step (1 + k tokens instead of 1):
+        after SPEC_MISSES passes in a row that accepted nothing, the request decodes plainly
+        for a growing number of steps, then tries again. Acceptance never changes the output,
+        so this only bounds the cost of useless drafts."""
+        if req.spec_pause > 0:
+            req.spec_pause -= 1
+            return True
+        return False
 
     def _check_stop(self, req: Request, tok: int):
         sp = req.sampling_params

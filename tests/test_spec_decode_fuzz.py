@@ -118,3 +118,30 @@ def test_spec_traces_keep_invariants_no_leaks_same_outputs(combo, method, tokeni
         except AssertionError as e:
             raise AssertionError(f"seed {seed}, combo {combo}: {e}") from e
     assert drafted > 50
+
+
+def test_drafts_that_are_never_accepted_back_off(tokenizer):  # noqa: F811
+    """A proposer that is always wrong: after 4 verify passes that accepted nothing a request
+    pauses drafting for 2, 4, ... 64 steps (the plan tells the proposer to skip its work), so
+    useless drafts cost a verify pass on few steps; the outputs stay those of a plain run."""
+    class Wrong(SpecCheckingExecutor):
+        skipped = 0
+
+        def submit(self, plan):
+            out = super().submit(plan)
+            self.skipped += plan.skip_proposals
+            out.draft_token_ids = [[(t + 1) % self.vocab_size for t in self.continuation(
+                self.reqs[r]["tokens"], K)] for r in out.req_ids]
+            return out
+    from rankserve.runtime.sampling_params import SamplingParams
+    ex = Wrong(100, 8, 300)
+    eng = engine_for(("fcfs", False, True, True), num_blocks=100, max_model_len=300, executor=ex,
+                     speculative_config={"method": "ngram", "num_speculative_tokens": K})
+    trace = [(0, "a", [5, 6, 7], SamplingParams(temperature=0, max_tokens=250, ignore_eos=True), 0)]
+    got, _ = run_trace(eng, trace, {}, tokenizer)
+    want, _ = run_trace(engine_for(("fcfs", False, True, False), num_blocks=1000, max_model_len=300),
+                        trace, {}, tokenizer)
+    assert got == want
+    s = eng.scheduler.spec
+    assert s.num_accepted_tokens == 0 and 4 <= s.num_drafts <= 12, s.num_drafts
+    assert ex.skipped > 150
