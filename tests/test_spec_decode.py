@@ -173,6 +173,19 @@ def test_ngram_lookup_is_vectorised_over_the_batch():
     assert propose_ngram(toks, lens, 3, 3, np.array([3, 3, 3, 3]))[1] == []  # "9 5 6" is new
 
 
+# ---- bench helpers -----------------------------------------------------------------------------
+def test_bench_acceptance_summary_and_repeat_prompts():
+    from rankserve.runtime.bench import common
+    s = common.spec_summary((2, 8, 3, [2, 1]), (12, 48, 23, [12, 6, 4, 1]))
+    assert s["num_drafts"] == 10 and s["acceptance_rate"] == 20 / 40
+    assert s["mean_acceptance_length"] == 3.0 and s["acceptance_per_pos"] == [1.0, 0.5, 0.4, 0.1]
+    assert common.spec_summary((1, 2, 3, []), (1, 2, 3, [])) is None
+    assert "acceptance length 3.00" in common.format_spec(s)
+    wl = common.make_workload(2, (40, 40), (8, 8), 1000, 0, repeat_period=16)
+    for p in wl.prompts:
+        assert len(p) == 40 and p[16:32] == p[:16] and p[32:] == p[:8]
+
+
 # ---- end to end --------------------------------------------------------------------------------
 def _greedy(llm, prompts, **kw):
     sp = SamplingParams(temperature=0, max_tokens=kw.pop("max_tokens", 40), **kw)
@@ -224,15 +237,23 @@ def test_tiny_random_models_greedy(checkpoint, arch):
 
 
 def test_logprobs_and_structured_requests_decode_without_drafts(stories_base):
-    """Requests the verifier does not serve yet (logprobs) decode one token a step in a
-    speculative engine, beside ones that speculate."""
+    """Requests the verifier does not serve yet (logprobs, a grammar) decode one token a step in
+    a speculative engine, beside ones that speculate: the same tokens (and logprobs) as plain."""
+    from rankserve.runtime.sampling_params import StructuredOutputsParams
     llm = LLM(str(STORIES_EMBEDDED), max_num_seqs=8, kv_cache_memory_gb=0.05, speculative_config=NGRAM)
+    free = stories_base.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
+    regex = StructuredOutputsParams(regex=free.text.replace(".", "[.]") + ".*")
     sp = [SamplingParams(temperature=0, max_tokens=30, logprobs=2),
-          SamplingParams(temperature=0, max_tokens=30)]
-    outs = llm.generate(PROMPTS[1:], sp)
-    base = stories_base.generate(PROMPTS[1:], sp)
+          SamplingParams(temperature=0, max_tokens=30),
+          SamplingParams(temperature=0, max_tokens=20, structured_outputs=regex)]
+    prompts = PROMPTS[1:] + PROMPTS[:1]
+    outs = llm.generate(prompts, sp)
+    base = stories_base.generate(prompts, sp)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in base]
-    assert len(outs[0].outputs[0].logprobs) == 30
+    for a, b in zip(outs[0].outputs[0].logprobs, base[0].outputs[0].logprobs, strict=True):
+        assert (a.token_ids, a.ranks) == (b.token_ids, b.ranks)
+        assert np.allclose(a.logprobs, b.logprobs, atol=1e-4)
+    assert llm.engine.scheduler.stats().spec_num_drafts > 0
 
 
 def _samples(llm, prompt, sp_kw, n, pos):

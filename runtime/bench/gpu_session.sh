@@ -11,7 +11,8 @@
 # sleep level 1 and 2 and the time to wake up, Llama-3.1-8B shape with dummy weights; kvtier = a
 # multi-turn shared-prefix workload larger than a 2048-block device KV cache, without and with a
 # 32 GiB host tier (TTFT, throughput, hits per tier); sleeptests = the sleep / host-tier GPU tests;
-# w2spec = W2 speculative decoding: plain on repetitive prompts (w2rep), n-gram on them (w2ngram),
+# w2spec = W2 speculative decoding: plain on repetitive prompts (w2rep), the same without async
+# scheduling (w2sync: speculation turns it off, this is its share of any slowdown), n-gram on them (w2ngram),
 # n-gram on random prompts (w2ngramrand: lookups that rarely hit), a 2-layer dummy draft model
 # (w2draft: dummy weights, so drafts are never accepted: the cost of verifying them);
 # spectests = the speculative-decoding GPU tests (verify CUDA graphs)). Results land in $OUT
@@ -69,6 +70,7 @@ for stage in "$@"; do case $stage in
         NG='{"method": "ngram", "num_speculative_tokens": 4}'
         DM='{"method": "draft_model", "model": "llama-3.1-8b-draft", "num_speculative_tokens": 4}'
         run w2rep 150 $W2 --prompt-kind repeat --output-json "$OUT/w2rep.json"
+        run w2sync 150 $W2 --prompt-kind repeat --no-async-scheduling --output-json "$OUT/w2sync.json"
         run w2ngram 150 $W2 --prompt-kind repeat --speculative-config "$NG" --output-json "$OUT/w2ngram.json"
         run w2ngramrand 150 $W2 --speculative-config "$NG" --output-json "$OUT/w2ngramrand.json"
         run w2draft 180 $W2 --speculative-config "$DM" --output-json "$OUT/w2draft.json" ;;
