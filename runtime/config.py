@@ -422,10 +422,6 @@ class EngineConfig:
         if self.parallel.pipeline_parallel_size > 1:
             raise ConfigError(f"{flag} does not work with --pipeline-parallel-size > 1 yet (the "
                               "proposals of a step would need the last stage's tokens on the first)")
-        if self.scheduler.async_scheduling:
-            raise ConfigError(f"{flag} does not work with --async-scheduling: the next step's "
-                              "tokens depend on how many drafts this step accepted (speculative "
-                              "decoding turns async scheduling off by default)")
         tp = spec.draft_tensor_parallel_size
         if tp is not None and tp != self.parallel.tensor_parallel_size:
             raise ConfigError(f"{flag}: draft_tensor_parallel_size must equal "

@@ -47,11 +47,11 @@ class EngineCore:
         use_async = cfg.scheduler.async_scheduling
         if use_async is None:
             use_async = (getattr(executor, "device", None) is not None
-                         and executor.device.type == "cuda" and cfg.parallel.pipeline_parallel_size == 1
-                         and cfg.spec is None)
+                         and executor.device.type == "cuda" and cfg.parallel.pipeline_parallel_size == 1)
         if cfg.spec is not None:  # the next step depends on how many drafts this one accepted
-            log.info("speculative decoding (%s, %d tokens): async scheduling off", cfg.spec.method,
-                     cfg.spec.num_speculative_tokens)
+            log.info("speculative decoding (%s, %d tokens)%s", cfg.spec.method,
+                     cfg.spec.num_speculative_tokens, ": only requests that pause drafting run "
+                     "ahead (async scheduling)" if use_async else "")
         # grammars compile in its threads; the tokenizer is loaded on first use
         self.structured = StructuredOutputManager(cfg.model.tokenizer or cfg.model.model,
                                                   cfg.model.model, self.vocab_size)

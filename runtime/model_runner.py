@@ -463,6 +463,10 @@ class ModelRunner:
         tokens, num_acc = rejection_sample(probs, greedy, md.temperature[spec.row_start], spec, gens)
         if self.proposer is not None:
             self._propose(inp, hidden, out, tokens, num_acc)
+        # the last emitted token feeds the placeholders of requests that ran ahead (they had
+        # no drafts: it is their only token)
+        self.prev_sampled = tokens.gather(1, num_acc[:, None])[:, 0]
+        self.prev_index = {rid: i for i, rid in enumerate(inp.sample_req_ids)}
         toks, acc = tokens.tolist(), num_acc.tolist()
         out.sampled_token_ids = [t[a] for t, a in zip(toks, acc)]
         out.accepted = [t[:a] for t, a in zip(toks, acc)]

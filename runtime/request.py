@@ -48,6 +48,7 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.spec_misses = 0  # verify passes in a row that accepted nothing
         self.spec_pause = 0  # steps left without drafts (backoff after misses)
+        self.spec_in_flight = 0  # drafts of a step in flight (verified when it returns)
 
     @property
     def num_tokens(self) -> int:

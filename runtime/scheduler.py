@@ -289,6 +289,7 @@ class Scheduler:
             spec = drafts.get(req.request_id)
             if spec:
                 out.spec_token_ids[req.request_id] = spec
+                req.spec_in_flight = len(spec)
             req.spec_token_ids = []  # scheduled now, or stale
             if self._commit(req, n, new_blocks, new, out, len(spec or ())) and req.grammar and req.grammar.active:
                 constrained.append(req)
@@ -368,7 +369,9 @@ class Scheduler:
         return (self.async_scheduling and not sp.needs_penalties
                 and not any(len(w) > 1 for w in sp.bad_words_token_ids)
                 and req.num_output_tokens + req.num_pending < req.max_tokens
-                and req.num_tokens + req.num_pending < self.max_model_len)
+                and req.num_tokens + req.num_pending < self.max_model_len
+                # speculative decoding: only a request that is not drafting (backoff) runs ahead
+                and (not self.spec_enabled or (req.spec_pause > 0 and not req.spec_in_flight)))
 
     def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
         """The proposed tokens `req` verifies this step (after its n known ones): only for a
@@ -433,7 +436,8 @@ class Scheduler:
             assert r.request_id not in self.kv.req_blocks, r.request_id
         for r in live:
             assert r.num_pending <= r.num_in_flight, f"{r.request_id}: pending ⊄ in flight"
-            assert r.num_computed_tokens <= r.num_tokens + r.num_pending, r.request_id
+            # drafts in flight count as computed until their verify step rolls the rejects back
+            assert r.num_computed_tokens <= r.num_tokens + r.num_pending + r.spec_in_flight, r.request_id
         self.kv.check_invariants()
 
     def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> EngineCoreOutputs:
@@ -467,9 +471,8 @@ class Scheduler:
             if rid in sched.spec_token_ids:
                 new = accepted[i] + new
                 self._roll_back(req, len(sched.spec_token_ids[rid]), len(accepted[i]))
-            paused = self._paused(req)
-            if result.draft_token_ids is not None and not paused:
-                req.spec_token_ids = result.draft_token_ids[i]
+            self._take_proposals(req, None if result.draft_token_ids is None
+                                 else result.draft_token_ids[i])
             reason = None
             for k, tok in enumerate(new):
                 req.append_token(tok)
@@ -503,23 +506,34 @@ class Scheduler:
         """The rejected drafts' KV is garbage: recompute from the first of them, and give back
         the blocks past what the request now holds (the proposer's lookahead too)."""
         req.num_computed_tokens -= num_drafts - num_accepted
-        req.spec_misses = 0 if num_accepted else req.spec_misses + 1
-        if req.spec_misses >= SPEC_MISSES:  # pause: 2, 4, ... steps, at most SPEC_MAX_PAUSE
-            req.spec_pause = min(2 ** (req.spec_misses - SPEC_MISSES + 1), SPEC_MAX_PAUSE)
+        req.spec_in_flight = 0
+        self._count_miss(req, num_accepted > 0)
         if self.kv.trim(req, req.num_computed_tokens):
             self.spec_trims = True
         self.spec.record(num_drafts, num_accepted)
 
     @staticmethod
-    def _paused(req: Request) -> bool:
-        """Drafts that keep being rejected cost a verify each step (1 + k tokens instead of 1):
-        after SPEC_MISSES passes in a row that accepted nothing, the request decodes plainly
-        for a growing number of steps, then tries again. Acceptance never changes the output,
-        so this only bounds the cost of useless drafts."""
+    def _count_miss(req: Request, hit: bool) -> None:
+        """Drafts that keep being rejected cost a verify each step (1 + k tokens instead of 1),
+        and a request waiting for proposals cannot run ahead (async scheduling): after
+        SPEC_MISSES verify passes (or empty proposals) in a row that gave nothing, the request
+        decodes plainly for 2, 4, ... SPEC_MAX_PAUSE steps, then tries again. Acceptance never
+        changes the output, so this only bounds the cost of useless drafts."""
+        req.spec_misses = 0 if hit else req.spec_misses + 1
+        if req.spec_misses >= SPEC_MISSES:
+            req.spec_pause = min(2 ** (req.spec_misses - SPEC_MISSES + 1), SPEC_MAX_PAUSE)
+
+    def _take_proposals(self, req: Request, drafts: list[int] | None) -> None:
+        """The proposer's guesses after a step (None: it skipped its work) become the drafts
+        of the request's next step, unless the request pauses or already ran ahead of them."""
         if req.spec_pause > 0:
             req.spec_pause -= 1
-            return True
-        return False
+            return
+        if drafts is None or req.num_pending:
+            return
+        if not drafts:
+            self._count_miss(req, False)
+        req.spec_token_ids = drafts
 
     def _check_stop(self, req: Request, tok: int):
         sp = req.sampling_params

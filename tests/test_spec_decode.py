@@ -65,7 +65,9 @@ def test_config_parses_vllm_keys_and_refuses_the_rest():
         with pytest.raises(ConfigError) as e:
             parse_speculative_config(bad)
         assert "--speculative-config" in str(e.value) and all(w in str(e.value) for w in words), e.value
-    for extra, word in [(dict(pp=2), "pipeline"), (dict(async_scheduling=True), "async"),
+    for extra, word in [(dict(pp=2), "pipeline"), (dict(kv_offload_size=1.0, speculative_config={
+                            "method": "draft_model", "model": str(STORIES_EMBEDDED),
+                            "num_speculative_tokens": 2}), "kv-offload-size"),
                         (dict(tp=2, speculative_config={**NGRAM, "draft_tensor_parallel_size": 1}),
                          "draft_tensor_parallel_size")]:
         kw = {"speculative_config": NGRAM, **extra}

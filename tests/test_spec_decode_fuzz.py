@@ -41,10 +41,9 @@ class SpecCheckingExecutor(CheckingExecutor):
             start[r.req_id] = r.num_computed_tokens
         for r in plan.cached_reqs:
             st = self.reqs[r.req_id]
-            for k, t in enumerate(r.new_token_ids):  # what we emitted, truncated at a stop
+            for k, t in enumerate(r.new_token_ids):  # what we emitted (placeholders until now)
                 pos = st["known"] + k
                 assert pos < len(st["tokens"]) and st["tokens"][pos] == t, f"{r.req_id}: token {pos}"
-            del st["tokens"][st["known"] + len(r.new_token_ids):]
             st["known"] += len(r.new_token_ids)
             if r.num_blocks >= 0:  # blocks given back after rejected drafts
                 st["blocks"] = st["blocks"][:r.num_blocks - len(r.new_block_ids)]
@@ -54,8 +53,8 @@ class SpecCheckingExecutor(CheckingExecutor):
         for rid, n in plan.num_scheduled_tokens.items():
             st, s = self.reqs[rid], start[rid]
             drafts = plan.spec_token_ids.get(rid, [])
-            known = st["tokens"]
-            assert len(known) == st["known"], f"{rid}: scheduled before its tokens were sent"
+            known = st["tokens"]  # with async scheduling, the last ones may be placeholders
+            assert not drafts or len(known) == st["known"], f"{rid}: drafts after placeholders"
             seq = known + drafts
             end = s + n
             assert end <= len(seq) and (not drafts or end == len(seq)), f"{rid}: inputs"
@@ -90,9 +89,9 @@ class SpecCheckingExecutor(CheckingExecutor):
         return ModelRunnerOutput(req_ids, sampled, accepted=accepted, draft_token_ids=proposals)
 
 
-@pytest.mark.parametrize("combo", [("fcfs", False, True, True), ("priority", False, True, False),
-                                   ("fcfs", False, False, True)],
-                         ids=["chunked-cache", "priority-chunked", "whole-cache"])
+@pytest.mark.parametrize("combo", [("fcfs", False, True, True), ("priority", True, True, False),
+                                   ("fcfs", True, False, True)],
+                         ids=["chunked-cache", "priority-async-chunked", "async-whole-cache"])
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_spec_traces_keep_invariants_no_leaks_same_outputs(combo, method, tokenizer):  # noqa: F811
     spec = {"method": method, "num_speculative_tokens": K}
@@ -120,14 +119,19 @@ def test_spec_traces_keep_invariants_no_leaks_same_outputs(combo, method, tokeni
     assert drafted > 50
 
 
-def test_drafts_that_are_never_accepted_back_off(tokenizer):  # noqa: F811
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+def test_drafts_that_are_never_accepted_back_off(tokenizer, use_async):  # noqa: F811
     """A proposer that is always wrong: after 4 verify passes that accepted nothing a request
     pauses drafting for 2, 4, ... 64 steps (the plan tells the proposer to skip its work), so
-    useless drafts cost a verify pass on few steps; the outputs stay those of a plain run."""
+    useless drafts cost a verify pass on few steps, and with async scheduling the paused
+    request runs ahead (scheduled before its last token is back); the outputs stay those of a
+    plain run."""
     class Wrong(SpecCheckingExecutor):
-        skipped = 0
+        skipped = ahead = 0
 
         def submit(self, plan):
+            self.ahead += any(len(self.reqs[r.req_id]["tokens"]) > self.reqs[r.req_id]["known"]
+                              + len(r.new_token_ids) for r in plan.cached_reqs)
             out = super().submit(plan)
             self.skipped += plan.skip_proposals
             out.draft_token_ids = [[(t + 1) % self.vocab_size for t in self.continuation(
@@ -135,7 +139,7 @@ def test_drafts_that_are_never_accepted_back_off(tokenizer):  # noqa: F811
             return out
     from rankserve.runtime.sampling_params import SamplingParams
     ex = Wrong(100, 8, 300)
-    eng = engine_for(("fcfs", False, True, True), num_blocks=100, max_model_len=300, executor=ex,
+    eng = engine_for(("fcfs", use_async, True, True), num_blocks=100, max_model_len=300, executor=ex,
                      speculative_config={"method": "ngram", "num_speculative_tokens": K})
     trace = [(0, "a", [5, 6, 7], SamplingParams(temperature=0, max_tokens=250, ignore_eos=True), 0)]
     got, _ = run_trace(eng, trace, {}, tokenizer)
@@ -145,3 +149,4 @@ def test_drafts_that_are_never_accepted_back_off(tokenizer):  # noqa: F811
     s = eng.scheduler.spec
     assert s.num_accepted_tokens == 0 and 4 <= s.num_drafts <= 12, s.num_drafts
     assert ex.skipped > 150
+    assert (ex.ahead > 150) == use_async, ex.ahead
