@@ -213,13 +213,15 @@ def test_stories_greedy_ngram_and_draft_equal_plain(stories_base, draft_dir):
 
 def test_stories_greedy_under_pressure(stories_base, draft_dir):
     """Chunked prefill (budget 16), a prefix cache hit (same prompt twice), preemption (a KV
-    cache of 12 blocks of 8 for 6 requests), penalties and min_tokens: same tokens as plain."""
+    cache of 14 blocks of 8 for 6 requests), penalties and min_tokens, async scheduling (the
+    draft-model run): same tokens as plain."""
     prompts = PROMPTS * 2
-    kw = dict(repetition_penalty=1.3, presence_penalty=0.3, min_tokens=5, max_tokens=40)
+    kw = dict(repetition_penalty=1.3, presence_penalty=0.3, min_tokens=5, max_tokens=32)
     want = _greedy(stories_base, prompts, **kw)
     for spec in (NGRAM, {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": 2}):
         llm = LLM(str(STORIES_EMBEDDED), max_num_seqs=6, block_size=8, num_gpu_blocks_override=14,
-                  max_model_len=96, max_num_batched_tokens=16, speculative_config=spec)
+                  max_model_len=96, max_num_batched_tokens=16, speculative_config=spec,
+                  async_scheduling=spec["method"] == "draft_model")
         assert _greedy(llm, prompts, **kw) == want, spec["method"]
         sch = llm.engine.scheduler
         assert sch.num_preemptions > 0 and sch.kv.prefix_hits > 0, spec["method"]
