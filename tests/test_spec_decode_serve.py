@@ -17,6 +17,7 @@ NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
 REPEAT = "Lily and Tom went to the park. Lily and Tom went to the"
 
 
+@pytest.mark.slow
 def test_server_greedy_equals_plain_and_metrics(tmp_path):
     draft = stories_draft(tmp_path / "draft")
     llm = LLM(str(STORIES_EMBEDDED), kv_cache_memory_gb=0.05)
@@ -49,6 +50,7 @@ def test_server_greedy_equals_plain_and_metrics(tmp_path):
 
 
 @pytest.mark.mpi
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not on PATH")
 def test_tp2_matches_single_rank(checkpoint):
     model = checkpoint("LlamaForCausalLM")
