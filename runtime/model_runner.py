@@ -448,12 +448,11 @@ class ModelRunner:
         md = self.sampling.build(rids, np.repeat(inp.sample_out_counts, ns + 1) + offset,
                                  inp.grammar, extra_tokens=offset)
         probs, greedy = target_probs(logits, md)
-        B, K = len(ns), int(ns.max())
-        draft_ids = np.zeros((B, K), dtype=np.int64)
-        for i, rid in enumerate(inp.sample_req_ids):
-            st = self.reqs[rid]
-            start = inp.base_pos[i]
-            draft_ids[i, :ns[i]] = self.batch.token_ids[st.row, start:start + ns[i]]
+        K = int(ns.max())
+        rows = np.array([self.reqs[r].row for r in inp.sample_req_ids], dtype=np.int64)
+        j = np.arange(K)
+        cols = np.minimum(inp.base_pos[:, None] + j[None, :], self.batch.token_ids.shape[1] - 1)
+        draft_ids = np.where(j[None, :] < ns[:, None], self.batch.token_ids[rows[:, None], cols], 0)
         dev = self.device
         spec = SpecBatch(torch.from_numpy(draft_ids).to(dev), torch.from_numpy(ns).to(dev),
                          torch.from_numpy(first).to(dev))

@@ -105,10 +105,13 @@ class NgramProposer(Proposer):
             return [[] for _ in ctx.req_ids]
         toks, acc = ctx.host()
         b = self.runner.batch
-        lens = ctx.base_pos + np.asarray(acc, dtype=np.int64) + 1
+        toks, acc = np.asarray(toks, dtype=np.int64), np.asarray(acc, dtype=np.int64)
+        lens = ctx.base_pos + acc + 1
         # the emitted tokens, so the lookup sees them (the next plan writes the same values)
-        for i, row in enumerate(ctx.rows):
-            b.token_ids[row, ctx.base_pos[i]:lens[i]] = toks[i][:acc[i] + 1]
+        j = np.arange(toks.shape[1])
+        emitted = j[None, :] <= acc[:, None]
+        cols = np.minimum(ctx.base_pos[:, None] + j[None, :], b.token_ids.shape[1] - 1)
+        b.token_ids[np.broadcast_to(ctx.rows[:, None], toks.shape)[emitted], cols[emitted]] = toks[emitted]
         return propose_ngram(b.token_ids[ctx.rows], lens, self.params.prompt_lookup_min,
                              self.params.prompt_lookup_max, self.room(ctx, lens))
 
