@@ -171,6 +171,16 @@ def _bench_config(kwargs: dict):
         raise click.UsageError(str(e)) from None
     name = kwargs.get("model") if named else None
     kwargs = dict(kwargs, model=path)
+    spec = kwargs.get("speculative_config")
+    if spec:  # a draft model may name a shipped config too (dummy weights, like MODEL)
+        import json
+        try:
+            d = json.loads(spec)
+            if isinstance(d, dict) and d.get("model") and d["model"] not in ("ngram", "[ngram]"):
+                d["model"] = resolve_model(d["model"])[0]
+                kwargs["speculative_config"] = json.dumps(d)
+        except (ValueError, TypeError) as e:
+            raise click.UsageError(f"--speculative-config: {e}") from None
     if named and kwargs.get("load_format") is None:
         kwargs["load_format"] = "dummy"
     return build_config(kwargs), name
@@ -257,9 +267,12 @@ def bench_throughput(workload, num_prompts, input_len, output_len, structured_ou
 @click.option("--output-len", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--num-iters", type=click.IntRange(min=1), default=5, show_default=True)
 @click.option("--num-iters-warmup", type=click.IntRange(min=0), default=1, show_default=True)
+@click.option("--prompt-kind", type=click.Choice(["random", "repeat"]), default="random",
+              show_default=True, help="repeat: each prompt tiles a random 16-token segment, a text "
+              "the answer can copy from (n-gram speculative decoding)")
 @_bench_outputs
-def bench_latency(batch_size, input_len, output_len, num_iters, num_iters_warmup, backends,
-                  hf_compile, output_json, plot, profile_dir, **kwargs):
+def bench_latency(batch_size, input_len, output_len, num_iters, num_iters_warmup, prompt_kind,
+                  backends, hf_compile, output_json, plot, profile_dir, **kwargs):
     """One batch end to end: latency, TTFT (prefill alone), decode tok/s; medians and the floor."""
     from ..runtime.bench import latency
     cfg, name = _bench_config(kwargs)
@@ -268,7 +281,7 @@ def bench_latency(batch_size, input_len, output_len, num_iters, num_iters_warmup
                                seed=cfg.model.seed, backends=tuple(dict.fromkeys(backends)),
                                output_json=output_json, plot=plot, hf_compile=hf_compile,
                                profile_dir=profile_dir,
-                               model_name=name)
+                               model_name=name, prompt_kind=prompt_kind)
     _run_bench(latency, cfg, args)
 
 

@@ -24,6 +24,9 @@ class CompiledModel:
         self.show_progress = show_progress
         self.forward = model.forward
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # speculative decoding: batches where every request has 1 + k query tokens (verify)
+        self.verify_len = 0
+        self.verify_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.compiled = False
 
     def compile(self) -> dict[str, float]:
@@ -93,8 +96,13 @@ class CompiledModel:
             torch.cuda.synchronize()
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnMeta,
-                 hidden_in: torch.Tensor | None) -> torch.Tensor:
-        """One step's forward; the inputs are prefixes of the input batch's buffers."""
+                 hidden_in: torch.Tensor | None, query_len: int = 0) -> torch.Tensor:
+        """One step's forward; the inputs are prefixes of the input batch's buffers.
+        `query_len`: every request's query length when they are all equal, else 0."""
+        if query_len > 1 and query_len == self.verify_len and hidden_in is None:
+            hidden = self._run_verify_graph(input_ids.shape[0], attn)
+            if hidden is not None:
+                return hidden
         hidden = self._run_graph(input_ids.shape[0], attn, hidden_in)
         if hidden is not None:
             return hidden
@@ -147,6 +155,23 @@ class CompiledModel:
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 out = self.forward(*args)
             self.graphs[bs] = (graph, out)
+        b, q = self.batch, self.verify_len
+        max_t = b.ids.shape[0] - 1
+        for bs in sorted((s for s in sizes if s * q <= max_t), reverse=True) if q > 1 else ():
+            T = bs * q  # uniform verify batches: a query of 1 + k tokens per request
+            b.slots[:T].fill_(-1)
+            b.qsl[:bs + 1].copy_(torch.arange(bs + 1, device=self.device) * q)
+            b.seq_lens[:bs].fill_(q)
+            args = (b.ids[:T], b.pos[:T], b.attn(T, bs, is_decode=False), None)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self.forward(*args)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                out = self.forward(*args)
+            self.verify_graphs[bs] = (graph, out)
         torch.cuda.synchronize()
 
     def graph_inputs(self, bs: int) -> tuple:
@@ -160,6 +185,17 @@ class CompiledModel:
         b.state_idx[:bs].fill_(-1)
         hidden = None if b.hidden is None else b.hidden[:bs]
         return b.ids[:bs], b.pos[:bs], b.attn(bs, bs, is_decode=True), hidden
+
+    def _run_verify_graph(self, T: int, attn: AttnMeta) -> torch.Tensor | None:
+        """Replay the smallest verify graph that fits (padding requests have no query)."""
+        B = attn.seq_lens.shape[0]
+        bs = next((s for s in sorted(self.verify_graphs) if s >= B), None)
+        if bs is None:
+            return None
+        self.batch.pad(T, bs * self.verify_len, B, bs)
+        graph, out = self.verify_graphs[bs]
+        graph.replay()
+        return out[:T]
 
     def _run_graph(self, T: int, attn: AttnMeta, hidden_in: torch.Tensor | None
                    ) -> torch.Tensor | None:

@@ -284,6 +284,91 @@ class LoRAConfig:
         return self.max_cpu_loras or self.max_loras
 
 
+SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
+SPEC_IMPLEMENTED = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpecDecodeParams:
+    """The parsed `--speculative-config` (vLLM's keys; runtime/spec_decode.py)."""
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None  # draft checkpoint (draft_model)
+    prompt_lookup_min: int = 1  # n-gram sizes tried, longest first
+    prompt_lookup_max: int = 4
+    draft_tensor_parallel_size: int | None = None
+
+
+_SPEC_KEYS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min",
+              "prompt_lookup_max", "draft_tensor_parallel_size")
+
+
+def parse_speculative_config(value) -> SpecDecodeParams | None:
+    """A JSON object (string) or dict with vLLM's keys → SpecDecodeParams; every key or method
+    this engine does not implement is refused by name."""
+    import json
+    if value is None or value == "" or value == {}:
+        return None
+    flag = "--speculative-config"
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{flag} must be a JSON object: {e}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{flag} must be a JSON object, got {value!r}")
+    unknown = sorted(set(value) - set(_SPEC_KEYS))
+    if unknown:
+        raise ConfigError(f"{flag}: unsupported key(s) {', '.join(unknown)} (supported: "
+                          f"{', '.join(_SPEC_KEYS)})")
+    d = dict(value)
+    method = d.get("method") or ("draft_model" if d.get("model") else None)
+    if method == "ngram" or d.get("model") in ("ngram", "[ngram]"):
+        method, d["model"] = "ngram", None
+    if method not in SPEC_METHODS:
+        raise ConfigError(f"{flag}: method must be one of {', '.join(SPEC_METHODS)}, got {method!r}")
+    if method not in SPEC_IMPLEMENTED:
+        raise ConfigError(f"{flag}: method {method!r} is not implemented yet (implemented: "
+                          f"{', '.join(SPEC_IMPLEMENTED)})")
+    k = d.get("num_speculative_tokens")
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
+        raise ConfigError(f"{flag}: num_speculative_tokens must be an integer in 1..16, got {k!r}")
+    lo, hi = d.get("prompt_lookup_min"), d.get("prompt_lookup_max")
+    if method != "ngram" and (lo is not None or hi is not None):
+        raise ConfigError(f"{flag}: prompt_lookup_min/max apply to method ngram only")
+    lo = lo if lo is not None else (1 if hi is None else hi)
+    hi = hi if hi is not None else max(lo, 4)
+    for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 64:
+            raise ConfigError(f"{flag}: {name} must be an integer in 1..64, got {v!r}")
+    if lo > hi:
+        raise ConfigError(f"{flag}: prompt_lookup_min ({lo}) > prompt_lookup_max ({hi})")
+    model = d.get("model")
+    if method == "draft_model":
+        if not model or not os.path.isfile(os.path.join(str(model), "config.json")):
+            raise ConfigError(f"{flag}: method draft_model needs \"model\": a checkpoint directory "
+                              f"(with config.json), got {model!r}")
+    elif model is not None:
+        raise ConfigError(f"{flag}: \"model\" is for method draft_model, not {method}")
+    return SpecDecodeParams(method, k, model, lo, hi, d.get("draft_tensor_parallel_size"))
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (runtime/spec_decode.py)."""
+    speculative_config: str | dict | None = opt(
+        None, "speculative decoding as a JSON object with vLLM's keys: method (ngram, "
+        "draft_model), num_speculative_tokens, model (draft checkpoint), prompt_lookup_min/max, "
+        "draft_tensor_parallel_size; e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'")
+
+    @property
+    def params(self) -> SpecDecodeParams | None:
+        return parse_speculative_config(self.speculative_config)
+
+    def validate(self):
+        self.params  # noqa: B018 - parse errors name the flag
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -295,9 +380,10 @@ class EngineConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     SECTIONS = ("model", "load", "cache", "scheduler", "parallel", "compilation", "device", "offload",
-                "lora")
+                "lora", "speculative")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -339,10 +425,35 @@ class EngineConfig:
                               "(pipeline stages already keep one step in flight each); drop one")
         if self.device.device == "cpu" and self.device.device_ids:
             raise ConfigError("--device-ids selects CUDA devices; it cannot go with --device cpu")
+        self._check_speculative()
         if self.offload.kv_offload_size > 0 and not self.cache.enable_prefix_caching:
             raise ConfigError("--kv-offload-size keeps evicted prefix-cache blocks in host memory: "
                               "it needs --enable-prefix-caching")
         return self
+
+    @property
+    def spec(self) -> SpecDecodeParams | None:
+        """The speculative-decoding parameters, or None when it is off."""
+        return self.speculative.params
+
+    def _check_speculative(self) -> None:
+        spec = self.spec
+        if spec is None:
+            return
+        flag = "--speculative-config"
+        if self.parallel.pipeline_parallel_size > 1:
+            raise ConfigError(f"{flag} does not work with --pipeline-parallel-size > 1 yet (the "
+                              "proposals of a step would need the last stage's tokens on the first)")
+        tp = spec.draft_tensor_parallel_size
+        if tp is not None and tp != self.parallel.tensor_parallel_size:
+            raise ConfigError(f"{flag}: draft_tensor_parallel_size must equal "
+                              f"--tensor-parallel-size ({self.parallel.tensor_parallel_size}): the "
+                              f"draft model runs on the target's ranks; got {tp}")
+        if spec.method == "draft_model" and self.offload.kv_offload_size > 0:
+            raise ConfigError(f"{flag} with a draft model does not work with --kv-offload-size "
+                              "(the host tier would not hold the draft model's KV)")
+        if self.offload.enable_sleep_mode:
+            raise ConfigError(f"{flag} does not work with --enable-sleep-mode yet")
 
     def check_kv_capacity(self, num_blocks: int, max_model_len: int) -> None:
         """A request may grow to max_model_len tokens: a KV cache smaller than that would leave

@@ -18,6 +18,7 @@ from ..models.llama import kv_sliding_window
 from ..models.nemotron_h import has_recurrent_state
 from ..models.loader import load_hf_config
 from .scheduler import Scheduler, SchedulerOutput
+from .spec_decode import lookahead_slots
 from .structured_output import StructuredOutputManager
 
 log = logging.getLogger("rankserve.engine")
@@ -47,6 +48,10 @@ class EngineCore:
         if use_async is None:
             use_async = (getattr(executor, "device", None) is not None
                          and executor.device.type == "cuda" and cfg.parallel.pipeline_parallel_size == 1)
+        if cfg.spec is not None:  # the next step depends on how many drafts this one accepted
+            log.info("speculative decoding (%s, %d tokens)%s", cfg.spec.method,
+                     cfg.spec.num_speculative_tokens, ": only requests that pause drafting run "
+                     "ahead (async scheduling)" if use_async else "")
         # grammars compile in its threads; the tokenizer is loaded on first use
         self.structured = StructuredOutputManager(cfg.model.tokenizer or cfg.model.model,
                                                   cfg.model.model, self.vocab_size)
@@ -58,10 +63,14 @@ class EngineCore:
             window = kv_sliding_window(hf_config)
         if window >= self.max_model_len:  # nothing ever leaves the window
             window = 0
-        recurrent = hf_config is not None and has_recurrent_state(hf_config)
+        recurrent = has_recurrent_state(hf_config if hf_config is not None
+                                        else load_hf_config(cfg.model.model))
         if recurrent and self.num_host_blocks:
             raise ValueError("--kv-offload-size keeps evicted prefix-cache blocks in host memory, and "
                              "prefix caching is off for models with recurrent (Mamba2) layers: drop it")
+        if recurrent and cfg.spec is not None:
+            raise ValueError("--speculative-config does not work with recurrent (Mamba2) layers: "
+                             "their state cannot be rolled back past rejected drafts")
         if recurrent and cfg.cache.enable_prefix_caching:
             # a prefix hit would skip tokens whose recurrent state was never computed; states
             # checkpointed at block boundaries would allow it (not done yet)
@@ -71,7 +80,8 @@ class EngineCore:
                                    async_scheduling=use_async, structured=self.structured,
                                    num_host_blocks=self.num_host_blocks,
                                    max_loras=cfg.lora.max_loras if cfg.lora.enable_lora else 0,
-                                   sliding_window=window)
+                                   sliding_window=window, spec_lookahead=lookahead_slots(cfg.spec),
+                                   spec_enabled=cfg.spec is not None)
         self.scheduler.results_in_flight = lambda: [h for _, h in self.in_flight]
         self._lora_ranks: dict[tuple[int, str], int] = {}  # adapters seen: (id, path) → rank
         self.asleep: set[str] = set()  # sleep mode: the tags (weights, kv_cache) now asleep

@@ -83,6 +83,8 @@ class InputBatch:
             if r.new_token_ids:
                 self.token_ids[st.row, st.num_tokens:st.num_tokens + len(r.new_token_ids)] = r.new_token_ids
                 st.num_tokens += len(r.new_token_ids)
+            if r.num_blocks >= 0:  # blocks given back (speculative decoding)
+                st.num_blocks = r.num_blocks - len(r.new_block_ids)
             if r.new_block_ids:
                 self.block_table[st.row, st.num_blocks:st.num_blocks + len(r.new_block_ids)] = r.new_block_ids
                 st.num_blocks += len(r.new_block_ids)

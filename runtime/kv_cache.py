@@ -295,6 +295,23 @@ class KVCacheManager:
         if self.offload is not None:
             self.offload.check_invariants(self.pool)
 
+    def trim(self, req: Request, num_tokens: int) -> bool:
+        """Speculative decoding: keep only the blocks of the first `num_tokens` tokens (rejected
+        drafts and a proposer's lookahead wrote past them). Blocks past the known tokens were
+        never registered in the prefix cache."""
+        blocks = self.req_blocks.get(req.request_id)
+        keep = -(-num_tokens // self.block_size)
+        if not blocks or len(blocks) <= keep:
+            return False
+        gone = blocks[keep:]
+        del blocks[keep:]
+        for b in gone:
+            if b.ref_cnt == 1 and b.block_hash is not None:
+                self.pool.forget(b)
+        self.pool.release(list(reversed(gone)))
+        self.num_registered[req.request_id] = min(self.num_registered.get(req.request_id, 0), keep)
+        return True
+
     def block_ids(self, req: Request) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(req.request_id, ())]
 

@@ -101,6 +101,12 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     max_lora: int = 0
     running_lora_adapters: str = ""
     waiting_lora_adapters: str = ""
+    # speculative decoding (cumulative): verify passes with drafts, draft tokens, accepted ones,
+    # and accepted ones by draft position
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -28,7 +28,7 @@ from . import envs
 from .compilation import CompiledModel
 from .config import EngineConfig
 from .input_batch import InputBatch, ReqState
-from .sampler import SamplingMetadata, gather_logprobs, sample
+from .sampler import SamplingMetadata, gather_logprobs, sample, target_probs
 from .sampling_metadata import SamplingMetadataBuilder
 from .messages import LogprobsEntry
 from .scheduler import SchedulerOutput
@@ -43,6 +43,10 @@ class ModelRunnerOutput:
     sampled_token_ids: list[int]
     logprobs: list[LogprobsEntry] | None = None  # aligned with req_ids, for requests that asked
     prompt_logprobs: dict[str, list[LogprobsEntry]] = field(default_factory=dict)
+    # speculative decoding: per request, the drafts this step accepted (emitted before the
+    # sampled token) and the proposals for its next step
+    accepted: list[list[int]] | None = None
+    draft_token_ids: list[list[int]] | None = None
     _pending: tuple | None = None  # (pinned host copy, CUDA event) until resolve()
     _sample: tuple | None = None  # (runner, inputs, hidden): sampling deferred (grammar masks)
 
@@ -90,6 +94,12 @@ class StepInputs:
     prompt_lp: list[tuple[str, int, int, int]]  # (req id, first hidden row, count, first target pos)
     # the plan's constrained requests and its bitmask filler (called at sampling time)
     grammar: tuple[list[str], Callable[[], np.ndarray]] | None = None
+    query_len: int = 0  # every request's query length when they are all equal (CUDA graphs)
+    # speculative decoding, per sampled request: drafts verified, position of the first token
+    # it emits, index among the step's requests
+    num_drafts: np.ndarray | None = None
+    base_pos: np.ndarray | None = None
+    sample_index: np.ndarray | None = None
 
 
 class ModelRunner:
@@ -137,6 +147,14 @@ class ModelRunner:
         self.sampling = SamplingMetadataBuilder(self.batch, n, self.vocab_size)
         self.compiled_model = CompiledModel(self.model, cfg, self.batch, self.max_model_len, device,
                                             show_progress=pi.tp_rank == 0)
+        self.proposer = None  # speculative decoding (runtime/spec_decode.py)
+        self._skip_proposals = False
+        if cfg.spec is not None:
+            from .spec_decode import make_proposer
+            self.proposer = make_proposer(self, cfg.spec)
+            self.compiled_model.verify_len = 1 + cfg.spec.num_speculative_tokens
+            if getattr(self.proposer, "compiled", None) is not None:
+                self.proposer.compiled.verify_len = self.compiled_model.verify_len
         # async scheduling: the last step's sampled ids stay on the device and feed the next
         # step's placeholder inputs
         self.prev_sampled: torch.Tensor | None = None
@@ -180,7 +198,8 @@ class ModelRunner:
             log.info("fp8 KV cache: the checkpoint has no k/v scales; using 1.0 (e4m3 holds +-448)")
 
     def kv_bytes_per_block(self) -> int:
-        return sum(self._kv_token_bytes(a) for a in self.model.attention_layers()) * self.block_size
+        own = sum(self._kv_token_bytes(a) for a in self.model.attention_layers()) * self.block_size
+        return own + (self.proposer.kv_bytes_per_block() if self.proposer else 0)  # a draft's cache
 
     def _kv_shapes(self, a, num_blocks: int) -> tuple[tuple, tuple]:
         """K and V cache shapes of one attention layer; an MLA layer keeps one latent cache (its
@@ -270,6 +289,8 @@ class ModelRunner:
             k_shape, v_shape = self._kv_shapes(a, num_blocks)
             a.k_cache = torch.zeros(k_shape, dtype=self.kv_dtype, device=self.device)
             a.v_cache = torch.zeros(v_shape, dtype=self.kv_dtype, device=self.device)
+        if self.proposer is not None:
+            self.proposer.allocate_kv_cache(num_blocks)
         if num_blocks > 1:  # not the memory profile's placeholder
             self.timings["kv_alloc"] = time.perf_counter() - t0
             per_block = self.kv_bytes_per_block()
@@ -296,6 +317,8 @@ class ModelRunner:
     def compile(self) -> None:
         """torch.compile and CUDA-graph capture as the config says (runtime/compilation.py)."""
         self.timings.update(self.compiled_model.compile())
+        if self.proposer is not None:
+            self.timings.update(self.proposer.compile())
 
     # ---- the step ---------------------------------------------------------------------------
     def prepare_inputs(self, plan: SchedulerOutput) -> StepInputs:
@@ -309,6 +332,13 @@ class ModelRunner:
         done.update({r.req_id: r.num_computed_tokens for r in plan.cached_reqs})
         start = np.array([done[rid] for rid in req_ids], dtype=np.int64)
         rows = np.array([s.row for s in states], dtype=np.int64)
+        # speculative decoding: the drafts are input tokens after the known ones
+        nspec = np.zeros(len(req_ids), dtype=np.int64)
+        for i, rid in enumerate(req_ids):
+            drafts = plan.spec_token_ids.get(rid) if plan.spec_token_ids else None
+            if drafts:
+                nspec[i] = len(drafts)
+                self.batch.token_ids[rows[i], states[i].num_tokens:states[i].num_tokens + len(drafts)] = drafts
         cu = np.concatenate([[0], np.cumsum(counts)])
         T = int(cu[-1])
         req_of_tok = np.repeat(np.arange(len(req_ids)), counts)
@@ -322,10 +352,17 @@ class ModelRunner:
 
         # tokens the runner does not know yet (async scheduling) come from the last step's
         # sampled ids on the device; a step samples when it reaches the end of what is known
-        num_real = np.array([s.num_tokens for s in states], dtype=np.int64)
+        num_real = np.array([s.num_tokens for s in states], dtype=np.int64) + nspec
         placeholder = np.flatnonzero(positions >= num_real[req_of_tok])
         sample_mask = seq_lens >= num_real
-        logits_indices = (cu[1:] - 1)[sample_mask]
+        # a request scores its last 1 + (number of drafts) tokens
+        ns = nspec[sample_mask]
+        ends = (cu[1:] - 1)[sample_mask]
+        if ns.any():
+            first = np.concatenate([[0], np.cumsum(ns + 1)[:-1]])
+            logits_indices = np.repeat(ends - ns, ns + 1) + np.arange(int((ns + 1).sum())) - np.repeat(first, ns + 1)
+        else:
+            logits_indices = ends
         sample_ids = [rid for rid, m in zip(req_ids, sample_mask) if m]
         prompt_lp = []
         for i, (rid, st) in enumerate(zip(req_ids, states)):
@@ -340,7 +377,8 @@ class ModelRunner:
         put = b.stage
         B = len(req_ids)
         # only the columns this step reads: kernels never look past a request's seq_len
-        width = int(-(-seq_lens.max() // self.block_size)) if B else 0
+        ahead = self.proposer.lookahead if self.proposer is not None else 0
+        width = min(int(-(-(seq_lens.max() + ahead) // self.block_size)), b.max_blocks_per_req) if B else 0
         put(b.block_table[rows, :width], b.table[:B, :width])
         attn = AttnMeta(put(slots, b.slots), put(cu.astype(np.int32), b.qsl),
                         put(seq_lens.astype(np.int32), b.seq_lens), b.table[:B],
@@ -353,10 +391,14 @@ class ModelRunner:
             src = np.array([self.prev_index[req_ids[i]] for i in req_of_tok[placeholder]])
             ids[put(placeholder)] = self.prev_sampled[put(src)]
         # exact even when the last token is still a placeholder
-        out_counts = (seq_lens - np.array([s.num_prompt_tokens for s in states]))[sample_mask]
+        out_counts = (seq_lens - nspec - np.array([s.num_prompt_tokens for s in states]))[sample_mask]
         grammar = (plan.grammar_req_ids, plan.bitmask) if plan.grammar_req_ids else None
+        self._skip_proposals = plan.skip_proposals
+        q = int(counts[0]) if B and counts.min() == counts.max() else 0
         return StepInputs(ids, put(positions, b.pos), attn, put(logits_indices),
-                          sample_ids, out_counts, prompt_lp, grammar)
+                          sample_ids, out_counts, prompt_lp, grammar, q,
+                          ns if ns.any() else None, (seq_lens - nspec)[sample_mask],
+                          np.flatnonzero(sample_mask))
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput,
@@ -366,7 +408,10 @@ class ModelRunner:
             self.host_kv.run(plan)
         self.finish_sampling()
         inp = self.prepare_inputs(plan)
-        hidden = self.compiled_model(inp.input_ids, inp.positions, inp.attn, hidden_in)
+        hidden = self.compiled_model(inp.input_ids, inp.positions, inp.attn, hidden_in,
+                                     query_len=inp.query_len)
+        if self.proposer is not None:
+            self.proposer.on_forward(inp)
         if not self.pi.is_last_stage:
             return hidden
         if plan.grammar_fill is not None and inp.grammar is not None:
@@ -387,21 +432,81 @@ class ModelRunner:
     def sample(self, inp: StepInputs, hidden: torch.Tensor,
                out: ModelRunnerOutput | None = None) -> ModelRunnerOutput:
         out = out or ModelRunnerOutput(inp.sample_req_ids, [])
-        if inp.sample_req_ids:
+        if inp.sample_req_ids and inp.num_drafts is not None:
+            self._verify(inp, hidden, out)
+        elif inp.sample_req_ids:
             logits = self.model.compute_logits(hidden[inp.logits_indices])
             md = self.sampling.build(inp.sample_req_ids, inp.sample_out_counts, inp.grammar)
             ids, raw_lp = sample(logits, md)
             self.prev_sampled = ids
             self.prev_index = {rid: i for i, rid in enumerate(inp.sample_req_ids)}
             out.defer(ids)
+            if self.proposer is not None:
+                self._propose(inp, hidden, out, ids[:, None], torch.zeros_like(ids))
             if raw_lp is not None:
                 nums = [self.reqs[r].sampling_params.logprobs for r in inp.sample_req_ids]
                 entries = gather_logprobs(raw_lp, ids, [n or 0 for n in nums])
                 out.logprobs = [e if n is not None else None for e, n in zip(entries, nums)]
+        self._prompt_logprobs(inp, hidden, out)
+        return out
+
+    def _prompt_logprobs(self, inp: StepInputs, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
         for rid, first_row, count, first_pos in inp.prompt_lp:
             st = self.reqs[rid]
             logits = self.model.compute_logits(hidden[first_row:first_row + count]).float()
             targets = torch.from_numpy(self.batch.token_ids[st.row, first_pos:first_pos + count]).to(self.device)
             out.prompt_logprobs[rid] = gather_logprobs(
                 logits.log_softmax(-1), targets, [st.sampling_params.prompt_logprobs] * count)
-        return out
+
+    # ---- speculative decoding (runtime/spec_decode.py, runtime/rejection_sampler.py) ---------
+    def _verify(self, inp: StepInputs, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
+        """Score every draft in one pass of sampling: a row per draft and one more per request,
+        each with the sampling state (outputs so far) it would have had without speculation."""
+        from .rejection_sampler import SpecBatch, rejection_sample
+        ns = inp.num_drafts
+        logits = self.model.compute_logits(hidden[inp.logits_indices])
+        rids = np.repeat(np.array(inp.sample_req_ids, dtype=object), ns + 1).tolist()
+        first = np.concatenate([[0], np.cumsum(ns + 1)[:-1]])
+        offset = np.arange(len(rids)) - np.repeat(first, ns + 1)  # draft index of each row
+        md = self.sampling.build(rids, np.repeat(inp.sample_out_counts, ns + 1) + offset,
+                                 inp.grammar, extra_tokens=offset)
+        probs, greedy = target_probs(logits, md)
+        K = int(ns.max())
+        rows = np.array([self.reqs[r].row for r in inp.sample_req_ids], dtype=np.int64)
+        j = np.arange(K)
+        cols = np.minimum(inp.base_pos[:, None] + j[None, :], self.batch.token_ids.shape[1] - 1)
+        draft_ids = np.where(j[None, :] < ns[:, None], self.batch.token_ids[rows[:, None], cols], 0)
+        dev = self.device
+        spec = SpecBatch(torch.from_numpy(draft_ids).to(dev), torch.from_numpy(ns).to(dev),
+                         torch.from_numpy(first).to(dev))
+        gens = None
+        if md.generators:
+            gens = {int(np.searchsorted(first, r, side="right") - 1): g for r, g in md.generators.items()}
+        tokens, num_acc = rejection_sample(probs, greedy, md.temperature[spec.row_start], spec, gens)
+        if self.proposer is not None:
+            self._propose(inp, hidden, out, tokens, num_acc)
+        # the last emitted token feeds the placeholders of requests that ran ahead (they had
+        # no drafts: it is their only token)
+        self.prev_sampled = tokens.gather(1, num_acc[:, None])[:, 0]
+        self.prev_index = {rid: i for i, rid in enumerate(inp.sample_req_ids)}
+        toks, acc = tokens.tolist(), num_acc.tolist()
+        out.sampled_token_ids = [t[a] for t, a in zip(toks, acc)]
+        out.accepted = [t[:a] for t, a in zip(toks, acc)]
+        if md.max_num_logprobs is not None:  # requests with logprobs verify no drafts: one row
+            nums = [self.reqs[r].sampling_params.logprobs for r in inp.sample_req_ids]
+            raw_lp = logits[spec.row_start].float().log_softmax(-1)
+            entries = gather_logprobs(raw_lp, torch.tensor(out.sampled_token_ids, device=dev),
+                                      [n or 0 for n in nums])
+            out.logprobs = [e if n is not None else None for e, n in zip(entries, nums)]
+
+    def _propose(self, inp: StepInputs, hidden: torch.Tensor, out: ModelRunnerOutput,
+                 tokens: torch.Tensor, num_acc: torch.Tensor) -> None:
+        from .spec_decode import ProposeContext, can_speculate
+        if self._skip_proposals:
+            return
+        rows = np.array([self.reqs[r].row for r in inp.sample_req_ids], dtype=np.int64)
+        eligible = np.array([can_speculate(self.reqs[r].sampling_params) for r in inp.sample_req_ids],
+                            dtype=bool)
+        ctx = ProposeContext(inp.sample_req_ids, rows, inp.base_pos, tokens, num_acc, hidden,
+                             inp.logits_indices, eligible)
+        out.draft_token_ids = self.proposer.propose(ctx)

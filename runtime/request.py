@@ -44,6 +44,11 @@ class Request:
         self.prompt_logprobs: list = []
         # structured outputs: compilation future, then the grammar matcher (structured_output.py)
         self.grammar = None
+        # speculative decoding: the proposer's guesses of the next tokens, verified next step
+        self.spec_token_ids: list[int] = []
+        self.spec_misses = 0  # verify passes in a row that accepted nothing
+        self.spec_pause = 0  # steps left without drafts (backoff after misses)
+        self.spec_in_flight = 0  # drafts of a step in flight (verified when it returns)
 
     @property
     def num_tokens(self) -> int:
@@ -71,6 +76,7 @@ class Request:
         self.status = RequestStatus.PREEMPTED
         self.num_computed_tokens = 0
         self.num_sent = None
+        self.spec_token_ids = []
         self.num_preemptions += 1
 
     def sort_key(self, policy: str):

@@ -114,22 +114,33 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, to
         return logits.argmax(-1), None  # exact in any dtype: skips a [B, V] float copy
     logits = logits.float()
     raw_logprobs = logits.log_softmax(-1) if md.max_num_logprobs is not None else None
-    if md.masks_logits:
-        logits = apply_token_masks(logits, md)
-    if md.output_counts is not None:
-        logits = apply_penalties(logits, md)
-    greedy = logits.argmax(-1)
-    if md.all_greedy:
+    probs, greedy = target_probs(logits, md)
+    if probs is None:
         return greedy, raw_logprobs
-    temp = torch.where(md.temperature > 0, md.temperature, 1.0)
-    logits = apply_top_k_top_p_min_p(logits / temp[:, None], md)
-    probs = logits.softmax(-1)
     # exponential race (Gumbel-max): argmax(p / q) with q ~ Exp(1) samples from p
     q = torch.empty_like(probs).exponential_()
     for row, gen in (md.generators or {}).items():
         q[row].exponential_(generator=gen)
     sampled = (probs / q).argmax(-1)
     return torch.where(md.temperature > 0, sampled, greedy), raw_logprobs
+
+
+def target_probs(logits: torch.Tensor, md: SamplingMetadata
+                 ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The distribution every row samples from (masks, penalties, temperature, top-k / top-p /
+    min-p applied; None when all rows are greedy) and the argmax of the processed logits.
+    Plain sampling draws from it; speculative decoding verifies drafts against it."""
+    logits = logits.float()
+    if md.masks_logits:
+        logits = apply_token_masks(logits, md)
+    if md.output_counts is not None:
+        logits = apply_penalties(logits, md)
+    greedy = logits.argmax(-1)
+    if md.all_greedy:
+        return None, greedy
+    temp = torch.where(md.temperature > 0, md.temperature, 1.0)
+    logits = apply_top_k_top_p_min_p(logits / temp[:, None], md)
+    return logits.softmax(-1), greedy
 
 
 def gather_logprobs(raw_logprobs: torch.Tensor, token_ids: torch.Tensor,

@@ -65,9 +65,12 @@ class SamplingMetadataBuilder:
         return out
 
     def build(self, req_ids: list[str], out_counts: np.ndarray,
-              grammar: tuple[list[str], Callable[[], np.ndarray]] | None = None) -> SamplingMetadata:
+              grammar: tuple[list[str], Callable[[], np.ndarray]] | None = None,
+              extra_tokens: np.ndarray | None = None) -> SamplingMetadata:
         """Metadata for sampling `req_ids` (in order); `out_counts`: their outputs so far;
-        `grammar`: the plan's structured-output bitmask rows and their request ids."""
+        `grammar`: the plan's structured-output bitmask rows and their request ids.
+        `extra_tokens` (speculative decoding: a request has a row per draft): row i samples
+        after that many tokens past the request's known ones, which sit in its token ids."""
         reqs, stage, dev = self.batch.reqs, self.batch.stage, self.device
         rows = np.array([reqs[r].row for r in req_ids], dtype=np.int64)
         p = self.row_params[rows]
@@ -83,10 +86,11 @@ class SamplingMetadataBuilder:
             if p[:, P_SEEDED].any():
                 md.generators = {i: reqs[req_ids[i]].generator for i in np.flatnonzero(p[:, P_SEEDED])}
         if p[:, P_PENALTY].any():
-            self._penalty_tensors(md, [reqs[r] for r in req_ids])
+            self._penalty_tensors(md, [reqs[r] for r in req_ids], extra_tokens)
         banned_rows, banned_toks = [], []
         if p[:, P_MASKS].any():
-            self._token_masks(md, req_ids, np.flatnonzero(p[:, P_MASKS]), banned_rows, banned_toks)
+            self._token_masks(md, req_ids, np.flatnonzero(p[:, P_MASKS]), banned_rows, banned_toks,
+                              extra_tokens)
         if grammar is not None and grammar[0]:
             pos = {rid: i for i, rid in enumerate(req_ids)}
             md.grammar = (stage(np.array([pos[r] for r in grammar[0]], dtype=np.int64)),
@@ -107,7 +111,8 @@ class SamplingMetadataBuilder:
         return md
 
     def _token_masks(self, md: SamplingMetadata, req_ids: list[str], idx: np.ndarray,
-                     banned_rows: list[int], banned_toks: list[int]) -> None:
+                     banned_rows: list[int], banned_toks: list[int],
+                     extra_tokens: np.ndarray | None = None) -> None:
         """logit_bias and allowed_token_ids tensors; bad words into the banned (row, token)s."""
         dev, V = self.device, self.vocab_size
         b_rows, b_toks, b_vals, a_rows, a_masks = [], [], [], [], []
@@ -125,10 +130,11 @@ class SamplingMetadataBuilder:
             for word in self.bad_words.get(row, ()):
                 # vLLM: a word's last token is banned when the output ends with the rest of it
                 *prefix, last = word
-                n_out = st.num_tokens - st.num_prompt_tokens
+                n_tok = st.num_tokens + (0 if extra_tokens is None else int(extra_tokens[i]))
+                n_out = n_tok - st.num_prompt_tokens
                 if len(prefix) > n_out:
                     continue
-                tail = self.batch.token_ids[row, st.num_tokens - len(prefix):st.num_tokens]
+                tail = self.batch.token_ids[row, n_tok - len(prefix):n_tok]
                 if not prefix or tail.tolist() == prefix:
                     banned_rows.append(i)
                     banned_toks.append(last)
@@ -138,7 +144,8 @@ class SamplingMetadataBuilder:
         if a_rows:
             md.allowed = (torch.tensor(a_rows, device=dev), torch.stack(a_masks))
 
-    def _penalty_tensors(self, md: SamplingMetadata, states: list[ReqState]) -> None:
+    def _penalty_tensors(self, md: SamplingMetadata, states: list[ReqState],
+                         extra_tokens: np.ndarray | None = None) -> None:
         dev, V, token_ids = self.device, self.vocab_size, self.batch.token_ids
         B = len(states)
         sps = [s.sampling_params for s in states]
@@ -146,12 +153,14 @@ class SamplingMetadataBuilder:
         md.presence_penalty = torch.tensor([sp.presence_penalty for sp in sps], **f32)
         md.frequency_penalty = torch.tensor([sp.frequency_penalty for sp in sps], **f32)
         md.repetition_penalty = torch.tensor([sp.repetition_penalty for sp in sps], **f32)
-        max_out = max(s.num_tokens - s.num_prompt_tokens for s in states)
+        extra = np.zeros(B, dtype=np.int64) if extra_tokens is None else extra_tokens
+        ends = [s.num_tokens + int(e) for s, e in zip(states, extra)]
+        max_out = max(n - s.num_prompt_tokens for s, n in zip(states, ends))
         max_prompt = max(s.num_prompt_tokens for s in states)
         out_ids = np.full((B, max(max_out, 1)), V, dtype=np.int64)  # V: a padding column
         prompt_ids = np.full((B, max_prompt), V, dtype=np.int64)
-        for i, s in enumerate(states):
-            out_ids[i, :s.num_tokens - s.num_prompt_tokens] = token_ids[s.row, s.num_prompt_tokens:s.num_tokens]
+        for i, (s, n) in enumerate(zip(states, ends)):
+            out_ids[i, :n - s.num_prompt_tokens] = token_ids[s.row, s.num_prompt_tokens:n]
             prompt_ids[i, :s.num_prompt_tokens] = token_ids[s.row, :s.num_prompt_tokens]
         counts = torch.zeros(B, V + 1, dtype=torch.int32, device=dev)
         counts.scatter_add_(1, torch.from_numpy(out_ids).to(dev),

@@ -48,6 +48,9 @@ class CachedRequestData:
     new_token_ids: list[int]  # appended since the runner last saw this request
     new_block_ids: list[int]
     num_computed_tokens: int
+    # blocks the request holds after this plan (speculative decoding gives blocks back; -1:
+    # the runner's count plus new_block_ids)
+    num_blocks: int = -1
 
 
 @dataclass
@@ -69,6 +72,11 @@ class SchedulerOutput:
     blocks_to_host: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     blocks_from_host: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
     wait_for_copies: bool = False
+    # speculative decoding: draft tokens scheduled after each request's known tokens (their
+    # count is in num_scheduled_tokens); the runner verifies them in this step
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # no request of this plan takes proposals (all paused): the proposer may skip its work
+    skip_proposals: bool = False
 
     def bitmask(self) -> np.ndarray | None:
         """The grammar rows, filled on first use (or by the fill `fill_async` started). On one
@@ -95,12 +103,39 @@ class SchedulerOutput:
         return self.total_num_scheduled_tokens == 0
 
 
+SPEC_MISSES = 4  # verify passes in a row with nothing accepted before a request pauses drafting
+SPEC_MAX_PAUSE = 64  # steps
+
+
+class SpecDecodingStats:
+    """Cumulative counts of verified drafts (vLLM's spec_decode metrics)."""
+
+    def __init__(self):
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.accepted_per_pos: list[int] = []
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_drafts:
+            self.accepted_per_pos += [0] * (num_drafts - len(self.accepted_per_pos))
+        for j in range(num_accepted):
+            self.accepted_per_pos[j] += 1
+
+
 class Scheduler:
     def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int,
                  max_model_len: int, async_scheduling: bool = False,
                  structured: StructuredOutputManager | None = None, num_host_blocks: int = 0,
-                 max_loras: int = 0, sliding_window: int = 0):
+                 max_loras: int = 0, sliding_window: int = 0, spec_lookahead: int = 0,
+                 spec_enabled: bool = False):
         self.cfg = sched
+        # speculative decoding: KV slots reserved past each step's tokens for the proposer
+        self.spec_lookahead = spec_lookahead
+        self.spec_enabled = spec_enabled
+        self.spec = SpecDecodingStats()
+        self.spec_trims = False  # set once speculative decoding has given blocks back
         self.max_loras = max_loras  # LoRA: most adapters among running requests (0: no LoRA)
         self.structured = structured
         self.compiling: list[Request] = []  # waiting for their grammar: not schedulable yet
@@ -170,6 +205,7 @@ class Scheduler:
         self.finished_ids = []
         budget = self.cfg.max_num_batched_tokens
         step: dict[str, tuple[Request, int, list[int], bool]] = {}  # id → (req, n, new blocks, new)
+        drafts: dict[str, list[int]] = {}  # speculative decoding: drafts scheduled this step
         preempted = False
         if self.compiling:
             self._poll_grammars()
@@ -184,7 +220,8 @@ class Scheduler:
             if n <= 0 or (req.num_pending and not self._can_run_ahead(req)):
                 i += 1  # its last step is still in flight
                 continue
-            new_blocks = self.kv.allocate_slots(req, n)
+            spec = self._drafts(req, n, budget)
+            new_blocks = self.kv.allocate_slots(req, n + len(spec) + self._ahead(req, n + len(spec)))
             while new_blocks is None:
                 victim = max((r for r in self.running if r.num_in_flight == 0),
                              key=lambda r: r.sort_key(self.cfg.policy), default=None)
@@ -192,17 +229,21 @@ class Scheduler:
                     break
                 if victim.request_id in step:
                     budget += step.pop(victim.request_id)[1]
+                    drafts.pop(victim.request_id, None)
                 if self.running.index(victim) < i:
                     i -= 1
                 self._preempt(victim, out)
                 preempted = True
                 if victim is req:
                     break
-                new_blocks = self.kv.allocate_slots(req, n)
+                new_blocks = self.kv.allocate_slots(req, n + len(spec) + self._ahead(req, n + len(spec)))
             if new_blocks is None:
                 if req.status == RequestStatus.RUNNING:
                     i += 1
                 continue  # else req itself was preempted; running[i] is now the next one
+            if spec:
+                drafts[req.request_id] = spec
+                n += len(spec)
             step[req.request_id] = (req, n, new_blocks, False)
             budget -= n
             i += 1
@@ -226,7 +267,7 @@ class Scheduler:
             if n > budget and not self.cfg.enable_chunked_prefill:
                 break
             n = min(n, budget)
-            new_blocks = self.kv.allocate_slots(req, n, computed)
+            new_blocks = self.kv.allocate_slots(req, n + self._ahead(req, n, num_cached), computed)
             if new_blocks is None:
                 break
             self.waiting.pop(j)
@@ -241,9 +282,16 @@ class Scheduler:
             step[req.request_id] = (req, n, new_blocks, True)
             budget -= n
 
+        if self.spec_enabled:  # nobody to propose for: the proposer may skip its work
+            out.skip_proposals = all(r.spec_pause > 0 for r, *_ in step.values())
         constrained = []
         for req, n, new_blocks, new in step.values():
-            if self._commit(req, n, new_blocks, new, out) and req.grammar and req.grammar.active:
+            spec = drafts.get(req.request_id)
+            if spec:
+                out.spec_token_ids[req.request_id] = spec
+                req.spec_in_flight = len(spec)
+            req.spec_token_ids = []  # scheduled now, or stale
+            if self._commit(req, n, new_blocks, new, out, len(spec or ())) and req.grammar and req.grammar.active:
                 constrained.append(req)
         if constrained:
             out.grammar_req_ids = [r.request_id for r in constrained]
@@ -321,10 +369,28 @@ class Scheduler:
         return (self.async_scheduling and not sp.needs_penalties
                 and not any(len(w) > 1 for w in sp.bad_words_token_ids)
                 and req.num_output_tokens + req.num_pending < req.max_tokens
-                and req.num_tokens + req.num_pending < self.max_model_len)
+                and req.num_tokens + req.num_pending < self.max_model_len
+                # speculative decoding: only a request that is not drafting (backoff) runs ahead
+                and (not self.spec_enabled or (req.spec_pause > 0 and not req.spec_in_flight)))
+
+    def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
+        """The proposed tokens `req` verifies this step (after its n known ones): only for a
+        plain decode, within the budget and never past max_tokens or max_model_len."""
+        if not req.spec_token_ids or req.num_pending or req.num_tokens - req.num_computed_tokens != 1:
+            return []
+        k = min(len(req.spec_token_ids), budget - n,
+                req.max_tokens - req.num_output_tokens - 1, self.max_model_len - 1 - req.num_tokens)
+        return req.spec_token_ids[:max(k, 0)]
+
+    def _ahead(self, req: Request, n: int, num_cached: int = 0) -> int:
+        """Slots the proposer writes past this step's tokens (within max_model_len)."""
+        if not self.spec_lookahead:
+            return 0
+        end = max(req.num_computed_tokens, num_cached) + n
+        return max(0, min(self.spec_lookahead, self.max_model_len - end))
 
     def _commit(self, req: Request, n: int, new_blocks: list[int], new: bool,
-                out: SchedulerOutput) -> bool:
+                out: SchedulerOutput, num_drafts: int = 0) -> bool:
         """Add `req` to the plan; True if this step samples its next token."""
         rid = req.request_id
         if new:
@@ -333,13 +399,14 @@ class Scheduler:
                 req.num_computed_tokens, req.num_prompt_tokens, req.eos_token_id, req.lora_request))
         else:
             out.cached_reqs.append(CachedRequestData(
-                rid, req.all_token_ids[req.num_sent:], new_blocks, req.num_computed_tokens))
+                rid, req.all_token_ids[req.num_sent:], new_blocks, req.num_computed_tokens,
+                len(self.kv.req_blocks[rid]) if self.spec_trims else -1))
         req.num_sent = req.num_tokens
         out.num_scheduled_tokens[rid] = n
         start = req.num_computed_tokens
         self._step_prompt_tokens += max(0, min(start + n, req.num_prompt_tokens) - start)
         req.num_computed_tokens += n
-        samples = req.num_computed_tokens >= req.num_tokens + req.num_pending
+        samples = req.num_computed_tokens - num_drafts >= req.num_tokens + req.num_pending
         if samples:
             req.num_pending += 1
         req.num_in_flight += 1
@@ -369,7 +436,8 @@ class Scheduler:
             assert r.request_id not in self.kv.req_blocks, r.request_id
         for r in live:
             assert r.num_pending <= r.num_in_flight, f"{r.request_id}: pending ⊄ in flight"
-            assert r.num_computed_tokens <= r.num_tokens + r.num_pending, r.request_id
+            # drafts in flight count as computed until their verify step rolls the rejects back
+            assert r.num_computed_tokens <= r.num_tokens + r.num_pending + r.spec_in_flight, r.request_id
         self.kv.check_invariants()
 
     def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> EngineCoreOutputs:
@@ -394,21 +462,33 @@ class Scheduler:
                 unseen.append((req.grammar, tok))
         if unseen:
             self.structured.accept(unseen)
-        for rid, tok, lp in zip(result.req_ids, result.sampled_token_ids, logprobs):
+        accepted = result.accepted
+        for i, (rid, tok, lp) in enumerate(zip(result.req_ids, result.sampled_token_ids, logprobs)):
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            req.append_token(tok)
-            self._step_gen_tokens += 1
-            reason, stop = self._check_stop(req, tok)
+            new = [tok]
+            if rid in sched.spec_token_ids:
+                new = accepted[i] + new
+                self._roll_back(req, len(sched.spec_token_ids[rid]), len(accepted[i]))
+            self._take_proposals(req, None if result.draft_token_ids is None
+                                 else result.draft_token_ids[i])
+            reason = None
+            for k, tok in enumerate(new):
+                req.append_token(tok)
+                self._step_gen_tokens += 1
+                reason, stop = self._check_stop(req, tok)
+                if reason is not None:
+                    del new[k + 1:]  # tokens past a stop are dropped
+                    break
             if req.grammar is not None:
                 if req.grammar.failed:  # the mask makes this impossible
                     reason = FinishReason.ERROR
                 elif reason is None and req.grammar.terminated:
                     reason = FinishReason.STOP
-            o = EngineCoreOutput(rid, [tok], new_logprobs=[lp] if lp is not None else None,
+            o = EngineCoreOutput(rid, new, new_logprobs=[lp] if lp is not None else None,
                                  num_cached_tokens=max(req.num_cached_tokens, 0))
-            if req.num_output_tokens == 1 and req.sampling_params.prompt_logprobs is not None:
+            if req.num_output_tokens == len(new) and req.sampling_params.prompt_logprobs is not None:
                 o.prompt_logprobs = req.prompt_logprobs
             if reason is not None:
                 self.running.remove(req)
@@ -421,6 +501,39 @@ class Scheduler:
             if rid in self.requests:
                 self.requests[rid].prompt_logprobs.extend(entries)
         return EngineCoreOutputs(outputs=outputs, stats=self.stats(), timestamp=time.time())
+
+    def _roll_back(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        """The rejected drafts' KV is garbage: recompute from the first of them, and give back
+        the blocks past what the request now holds (the proposer's lookahead too)."""
+        req.num_computed_tokens -= num_drafts - num_accepted
+        req.spec_in_flight = 0
+        self._count_miss(req, num_accepted > 0)
+        if self.kv.trim(req, req.num_computed_tokens):
+            self.spec_trims = True
+        self.spec.record(num_drafts, num_accepted)
+
+    @staticmethod
+    def _count_miss(req: Request, hit: bool) -> None:
+        """Drafts that keep being rejected cost a verify each step (1 + k tokens instead of 1),
+        and a request waiting for proposals cannot run ahead (async scheduling): after
+        SPEC_MISSES verify passes (or empty proposals) in a row that gave nothing, the request
+        decodes plainly for 2, 4, ... SPEC_MAX_PAUSE steps, then tries again. Acceptance never
+        changes the output, so this only bounds the cost of useless drafts."""
+        req.spec_misses = 0 if hit else req.spec_misses + 1
+        if req.spec_misses >= SPEC_MISSES:
+            req.spec_pause = min(2 ** (req.spec_misses - SPEC_MISSES + 1), SPEC_MAX_PAUSE)
+
+    def _take_proposals(self, req: Request, drafts: list[int] | None) -> None:
+        """The proposer's guesses after a step (None: it skipped its work) become the drafts
+        of the request's next step, unless the request pauses or already ran ahead of them."""
+        if req.spec_pause > 0:
+            req.spec_pause -= 1
+            return
+        if drafts is None or req.num_pending:
+            return
+        if not drafts:
+            self._count_miss(req, False)
+        req.spec_token_ids = drafts
 
     def _check_stop(self, req: Request, tok: int):
         sp = req.sampling_params
@@ -450,6 +563,10 @@ class Scheduler:
             names = lambda rs: ",".join(sorted({r.lora_request.lora_name for r in rs  # noqa: E731
                                                 if r.lora_request}))
             s.running_lora_adapters, s.waiting_lora_adapters = names(self.running), names(self.waiting)
+        if self.spec.num_drafts:
+            s.spec_num_drafts, s.spec_num_draft_tokens = self.spec.num_drafts, self.spec.num_draft_tokens
+            s.spec_num_accepted_tokens = self.spec.num_accepted_tokens
+            s.spec_accepted_per_pos = list(self.spec.accepted_per_pos)
         if self.structured is not None:
             s.grammar_compile_seconds = self.structured.compile_seconds
             s.grammar_mask_seconds = self.structured.mask_seconds

@@ -192,15 +192,48 @@ class Workload:
 
 
 def make_workload(num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int],
-                  vocab_size: int, seed: int) -> Workload:
-    """Random token-id prompts (no shared prefixes, so prefix caching cannot shortcut the run)."""
+                  vocab_size: int, seed: int, repeat_period: int = 0) -> Workload:
+    """Random token-id prompts (no shared prefixes, so prefix caching cannot shortcut the run).
+    `repeat_period` > 0: each prompt tiles a random segment of that many tokens (a text the
+    answer can copy from: n-gram speculation finds its continuations)."""
     g = torch.Generator().manual_seed(seed)
 
     def lens(lo, hi):
         return torch.randint(lo, hi + 1, (num_prompts,), generator=g).tolist()
     plens, olens = lens(*input_len), lens(*output_len)
-    prompts = [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in plens]
+    prompts = []
+    for n in plens:
+        seg = torch.randint(0, vocab_size, (repeat_period or n,), generator=g).tolist()
+        prompts.append((seg * (n // len(seg) + 1))[:n])
     return Workload(prompts, olens)
+
+
+def spec_snapshot(llm) -> tuple:
+    """The engine's cumulative speculative-decoding counts (runtime/scheduler.py)."""
+    s = llm.engine.scheduler.spec
+    return (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, list(s.accepted_per_pos))
+
+
+def spec_summary(before: tuple, after: tuple) -> dict | None:
+    """Acceptance over a run (None without speculation): rate = accepted / draft tokens, mean
+    acceptance length = tokens emitted per verify pass (1 + accepted / drafts, as vLLM), and
+    per draft position the fraction of verify passes that accepted it."""
+    drafts, tokens, acc = (a - b for a, b in zip(after[:3], before[:3]))
+    if not drafts:
+        return None
+    per_pos = [a - (before[3][i] if i < len(before[3]) else 0) for i, a in enumerate(after[3])]
+    return dict(num_drafts=drafts, num_draft_tokens=tokens, num_accepted_tokens=acc,
+                acceptance_rate=acc / max(tokens, 1), mean_acceptance_length=1 + acc / drafts,
+                acceptance_per_pos=[n / drafts for n in per_pos])
+
+
+def format_spec(s: dict | None) -> str:
+    if not s:
+        return "  speculative decoding: no drafts verified"
+    return (f"  speculative decoding: acceptance rate {100 * s['acceptance_rate']:.1f}%, mean "
+            f"acceptance length {s['mean_acceptance_length']:.2f} ({s['num_drafts']} verify passes, "
+            f"{s['num_accepted_tokens']} of {s['num_draft_tokens']} drafts accepted; per position "
+            + " ".join(f"{x:.2f}" for x in s["acceptance_per_pos"]) + ")")
 
 
 # ---- device ceilings ------------------------------------------------------------------------

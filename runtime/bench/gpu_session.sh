@@ -23,6 +23,10 @@
 #   w1hybrid          W1 on the Nemotron-H-8B shape (hybrid Mamba2 / attention, dummy weights);
 #                     w1hybridbf16 with bf16 SSM states (each may take most of a call); hybtests the
 #                     hybrid / Mamba2 GPU tests; kmamba the Mamba2 kernel benchmark
+#   w2spec            W2 speculative decoding: plain on repetitive prompts (w2rep), the same without
+#                     async scheduling (w2sync), n-gram on them (w2ngram), n-gram on random prompts
+#                     (w2ngramrand), a 2-layer dummy draft (w2draft: never accepted, the cost of
+#                     verifying); spectests the speculative-decoding GPU tests (verify CUDA graphs)
 # PROFILE_DIR=dir profiles W1 and W2 (kernel table in the log, trace in dir).
 set -u
 OUT=${OUT:-bench_results}; mkdir -p "$OUT"
@@ -114,6 +118,15 @@ for stage in "$@"; do case $stage in
         kv=; [ $stage = dsw1kv8 ] && kv="--kv-cache-dtype fp8"
         run $stage 420 python3 -m rankserve.launch bench throughput $m --workload w1 --max-num-seqs 256 \
         --max-model-len 4096 $kv --cache-dir "$CACHE" --output-json "$OUT/$stage.json" ;;
+  w2spec) W2="python3 -m rankserve.launch bench latency llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 --max-num-seqs 8 --cache-dir $CACHE"
+        NG='{"method": "ngram", "num_speculative_tokens": 4}'
+        DM='{"method": "draft_model", "model": "llama-3.1-8b-draft", "num_speculative_tokens": 4}'
+        run w2rep 150 $W2 --prompt-kind repeat --output-json "$OUT/w2rep.json"
+        run w2sync 150 $W2 --prompt-kind repeat --no-async-scheduling --output-json "$OUT/w2sync.json"
+        run w2ngram 150 $W2 --prompt-kind repeat --speculative-config "$NG" --output-json "$OUT/w2ngram.json"
+        run w2ngramrand 150 $W2 --speculative-config "$NG" --output-json "$OUT/w2ngramrand.json"
+        run w2draft 180 $W2 --speculative-config "$DM" --output-json "$OUT/w2draft.json" ;;
+  spectests) run spectests 300 python3 -m pytest -q -x -m gpu tests/test_spec_decode.py ;;
   *) echo "unknown stage $stage" ;;
 esac; done
 echo "== summary"; cat "$OUT/summary.txt"

@@ -9,6 +9,7 @@ physical floor (`common.py`) of both. `--backend hf` does the same with transfor
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ class LatencyArgs:
     profile_dir: str | None = None
     hf_compile: bool = False
     model_name: str | None = None
+    prompt_kind: str = "random"  # "repeat": prompts tile a 16-token segment (n-gram speculation)
 
 
 def _batches(args: LatencyArgs, vocab_size: int, output_len: int, salt: int):
@@ -41,7 +43,7 @@ def _batches(args: LatencyArgs, vocab_size: int, output_len: int, salt: int):
     for i in range(args.num_iters_warmup + args.num_iters):
         yield i < args.num_iters_warmup, common.make_workload(
             args.batch_size, (args.input_len,) * 2, (output_len,) * 2, vocab_size,
-            args.seed + 7919 * (i + 1) + salt)
+            args.seed + 7919 * (i + 1) + salt, 16 if args.prompt_kind == "repeat" else 0)
 
 
 def summarize(args: LatencyArgs, e2e: list[float], ttft: list[float], floor_e2e: dict,
@@ -66,6 +68,7 @@ def rankserve_latency(llm, args: LatencyArgs, stats, ceilings) -> dict:
     vocab = runner.vocab_size
     log = observe_steps(llm)
     results = {}
+    spec0 = common.spec_snapshot(llm)
     for name, olen, salt in (("e2e", args.output_len, 0), ("ttft", 1, 1)):
         times = []
         for warm, wl in tqdm(list(_batches(args, vocab, olen, salt)), desc=f"latency ({name})"):
@@ -76,6 +79,8 @@ def rankserve_latency(llm, args: LatencyArgs, stats, ceilings) -> dict:
             if not warm:
                 times.append(elapsed)
         results[name] = (times, list(log.tokens))  # every iteration runs the same steps
+        if name == "e2e":
+            spec = common.spec_summary(spec0, common.spec_snapshot(llm))
     n_dev = llm.config.parallel.world_size  # TP shards and PP stages in flight all read at once
     widths = common.byte_widths(runner)
     f = {k: _floor(stats, args, olen, results[k][1], runner.dtype.itemsize, ceilings, n_dev, widths)
@@ -87,6 +92,7 @@ def rankserve_latency(llm, args: LatencyArgs, stats, ceilings) -> dict:
                                                 len(results["e2e"][1]), args.profile_dir, "latency")
     return dict(summarize(args, results["e2e"][0], results["ttft"][0], f["e2e"], f["ttft"],
                           dict(llm.engine.timings)),
+                **({"spec_decode": spec} if llm.config.spec else {}), num_steps=len(results["e2e"][1]),
                 dtype=str(runner.dtype).replace("torch.", ""), num_devices=n_dev,
                 bytes_per_weight=widths["linear"], kv_bytes=widths["kv"], **extra)
 
@@ -122,6 +128,8 @@ def print_result(name: str, r: dict) -> None:
         print(f"  start to first token: {r['ready_after_s'] + r['ttft_s']:.1f} s (engine ready "
               f"{r['ready_after_s']:.1f} s after the process started, ceiling measurement excluded)")
     print(common.format_floor(r["floor"]))
+    if "spec_decode" in r:
+        print(common.format_spec(r["spec_decode"]))
     t = r["ttft_floor"]
     print(f"  TTFT floor: {t['floor_s'] * 1e3:.3f} ms ({t['bound']}-bound); achieved "
           f"{100 * t['achieved_fraction']:.1f}%")
@@ -150,6 +158,8 @@ def run(cfg, args: LatencyArgs, on_ranks, multi_process: bool) -> int:
                   workload=dict(batch_size=args.batch_size, input_len=args.input_len,
                                 output_len=args.output_len, num_iters=args.num_iters,
                                 num_iters_warmup=args.num_iters_warmup, seed=args.seed,
+                                prompt_kind=args.prompt_kind, speculative_config=cfg.spec and
+                                dataclasses.asdict(cfg.spec),
                                 ignore_eos=True, greedy=True),
                   results=results)
     common.save(record, args.output_json, args.plot, "decode_tokens_per_s",

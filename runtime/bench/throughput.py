@@ -103,7 +103,9 @@ def rankserve_throughput(llm, wl: common.Workload, warm: common.Workload,
     log = observe_steps(llm)
     run_engine(llm, warm, structured=structured, loras=loras)  # compiles the schemas too
     log.clear()
+    spec0 = common.spec_snapshot(llm)
     elapsed, out_lens = run_engine(llm, wl, use_tqdm=True, structured=structured, loras=loras)
+    spec = common.spec_summary(spec0, common.spec_snapshot(llm))
     n_dev = llm.config.parallel.world_size  # TP shards and PP stages in flight all read at once
     floor = common.physical_floor(stats, wl.prompt_lens, out_lens, log.tokens,
                                   runner.dtype.itemsize, ceilings, num_devices=n_dev,
@@ -116,7 +118,8 @@ def rankserve_throughput(llm, wl: common.Workload, warm: common.Workload,
                                                 profile_dir, "throughput")
     return dict(metrics(elapsed, wl.prompt_lens, out_lens, floor, timings),
                 dtype=str(runner.dtype).replace("torch.", ""), num_kv_blocks=llm.engine.num_blocks,
-                num_devices=n_dev, bytes_per_weight=widths["linear"], kv_bytes=widths["kv"], **extra)
+                num_devices=n_dev, bytes_per_weight=widths["linear"], kv_bytes=widths["kv"],
+                **({"spec_decode": spec} if llm.config.spec else {}), **extra)
 
 
 def hf_throughput(model_dir: str, device: torch.device, dtype: torch.dtype, wl, warm, stats,
@@ -139,6 +142,8 @@ def print_result(name: str, r: dict) -> None:
           f"{r['total_tokens_per_s']:.1f} total tok/s" + (f"  ({r['mode']})" if "mode" in r else ""))
     print(common.format_timings(r["startup"]))
     print(common.format_floor(r["floor"]))
+    if "spec_decode" in r:
+        print(common.format_spec(r["spec_decode"]))
 
 
 def run(cfg, args: ThroughputArgs, on_ranks, multi_process: bool) -> int:

@@ -20,10 +20,11 @@ class EngineMetrics:
     """The series of one engine replica (label `engine`, as vLLM's): its scheduler's gauges and
     counters and the latencies of the requests it served."""
 
-    def __init__(self, parents: dict, success, model_name: str, engine: int):
+    def __init__(self, parents: dict, success, spec_per_pos, model_name: str, engine: int):
         for attr, parent in parents.items():
             setattr(self, attr, parent.labels(model_name, str(engine)))
         self._success = success
+        self._spec_per_pos = spec_per_pos
         self._labels = (model_name, str(engine))
         self._last = SchedulerStats()  # the engine's cumulative counters, as last seen
 
@@ -45,8 +46,16 @@ class EngineMetrics:
                                (self.host_prefix_queries, "host_prefix_queries"),
                                (self.host_prefix_hits, "host_prefix_hits"),
                                (self.host_blocks_stored, "host_blocks_stored"),
-                               (self.host_blocks_loaded, "host_blocks_loaded")):
+                               (self.host_blocks_loaded, "host_blocks_loaded"),
+                               (self.spec_drafts, "spec_num_drafts"),
+                               (self.spec_draft_tokens, "spec_num_draft_tokens"),
+                               (self.spec_accepted, "spec_num_accepted_tokens")):
             counter.inc(max(0, getattr(s, field) - getattr(self._last, field)))
+        old = self._last.spec_accepted_per_pos
+        for pos, n in enumerate(s.spec_accepted_per_pos):
+            prev = old[pos] if pos < len(old) else 0
+            if n > prev or not prev:  # (a zero series appears once its position exists)
+                self._spec_per_pos.labels(*self._labels, str(pos)).inc(max(0, n - prev))
         self._last = s
 
     def record_finished(self, finish_reason: str, num_prompt: int, num_generated: int,
@@ -101,6 +110,11 @@ class Metrics:
         counter("host_blocks_loaded", "host_kv_blocks_loaded", "KV blocks copied back from the host tier")
         gauge("host_blocks_used", "host_kv_cache_blocks_used", "Host-tier KV blocks in use")
         gauge("host_blocks_total", "host_kv_cache_blocks_total", "Host-tier KV blocks in all")
+        # speculative decoding (vLLM's spec_decode counters): acceptance rate is
+        # num_accepted_tokens / num_draft_tokens, mean acceptance length 1 + accepted / drafts
+        counter("spec_drafts", "spec_decode_num_drafts", "Verify passes with drafts")
+        counter("spec_draft_tokens", "spec_decode_num_draft_tokens", "Draft tokens verified")
+        counter("spec_accepted", "spec_decode_num_accepted_tokens", "Draft tokens accepted")
         gauge("sleep_level", "engine_sleep_level", "Sleep mode: 0 awake, 1 weights in host memory, "
               "2 weights discarded (KV cache discarded at 1 and 2)")
         histogram("ttft", "time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS)
@@ -116,7 +130,11 @@ class Metrics:
                                     "adapters (vLLM's lora_requests_info; value: the time)",
                                     ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
                                     registry=r)
-        self.engines = [EngineMetrics(parents, success, model_name, e) for e in range(num_engines)]
+        spec_per_pos = prom.Counter("rankserve:spec_decode_num_accepted_tokens_per_pos", "Draft "
+                                    "tokens accepted, by position in the draft", [*labels, "position"],
+                                    registry=r)
+        self.engines = [EngineMetrics(parents, success, spec_per_pos, model_name, e)
+                        for e in range(num_engines)]
 
     def record_stats(self, s: SchedulerStats, engine: int = 0) -> None:
         self.engines[engine].record_stats(s)

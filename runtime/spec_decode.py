@@ -1,0 +1,265 @@
+"""Speculative decoding: proposers (one registry, as models/registry.py) and the per-step data
+they get.
+
+Flow: a step samples, then the proposer guesses the next k tokens of each request that sampled
+(`propose`); they travel back to the scheduler with the sampled tokens, which schedules them as
+extra query tokens of the request's next step (1 + k tokens); the model runner scores all of them
+in one forward and the rejection sampler (runtime/rejection_sampler.py) keeps the longest prefix
+the target agrees with, plus one token of its own. The scheduler rolls the rejected tokens'
+KV slots back.
+
+A proposer sees, after each step (`ProposeContext`): the tokens each request emitted (on the
+device), where they sit, the input batch (host token ids, block table) and the target's last-layer
+hidden states of the step. An MTP or EAGLE head is a proposer that reads those hidden states.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from ..models.registry import Registry
+from .config import SpecDecodeParams
+
+if TYPE_CHECKING:
+    from .model_runner import ModelRunner, StepInputs
+    from .sampling_params import SamplingParams
+
+log = logging.getLogger("rankserve.spec_decode")
+
+PROPOSERS: Registry[type] = Registry("speculative decoding method")
+
+
+def can_speculate(sp: SamplingParams) -> bool:
+    """Requests that get drafts. Logprobs would need an entry per accepted token and grammars a
+    mask per draft position (not done yet): those requests decode one token a step."""
+    return sp.logprobs is None and sp.structured_outputs is None
+
+
+def lookahead_slots(spec: SpecDecodeParams | None) -> int:
+    """KV slots past a step's tokens that its proposer writes (a draft model's own KV of the
+    tokens it feeds itself); the scheduler reserves them."""
+    return spec.num_speculative_tokens if spec is not None and spec.method == "draft_model" else 0
+
+
+@dataclass
+class ProposeContext:
+    """The requests that sampled this step, in sampling order."""
+    req_ids: list[str]
+    rows: np.ndarray  # [B] input-batch rows
+    base_pos: np.ndarray  # [B] position of each request's first emitted token
+    tokens: torch.Tensor  # [B, K + 1] emitted tokens (device): the first num_accepted + 1 count
+    num_accepted: torch.Tensor  # [B] (device)
+    hidden: torch.Tensor  # [T, H] the target's last-layer hidden states of the step
+    logits_indices: torch.Tensor  # rows of `hidden` that were scored, request by request
+    eligible: np.ndarray  # [B] bool: can_speculate
+    _host: tuple[list[list[int]], list[int]] | None = None
+
+    def host(self) -> tuple[list[list[int]], list[int]]:
+        """(emitted tokens, num accepted) on the host (one device sync)."""
+        if self._host is None:
+            self._host = (self.tokens.tolist(), self.num_accepted.tolist())
+        return self._host
+
+
+class Proposer:
+    """Base: no KV cache of its own, nothing to do per forward."""
+    lookahead = 0  # KV slots it writes past a step's tokens (see lookahead_slots)
+
+    def __init__(self, runner: ModelRunner, params: SpecDecodeParams):
+        self.runner, self.params, self.k = runner, params, params.num_speculative_tokens
+
+    def kv_bytes_per_block(self) -> int:
+        return 0
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        pass
+
+    def compile(self) -> dict[str, float]:
+        return {}
+
+    def on_forward(self, inp: StepInputs) -> None:
+        """Called on every rank right after the target's forward of each step."""
+
+    def propose(self, ctx: ProposeContext) -> list[list[int]]:
+        raise NotImplementedError
+
+    def room(self, ctx: ProposeContext, num_tokens: np.ndarray) -> np.ndarray:
+        """Drafts each request may get: k, fewer near max_model_len, 0 if not eligible."""
+        room = self.runner.max_model_len - 1 - num_tokens
+        return np.where(ctx.eligible, np.clip(room, 0, self.k), 0)
+
+
+@PROPOSERS.register("ngram")
+class NgramProposer(Proposer):
+    """Prompt lookup: find the latest earlier occurrence of the context's last n tokens (n from
+    prompt_lookup_max down to prompt_lookup_min) and propose the k tokens that followed it
+    (continued periodically when the context ends first).
+    Vectorised over the batch: for each n, a [B, L] comparison per n-gram position."""
+
+    def propose(self, ctx: ProposeContext) -> list[list[int]]:
+        if self.runner.pi.tp_rank != 0:  # only the result rank's proposals are read
+            return [[] for _ in ctx.req_ids]
+        toks, acc = ctx.host()
+        b = self.runner.batch
+        toks, acc = np.asarray(toks, dtype=np.int64), np.asarray(acc, dtype=np.int64)
+        lens = ctx.base_pos + acc + 1
+        # the emitted tokens, so the lookup sees them (the next plan writes the same values)
+        j = np.arange(toks.shape[1])
+        emitted = j[None, :] <= acc[:, None]
+        cols = np.minimum(ctx.base_pos[:, None] + j[None, :], b.token_ids.shape[1] - 1)
+        b.token_ids[np.broadcast_to(ctx.rows[:, None], toks.shape)[emitted], cols[emitted]] = toks[emitted]
+        return propose_ngram(b.token_ids[ctx.rows], lens, self.params.prompt_lookup_min,
+                             self.params.prompt_lookup_max, self.room(ctx, lens))
+
+
+def propose_ngram(tokens: np.ndarray, lens: np.ndarray, n_min: int, n_max: int,
+                  room: np.ndarray) -> list[list[int]]:
+    """tokens: [B, >= max(lens)] (row i valid up to lens[i]); room: most drafts per row."""
+    B = tokens.shape[0]
+    if B == 0:
+        return []
+    L = int(lens.max())
+    tokens = tokens[:, :L]
+    cols = np.arange(L)
+    found = np.full(B, -1, dtype=np.int64)  # start of the continuation, per row
+    for n in range(n_max, n_min - 1, -1):
+        todo = (found < 0) & (lens > n) & (room > 0)
+        if not todo.any():
+            break
+        idx = np.flatnonzero(todo)
+        t, ln = tokens[idx], lens[idx]
+        # match[i, p]: tokens[p : p + n] == the last n tokens, for p + n < len (an earlier copy)
+        suffix = t[np.arange(len(idx))[:, None], ln[:, None] - n + np.arange(n)[None, :]]
+        P = L - n
+        match = np.ones((len(idx), P), dtype=bool)
+        for j in range(n):
+            match &= t[:, j:j + P] == suffix[:, j:j + 1]
+        match &= cols[None, :P] + n < ln[:, None]
+        has = match.any(1)
+        last = P - 1 - np.argmax(match[:, ::-1], axis=1)  # the latest occurrence
+        found[idx[has]] = last[has] + n
+    # the continuation runs up to the end of the context; past it the text repeats with the
+    # period of the match (the tokens from the continuation's start on), so every hit gives
+    # `room` drafts: uniform verify batches replay a CUDA graph
+    hit = found >= 0
+    period = np.maximum(lens - found, 1)
+    k = int(room.max())
+    cols = found[:, None] + np.arange(k)[None, :] % period[:, None]
+    drafts = np.take_along_axis(tokens, np.clip(cols, 0, L - 1), 1)
+    return [drafts[i, :room[i]].tolist() if hit[i] else [] for i in range(B)]
+
+
+@PROPOSERS.register("draft_model")
+class DraftModelProposer(Proposer):
+    """A separate small checkpoint with the target's vocabulary, on the same ranks and with the
+    same tensor parallelism. Its KV cache has the target's block layout: the draft runs every
+    step on exactly the target's tokens, slots and block table (so prefix caching, chunked
+    prefill and preemption hold for it too), then feeds itself k - 1 greedy tokens per request
+    (one-hot drafts) at the positions after the step's emitted tokens (slots the scheduler
+    reserves ahead: `lookahead_slots`)."""
+
+    def __init__(self, runner: ModelRunner, params: SpecDecodeParams):
+        super().__init__(runner, params)
+        self.lookahead = self.k
+        from ..models.loader import build_model, init_dummy_weights, load_hf_config, load_weights
+        from .compilation import CompiledModel
+        from .input_batch import InputBatch
+        cfg = runner.cfg
+        self.hf_config = load_hf_config(params.model)
+        if self.hf_config.vocab_size != runner.hf_config.vocab_size:
+            raise ValueError(f"--speculative-config: the draft model's vocabulary "
+                             f"({self.hf_config.vocab_size}) differs from the target's "
+                             f"({runner.hf_config.vocab_size}); it needs the same tokenizer")
+        if getattr(self.hf_config, "max_position_embeddings", runner.max_model_len) < runner.max_model_len:
+            raise ValueError(f"--speculative-config: the draft model's max_position_embeddings "
+                             f"({self.hf_config.max_position_embeddings}) is below --max-model-len "
+                             f"{runner.max_model_len}")
+        self.model = build_model(self.hf_config, runner.pi, runner.dtype, runner.device)
+        if cfg.load.load_format == "dummy":
+            init_dummy_weights(self.model, cfg.model.seed + 1)
+        else:
+            load_weights(self.model, params.model, progress=False)
+        self.kv_dtype = runner.kv_dtype
+        # device buffers of its own (the target's hold the target's step), CUDA graphs over them
+        self.batch = InputBatch(cfg.scheduler.max_num_seqs, runner.max_model_len, runner.block_size,
+                                cfg.scheduler.max_num_batched_tokens, None, runner.dtype, runner.device)
+        self.batch.token_ids = None  # host token ids live in the target's batch
+        self.compiled = CompiledModel(self.model, cfg, self.batch, runner.max_model_len, runner.device,
+                                      show_progress=False)
+
+    def kv_bytes_per_block(self) -> int:
+        return sum(2 * self.runner.block_size * a.qkv_proj.num_kv_heads * a.head_dim
+                   * self.kv_dtype.itemsize for a in self.model.attention_layers())
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        for a in self.model.attention_layers():
+            shape = (num_blocks, self.runner.block_size, a.qkv_proj.num_kv_heads, a.head_dim)
+            a.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.runner.device)
+            a.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.runner.device)
+
+    def compile(self) -> dict[str, float]:
+        return {f"draft_{k}": v for k, v in self.compiled.compile().items()}
+
+    def on_forward(self, inp: StepInputs) -> None:
+        """The draft's KV of this step's tokens, through its own buffers (and graphs)."""
+        d, T, B = self.batch, inp.input_ids.shape[0], inp.attn.seq_lens.shape[0]
+        d.ids[:T].copy_(inp.input_ids)
+        d.pos[:T].copy_(inp.positions)
+        d.slots[:T].copy_(inp.attn.slot_mapping)
+        d.qsl[:B + 1].copy_(inp.attn.query_start_loc)
+        d.seq_lens[:B].copy_(inp.attn.seq_lens)
+        w = inp.attn.block_table.shape[1]
+        d.table[:B, :w].copy_(inp.attn.block_table)
+        d.state_idx[:B].copy_(inp.attn.state_idx)
+        self.compiled(d.ids[:T], d.pos[:T], d.attn(T, B, inp.attn.is_decode), None,
+                      query_len=inp.query_len)
+
+    @torch.inference_mode()
+    def propose(self, ctx: ProposeContext) -> list[list[int]]:
+        r, d = self.runner, self.batch
+        B = len(ctx.req_ids)
+        if B == 0:
+            return []
+        dev, bs = r.device, r.block_size
+        # the draft writes positions up to base + accepted + k - 1: the block table up to there
+        width = min(int(-(-(ctx.base_pos.max() + 2 * self.k) // bs)), r.batch.max_blocks_per_req)
+        table = r.batch.stage(r.batch.block_table[ctx.rows, :width], d.table[:B, :width])
+        pos = r.batch.stage(ctx.base_pos) + ctx.num_accepted  # position of the last emitted token
+        x = ctx.tokens.gather(1, ctx.num_accepted[:, None])[:, 0]
+        d.qsl[:B + 1].copy_(torch.arange(B + 1, device=dev))
+        d.state_idx[:B].fill_(-1)
+        drafts = []
+        limit = r.max_model_len
+        for _ in range(self.k):
+            ok = pos < limit
+            p = pos.clamp(max=limit - 1)
+            blk = table.gather(1, (p // bs)[:, None])[:, 0].long()
+            d.ids[:B].copy_(x)
+            d.pos[:B].copy_(p)
+            d.slots[:B].copy_(torch.where(ok, blk * bs + p % bs, -1))
+            d.seq_lens[:B].copy_((p + 1).to(torch.int32))
+            h = self.compiled(d.ids[:B], d.pos[:B], d.attn(B, B, True), None)
+            x = self.model.compute_logits(h).argmax(-1)
+            drafts.append(x)
+            pos = pos + 1
+        out = torch.stack(drafts, 1)
+        if r.pi.tp_rank != 0:
+            return [[] for _ in ctx.req_ids]
+        _, acc = ctx.host()
+        room = self.room(ctx, ctx.base_pos + np.asarray(acc) + 1)
+        return [row[:n] for row, n in zip(out.tolist(), room.tolist())]
+
+
+def not_yet(method: str):
+    """Methods with a config key but no implementation: refused at startup, by name."""
+    raise ValueError(f"--speculative-config: method {method!r} is not implemented yet")
+
+
+def make_proposer(runner: ModelRunner, params: SpecDecodeParams) -> Proposer:
+    if params.method not in PROPOSERS:
+        not_yet(params.method)
+    return PROPOSERS.get(params.method)(runner, params)

@@ -1,0 +1,152 @@
+"""The engine fuzz test (tests/test_engine_fuzz.py) with speculative decoding: the checking
+executor's model verifies the scheduled drafts (accepting the prefix its next-token function
+agrees with) and proposes new ones (right or wrong at random), writes the KV of every scheduled
+token, rejected drafts included, into its shadow cache and, as a draft model does, writes its
+lookahead slots too. A rollback that leaves a rejected draft's KV in place, a block handed out
+while a proposer still writes to it, or a leaked block fails the test; the outputs must equal
+a plain run's."""
+import random
+
+import pytest
+
+from rankserve.runtime.model_runner import ModelRunnerOutput
+
+from conftest import STORIES_EMBEDDED
+from test_engine_fuzz import CheckingExecutor, engine_for, make_trace, run_trace
+from test_engine_fuzz import tokenizer  # noqa: F401 - the fixture
+
+K = 3
+
+
+class SpecCheckingExecutor(CheckingExecutor):
+    def __init__(self, *args, lookahead: int = 0, seed: int = 0, **kw):
+        super().__init__(*args, **kw)
+        self.lookahead = lookahead
+        self.rng = random.Random(seed)
+
+    def continuation(self, seq, n):
+        seq = list(seq)
+        for _ in range(n):
+            seq.append(self.next_token(seq))
+        return seq[-n:] if n else []
+
+    def submit(self, plan) -> ModelRunnerOutput:
+        for rid in plan.finished_req_ids:
+            self.reqs.pop(rid, None)
+        start = {}
+        for r in plan.new_reqs:
+            assert r.req_id not in self.reqs, f"{r.req_id} sent as new twice"
+            self.reqs[r.req_id] = dict(tokens=list(r.token_ids), known=len(r.token_ids),
+                                       blocks=list(r.block_ids))
+            start[r.req_id] = r.num_computed_tokens
+        for r in plan.cached_reqs:
+            st = self.reqs[r.req_id]
+            for k, t in enumerate(r.new_token_ids):  # what we emitted (placeholders until now)
+                pos = st["known"] + k
+                assert pos < len(st["tokens"]) and st["tokens"][pos] == t, f"{r.req_id}: token {pos}"
+            st["known"] += len(r.new_token_ids)
+            if r.num_blocks >= 0:  # blocks given back after rejected drafts
+                st["blocks"] = st["blocks"][:r.num_blocks - len(r.new_block_ids)]
+            st["blocks"] += r.new_block_ids
+            start[r.req_id] = r.num_computed_tokens
+        req_ids, sampled, accepted, proposals = [], [], [], []
+        for rid, n in plan.num_scheduled_tokens.items():
+            st, s = self.reqs[rid], start[rid]
+            drafts = plan.spec_token_ids.get(rid, [])
+            known = st["tokens"]  # with async scheduling, the last ones may be placeholders
+            assert not drafts or len(known) == st["known"], f"{rid}: drafts after placeholders"
+            seq = known + drafts
+            end = s + n
+            assert end <= len(seq) and (not drafts or end == len(seq)), f"{rid}: inputs"
+            for pos in range(s, end):
+                self.kv[(st["blocks"][pos // self.bs], pos % self.bs)] = (pos, seq[pos])
+            for pos in range(0, end):  # attention reads the whole context
+                got = self.kv.get((st["blocks"][pos // self.bs], pos % self.bs))
+                assert got == (pos, seq[pos]), f"{rid}: KV of position {pos} is {got}"
+            if end < len(known):
+                continue  # a prefill chunk
+            emitted = []
+            for j in range(len(drafts) + 1):
+                t = self.next_token(seq[:len(known) + j])
+                emitted.append(t)
+                if j == len(drafts) or drafts[j] != t:
+                    break
+            st["tokens"] = known + emitted
+            # the proposer writes its own KV past the emitted tokens (a draft model's lookahead)
+            last = len(st["tokens"]) - 1
+            ahead = min(self.lookahead, self.max_model_len - last)
+            assert len(st["blocks"]) * self.bs >= last + ahead, f"{rid}: lookahead slots not reserved"
+            for pos in range(last, last + ahead):
+                self.kv[(st["blocks"][pos // self.bs], pos % self.bs)] = (pos, -1)
+            # half the proposals right, the rest wrong from a random position on
+            right = self.continuation(st["tokens"], K)
+            cut = K if self.rng.random() < 0.5 else self.rng.randrange(K)
+            prop = right[:cut] + [(t + 1) % self.vocab_size for t in right[cut:]]
+            req_ids.append(rid)
+            sampled.append(emitted[-1])
+            accepted.append(emitted[:-1])
+            proposals.append(prop[:self.rng.randrange(K + 1)])
+        return ModelRunnerOutput(req_ids, sampled, accepted=accepted, draft_token_ids=proposals)
+
+
+@pytest.mark.parametrize("combo", [("fcfs", False, True, True), ("priority", True, True, False),
+                                   ("fcfs", True, False, True)],
+                         ids=["chunked-cache", "priority-async-chunked", "async-whole-cache"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_spec_traces_keep_invariants_no_leaks_same_outputs(combo, method, tokenizer):  # noqa: F811
+    spec = {"method": method, "num_speculative_tokens": K}
+    if method == "draft_model":
+        spec["model"] = str(STORIES_EMBEDDED)  # the checking executor never loads it
+    lookahead = K if method == "draft_model" else 0
+    drafted = 0
+    for seed in range(6):
+        trace, aborts = make_trace(seed, 96)
+        try:
+            ex = SpecCheckingExecutor(13, 8, 96, lookahead=lookahead, seed=seed)
+            tight = engine_for(combo, num_blocks=13, executor=ex, speculative_config=spec)
+            got, aborted = run_trace(tight, trace, aborts, tokenizer)
+            assert tight.scheduler.num_preemptions > 0 or seed > 0 or not combo[2]
+            kv = tight.scheduler.kv
+            assert kv.num_free_blocks == kv.num_blocks, "blocks leaked"
+            drafted += tight.scheduler.spec.num_accepted_tokens
+            free = engine_for(("fcfs", False, True, False), num_blocks=1000)
+            want, _ = run_trace(free, trace, {}, tokenizer)
+            for rid, outs in want.items():
+                if rid not in aborted:
+                    assert got[rid] == outs, rid
+        except AssertionError as e:
+            raise AssertionError(f"seed {seed}, combo {combo}: {e}") from e
+    assert drafted > 50
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+def test_drafts_that_are_never_accepted_back_off(tokenizer, use_async):  # noqa: F811
+    """A proposer that is always wrong: after 4 verify passes that accepted nothing a request
+    pauses drafting for 2, 4, ... 64 steps (the plan tells the proposer to skip its work), so
+    useless drafts cost a verify pass on few steps, and with async scheduling the paused
+    request runs ahead (scheduled before its last token is back); the outputs stay those of a
+    plain run."""
+    class Wrong(SpecCheckingExecutor):
+        skipped = ahead = 0
+
+        def submit(self, plan):
+            self.ahead += any(len(self.reqs[r.req_id]["tokens"]) > self.reqs[r.req_id]["known"]
+                              + len(r.new_token_ids) for r in plan.cached_reqs)
+            out = super().submit(plan)
+            self.skipped += plan.skip_proposals
+            out.draft_token_ids = [[(t + 1) % self.vocab_size for t in self.continuation(
+                self.reqs[r]["tokens"], K)] for r in out.req_ids]
+            return out
+    from rankserve.runtime.sampling_params import SamplingParams
+    ex = Wrong(100, 8, 300)
+    eng = engine_for(("fcfs", use_async, True, True), num_blocks=100, max_model_len=300, executor=ex,
+                     speculative_config={"method": "ngram", "num_speculative_tokens": K})
+    trace = [(0, "a", [5, 6, 7], SamplingParams(temperature=0, max_tokens=250, ignore_eos=True), 0)]
+    got, _ = run_trace(eng, trace, {}, tokenizer)
+    want, _ = run_trace(engine_for(("fcfs", False, True, False), num_blocks=1000, max_model_len=300),
+                        trace, {}, tokenizer)
+    assert got == want
+    s = eng.scheduler.spec
+    assert s.num_accepted_tokens == 0 and 4 <= s.num_drafts <= 12, s.num_drafts
+    assert ex.skipped > 150
+    assert (ex.ahead > 150) == use_async, ex.ahead
