@@ -14,6 +14,8 @@ the grid depends on tensor shapes only: CUDA-graph capturable. Rows past query_s
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -152,13 +154,18 @@ def _mla_reduce_kernel(part_ptr, out_ptr, stride_ot, stride_oh, H: tl.constexpr,
     tl.store(out_ptr + t * stride_ot + h * stride_oh + dl, out.to(out_ptr.dtype.element_ty), mask=lm)
 
 
+@functools.cache
+def _num_sms() -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
 def _num_splits(num_tokens: int, heads_blocks: int, max_blocks: int, block_size: int,
                 on_gpu: bool) -> int:
     """Decode: enough programs to fill the GPU (about 2 per SM), at most one split per 256 keys
     of the longest possible context. Shape-only (CUDA graphs)."""
     if not on_gpu:
         return 2 if max_blocks * block_size > 16 else 1  # the interpreter exercises both paths
-    want = triton.cdiv(264, max(1, num_tokens * heads_blocks))
+    want = triton.cdiv(2 * _num_sms(), max(1, num_tokens * heads_blocks))
     cap = triton.cdiv(max_blocks * block_size, 256)
     return triton.next_power_of_2(max(1, min(want, cap, 32)))
 

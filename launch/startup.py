@@ -59,10 +59,12 @@ def start_ranks(cfg: EngineConfig):
 
 def run_on_ranks(cfg: EngineConfig, body: Callable[[object], None]) -> int:
     """Run `body(llm)` on rank 0 with an engine spanning every rank. Returns the exit code."""
-    if cfg.parallel.data_parallel_size > 1:  # before any rank joins anything: one clear message
-        raise ConfigError("--data-parallel-size > 1 is served by `rankserve serve` only (one engine "
+    if cfg.parallel.data_parallel_size > 1:  # before any rank joins anything: one line, one rank
+        from .discovery import discover
+        from .preflight import LaunchError
+        raise LaunchError("--data-parallel-size > 1 is served by `rankserve serve` only (one engine "
                           "per replica behind its API); generate and the benches run one engine: "
-                          "use --tp / --pp, or run one job per replica")
+                          "use --tp / --pp, or run one job per replica", report=discover().rank == 0)
     started = start_ranks(cfg)
     if started is None:
         body(make_llm(cfg))

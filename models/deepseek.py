@@ -85,7 +85,7 @@ def mla_rope(cfg) -> tuple[torch.Tensor, float, float]:
     extrapolate = 1 - ramp  # high frequencies keep their value, low ones are interpolated
     inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
     if p.get("mscale_all_dim"):
-        softmax_scale *= yarn_mscale(p["factor"], p["mscale_all_dim"]) ** 2
+        softmax_scale *= yarn_mscale(factor, p["mscale_all_dim"]) ** 2
     return inv, float(attn_factor), softmax_scale
 
 

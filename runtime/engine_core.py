@@ -37,6 +37,16 @@ class EngineCore:
         self.cfg = cfg
         self.executor = executor
         log.info("%s", cfg.summary())
+        hf_config = load_hf_config(cfg.model.model)
+        recurrent = has_recurrent_state(hf_config)
+        if recurrent:  # refused before the KV cache, host tier and CUDA graphs are made
+            if cfg.offload.kv_offload_size:
+                raise ValueError("--kv-offload-size keeps evicted prefix-cache blocks in host memory, "
+                                 "and prefix caching is off for models with recurrent (Mamba2) "
+                                 "layers: drop it")
+            if cfg.spec is not None:
+                raise ValueError("--speculative-config does not work with recurrent (Mamba2) layers: "
+                                 "their state cannot be rolled back past rejected drafts")
         num_blocks = executor.determine_num_blocks()
         cfg.check_kv_capacity(num_blocks, executor.max_model_len)
         executor.initialize(num_blocks)
@@ -56,21 +66,10 @@ class EngineCore:
         self.structured = StructuredOutputManager(cfg.model.tokenizer or cfg.model.model,
                                                   cfg.model.model, self.vocab_size)
         self.num_host_blocks = getattr(executor, "num_host_blocks", 0)
-        window = getattr(executor, "kv_sliding_window", None)
-        hf_config = load_hf_config(cfg.model.model) if window is None else None
         cache_cfg = cfg.cache
-        if window is None:  # every layer windowed alike: out-of-window blocks are released
-            window = kv_sliding_window(hf_config)
+        window = kv_sliding_window(hf_config)  # every layer windowed alike: out-of-window blocks go
         if window >= self.max_model_len:  # nothing ever leaves the window
             window = 0
-        recurrent = has_recurrent_state(hf_config if hf_config is not None
-                                        else load_hf_config(cfg.model.model))
-        if recurrent and self.num_host_blocks:
-            raise ValueError("--kv-offload-size keeps evicted prefix-cache blocks in host memory, and "
-                             "prefix caching is off for models with recurrent (Mamba2) layers: drop it")
-        if recurrent and cfg.spec is not None:
-            raise ValueError("--speculative-config does not work with recurrent (Mamba2) layers: "
-                             "their state cannot be rolled back past rejected drafts")
         if recurrent and cfg.cache.enable_prefix_caching:
             # a prefix hit would skip tokens whose recurrent state was never computed; states
             # checkpointed at block boundaries would allow it (not done yet)

@@ -52,8 +52,10 @@ def _json_strings(grammar):
 
 
 def parse_grammar(so: StructuredOutputsParams):
-    """The xgrammar Grammar for a constraint, its JSON strings mended (_json_strings)."""
-    return _json_strings(_parse_grammar(so))
+    """The xgrammar Grammar for a constraint; JSON ones (schemas, also inside structural tags)
+    with their strings mended (_json_strings). A user's own regex or grammar stays as written."""
+    g = _parse_grammar(so)
+    return _json_strings(g) if so.kind in ("json", "json_object", "structural_tag") else g
 
 
 def _parse_grammar(so: StructuredOutputsParams):

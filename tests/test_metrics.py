@@ -73,3 +73,14 @@ def test_per_engine_series_and_total():
     assert metric(text, "rankserve:generation_tokens_total") == 6
     assert metric(text, "rankserve:prefix_cache_hits_total") == 20
     assert 'rankserve:request_success_total{engine="1",finished_reason="length",model_name="tiny"} 1.0' in text
+
+
+def test_lora_info_is_the_union_over_replicas():
+    """One lora_requests_info series for the deployment: each replica reports only its own
+    adapters, so the gauge shows the union (it flipped between replicas before)."""
+    m = Metrics("m", num_engines=2)
+    m.record_stats(SchedulerStats(max_lora=2, running_lora_adapters="a", waiting_lora_adapters=""), 0)
+    m.record_stats(SchedulerStats(max_lora=2, running_lora_adapters="b,c", waiting_lora_adapters="d"), 1)
+    text = m.exposition().decode()
+    assert 'running_lora_adapters="a,b,c"' in text and 'waiting_lora_adapters="d"' in text
+    assert text.count("rankserve:lora_requests_info{") == 1

@@ -299,6 +299,8 @@ def test_length_bounded_strings_stay_json():
         assert accepts(so, text("ab\\tc")) and accepts(so, text("\\u00e9")), so  # escapes count as one
         for bad in ("a\tb", "a\x01", "abcde"):  # raw control characters are not JSON
             assert not accepts(so, text(bad)), (so, bad)
+    # a user's own regex is not JSON: its character classes stay as written
+    assert accepts(SO(regex='[^"\\\\\\r\\n]+'), "a\tb")
 
 
 def test_tokenizer_info_trusts_the_vocabulary(qwen3_chat_dir, monkeypatch):

@@ -15,9 +15,10 @@ def rows(model: str, dtype_bytes: int) -> list[tuple[str, int, int]]:
     """[(label, layers, bytes per token per layer)]"""
     cfg = load_hf_config(resolve_model(model)[0])
     s = model_stats(cfg)
-    per_layer = s.kv_bytes_per_token(dtype_bytes) // s.num_layers
+    layers = s.num_kv_layers or s.num_layers  # a hybrid's attention layers only
+    per_layer = s.kv_bytes_per_token(dtype_bytes) // layers
     if not s.kv_latent:
-        return [(f"{model} ({s.num_kv_heads} KV heads x {s.head_dim})", s.num_layers, per_layer)]
+        return [(f"{model} ({s.num_kv_heads} KV heads x {s.head_dim})", layers, per_layer)]
     full = cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
     return [(f"{model} MLA latent ({cfg.kv_lora_rank} + {cfg.qk_rope_head_dim})", s.num_layers, per_layer),
             (f"{model} decompressed ({cfg.num_attention_heads} heads x "

@@ -135,13 +135,17 @@ class Metrics:
                                     registry=r)
         self.engines = [EngineMetrics(parents, success, spec_per_pos, model_name, e)
                         for e in range(num_engines)]
+        self._lora: dict[int, tuple[str, str]] = {}  # replica -> (waiting, running) adapters
 
     def record_stats(self, s: SchedulerStats, engine: int = 0) -> None:
         self.engines[engine].record_stats(s)
-        if s.max_lora:
+        if s.max_lora:  # one series for the deployment: the adapters of every replica
+            self._lora[engine] = (s.waiting_lora_adapters, s.running_lora_adapters)
+
+            def union(i):
+                return ",".join(sorted({a for w in self._lora.values() for a in w[i].split(",") if a}))
             self.lora_info.clear()
-            self.lora_info.labels(str(s.max_lora), s.waiting_lora_adapters,
-                                  s.running_lora_adapters).set(time.time())
+            self.lora_info.labels(str(s.max_lora), union(0), union(1)).set(time.time())
 
     def record_finished(self, finish_reason: str, num_prompt: int, num_generated: int,
                         e2e_s: float, engine: int = 0) -> None:
