@@ -7,6 +7,7 @@ gets its drafts accepted, and models without MTP weights are refused."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -108,7 +109,6 @@ def copying(mtp_dir, path, attn_scale: float) -> str:
     zero), attention outputs scaled by `attn_scale`, and an MTP layer that embeds, normalizes
     and decodes as the target does. At 0 the next token is a function of the current one that
     the MTP layer computes too (every draft right); above 0 the context pulls them apart."""
-    import shutil
     shutil.copytree(mtp_dir, path)
     w = load_file(str(path / "model.safetensors"))
     for name, t in w.items():
@@ -138,6 +138,32 @@ def test_mtp_that_copies_the_target_is_accepted(mtp_dir, tmp_path):
     s = llm.engine.scheduler.stats()
     assert s.spec_num_accepted_tokens >= 0.95 * s.spec_num_draft_tokens > 0, s
     assert s.spec_accepted_per_pos[-1] > 0
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not on PATH")
+def test_tp2_matches_single_rank(mtp_dir, tmp_path):
+    """mpiexec -n 2 --tp 2: the MTP layer's heads split like the target's; same greedy tokens."""
+    from test_multirank import mpi_generate, single
+    path = copying(mtp_dir, tmp_path / "mtp", 0.03)
+    spec = json.dumps({**MTP, "method": "deepseek_mtp"})
+    assert mpi_generate(2, path, "--tp", "2", "--speculative-config", spec) == single(path)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_greedy_equals_plain_with_graphs(mtp_dir, tmp_path):
+    """On the GPU: the target's decode and verify CUDA graphs, the MTP layer eager; the tokens
+    of plain decoding (with graphs) and about half the drafts accepted."""
+    path = copying(mtp_dir, tmp_path / "mtp", 0.03)
+    common = dict(dtype="float32", max_num_seqs=8, gpu_memory_utilization=0.3, max_model_len=128)
+    want = _greedy(LLM(path, **common), PROMPTS, 40)
+    llm = LLM(path, **common, speculative_config=MTP)
+    assert llm.engine.executor.runner.compiled_model.verify_graphs, "no verify graph was captured"
+    assert _greedy(llm, PROMPTS, 40) == want
+    s = llm.engine.scheduler.stats()
+    assert 0.25 * s.spec_num_draft_tokens < s.spec_num_accepted_tokens, s
 
 
 def test_models_without_mtp_weights_are_refused(checkpoint):
