@@ -305,8 +305,8 @@ class MTPProposer(Proposer):
     @torch.inference_mode()
     def on_forward(self, inp: StepInputs, hidden: torch.Tensor) -> None:
         T = inp.input_ids.shape[0]
-        if T == 0:
-            return
+        if T == 0 or (inp.attn.is_decode and len(inp.sample_index) == T):
+            return  # (a plain decode step: every pair is a last one, which pass 0 writes)
         b = self.runner.batch
         # the token after each request's last one: known unless the request samples now
         tail = b.token_ids[inp.rows, np.minimum(inp.seq_lens, b.token_ids.shape[1] - 1)].astype(np.int64)
