@@ -313,7 +313,7 @@ class MTPProposer(Proposer):
         tail[inp.sample_index] = 0
         nxt = torch.roll(inp.input_ids, -1)
         nxt[inp.attn.query_start_loc[1:].long() - 1] = b.stage(tail).to(nxt.dtype)
-        self.model.mtp_forward(hidden[:T], nxt, inp.positions, inp.attn, 0)
+        self.model.mtp_store_kv(hidden[:T], nxt, inp.positions, inp.attn.slot_mapping, 0)
 
     @torch.inference_mode()
     def propose(self, ctx: ProposeContext) -> list[list[int]]:
@@ -323,20 +323,26 @@ class MTPProposer(Proposer):
 
     @torch.inference_mode()
     def skip(self, ctx: ProposeContext) -> None:
-        if ctx.req_ids:
-            self._passes(ctx, 1)  # the last pair's KV, with the emitted token
+        if ctx.req_ids:  # only the last pair's KV, with the emitted token
+            h, x, pos, table = self._last_pair(ctx)
+            self.model.mtp_store_kv(h, x, *self.ahead_slots(table, pos), 0)
 
-    def _passes(self, ctx: ProposeContext, n: int) -> torch.Tensor:
-        """n single-token passes a request from the last verified position → [B, n] drafts."""
-        from ..models.layers import AttnMeta
+    def _last_pair(self, ctx: ProposeContext):
+        """(target hidden state, emitted token, position, block table) of each request's last
+        pair: the last verified token's hidden state and the token emitted after it."""
         r, B = self.runner, len(ctx.req_ids)
         ns = np.zeros(B, dtype=np.int64) if ctx.num_drafts is None else ctx.num_drafts
         first = np.concatenate([[0], np.cumsum(ns + 1)[:-1]])  # each request's first scored row
         h = ctx.hidden[ctx.logits_indices[r.batch.stage(first) + ctx.num_accepted]]
         x = ctx.tokens.gather(1, ctx.num_accepted[:, None])[:, 0]  # the last emitted token
         pos = r.batch.stage(ctx.base_pos) + ctx.num_accepted - 1  # the token before it
-        table = self.ahead_table(ctx)
-        qsl = torch.arange(B + 1, dtype=torch.int32, device=r.device)
+        return h, x, pos, self.ahead_table(ctx)
+
+    def _passes(self, ctx: ProposeContext, n: int) -> torch.Tensor:
+        """n single-token passes a request from the last pair on → [B, n] drafts."""
+        from ..models.layers import AttnMeta
+        h, x, pos, table = self._last_pair(ctx)
+        qsl = torch.arange(len(ctx.req_ids) + 1, dtype=torch.int32, device=self.runner.device)
         drafts = []
         for _ in range(n):
             p, slots = self.ahead_slots(table, pos)
