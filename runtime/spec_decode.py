@@ -282,14 +282,16 @@ class MTPProposer(Proposer):
     slots, allocated, offloaded and given back with them (so prefix caching, chunked prefill
     and preemption hold for it as for a draft model's cache).
 
-    Every step it runs on exactly the target's tokens: at token t's position, the pair (the
-    target's hidden state of t, token t + 1), where t + 1 is the step's next input token, the
-    prompt token after a prefill chunk, or, for the last token of a request that samples, a
-    placeholder. After sampling, pass 0 redoes that last pair with the token just emitted (at
-    the last verified position: rejected drafts' pairs past it are overwritten later, as the
-    target's KV is) and gives the first draft; pass i feeds back its own hidden state and draft
-    one position further (the k - 1 lookahead slots the scheduler reserves). One MTP layer is
-    reused for every draft, as vLLM does (DeepSeek-V3 ships one); eager, not CUDA-graphed."""
+    Every step it writes the latent of each of the target's tokens (`mtp_store_kv`: no
+    attention, no MoE): at token t's position, the pair (the target's hidden state of t, token
+    t + 1), where t + 1 is the step's next input token, the prompt token after a prefill chunk,
+    or, for the last token of a request that samples, a placeholder. After sampling, pass 0
+    redoes that last pair with the token just emitted (at the last verified position: rejected
+    drafts' pairs past it are overwritten later, as the target's KV is) and gives the first
+    draft; pass i feeds back its own hidden state and draft one position further (the k - 1
+    lookahead slots the scheduler reserves). A step without proposals (`skip`) writes only the
+    last pair. One MTP layer is reused for every draft, as vLLM does (DeepSeek-V3 ships one);
+    eager, not CUDA-graphed."""
 
     def __init__(self, runner: ModelRunner, params: SpecDecodeParams):
         super().__init__(runner, params)
