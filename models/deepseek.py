@@ -23,7 +23,8 @@ unbiased scores, normalized when `norm_topk_prob`; V2 softmax with `topk_method`
 MTP (V3, `num_nextn_predict_layers`): checkpoint layers model.layers.{num_hidden_layers + k}.*
 load into `self.mtp[k]` (on the last pipeline stage) and never run in the main forward. A
 checkpoint without them (transformers' save_pretrained drops them) simply has no `mtp`.
-For speculative decoding, see `DeepseekV3ForCausalLM.mtp_forward`.
+For speculative decoding, see `DeepseekV3ForCausalLM.mtp_forward` / `mtp_store_kv` and the
+`mtp` proposer (runtime/spec_decode.py).
 """
 from __future__ import annotations
 
