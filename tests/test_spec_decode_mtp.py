@@ -140,6 +140,27 @@ def test_mtp_that_copies_the_target_is_accepted(mtp_dir, tmp_path):
     assert s.spec_accepted_per_pos[-1] > 0
 
 
+def test_host_kv_tier_carries_the_mtp_cache(mtp_dir, tmp_path):
+    """The MTP layer's latent cache is one of the target's layers: a host tier behind an 8-block
+    device cache brings it back with the rest (prefix hits from the host), same tokens, and
+    the drafts stay mostly right."""
+    path = copying(mtp_dir, tmp_path / "mtp", 0.03)
+    base = list(range(3, 40))
+    prompts = [base, base[:16] + [7, 8, 9], base[:32] + [11], base[:5]]
+    filler = [list(range(100 + 40 * i, 140 + 40 * i)) for i in range(2)]
+
+    def run(**kw):
+        llm = LLM(path, dtype="float32", max_num_seqs=4, max_num_batched_tokens=8, num_gpu_blocks_override=8,
+                  max_model_len=64, kv_offload_size=32 * 16 * 4 * 48 * 4 / 2**30, **kw)
+        return [_greedy(llm, batch, 16) for batch in (prompts, filler, prompts)], llm
+    want, _ = run()
+    got, llm = run(speculative_config=MTP)
+    assert got == want
+    s = llm.engine.scheduler.stats()
+    assert llm.engine.scheduler.kv.offload.hits > 0
+    assert s.spec_num_accepted_tokens > 0.5 * s.spec_num_draft_tokens, s
+
+
 @pytest.mark.mpi
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not on PATH")
