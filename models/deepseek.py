@@ -23,7 +23,8 @@ unbiased scores, normalized when `norm_topk_prob`; V2 softmax with `topk_method`
 MTP (V3, `num_nextn_predict_layers`): checkpoint layers model.layers.{num_hidden_layers + k}.*
 load into `self.mtp[k]` (on the last pipeline stage) and never run in the main forward. A
 checkpoint without them (transformers' save_pretrained drops them) simply has no `mtp`.
-For speculative decoding, see `DeepseekV3ForCausalLM.mtp_forward`.
+For speculative decoding, see `DeepseekV3ForCausalLM.mtp_forward` / `mtp_store_kv` and the
+`mtp` proposer (runtime/spec_decode.py).
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..kernels.mla import mla_attention
+from ..kernels.mla import mla_attention, store_latent_ref
 from ..kernels.quant import FP8, dequant_fp8_weight
 from .fused import FusedResidualLayer
 from .layers import (
@@ -163,18 +164,30 @@ class MLAAttention(nn.Module):
             w = dequant_fp8_weight(proj.weight, proj.quant.scale(proj), proj.quant.block)
             self.w_kv_b = w.to(self.dtype)
 
+    def latent(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """What the cache keeps of each token: [normed c_kv | rotated k_pe], [T, L + R]."""
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.L, self.R], dim=-1)
+        return torch.cat([self.kv_a_layernorm(c_kv.contiguous()), apply_rope(k_pe, cos, sin, self.interleave)], -1)
+
+    def store(self, x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """The cache write of `forward` alone (eager; for tokens whose output nobody reads)."""
+        cos, sin = self.cos_sin[positions].chunk(2, dim=-1)
+        kv = self.latent(x, cos, sin)
+        if kv.is_cuda:
+            from ..kernels.triton_mla import store_latent
+            store_latent(kv, self.k_cache, slot_mapping, self.k_scale)
+        else:
+            store_latent_ref(kv, self.k_cache, slot_mapping, self.k_scale)
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttnMeta) -> torch.Tensor:
         T, H, N, R, L = x.shape[0], self.num_heads, self.N, self.R, self.L
         q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q_nope, q_pe = q.view(T, H, N + R).split([N, R], dim=-1)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([L, R], dim=-1)
-        c_kv = self.kv_a_layernorm(c_kv.contiguous())
         cos, sin = self.cos_sin[positions].chunk(2, dim=-1)  # [T, R/2]
         q_pe = apply_rope(q_pe, cos[:, None], sin[:, None], self.interleave)
-        k_pe = apply_rope(k_pe, cos, sin, self.interleave)
         w = (self.kv_b_proj.weight if self.w_kv_b is None else self.w_kv_b).view(H, N + self.V, L)
         q_lat = torch.bmm(q_nope.transpose(0, 1), w[:, :N]).transpose(0, 1)  # [T, H, L]
-        o = mla_attention(torch.cat([q_lat, q_pe], -1), torch.cat([c_kv, k_pe], -1), self.k_cache,
+        o = mla_attention(torch.cat([q_lat, q_pe], -1), self.latent(x, cos, sin), self.k_cache,
                           self.k_scale, attn.slot_mapping, attn.query_start_loc, attn.seq_lens, attn.block_table,
                           self.scale, L, attn.is_decode)
         o = torch.bmm(o.transpose(0, 1), w[:, N:].transpose(1, 2))  # [H, T, V]
@@ -360,11 +373,22 @@ class DeepseekV2ForCausalLM(MoECausalLM):
         model runner with the others, `attention_layers()[-1]`) stores the pairs at
         attn.slot_mapping, so drafting over several steps can reuse the request's block table.
         Runs on the last pipeline stage (where `mtp` lives); eager, not CUDA-graphed."""
+        h, y = self.mtp[k].block(self._mtp_input(hidden, next_token_ids, k), torch.zeros_like(hidden),
+                                 positions, attn)
+        return h + y
+
+    def mtp_store_kv(self, hidden: torch.Tensor, next_token_ids: torch.Tensor,
+                     positions: torch.Tensor, slot_mapping: torch.Tensor, k: int = 0) -> None:
+        """`mtp_forward`'s latent-cache write alone, for pairs whose output nobody reads (a
+        drafter keeping the cache in step): no attention, no MoE."""
+        block = self.mtp[k].block
+        x = block.input_layernorm(self._mtp_input(hidden, next_token_ids, k))
+        block.self_attn.store(x, positions, slot_mapping)
+
+    def _mtp_input(self, hidden: torch.Tensor, next_token_ids: torch.Tensor, k: int) -> torch.Tensor:
         layer = self.mtp[k]
         e = layer.enorm(layer.embed_tokens(next_token_ids))
-        h = layer.eh_proj(torch.cat([e, layer.hnorm(hidden)], -1))
-        h, y = layer.block(h, torch.zeros_like(h), positions, attn)
-        return h + y
+        return layer.eh_proj(torch.cat([e, layer.hnorm(hidden)], -1))
 
     def mtp_logits(self, hidden: torch.Tensor, k: int = 0) -> torch.Tensor:
         head = self.mtp[k].shared_head

@@ -285,7 +285,8 @@ class LoRAConfig:
 
 
 SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
-SPEC_IMPLEMENTED = ("ngram", "draft_model")
+SPEC_IMPLEMENTED = ("ngram", "draft_model", "mtp")
+SPEC_ALIASES = {"deepseek_mtp": "mtp"}  # vLLM's older name
 
 
 @dataclass(frozen=True)
@@ -323,6 +324,7 @@ def parse_speculative_config(value) -> SpecDecodeParams | None:
                           f"{', '.join(_SPEC_KEYS)})")
     d = dict(value)
     method = d.get("method") or ("draft_model" if d.get("model") else None)
+    method = SPEC_ALIASES.get(method, method)
     if method == "ngram" or d.get("model") in ("ngram", "[ngram]"):
         method, d["model"] = "ngram", None
     if method not in SPEC_METHODS:
@@ -349,7 +351,8 @@ def parse_speculative_config(value) -> SpecDecodeParams | None:
             raise ConfigError(f"{flag}: method draft_model needs \"model\": a checkpoint directory "
                               f"(with config.json), got {model!r}")
     elif model is not None:
-        raise ConfigError(f"{flag}: \"model\" is for method draft_model, not {method}")
+        raise ConfigError(f"{flag}: \"model\" is for method draft_model, not {method}"
+                          + (" (MTP layers come from the target checkpoint)" if method == "mtp" else ""))
     return SpecDecodeParams(method, k, model, lo, hi, d.get("draft_tensor_parallel_size"))
 
 
@@ -358,7 +361,7 @@ class SpeculativeConfig:
     """Speculative decoding (runtime/spec_decode.py)."""
     speculative_config: str | dict | None = opt(
         None, "speculative decoding as a JSON object with vLLM's keys: method (ngram, "
-        "draft_model), num_speculative_tokens, model (draft checkpoint), prompt_lookup_min/max, "
+        "draft_model, mtp), num_speculative_tokens, model (draft checkpoint), prompt_lookup_min/max, "
         "draft_tensor_parallel_size; e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'")
 
     @property

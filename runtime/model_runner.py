@@ -100,6 +100,8 @@ class StepInputs:
     num_drafts: np.ndarray | None = None
     base_pos: np.ndarray | None = None
     sample_index: np.ndarray | None = None
+    rows: np.ndarray | None = None  # every request's input-batch row (host)
+    seq_lens: np.ndarray | None = None  # every request's tokens after the step (host)
 
 
 class ModelRunner:
@@ -398,7 +400,7 @@ class ModelRunner:
         return StepInputs(ids, put(positions, b.pos), attn, put(logits_indices),
                           sample_ids, out_counts, prompt_lp, grammar, q,
                           ns if ns.any() else None, (seq_lens - nspec)[sample_mask],
-                          np.flatnonzero(sample_mask))
+                          np.flatnonzero(sample_mask), rows, seq_lens)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput,
@@ -411,7 +413,7 @@ class ModelRunner:
         hidden = self.compiled_model(inp.input_ids, inp.positions, inp.attn, hidden_in,
                                      query_len=inp.query_len)
         if self.proposer is not None:
-            self.proposer.on_forward(inp)
+            self.proposer.on_forward(inp, hidden)
         if not self.pi.is_last_stage:
             return hidden
         if plan.grammar_fill is not None and inp.grammar is not None:
@@ -502,11 +504,12 @@ class ModelRunner:
     def _propose(self, inp: StepInputs, hidden: torch.Tensor, out: ModelRunnerOutput,
                  tokens: torch.Tensor, num_acc: torch.Tensor) -> None:
         from .spec_decode import ProposeContext, can_speculate
-        if self._skip_proposals:
-            return
         rows = np.array([self.reqs[r].row for r in inp.sample_req_ids], dtype=np.int64)
         eligible = np.array([can_speculate(self.reqs[r].sampling_params) for r in inp.sample_req_ids],
                             dtype=bool)
         ctx = ProposeContext(inp.sample_req_ids, rows, inp.base_pos, tokens, num_acc, hidden,
-                             inp.logits_indices, eligible)
+                             inp.logits_indices, eligible, inp.num_drafts)
+        if self._skip_proposals:  # the proposer only keeps its state (an MTP layer's KV) in step
+            self.proposer.skip(ctx)
+            return
         out.draft_token_ids = self.proposer.propose(ctx)

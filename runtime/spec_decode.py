@@ -40,9 +40,12 @@ def can_speculate(sp: SamplingParams) -> bool:
 
 
 def lookahead_slots(spec: SpecDecodeParams | None) -> int:
-    """KV slots past a step's tokens that its proposer writes (a draft model's own KV of the
-    tokens it feeds itself); the scheduler reserves them."""
-    return spec.num_speculative_tokens if spec is not None and spec.method == "draft_model" else 0
+    """KV slots past a step's tokens that its proposer writes (the KV of the tokens it feeds
+    itself: a draft model k, an MTP layer k - 1, as it starts one position earlier); the
+    scheduler reserves them."""
+    if spec is None:
+        return 0
+    return {"draft_model": spec.num_speculative_tokens, "mtp": spec.num_speculative_tokens - 1}.get(spec.method, 0)
 
 
 @dataclass
@@ -56,6 +59,7 @@ class ProposeContext:
     hidden: torch.Tensor  # [T, H] the target's last-layer hidden states of the step
     logits_indices: torch.Tensor  # rows of `hidden` that were scored, request by request
     eligible: np.ndarray  # [B] bool: can_speculate
+    num_drafts: np.ndarray | None = None  # [B] drafts each request verified (None: none did)
     _host: tuple[list[list[int]], list[int]] | None = None
 
     def host(self) -> tuple[list[list[int]], list[int]]:
@@ -67,10 +71,10 @@ class ProposeContext:
 
 class Proposer:
     """Base: no KV cache of its own, nothing to do per forward."""
-    lookahead = 0  # KV slots it writes past a step's tokens (see lookahead_slots)
 
     def __init__(self, runner: ModelRunner, params: SpecDecodeParams):
         self.runner, self.params, self.k = runner, params, params.num_speculative_tokens
+        self.lookahead = lookahead_slots(params)  # KV slots it writes past a step's tokens
 
     def kv_bytes_per_block(self) -> int:
         return 0
@@ -81,16 +85,45 @@ class Proposer:
     def compile(self) -> dict[str, float]:
         return {}
 
-    def on_forward(self, inp: StepInputs) -> None:
-        """Called on every rank right after the target's forward of each step."""
+    def on_forward(self, inp: StepInputs, hidden: torch.Tensor) -> None:
+        """Called on every rank right after the target's forward of each step (hidden: its
+        last-layer hidden states, [T, H])."""
 
     def propose(self, ctx: ProposeContext) -> list[list[int]]:
         raise NotImplementedError
+
+    def skip(self, ctx: ProposeContext) -> None:
+        """Called instead of `propose` when the plan says nobody needs proposals: only the
+        work that keeps the proposer's state in step with the target."""
 
     def room(self, ctx: ProposeContext, num_tokens: np.ndarray) -> np.ndarray:
         """Drafts each request may get: k, fewer near max_model_len, 0 if not eligible."""
         room = self.runner.max_model_len - 1 - num_tokens
         return np.where(ctx.eligible, np.clip(room, 0, self.k), 0)
+
+    # ---- for proposers that decode ahead one token a request at a time (draft model, MTP) ----
+    def ahead_table(self, ctx: ProposeContext, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The requests' block tables on the device (into `out` if given), wide enough for the
+        slots the passes write: up to base + accepted + k - 1 (the lookahead the scheduler
+        reserved past the step's tokens)."""
+        r, B = self.runner, len(ctx.req_ids)
+        width = min(int(-(-(ctx.base_pos.max() + 2 * self.k) // r.block_size)), r.batch.max_blocks_per_req)
+        return r.batch.stage(r.batch.block_table[ctx.rows, :width], None if out is None else out[:B, :width])
+
+    def ahead_slots(self, table: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(position clamped below max_model_len, KV slot: -1 past it) of one token a request."""
+        limit, bs = self.runner.max_model_len, self.runner.block_size
+        p = pos.clamp(max=limit - 1)
+        blk = table.gather(1, (p // bs)[:, None])[:, 0].long()
+        return p, torch.where(pos < limit, blk * bs + p % bs, -1)
+
+    def ahead_result(self, ctx: ProposeContext, drafts: torch.Tensor) -> list[list[int]]:
+        """[B, k] greedy drafts → the lists the scheduler takes (the result rank's, cut to room)."""
+        if self.runner.pi.tp_rank != 0:
+            return [[] for _ in ctx.req_ids]
+        _, acc = ctx.host()
+        room = self.room(ctx, ctx.base_pos + np.asarray(acc) + 1)
+        return [row[:n] for row, n in zip(drafts.tolist(), room.tolist())]
 
 
 @PROPOSERS.register("ngram")
@@ -164,7 +197,6 @@ class DraftModelProposer(Proposer):
 
     def __init__(self, runner: ModelRunner, params: SpecDecodeParams):
         super().__init__(runner, params)
-        self.lookahead = self.k
         from ..models.loader import build_model, init_dummy_weights, load_hf_config, load_weights
         from .compilation import CompiledModel
         from .input_batch import InputBatch
@@ -204,7 +236,7 @@ class DraftModelProposer(Proposer):
     def compile(self) -> dict[str, float]:
         return {f"draft_{k}": v for k, v in self.compiled.compile().items()}
 
-    def on_forward(self, inp: StepInputs) -> None:
+    def on_forward(self, inp: StepInputs, hidden: torch.Tensor) -> None:
         """The draft's KV of this step's tokens, through its own buffers (and graphs)."""
         d, T, B = self.batch, inp.input_ids.shape[0], inp.attn.seq_lens.shape[0]
         d.ids[:T].copy_(inp.input_ids)
@@ -224,34 +256,104 @@ class DraftModelProposer(Proposer):
         B = len(ctx.req_ids)
         if B == 0:
             return []
-        dev, bs = r.device, r.block_size
-        # the draft writes positions up to base + accepted + k - 1: the block table up to there
-        width = min(int(-(-(ctx.base_pos.max() + 2 * self.k) // bs)), r.batch.max_blocks_per_req)
-        table = r.batch.stage(r.batch.block_table[ctx.rows, :width], d.table[:B, :width])
+        table = self.ahead_table(ctx, d.table)
         pos = r.batch.stage(ctx.base_pos) + ctx.num_accepted  # position of the last emitted token
         x = ctx.tokens.gather(1, ctx.num_accepted[:, None])[:, 0]
-        d.qsl[:B + 1].copy_(torch.arange(B + 1, device=dev))
+        d.qsl[:B + 1].copy_(torch.arange(B + 1, device=r.device))
         d.state_idx[:B].fill_(-1)
         drafts = []
-        limit = r.max_model_len
         for _ in range(self.k):
-            ok = pos < limit
-            p = pos.clamp(max=limit - 1)
-            blk = table.gather(1, (p // bs)[:, None])[:, 0].long()
+            p, slots = self.ahead_slots(table, pos)
             d.ids[:B].copy_(x)
             d.pos[:B].copy_(p)
-            d.slots[:B].copy_(torch.where(ok, blk * bs + p % bs, -1))
+            d.slots[:B].copy_(slots)
             d.seq_lens[:B].copy_((p + 1).to(torch.int32))
             h = self.compiled(d.ids[:B], d.pos[:B], d.attn(B, B, True), None)
             x = self.model.compute_logits(h).argmax(-1)
             drafts.append(x)
             pos = pos + 1
-        out = torch.stack(drafts, 1)
-        if r.pi.tp_rank != 0:
-            return [[] for _ in ctx.req_ids]
-        _, acc = ctx.host()
-        room = self.room(ctx, ctx.base_pos + np.asarray(acc) + 1)
-        return [row[:n] for row, n in zip(out.tolist(), room.tolist())]
+        return self.ahead_result(ctx, torch.stack(drafts, 1))
+
+
+@PROPOSERS.register("mtp")
+class MTPProposer(Proposer):
+    """DeepSeek-V3's multi-token-prediction layer as the drafter (models/deepseek.py
+    `mtp_forward`). Its latent cache is one of the target's attention layers: same blocks and
+    slots, allocated, offloaded and given back with them (so prefix caching, chunked prefill
+    and preemption hold for it as for a draft model's cache).
+
+    Every step it writes the latent of each of the target's tokens (`mtp_store_kv`: no
+    attention, no MoE): at token t's position, the pair (the target's hidden state of t, token
+    t + 1), where t + 1 is the step's next input token, the prompt token after a prefill chunk,
+    or, for the last token of a request that samples, a placeholder. After sampling, pass 0
+    redoes that last pair with the token just emitted (at the last verified position: rejected
+    drafts' pairs past it are overwritten later, as the target's KV is) and gives the first
+    draft; pass i feeds back its own hidden state and draft one position further (the k - 1
+    lookahead slots the scheduler reserves). A step without proposals (`skip`) writes only the
+    last pair. One MTP layer is reused for every draft, as vLLM does (DeepSeek-V3 ships one);
+    eager, not CUDA-graphed."""
+
+    def __init__(self, runner: ModelRunner, params: SpecDecodeParams):
+        super().__init__(runner, params)
+        self.model, cfg = runner.model, runner.hf_config
+        if not hasattr(self.model, "mtp"):
+            n = getattr(cfg, "num_nextn_predict_layers", 0) or 0
+            why = (f"the checkpoint has no weights for its {n} MTP layer(s) (model.layers."
+                   f"{cfg.num_hidden_layers}.*; transformers' save_pretrained drops them)" if n else
+                   f"{cfg.architectures[0]} has no multi-token-prediction layers "
+                   "(num_nextn_predict_layers: DeepSeek-V3 and its kind)")
+            raise ValueError(f"--speculative-config: method mtp needs the target's MTP layers; {why}")
+
+    @torch.inference_mode()
+    def on_forward(self, inp: StepInputs, hidden: torch.Tensor) -> None:
+        T = inp.input_ids.shape[0]
+        if T == 0 or (inp.attn.is_decode and len(inp.sample_index) == T):
+            return  # (a plain decode step: every pair is a last one, which pass 0 writes)
+        b = self.runner.batch
+        # the token after each request's last one: known unless the request samples now
+        tail = b.token_ids[inp.rows, np.minimum(inp.seq_lens, b.token_ids.shape[1] - 1)].astype(np.int64)
+        tail[inp.sample_index] = 0
+        nxt = torch.roll(inp.input_ids, -1)
+        nxt[inp.attn.query_start_loc[1:].long() - 1] = b.stage(tail).to(nxt.dtype)
+        self.model.mtp_store_kv(hidden[:T], nxt, inp.positions, inp.attn.slot_mapping, 0)
+
+    @torch.inference_mode()
+    def propose(self, ctx: ProposeContext) -> list[list[int]]:
+        if not ctx.req_ids:
+            return []
+        return self.ahead_result(ctx, self._passes(ctx, self.k))
+
+    @torch.inference_mode()
+    def skip(self, ctx: ProposeContext) -> None:
+        if ctx.req_ids:  # only the last pair's KV, with the emitted token
+            h, x, pos, table = self._last_pair(ctx)
+            self.model.mtp_store_kv(h, x, *self.ahead_slots(table, pos), 0)
+
+    def _last_pair(self, ctx: ProposeContext):
+        """(target hidden state, emitted token, position, block table) of each request's last
+        pair: the last verified token's hidden state and the token emitted after it."""
+        r, B = self.runner, len(ctx.req_ids)
+        ns = np.zeros(B, dtype=np.int64) if ctx.num_drafts is None else ctx.num_drafts
+        first = np.concatenate([[0], np.cumsum(ns + 1)[:-1]])  # each request's first scored row
+        h = ctx.hidden[ctx.logits_indices[r.batch.stage(first) + ctx.num_accepted]]
+        x = ctx.tokens.gather(1, ctx.num_accepted[:, None])[:, 0]  # the last emitted token
+        pos = r.batch.stage(ctx.base_pos) + ctx.num_accepted - 1  # the token before it
+        return h, x, pos, self.ahead_table(ctx)
+
+    def _passes(self, ctx: ProposeContext, n: int) -> torch.Tensor:
+        """n single-token passes a request from the last pair on → [B, n] drafts."""
+        from ..models.layers import AttnMeta
+        h, x, pos, table = self._last_pair(ctx)
+        qsl = torch.arange(len(ctx.req_ids) + 1, dtype=torch.int32, device=self.runner.device)
+        drafts = []
+        for _ in range(n):
+            p, slots = self.ahead_slots(table, pos)
+            h = self.model.mtp_forward(h, x, p, AttnMeta(slots, qsl, (p + 1).to(torch.int32), table,
+                                                         is_decode=True), 0)
+            x = self.model.mtp_logits(h, 0).argmax(-1)
+            drafts.append(x)
+            pos = pos + 1
+        return torch.stack(drafts, 1)
 
 
 def not_yet(method: str):

@@ -54,7 +54,7 @@ def test_config_parses_vllm_keys_and_refuses_the_rest():
     p = parse_speculative_config({"model": str(STORIES_EMBEDDED), "num_speculative_tokens": 2})
     assert p.method == "draft_model"
     for bad, words in [({"method": "eagle", "num_speculative_tokens": 2}, ["eagle", "not implemented"]),
-                       ({"method": "mtp", "num_speculative_tokens": 1}, ["mtp", "not implemented"]),
+                       ({"method": "eagle3", "num_speculative_tokens": 1}, ["eagle3", "not implemented"]),
                        ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 4},
                         ["disable_by_batch_size"]),
                        ({"method": "ngram"}, ["num_speculative_tokens"]),

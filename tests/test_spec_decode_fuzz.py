@@ -1,8 +1,8 @@
 """The engine fuzz test (tests/test_engine_fuzz.py) with speculative decoding: the checking
 executor's model verifies the scheduled drafts (accepting the prefix its next-token function
 agrees with) and proposes new ones (right or wrong at random), writes the KV of every scheduled
-token, rejected drafts included, into its shadow cache and, as a draft model does, writes its
-lookahead slots too. A rollback that leaves a rejected draft's KV in place, a block handed out
+token, rejected drafts included, into its shadow cache and, as a draft model or an MTP layer
+does, writes its lookahead slots too. A rollback that leaves a rejected draft's KV in place, a block handed out
 while a proposer still writes to it, or a leaked block fails the test; the outputs must equal
 a plain run's."""
 import random
@@ -92,12 +92,13 @@ class SpecCheckingExecutor(CheckingExecutor):
 @pytest.mark.parametrize("combo", [("fcfs", False, True, True), ("priority", True, True, False),
                                    ("fcfs", True, False, True)],
                          ids=["chunked-cache", "priority-async-chunked", "async-whole-cache"])
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "mtp"])
 def test_spec_traces_keep_invariants_no_leaks_same_outputs(combo, method, tokenizer):  # noqa: F811
     spec = {"method": method, "num_speculative_tokens": K}
     if method == "draft_model":
         spec["model"] = str(STORIES_EMBEDDED)  # the checking executor never loads it
-    lookahead = K if method == "draft_model" else 0
+    # a draft model writes k slots past the last emitted token's, an MTP layer k - 1
+    lookahead = {"draft_model": K, "mtp": K - 1}.get(method, 0)
     drafted = 0
     for seed in range(6):
         trace, aborts = make_trace(seed, 96)

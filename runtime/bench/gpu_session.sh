@@ -20,6 +20,9 @@
 #   dsw2, dsw1        W2 / W1 on deepseek-v3-small (V3 layers and MLA widths, 8 layers, 64 experts,
 #                     dummy bf16 weights); dsw2fp8 / dsw1fp8 block FP8; dsw1kv8 the fp8 latent cache;
 #                     dskv KV bytes per token (MLA vs GQA); dstests DeepSeek GPU tests; kmla MLA kernels
+#   dsw2mtp           W2 on deepseek-v3-small-mtp (the same plus one MTP layer, dummy weights: its
+#                     drafts are never accepted, so this is the cost of MTP drafting): plain
+#                     (dsw2mtp0), MTP k=1 (dsw2mtp1), k=3 (dsw2mtp3); mtptests the MTP GPU tests
 #   w1hybrid          W1 on the Nemotron-H-8B shape (hybrid Mamba2 / attention, dummy weights);
 #                     w1hybridbf16 with bf16 SSM states (each may take most of a call); hybtests the
 #                     hybrid / Mamba2 GPU tests; kmamba the Mamba2 kernel benchmark
@@ -118,6 +121,11 @@ for stage in "$@"; do case $stage in
         kv=; [ $stage = dsw1kv8 ] && kv="--kv-cache-dtype fp8"
         run $stage 420 python3 -m rankserve.launch bench throughput $m --workload w1 --max-num-seqs 256 \
         --max-model-len 4096 $kv --cache-dir "$CACHE" --output-json "$OUT/$stage.json" ;;
+  dsw2mtp) W2="python3 -m rankserve.launch bench latency deepseek-v3-small-mtp --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 --max-num-seqs 8 --max-model-len 4096 --cache-dir $CACHE"
+        run dsw2mtp0 200 $W2 --output-json "$OUT/dsw2mtp0.json"
+        run dsw2mtp1 200 $W2 --speculative-config '{"method": "mtp", "num_speculative_tokens": 1}' --output-json "$OUT/dsw2mtp1.json"
+        run dsw2mtp3 200 $W2 --speculative-config '{"method": "mtp", "num_speculative_tokens": 3}' --output-json "$OUT/dsw2mtp3.json" ;;
+  mtptests) run mtptests 200 python3 -m pytest -q -x -m gpu tests/test_spec_decode_mtp.py ;;
   w2spec) W2="python3 -m rankserve.launch bench latency llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 --max-num-seqs 8 --cache-dir $CACHE"
         NG='{"method": "ngram", "num_speculative_tokens": 4}'
         DM='{"method": "draft_model", "model": "llama-3.1-8b-draft", "num_speculative_tokens": 4}'
