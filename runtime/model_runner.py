@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ..kernels import gemv
+from ..models.deepseek import without_mtp
 from ..models.layers import AttnMeta
 from ..models.parallel import ParallelInfo
 from ..models.loader import (
@@ -114,6 +115,8 @@ class ModelRunner:
         self.device = device
         t0 = time.perf_counter()
         self.hf_config = load_hf_config(cfg.model.model)
+        if cfg.spec is None or cfg.spec.method != "mtp":
+            self.hf_config = without_mtp(self.hf_config)
         self.dtype = resolve_dtype(cfg.model.dtype, self.hf_config, device.type)
         self.max_model_len = min(cfg.model.max_model_len or self.hf_config.max_position_embeddings,
                                  self.hf_config.max_position_embeddings)

@@ -86,7 +86,8 @@ def test_refused_combinations():
     with pytest.raises(ConfigError, match="rankserve serve --data-parallel-size"):
         LLM(str(STORIES_EMBEDDED), data_parallel_size=2)
     from rankserve.launch.startup import run_on_ranks  # generate and the benches
-    with pytest.raises(ConfigError, match="served by `rankserve serve` only"):
+    from rankserve.launch.preflight import LaunchError  # one line from one rank, on every launcher
+    with pytest.raises(LaunchError, match="served by `rankserve serve` only"):
         run_on_ranks(EngineConfig.from_kwargs(dp=2), lambda llm: None)
     r = subprocess.run([sys.executable, "-m", "rankserve.launch", "serve", "--dp", "2", "--tp", "2"],
                        capture_output=True, text=True, timeout=120)

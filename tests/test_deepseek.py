@@ -125,7 +125,12 @@ def _mtp_checkpoint(tmp_path, base: str):
 def test_mtp_layer_loads_and_matches_reference(checkpoint, tmp_path):
     from rankserve.models.layers import AttnMeta
     path, hf, extra = _mtp_checkpoint(tmp_path, checkpoint("DeepseekV3ForCausalLM"))
-    llm = LLM(path, dtype="float32", max_num_seqs=2)
+    plain = LLM(path, dtype="float32", max_num_seqs=2).engine.executor.runner.model
+    # without MTP speculation the layer is neither built nor loaded nor given a cache
+    assert not hasattr(plain, "mtp") and len(plain.attention_layers()) == 3
+    del plain
+    llm = LLM(path, dtype="float32", max_num_seqs=2,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 1})
     runner = llm.engine.executor.runner
     model = runner.model
     assert len(model.mtp) == 1 and len(model.attention_layers()) == 4  # its own latent cache

@@ -96,7 +96,7 @@ def test_greedy_equals_plain_and_drafts_match_a_from_scratch_reference(mtp_dir, 
             assert sch.num_preemptions > 0
         else:
             assert sch.kv.prefix_hits > 0
-    model = plain.engine.executor.runner.model  # (its cache is scratch now)
+    model = llm.engine.executor.runner.model  # (its cache is scratch now; the plain one has no MTP)
     assert len(seen) > 20
     rng = np.random.default_rng(0)
     for i in rng.choice(len(seen), 12, replace=False):

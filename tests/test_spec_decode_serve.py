@@ -43,7 +43,7 @@ def test_server_greedy_equals_plain_and_metrics(tmp_path):
             assert vals["rankserve:spec_decode_num_drafts_total"] > 0, m
             assert 0 < vals["rankserve:spec_decode_num_accepted_tokens_total"] \
                 <= vals["rankserve:spec_decode_num_draft_tokens_total"]
-            assert 'rankserve:spec_decode_num_accepted_tokens_per_pos_total{model_name=' in m
+            assert 'rankserve:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name=' in m
             assert 'position="0"' in m
         finally:
             assert s.stop() == 0

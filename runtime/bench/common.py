@@ -134,7 +134,8 @@ def model_stats(hf_config) -> ModelStats:
     """Count parameters by building the rankserve model on the meta device (no memory)."""
     from ...models.parallel import ParallelInfo
     from ...models.loader import build_model
-    model = build_model(hf_config, ParallelInfo(), torch.bfloat16, torch.device("meta"))
+    from ...models.deepseek import without_mtp  # the floor of the main model (MTP: a proposer)
+    model = build_model(without_mtp(hf_config), ParallelInfo(), torch.bfloat16, torch.device("meta"))
     total = body = experts = 0
     for name, p in model.named_parameters():  # tied weights appear once
         total += p.numel()
