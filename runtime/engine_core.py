@@ -67,7 +67,9 @@ class EngineCore:
                                                   cfg.model.model, self.vocab_size)
         self.num_host_blocks = getattr(executor, "num_host_blocks", 0)
         cache_cfg = cfg.cache
-        window = kv_sliding_window(hf_config)  # every layer windowed alike: out-of-window blocks go
+        window = getattr(executor, "kv_sliding_window", None)  # (test executors set it)
+        if window is None:  # every layer windowed alike: out-of-window blocks are released
+            window = kv_sliding_window(hf_config)
         if window >= self.max_model_len:  # nothing ever leaves the window
             window = 0
         if recurrent and cfg.cache.enable_prefix_caching:
