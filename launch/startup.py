@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from ..runtime.config import ConfigError, EngineConfig
+from ..runtime.config import EngineConfig
 
 log = logging.getLogger("rankserve.startup")
 
@@ -84,8 +84,7 @@ def run_multi_rank(cfg: EngineConfig, started, driver: Callable[[object], object
     info, control, pi, device = started
     dp = None
     if pi.dp_size > 1:
-        if replica_driver is None:
-            raise ConfigError("--data-parallel-size > 1 is served by `rankserve serve` only")
+        assert replica_driver is not None, "run_on_ranks refuses --data-parallel-size > 1"
         from ..runtime.dp import setup_replicas
         control, dp = setup_replicas(cfg, control, pi, info.local_world_size == info.world_size)
     if control.rank != 0:

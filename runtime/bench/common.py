@@ -97,11 +97,15 @@ class ModelStats:
     def head_params(self) -> int:
         return self.vocab_size * self.hidden_size
 
+    @property
+    def kv_layers(self) -> int:
+        """Layers with a KV cache (a hybrid's attention layers only)."""
+        return self.num_layers if self.num_kv_layers is None else self.num_kv_layers
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        layers = self.num_layers if self.num_kv_layers is None else self.num_kv_layers
         if self.kv_latent:
-            return layers * self.kv_latent * dtype_bytes
-        return 2 * layers * self.num_kv_heads * self.head_dim * dtype_bytes
+            return self.kv_layers * self.kv_latent * dtype_bytes
+        return 2 * self.kv_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
     def state_bytes(self, dtype_bytes: int, ssm_bytes: int = 4) -> int:
         """Recurrent (Mamba2) state of one request, any length."""
@@ -113,8 +117,7 @@ class ModelStats:
         PV over head_dim, or for MLA's absorbed form over the latent (L + R, then L)."""
         per_head = 2 * (2 * self.kv_lora_rank + (self.kv_latent - self.kv_lora_rank)) \
             if self.kv_latent else 4 * self.head_dim
-        layers = self.num_layers if self.num_kv_layers is None else self.num_kv_layers
-        return per_head * self.num_heads * layers
+        return per_head * self.num_heads * self.kv_layers
 
     def step_weight_params(self, num_tokens: int) -> float:
         """Parameters one forward over `num_tokens` tokens must read."""

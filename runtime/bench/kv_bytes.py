@@ -15,7 +15,7 @@ def rows(model: str, dtype_bytes: int) -> list[tuple[str, int, int]]:
     """[(label, layers, bytes per token per layer)]"""
     cfg = load_hf_config(resolve_model(model)[0])
     s = model_stats(cfg)
-    layers = s.num_kv_layers or s.num_layers  # a hybrid's attention layers only
+    layers = s.kv_layers
     per_layer = s.kv_bytes_per_token(dtype_bytes) // layers
     if not s.kv_latent:
         return [(f"{model} ({s.num_kv_heads} KV heads x {s.head_dim})", layers, per_layer)]

@@ -25,6 +25,7 @@ No torch import: this runs on a login node or a laptop as well as beside the ser
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import json
 import os
@@ -345,13 +346,9 @@ async def run_requests(args: ServeBenchArgs, model: str, requests: list[SampleRe
         t0 = time.perf_counter()
 
         async def one(req):
-            if sem is None:
+            async with sem or contextlib.nullcontext():
                 out = await send_request(client, url, _payload(args, model, req), req, args.chat, t0,
                                          args.ignore_eos)
-            else:
-                async with sem:
-                    out = await send_request(client, url, _payload(args, model, req), req, args.chat,
-                                             t0, args.ignore_eos)
             if bar is not None:
                 bar.update(1)
             return out
