@@ -26,6 +26,8 @@
 #   w1hybrid          W1 on the Nemotron-H-8B shape (hybrid Mamba2 / attention, dummy weights);
 #                     w1hybridbf16 with bf16 SSM states (each may take most of a call); hybtests the
 #                     hybrid / Mamba2 GPU tests; kmamba the Mamba2 kernel benchmark
+#   gputests          dstests hybtests spectests mtptests sleeptests as parallel pytest processes
+#   lora              W2 (1 adapter) and W1 (8 rank-16 adapters) beside the base model, Llama-3.1-8B shape
 #   w2spec            W2 speculative decoding: plain on repetitive prompts (w2rep), the same without
 #                     async scheduling (w2sync), n-gram on them (w2ngram), n-gram on random prompts
 #                     (w2ngramrand), a 2-layer dummy draft (w2draft: never accepted, the cost of
@@ -37,7 +39,10 @@ CACHE=${RANKSERVE_CACHE_DIR:-/tmp/rankserve-cache}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+# DEADLINE=epoch seconds: every stage's limit is cut to what is left (one device call, one budget)
 run() { local name=$1 limit=$2; shift 2; local t0=$(date +%s)
+  if [ -n "${DEADLINE:-}" ]; then local left=$(( DEADLINE - t0 )); [ $left -lt $limit ] && limit=$left
+    [ $limit -le 10 ] && { echo "$name skipped (DEADLINE)" | tee -a "$OUT/summary.txt"; return; }; fi
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
   printf '%-10s rc=%-3s %4ss\n' "$name" "$rc" "$(( $(date +%s) - t0 ))" | tee -a "$OUT/summary.txt"
   tail -n 25 "$OUT/$name.log"; }
@@ -134,6 +139,19 @@ for stage in "$@"; do case $stage in
         run w2ngram 150 $W2 --prompt-kind repeat --speculative-config "$NG" --output-json "$OUT/w2ngram.json"
         run w2ngramrand 150 $W2 --speculative-config "$NG" --output-json "$OUT/w2ngramrand.json"
         run w2draft 180 $W2 --speculative-config "$DM" --output-json "$OUT/w2draft.json" ;;
+  gputests) # the GPU tests of the feature issues, as parallel pytest processes (correctness only)
+        t0=$(date +%s); for t in "dstests:tests/test_deepseek_mla_kernel.py tests/test_deepseek.py" \
+          "hybtests:tests/test_hybrid.py tests/test_mamba_kernels.py" "spectests:tests/test_spec_decode.py" \
+          "mtptests:tests/test_spec_decode_mtp.py" "sleeptests:tests/test_gpu_sleep.py"; do
+          run ${t%%:*} 280 python3 -m pytest -q -m gpu -p no:cacheprovider ${t#*:} > /dev/null & done; wait
+        for t in dstests hybtests spectests mtptests sleeptests; do echo "== $t"; tail -n 4 "$OUT/$t.log"; done ;;
+  lora) # 8 rank-16 adapters over W1's requests, 1 adapter on W2, each beside the base model
+        L="--enable-lora --max-lora-rank 16"
+        for w in w2 w1; do run ${w}base 200 python3 -m rankserve.launch bench throughput llama-3.1-8b --workload $w \
+            --cache-dir "$CACHE" --output-json "$OUT/${w}base.json"
+          n=1; [ $w = w1 ] && n=8
+          run ${w}lora 200 python3 -m rankserve.launch bench throughput llama-3.1-8b --workload $w $L --num-loras $n \
+            --max-loras $n --cache-dir "$CACHE" --output-json "$OUT/${w}lora.json"; done ;;
   spectests) run spectests 300 python3 -m pytest -q -x -m gpu tests/test_spec_decode.py ;;
   *) echo "unknown stage $stage" ;;
 esac; done
