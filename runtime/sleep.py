@@ -179,6 +179,12 @@ def _release_parameters(model: torch.nn.Module, device: torch.device, backup) ->
                 g = groups[st.data_ptr()] = _Storage(st.nbytes())
                 storages[st.data_ptr()] = st
             g.refs.append((p, p.storage_offset(), tuple(p.shape), tuple(p.stride()), p.dtype))
+    for module in model.modules():  # buffers viewing a parameter's storage follow it (LoRA's
+        for b in module._buffers.values():  # wide weight, of which `weight` is a view)
+            g = None if b is None or id(b) in seen else groups.get(b.untyped_storage().data_ptr())
+            if g is not None:
+                seen.add(id(b))
+                g.refs.append((b, b.storage_offset(), tuple(b.shape), tuple(b.stride()), b.dtype))
     if backup is not None:
         align = 256
         total = sum(-(-g.nbytes // align) * align for g in groups.values())
