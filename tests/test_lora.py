@@ -42,11 +42,21 @@ def _run(llm, adapters, refs):
         assert o.outputs[0].token_ids == want, f"prompt {k // len(choices)}, adapter {lr}"
 
 
-def test_mixed_batch_matches_peft(setup):
+@pytest.mark.parametrize("folded", [True, False])
+def test_mixed_batch_matches_peft(setup, folded, monkeypatch):
+    """Both ways of computing x A^T: every slot's A folded into the base weight (the dense
+    default; the fused norm / SiLU + GEMM paths kept), and a shrink kernel of its own."""
+    from rankserve.models import lora as ml
     base, adapters, refs = setup
     assert all(refs[lr.lora_int_id] != refs[None] for lr in adapters), "adapters change nothing"
+    monkeypatch.setattr(ml, "FOLD_MAX", float("inf") if folded else 0.0)
     llm = LLM(base, dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=16,
               max_num_seqs=16)
+    layers = llm.engine.executor.runner.lora.layers
+    assert all(m.quant.folded == folded and m.quant.dense == folded for m in layers.values())
+    if folded:  # `weight` is the wide weight's first rows: loaders and updates still reach it
+        m = layers["model.layers.0.self_attn.qkv_proj"]
+        assert m.weight.data_ptr() == m.lora_weight.data_ptr()
     _run(llm, adapters, refs)
 
 
@@ -117,11 +127,14 @@ def test_tp2_matches_single_rank(checkpoint, tmp_path):
     assert merged_greedy(base, paths[0], [outs[0].prompt_token_ids], 8)[0] == want[0]
 
 
-def triton_case(base: str, paths: list[str]) -> list[list[int]]:
-    """In the Triton-interpreter worker: the LoRA kernels (BGMV for decode steps, SGMV for
-    prefill and mixed ones) run through the engine as on a GPU."""
+def triton_case(base: str, paths: list[str], fold: float) -> list[list[int]]:
+    """In the Triton-interpreter worker: the LoRA kernels run through the engine as on a GPU
+    (the expand; with FOLD_MAX 0 also the shrinks: BGMV for decode steps, SGMV for prefill and
+    mixed ones)."""
     from rankserve.kernels import lora as kl
+    from rankserve.models import lora as ml
     assert kl._INTERPRET
+    ml.FOLD_MAX = fold  # (a worker of its own)
     llm = LLM(base, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16,
               max_num_seqs=4, max_num_batched_tokens=32, kv_cache_memory_gb=0.01)
     loras = [LoRARequest("a", 1, paths[0]), None, LoRARequest("b", 2, paths[1])]
@@ -135,19 +148,23 @@ def test_triton_kernels_in_engine_match_peft(setup, interp):
     base, adapters, refs = setup
     if "Qwen3" in base:
         pytest.skip("one family suffices for the kernel path")
-    got = interp(triton_case, base, [adapters[0].lora_path, adapters[1].lora_path])
     ids = [adapters[0].lora_int_id, None, adapters[1].lora_int_id]
-    assert got == [refs[i][k][:4] for k, i in enumerate(ids)]
+    for fold in (float("inf"), 0.0):  # A in the base GEMM (dense default), shrink kernels
+        got = interp(triton_case, base, [adapters[0].lora_path, adapters[1].lora_path], fold)
+        assert got == [refs[i][k][:4] for k, i in enumerate(ids)], fold
 
 
-def test_compiled_level2_matches_peft(setup):
+def test_compiled_level2_matches_peft(setup, monkeypatch):
     """torch.compile (level 2, one graph per layer and mode): slot indices are tensors, so
-    steps with other adapters reuse the graphs; tokens equal the merged references."""
+    steps with other adapters reuse the graphs; tokens equal the merged references. (A folded
+    into the base weights, as on a dense GPU deployment.)"""
     import torch
     import torch._dynamo.utils as dynamo_utils
+    from rankserve.models import lora as ml
     base, adapters, refs = setup
     if "Qwen3" in base:
         pytest.skip("one family suffices for the compiled path")
+    monkeypatch.setattr(ml, "FOLD_MAX", float("inf"))
     torch._dynamo.reset()
     dynamo_utils.counters.clear()
     llm = LLM(base, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16,
