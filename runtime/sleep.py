@@ -128,6 +128,8 @@ class RunnerSleep:
         if WEIGHTS in tags:
             _restore_parameters(self.storages, r.device)
             self.storages = []
+            if self.level == 2 and getattr(r, "lora", None) is not None:
+                r.lora.forget_slots()  # A folded into the weights came back as zeros
             self.asleep.discard(WEIGHTS)
             timings["weights"] = time.perf_counter() - t0
         if KV_CACHE in tags:

@@ -204,6 +204,36 @@ def test_quantized_base_gets_the_same_update(setup):
     torch.testing.assert_close(deltas[1], deltas[0], atol=1e-5, rtol=1e-5)
 
 
+def test_sleep_and_weight_updates_keep_adapters(setup, tmp_path, monkeypatch):
+    """A folded into the base weights (`weight` a view of the wide weight): sleep level 1 brings
+    both back; level 2 plus new weights from disk serves the new base with the adapter loaded
+    again (its rows came back as zeros)."""
+    from rankserve.models import lora as ml
+    from test_sleep import perturbed_copy
+    base, adapters, refs = setup
+    if "Qwen3" in base:
+        pytest.skip("one family suffices")
+    monkeypatch.setattr(ml, "FOLD_MAX", float("inf"))
+    other = perturbed_copy(base, tmp_path / "other")
+    llm = LLM(base, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16,
+              enable_sleep_mode=True, num_gpu_blocks_override=64, max_model_len=256)
+    lr = adapters[0]
+    sp = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+
+    def run():
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, lora_request=lr)
+        return [o.outputs[0].token_ids for o in outs]
+    assert run() == refs[lr.lora_int_id]
+    llm.sleep(1)
+    llm.wake_up()
+    assert run() == refs[lr.lora_int_id]
+    llm.sleep(2)
+    llm.wake_up(["weights"])
+    llm.update_weights_from_disk(other)
+    llm.wake_up(["kv_cache"])
+    assert run() == merged_greedy(other, lr.lora_path, PROMPTS)
+
+
 def test_prefix_hashes_include_the_adapter():
     from rankserve.runtime.kv_cache import KVCacheManager
     from rankserve.runtime.messages import EngineCoreRequest
