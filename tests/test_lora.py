@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from rankserve import LLM, LoRARequest, SamplingParams
 from lora_utils import ADAPTERS, NEW, PROMPTS, make_adapter, merged_greedy
@@ -178,6 +179,24 @@ def test_compiled_level2_matches_peft(setup, monkeypatch):
     assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs  # no step recompiled
     for k, (o, lr) in enumerate(zip(outs, loras)):
         assert o.outputs[0].token_ids == refs[lr.lora_int_id if lr else None][k][:4]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fold,level", [(True, 1), (False, 1), (True, 2)])
+def test_gpu_graphs_match_peft(setup, fold, level, monkeypatch):
+    """On CUDA: the Triton kernels in CUDA graphs (decode) and eager (prefill), A folded into
+    the base weights or the shrink kernels, and torch.compile (level 2): the mixed batch's
+    tokens equal transformers + PEFT (fp32)."""
+    from rankserve.models import lora as ml
+    base, adapters, refs = setup
+    if "Qwen3" in base:
+        pytest.skip("one family suffices")
+    monkeypatch.setattr(ml, "FOLD_MAX", float("inf") if fold else 0.0)
+    llm = LLM(base, dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=16,
+              max_num_seqs=16, compilation_level=level, gpu_memory_utilization=0.3)
+    assert llm.engine.executor.runner.compiled_model.graphs
+    _run(llm, adapters, refs)
 
 
 def test_quantized_base_gets_the_same_update(setup):

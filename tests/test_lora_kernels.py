@@ -4,13 +4,14 @@ segments, three fused slices), in both layouts of the low-rank activations (own 
 partials of the shrink; every slot, as the wide GEMM's extra columns)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rankserve.kernels import lora
 
 
-def _case(dtype_name: str):
-    assert lora._INTERPRET, "the ops would compare the reference with itself"
+def _case(dtype_name: str, device: str = "cpu"):
+    assert device == "cuda" or lora._INTERPRET, "the ops would compare the reference with itself"
     dtype = getattr(torch, dtype_name)
     g = torch.Generator().manual_seed(0)
     S, R, K = 3, 8, 40
@@ -26,11 +27,13 @@ def _case(dtype_name: str):
     b = (torch.randn(S, N, R, generator=g) * 0.2).to(dtype)
     bias = torch.randn(N, generator=g).to(dtype)
     y0 = torch.randn(T, N, generator=g).to(dtype)
+    x, a, b, bias, y0, token_slot, seg_start, seg_slot = (
+        t.to(device) for t in (x, a, b, bias, y0, token_slot, seg_start, seg_slot))
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=5e-2, rtol=5e-2)
     # the update by hand: each token's own adapter, each slice its own R columns of s
     ref_s = lora.ref_lora_shrink(x, a, token_slot)[0]
     assert ref_s[token_slot < 0].abs().max() == 0
-    want = torch.zeros(T, N)
+    want = torch.zeros(T, N, device=device)
     for t in range(T):
         sl = int(token_slot[t])
         for i in range(3) if sl >= 0 else ():
@@ -49,7 +52,7 @@ def _case(dtype_name: str):
     # every slot's activations side by side after the base columns (the wide GEMM's output),
     # with padding columns of garbage that no slot reads
     s_all = torch.einsum("tk,sck->tsc", x.float(), a.float()).reshape(T, S * C).to(dtype)
-    wide = torch.cat([y0, s_all, torch.full((T, 5), 1e4).to(dtype)], 1)
+    wide = torch.cat([y0, s_all, torch.full((T, 5), 1e4, device=device).to(dtype)], 1)
     for bias_ in (bias, None):
         y = lora.lora_expand(wide[:, :N], wide[:, N:].unsqueeze(0), b, token_slot, bounds, C, bias_)
         ref = lora.ref_lora_expand(wide[:, :N], wide[:, N:].unsqueeze(0), b, token_slot, bounds, C,
@@ -66,3 +69,10 @@ def test_lora_kernels_fp32(interp):
 
 def test_lora_kernels_bf16(interp):
     assert interp(_case, "bfloat16")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_lora_kernels_cuda(dtype):
+    assert _case(dtype, "cuda")
