@@ -102,15 +102,20 @@ def test_lora_errors(setup, tmp_path):
 
 @pytest.mark.mpi
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not on PATH")
-def test_tp2_matches_single_rank(checkpoint, tmp_path):
-    """Adapters sharded like their layers: TP 2 under mpiexec gives the single-rank tokens."""
+def test_tp2_matches_single_rank(checkpoint, tmp_path, monkeypatch):
+    """Adapters sharded like their layers: TP 2 under mpiexec gives the single-rank tokens (A
+    folded into the base weights, as on a dense GPU deployment; both sides)."""
+    from rankserve.models import lora as ml
+    monkeypatch.setattr(ml, "FOLD_MAX", float("inf"))
+    fold = ("import rankserve.models.lora as m; m.FOLD_MAX = float('inf'); "
+            "from rankserve.launch.cli import main; main()")
     base = checkpoint("LlamaForCausalLM")
     paths = [make_adapter(base, tmp_path / name, r, a, rs, t, seed=i)
              for i, (name, r, a, rs, t) in enumerate(ADAPTERS[:2])]
     flags = ["--enable-lora", "--max-loras", "2", "--dtype", "float32",
              "--lora-modules", f"a={paths[0]}", "--lora-modules", json.dumps({"name": "b", "path": paths[1]})]
     prompts = ["Once upon a time", "The dog ran", "Lily and Tom were"]
-    cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "rankserve.launch", "generate", base,
+    cmd = ["mpiexec", "-n", "2", sys.executable, "-c", fold, "generate", base,
            "--max-tokens", "8", "--ignore-eos", "--json", "--tp", "2", *flags,
            "--lora", "a", "--lora", "base", "--lora", "b"]
     for p in prompts:
