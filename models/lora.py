@@ -74,26 +74,27 @@ class LoRAMethod(LinearMethod):
         self.base.after_loading(layer)
 
     def fused_operands(self, layer, bias):
-        return layer.lora_weight, None  # the bias comes with the expand, after the wide GEMM
+        return layer.lora_weight, None if bias is None else layer.lora_bias
 
     def fused_epilogue(self, layer, y, bias):
-        return self._expand(layer, y, bias)
+        return self._expand(layer, y)
 
     def apply(self, layer, x, bias):
         if self.folded:
-            return self._expand(layer, skinny_linear(x, layer.lora_weight, None), bias)
+            return self._expand(layer, skinny_linear(x, *self.fused_operands(layer, bias)))
         y = self.base.apply(layer, x, bias)
         c = self.ctx
         ts = c.token_slot[:x.shape[0]]
         s = lora_shrink(x, layer.lora_a, ts, c.seg_start, c.seg_slot, c.sgmv)
         return lora_expand(y, s, layer.lora_b, ts, self.bounds, 0, None)
 
-    def _expand(self, layer, y, bias):
-        """y [T, N + extra]: the wide GEMM's output, every slot's x A^T after column N."""
+    def _expand(self, layer, y):
+        """y [T, N + extra]: the wide GEMM's output (bias included), every slot's x A^T after
+        column N."""
         N = self.bounds[-1]
         ts = self.ctx.token_slot[:y.shape[0]]
         return lora_expand(y[:, :N], y[:, N:].unsqueeze(0), layer.lora_b, ts, self.bounds,
-                           self.num_slices * self.max_rank, bias)
+                           self.num_slices * self.max_rank)
 
 
 def _shapes(layer) -> tuple[int, list[int]]:
@@ -123,6 +124,12 @@ def wrap_model(model: nn.Module, ctx: LoRAContext, max_loras: int, max_rank: int
             wide[:bounds[-1]].copy_(w.data)
             w.data = wide[:bounds[-1]]  # loaders and weight updates keep writing `weight`
             mod.register_buffer("lora_weight", wide, persistent=False)
+            if isinstance(mod, ColumnParallelLinear) and mod.bias is not None:  # (row-parallel:
+                # after the all-reduce) zeros for A's rows, added in the GEMM's epilogue
+                b = torch.zeros(bounds[-1] + extra, dtype=mod.bias.dtype, device=mod.bias.device)
+                b[:bounds[-1]].copy_(mod.bias.data)
+                mod.bias.data = b[:bounds[-1]]
+                mod.register_buffer("lora_bias", b, persistent=False)
         else:
             mod.register_buffer("lora_a", torch.zeros(max_loras, cols, k, dtype=dtype,
                                                       device=device), persistent=False)

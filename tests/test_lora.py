@@ -258,6 +258,63 @@ def test_sleep_and_weight_updates_keep_adapters(setup, tmp_path, monkeypatch):
     assert run() == merged_greedy(other, lr.lora_path, PROMPTS)
 
 
+def test_folded_layer_with_bias_and_fused_prologue(monkeypatch):
+    """A column-parallel layer with a bias (Qwen2's qkv): the folded GEMM (its bias widened with
+    zeros for A's rows) on the fused add + RMSNorm path, the same unfused, and the shrink path
+    all give base(x) + B A x per token's slot, slice by slice."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from rankserve.models import lora as ml
+    from rankserve.models.fused import add_norm_then
+    from rankserve.models.layers import QKVParallelLinear, RMSNorm
+    from rankserve.models.parallel import ParallelInfo
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv_proj = QKVParallelLinear(32, 8, 4, 2, True, ParallelInfo(), torch.float32)
+
+        @property
+        def in_proj(self):
+            return self.qkv_proj
+
+        def from_in_proj(self, y):
+            return y
+
+        def forward(self, x):
+            return self.qkv_proj(x)
+
+    g = torch.Generator().manual_seed(0)
+    h, delta = torch.randn(5, 32, generator=g), torch.randn(5, 32, generator=g)
+    norm = RMSNorm(32, 1e-5, torch.float32)
+    norm.weight.data = torch.rand(32, generator=g) + 0.5
+    slots = torch.tensor([0, 1, -1, 1, 0], dtype=torch.int32)
+    W, b = torch.randn(64, 32, generator=g), torch.randn(64, generator=g)
+    A, B = torch.randn(2, 12, 32, generator=g), torch.randn(2, 64, 4, generator=g)
+    x = norm(h + delta)
+    want = F.linear(x, W, b)
+    for t, sl in enumerate(slots.tolist()):
+        for i, (lo, hi) in enumerate([(0, 32), (32, 48), (48, 64)]) if sl >= 0 else ():
+            want[t, lo:hi] += B[sl, lo:hi] @ (A[sl, 4 * i:4 * i + 4] @ x[t])
+    for fold in (True, False):
+        monkeypatch.setattr(ml, "FOLD_MAX", float("inf") if fold else 0.0)
+        block = Block()
+        block.qkv_proj.weight.data.copy_(W)
+        block.qkv_proj.bias.data.copy_(b)
+        ctx = ml.LoRAContext(8, 8, "cpu")
+        m = ml.wrap_model(block, ctx, 2, 4, torch.float32, "cpu")["qkv_proj"]
+        assert m.quant.folded == fold and torch.equal(m.weight, W) and torch.equal(m.bias, b)
+        for sl in range(2):
+            ml.slot_a(m, sl).copy_(A[sl])
+            m.lora_b[sl].copy_(B[sl])
+        ctx.token_slot[:5] = slots
+        with torch.inference_mode():
+            fused, h_new = add_norm_then(block, h, delta, norm)
+            plain = block(x)
+        torch.testing.assert_close(fused, want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(plain, want, atol=1e-4, rtol=1e-4)
+
+
 def test_prefix_hashes_include_the_adapter():
     from rankserve.runtime.kv_cache import KVCacheManager
     from rankserve.runtime.messages import EngineCoreRequest
