@@ -407,10 +407,112 @@ def bench_mamba(ceil, quick):
     return rows
 
 
+# ----------------------------------------------------------------------------------------------
+# LoRA (lora.py, models/lora.py): one Llama-8B decoder layer's projections with and without
+# adapters, on the decode path the runner takes (fused add + RMSNorm / SiLU-mul prologues)
+# ----------------------------------------------------------------------------------------------
+
+LORA_BS, LORA_RANK, LORA_LAYERS = (1, 16, 256), 16, 32
+
+
+def lora_layer(slots: int, fold: bool):
+    """Llama-3.1-8B's qkv / o / gate_up / down (attention left out: o_proj reads q), random
+    weights; with `slots` rank-16 adapters in slots (A folded into the base weights or not)."""
+    import torch.nn as nn
+
+    from ..models import lora as ml
+    from ..models.fused import add_norm_then
+    from ..models.layers import GatedMLP, QKVParallelLinear, RMSNorm, RowParallelLinear
+    from ..models.parallel import ParallelInfo
+
+    class Attn(nn.Module):
+        def __init__(self, pi):
+            super().__init__()
+            self.qkv_proj = QKVParallelLinear(4096, D, H, KH, False, pi, DT)
+            self.o_proj = RowParallelLinear(H * D, 4096, False, pi, DT)
+
+        @property
+        def in_proj(self):
+            return self.qkv_proj
+
+        def from_in_proj(self, qkv):
+            return self.o_proj(qkv[:, :H * D])
+
+        def forward(self, x):
+            return self.from_in_proj(self.qkv_proj(x))
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            pi = ParallelInfo()
+            self.self_attn, self.mlp = Attn(pi), GatedMLP(4096, 14336, pi, DT)
+            self.input_layernorm = RMSNorm(4096, 1e-5, DT)
+            self.post_attention_layernorm = RMSNorm(4096, 1e-5, DT)
+
+        def forward(self, h, delta):
+            a, h = add_norm_then(self.self_attn, h, delta, self.input_layernorm)
+            return add_norm_then(self.mlp, h, a, self.post_attention_layernorm)
+
+    with torch.device("cuda"):
+        layer = Layer()
+    for p in layer.parameters():
+        p.data.normal_(0, 0.02)
+    ctx = None
+    if slots:
+        ctx = ml.LoRAContext(max(LORA_BS), max(LORA_BS), "cuda")
+        fold_max, ml.FOLD_MAX = ml.FOLD_MAX, ml.FOLD_MAX if fold else 0.0
+        try:
+            layers = ml.wrap_model(layer, ctx, slots, LORA_RANK, DT, "cuda")
+        finally:
+            ml.FOLD_MAX = fold_max
+        assert all(m.quant.folded == fold for m in layers.values()), "fold rule"
+        for m in layers.values():
+            for sl in range(slots):
+                ml.slot_a(m, sl).normal_(0, 0.02)
+                m.lora_b[sl].normal_(0, 0.02)
+    return layer, ctx
+
+
+def bench_lora(ceil, quick):
+    """The LoRA cost of one decoder layer's projections at decode batch sizes: the base layer
+    against 1 adapter (W2) and 8 spread over the batch (W1), A folded into the base GEMM (the
+    dense default) and with the separate shrink kernel (quantized bases); the graph-replay
+    ratio is what a CUDA-graph step sees. Printed: per-layer overhead and x32 for a step."""
+    variants = [("base", 0, True), ("lora1_folded", 1, True), ("lora8_folded", 8, True),
+                ("lora1_shrink", 1, False), ("lora8_shrink", 8, False)]
+    wbytes = (6144 + 4096 + 28672) * 4096 * 2 + 4096 * 14336 * 2
+    rows, base_ms = [], {}
+    for name, slots, fold in variants:
+        layer, ctx = lora_layer(slots, fold)
+        for bs in LORA_BS:
+            if ctx is not None:
+                ctx.token_slot[:bs].copy_(torch.arange(bs, device="cuda") % slots)
+            h = torch.randn(bs, 4096, dtype=DT, device="cuda")
+            delta = torch.randn_like(h)
+            fn = lambda: layer(h, delta)  # noqa: E731
+            with torch.inference_mode():
+                fn()
+                r = row(f"layer_{name}", f"bs={bs}", fn, wbytes, 2 * bs * wbytes // 2, ceil)
+            rows.append(r)
+            if slots == 0:
+                base_ms[bs] = r
+            else:
+                b = base_ms[bs]
+                g = (r["graph_ms"] or float("nan")) / (b["graph_ms"] or float("nan"))
+                print(f"lora {name:<13} bs={bs:<4} graph {r['graph_ms'] or float('nan'):.4f} ms "
+                      f"vs base {b['graph_ms'] or float('nan'):.4f} ms: x{g:.3f}, +"
+                      f"{((r['graph_ms'] or 0) - (b['graph_ms'] or 0)) * 1e3:.1f} us a layer, "
+                      f"+{((r['graph_ms'] or 0) - (b['graph_ms'] or 0)) * LORA_LAYERS:.3f} ms "
+                      f"for {LORA_LAYERS} layers (eager x{r['ms'] / b['ms']:.3f})")
+        layer = ctx = None
+        torch.cuda.empty_cache()
+    return rows
+
+
 PARTS = {"linear": bench_linear, "skinny": bench_skinny, "decode": bench_decode,
          "prefill": bench_prefill, "prepare_qkv": bench_prepare_qkv, "moe": bench_moe,
          "fp8": bench_fp8, "w4a16": bench_w4a16, "moe_fp8": bench_moe_fp8, "mla": bench_mla,
-         "mamba": bench_mamba}
+         "mamba": bench_mamba, "lora": bench_lora}
 
 
 def main(argv=None) -> int:

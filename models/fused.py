@@ -26,8 +26,9 @@ def add_norm_then(block: nn.Module, h: torch.Tensor, delta: torch.Tensor, norm: 
     if proj is None or not proj.quant.dense:  # quantized GEMMs take the normed input as is
         h = h + delta
         return block(norm(h), *args), h
-    y, h = add_rms_norm_linear(h, delta, norm.weight, norm.eps, proj.weight, proj.bias)
-    return block.from_in_proj(y, *args), h
+    w, bias = proj.quant.fused_operands(proj, proj.bias)  # LoRA: the weight with A's rows
+    y, h = add_rms_norm_linear(h, delta, norm.weight, norm.eps, w, bias)
+    return block.from_in_proj(proj.quant.fused_epilogue(proj, y, proj.bias), *args), h
 
 
 class FusedResidualLayer:

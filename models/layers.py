@@ -135,7 +135,8 @@ class RowParallelLinear(ParallelLinear):
         """(silu(gate) * up) W^T for gu = [gate | up], the product in the GEMM's prologue."""
         if not self.quant.dense:
             return self._reduce(self.linear(silu_mul(gu)))
-        return self._reduce(silu_mul_linear(gu, self.weight))
+        w, _ = self.quant.fused_operands(self, None)  # the bias comes after the reduction
+        return self._reduce(self.quant.fused_epilogue(self, silu_mul_linear(gu, w), None))
 
     def _reduce(self, y: torch.Tensor) -> torch.Tensor:
         if self.reduce:

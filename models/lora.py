@@ -1,13 +1,18 @@
 """LoRA on the parallel linear layers: PEFT adapters read, sharded like their layers, and applied
 per token from device slots (kernels/lora.py).
 
-A targeted layer keeps its linear method (dense, FP8, 4-bit ...) and gets a `LoRAMethod` around
-it: the base GEMM, then `+ expand(shrink(x))` for each token's adapter slot. The wrapper is not
-`dense`, so the fused norm + GEMM and SiLU + GEMM fast paths step aside for wrapped layers (the
-unfused path is the same arithmetic). Slots: `lora_a` [S, n·R, K] (the n fused sub-matrices'
-A stacked, so one shrink serves q/k/v or gate/up) and `lora_b{i}` [S, N_i, R] per sub-matrix;
-ranks below R are zero-padded and the scaling (lora_alpha / r, or / sqrt(r) for rsLoRA) is
-folded into B.
+A targeted layer keeps its linear method and gets a `LoRAMethod` around it. Per slot: A [C, K]
+(C = n·R: the n fused sub-matrices' A stacked, ranks below R zero-padded) and B [N, R] (each
+output row's own sub-matrix; the scaling lora_alpha / r, or / sqrt(r) for rsLoRA, folded in).
+
+- Folded (dense bases, while all slots' A add at most FOLD_MAX of the weight's rows): the layer's
+  GEMM runs on `lora_weight` = [W; A_slot0; A_slot1; ...] ([N + S·C (padded), K]; `weight` is a
+  view of its first N rows), so x A^T of every slot comes out of the base GEMM as extra columns
+  and LoRA costs one expand launch per layer, nothing else. The layer stays `dense`: the fused
+  norm + GEMM and SiLU + GEMM decode paths (models/fused.py, kernels/gemv.py) take the wide weight
+  and hand their output to `fused_epilogue` (the expand).
+- Otherwise (quantized bases, or many slots of a high rank): `lora_a` [S, C, K], one shrink
+  (the token's own slot only) after the base GEMM, then the expand; the fused paths step aside.
 
 Tensor parallelism: a column-parallel layer keeps A whole and B's rows of its output shard; a
 row-parallel layer keeps A's columns of its input shard and B whole, and adds its partial
@@ -16,13 +21,15 @@ LoRA costs no extra collective.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 
 import torch
 import torch.nn as nn
 
-from ..kernels.lora import lora_expand_add, lora_shrink
+from ..kernels.gemv import skinny_linear
+from ..kernels.lora import lora_expand, lora_shrink
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .lora_config import TARGETS, adapter_rank, read_adapter_config  # noqa: F401
 from .quantization import LinearMethod
@@ -42,11 +49,20 @@ class LoRAContext:
         self.sgmv = torch.zeros((), dtype=torch.bool)  # on the host: read by the ops, not traced
 
 
-class LoRAMethod(LinearMethod):
-    dense = False  # the fused prologue paths need a plain weight and no side update
+# Fold A into the base weight while all slots' rows add at most this share of its rows: the
+# GEMM reads them for every token (at decode, bytes: +6% for Llama-8B's qkv with 8 rank-16 slots,
+# ~1 us, against a separate shrink launch of 3-5 us); beyond it a separate shrink is cheaper
+FOLD_MAX = 0.25
+ROW_ALIGN = 64  # the wide weight's extra rows, padded (GEMM tiles)
 
-    def __init__(self, base: LinearMethod, ctx: LoRAContext, num_slices: int, max_rank: int):
-        self.base, self.ctx, self.num_slices, self.max_rank = base, ctx, num_slices, max_rank
+
+class LoRAMethod(LinearMethod):
+    def __init__(self, base: LinearMethod, ctx: LoRAContext, bounds: list[int], max_rank: int,
+                 folded: bool):
+        self.base, self.ctx, self.bounds, self.max_rank = base, ctx, bounds, max_rank
+        self.num_slices = len(bounds) - 1
+        self.folded = folded
+        self.dense = folded  # the fused prologue paths take `fused_operands`
 
     def __getattr__(self, name):  # everything else (scales, flags) is the base method's
         return getattr(self.__dict__["base"], name)
@@ -57,18 +73,28 @@ class LoRAMethod(LinearMethod):
     def after_loading(self, layer):
         self.base.after_loading(layer)
 
+    def fused_operands(self, layer, bias):
+        return layer.lora_weight, None if bias is None else layer.lora_bias
+
+    def fused_epilogue(self, layer, y, bias):
+        return self._expand(layer, y)
+
     def apply(self, layer, x, bias):
+        if self.folded:
+            return self._expand(layer, skinny_linear(x, *self.fused_operands(layer, bias)))
         y = self.base.apply(layer, x, bias)
-        c, R = self.ctx, self.max_rank
+        c = self.ctx
         ts = c.token_slot[:x.shape[0]]
         s = lora_shrink(x, layer.lora_a, ts, c.seg_start, c.seg_slot, c.sgmv)
-        y2 = y.view(-1, y.shape[-1])
-        col = 0
-        for i in range(self.num_slices):  # each sub-matrix's update, added into y in place
-            b = getattr(layer, f"lora_b{i}")
-            lora_expand_add(y2, s, b, ts, col, i * R)
-            col += b.shape[1]
-        return y
+        return lora_expand(y, s, layer.lora_b, ts, self.bounds, 0, None)
+
+    def _expand(self, layer, y):
+        """y [T, N + extra]: the wide GEMM's output (bias included), every slot's x A^T after
+        column N."""
+        N = self.bounds[-1]
+        ts = self.ctx.token_slot[:y.shape[0]]
+        return lora_expand(y[:, :N], y[:, N:].unsqueeze(0), layer.lora_b, ts, self.bounds,
+                           self.num_slices * self.max_rank)
 
 
 def _shapes(layer) -> tuple[int, list[int]]:
@@ -88,20 +114,45 @@ def wrap_model(model: nn.Module, ctx: LoRAContext, max_loras: int, max_rank: int
         if short not in TARGETS or not isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
             continue
         k, outs = _shapes(mod)
-        mod.register_buffer("lora_a", torch.zeros(max_loras, len(outs) * max_rank, k, dtype=dtype,
+        bounds = [0, *itertools.accumulate(outs)]
+        cols = len(outs) * max_rank
+        folded = bool(mod.quant.dense) and max_loras * cols <= FOLD_MAX * bounds[-1]
+        if folded:
+            extra = -(-max_loras * cols // ROW_ALIGN) * ROW_ALIGN
+            w = mod.weight
+            wide = torch.zeros(bounds[-1] + extra, k, dtype=w.dtype, device=w.device)
+            wide[:bounds[-1]].copy_(w.data)
+            w.data = wide[:bounds[-1]]  # loaders and weight updates keep writing `weight`
+            mod.register_buffer("lora_weight", wide, persistent=False)
+            if isinstance(mod, ColumnParallelLinear) and mod.bias is not None:  # (row-parallel:
+                # after the all-reduce) zeros for A's rows, added in the GEMM's epilogue
+                b = torch.zeros(bounds[-1] + extra, dtype=mod.bias.dtype, device=mod.bias.device)
+                b[:bounds[-1]].copy_(mod.bias.data)
+                mod.bias.data = b[:bounds[-1]]
+                mod.register_buffer("lora_bias", b, persistent=False)
+        else:
+            mod.register_buffer("lora_a", torch.zeros(max_loras, cols, k, dtype=dtype,
+                                                      device=device), persistent=False)
+        mod.register_buffer("lora_b", torch.zeros(max_loras, bounds[-1], max_rank, dtype=dtype,
                                                   device=device), persistent=False)
-        for i, n in enumerate(outs):
-            mod.register_buffer(f"lora_b{i}", torch.zeros(max_loras, n, max_rank, dtype=dtype,
-                                                          device=device), persistent=False)
-        mod.quant = LoRAMethod(mod.quant, ctx, len(outs), max_rank)
+        mod.quant = LoRAMethod(mod.quant, ctx, bounds, max_rank, folded)
         layers[name] = mod
     return layers
 
 
+def slot_a(layer: nn.Module, slot: int) -> torch.Tensor:
+    """The [C, K] rows holding A of `slot` (in the wide weight when folded)."""
+    q = layer.quant
+    if not q.folded:
+        return layer.lora_a[slot]
+    C = q.num_slices * q.max_rank
+    return layer.lora_weight[q.bounds[-1] + slot * C:q.bounds[-1] + (slot + 1) * C]
+
+
 def load_adapter(path: str, model: nn.Module, layers: dict[str, nn.Module], max_rank: int,
-                 dtype) -> dict[str, tuple[torch.Tensor, list[torch.Tensor]]]:
+                 dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """This rank's shard of a PEFT adapter, padded to `max_rank`, scaling folded into B:
-    {module name: (A [n·R, K], [B_i [N_i, R]])} on the host, for the layers of this stage."""
+    {module name: (A [n·R, K], B [N, R])} on the host, for the layers of this stage."""
     cfg = read_adapter_config(path)
     r = adapter_rank(cfg)
     if r > max_rank:
@@ -109,7 +160,7 @@ def load_adapter(path: str, model: nn.Module, layers: dict[str, nn.Module], max_
     alpha = float(cfg.get("lora_alpha", r))
     scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
     tensors = _read_tensors(path)
-    out: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for key, a in tensors.items():
         if ".lora_A." not in key:
             continue
@@ -126,17 +177,17 @@ def load_adapter(path: str, model: nn.Module, layers: dict[str, nn.Module], max_
             k, outs = _shapes(layer)
             if lname not in out:
                 out[lname] = (torch.zeros(len(outs) * max_rank, k, dtype=dtype),
-                              [torch.zeros(n, max_rank, dtype=dtype) for n in outs])
-            A, Bs = out[lname]
+                              torch.zeros(sum(outs), max_rank, dtype=dtype))
+            A, B = out[lname]
             i = shard or 0
             if isinstance(layer, RowParallelLinear):
                 c0 = layer.pi.tp_rank * layer.in_per_rank
                 A[:r] = a[:, c0:c0 + layer.in_per_rank]
-                Bs[0][:, :r] = b.float() * scaling
+                B[:, :r] = b.float() * scaling
             else:
-                _, start, n = layer.shard_rows(i)
+                off, start, n = layer.shard_rows(i)
                 A[i * max_rank:i * max_rank + r] = a
-                Bs[i][:, :r] = b[start:start + n].float() * scaling
+                B[off:off + n, :r] = b[start:start + n].float() * scaling
     return out
 
 
@@ -156,10 +207,8 @@ def set_slot(layers: dict[str, nn.Module], slot: int, weights) -> None:
     for name, layer in layers.items():
         w = weights.get(name)
         if w is None:
-            layer.lora_a[slot].zero_()
-            for i in range(layer.quant.num_slices):
-                getattr(layer, f"lora_b{i}")[slot].zero_()
+            slot_a(layer, slot).zero_()
+            layer.lora_b[slot].zero_()
             continue
-        layer.lora_a[slot].copy_(w[0], non_blocking=True)
-        for i, b in enumerate(w[1]):
-            getattr(layer, f"lora_b{i}")[slot].copy_(b, non_blocking=True)
+        slot_a(layer, slot).copy_(w[0], non_blocking=True)
+        layer.lora_b[slot].copy_(w[1], non_blocking=True)

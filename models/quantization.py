@@ -98,6 +98,14 @@ class LinearMethod:
     def describe(self) -> str:
         return type(self).__name__
 
+    def fused_operands(self, layer: nn.Module, bias):
+        """(weight, bias) for a GEMM with a fused prologue (kernels/gemv.py; `dense` methods)."""
+        return layer.weight, bias
+
+    def fused_epilogue(self, layer: nn.Module, y: torch.Tensor, bias) -> torch.Tensor:
+        """What follows that GEMM (LoRA's update, models/lora.py); nothing for a plain layer."""
+        return y
+
     def _param(self, layer, name, shape, dtype, loader, fill=None):
         p = nn.Parameter(torch.empty(shape, dtype=dtype) if fill is None
                          else torch.full(shape, fill, dtype=dtype), requires_grad=False)

@@ -71,6 +71,10 @@ class LoRASlots:
         log.debug("LoRA adapter %s (id %d) in slot %d", self.requests[lid].lora_name, lid, slot)
         return slot
 
+    def forget_slots(self) -> None:
+        """The device slots lost their contents (sleep level 2): load adapters again on use."""
+        self.slot_of.clear()
+
     def prepare(self, plan, req_ids: list[str], counts: np.ndarray, is_decode: bool,
                 put: Callable) -> None:
         """Bring this step's adapters into slots and stage the slot indices."""

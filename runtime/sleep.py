@@ -128,6 +128,8 @@ class RunnerSleep:
         if WEIGHTS in tags:
             _restore_parameters(self.storages, r.device)
             self.storages = []
+            if self.level == 2 and getattr(r, "lora", None) is not None:
+                r.lora.forget_slots()  # A folded into the weights came back as zeros
             self.asleep.discard(WEIGHTS)
             timings["weights"] = time.perf_counter() - t0
         if KV_CACHE in tags:
@@ -179,6 +181,12 @@ def _release_parameters(model: torch.nn.Module, device: torch.device, backup) ->
                 g = groups[st.data_ptr()] = _Storage(st.nbytes())
                 storages[st.data_ptr()] = st
             g.refs.append((p, p.storage_offset(), tuple(p.shape), tuple(p.stride()), p.dtype))
+    for module in model.modules():  # buffers viewing a parameter's storage follow it (LoRA's
+        for b in module._buffers.values():  # wide weight, of which `weight` is a view)
+            g = None if b is None or id(b) in seen else groups.get(b.untyped_storage().data_ptr())
+            if g is not None:
+                seen.add(id(b))
+                g.refs.append((b, b.storage_offset(), tuple(b.shape), tuple(b.stride()), b.dtype))
     if backup is not None:
         align = 256
         total = sum(-(-g.nbytes // align) * align for g in groups.values())

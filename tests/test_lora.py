@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from rankserve import LLM, LoRARequest, SamplingParams
 from lora_utils import ADAPTERS, NEW, PROMPTS, make_adapter, merged_greedy
@@ -42,11 +43,21 @@ def _run(llm, adapters, refs):
         assert o.outputs[0].token_ids == want, f"prompt {k // len(choices)}, adapter {lr}"
 
 
-def test_mixed_batch_matches_peft(setup):
+@pytest.mark.parametrize("folded", [True, False])
+def test_mixed_batch_matches_peft(setup, folded, monkeypatch):
+    """Both ways of computing x A^T: every slot's A folded into the base weight (the dense
+    default; the fused norm / SiLU + GEMM paths kept), and a shrink kernel of its own."""
+    from rankserve.models import lora as ml
     base, adapters, refs = setup
     assert all(refs[lr.lora_int_id] != refs[None] for lr in adapters), "adapters change nothing"
+    monkeypatch.setattr(ml, "FOLD_MAX", float("inf") if folded else 0.0)
     llm = LLM(base, dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=16,
               max_num_seqs=16)
+    layers = llm.engine.executor.runner.lora.layers
+    assert all(m.quant.folded == folded and m.quant.dense == folded for m in layers.values())
+    if folded:  # `weight` is the wide weight's first rows: loaders and updates still reach it
+        m = layers["model.layers.0.self_attn.qkv_proj"]
+        assert m.weight.data_ptr() == m.lora_weight.data_ptr()
     _run(llm, adapters, refs)
 
 
@@ -91,15 +102,20 @@ def test_lora_errors(setup, tmp_path):
 
 @pytest.mark.mpi
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not on PATH")
-def test_tp2_matches_single_rank(checkpoint, tmp_path):
-    """Adapters sharded like their layers: TP 2 under mpiexec gives the single-rank tokens."""
+def test_tp2_matches_single_rank(checkpoint, tmp_path, monkeypatch):
+    """Adapters sharded like their layers: TP 2 under mpiexec gives the single-rank tokens (A
+    folded into the base weights, as on a dense GPU deployment; both sides)."""
+    from rankserve.models import lora as ml
+    monkeypatch.setattr(ml, "FOLD_MAX", float("inf"))
+    fold = ("import rankserve.models.lora as m; m.FOLD_MAX = float('inf'); "
+            "from rankserve.launch.cli import main; main()")
     base = checkpoint("LlamaForCausalLM")
     paths = [make_adapter(base, tmp_path / name, r, a, rs, t, seed=i)
              for i, (name, r, a, rs, t) in enumerate(ADAPTERS[:2])]
     flags = ["--enable-lora", "--max-loras", "2", "--dtype", "float32",
              "--lora-modules", f"a={paths[0]}", "--lora-modules", json.dumps({"name": "b", "path": paths[1]})]
     prompts = ["Once upon a time", "The dog ran", "Lily and Tom were"]
-    cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "rankserve.launch", "generate", base,
+    cmd = ["mpiexec", "-n", "2", sys.executable, "-c", fold, "generate", base,
            "--max-tokens", "8", "--ignore-eos", "--json", "--tp", "2", *flags,
            "--lora", "a", "--lora", "base", "--lora", "b"]
     for p in prompts:
@@ -117,11 +133,14 @@ def test_tp2_matches_single_rank(checkpoint, tmp_path):
     assert merged_greedy(base, paths[0], [outs[0].prompt_token_ids], 8)[0] == want[0]
 
 
-def triton_case(base: str, paths: list[str]) -> list[list[int]]:
-    """In the Triton-interpreter worker: the LoRA kernels (BGMV for decode steps, SGMV for
-    prefill and mixed ones) run through the engine as on a GPU."""
+def triton_case(base: str, paths: list[str], fold: float) -> list[list[int]]:
+    """In the Triton-interpreter worker: the LoRA kernels run through the engine as on a GPU
+    (the expand; with FOLD_MAX 0 also the shrinks: BGMV for decode steps, SGMV for prefill and
+    mixed ones)."""
     from rankserve.kernels import lora as kl
+    from rankserve.models import lora as ml
     assert kl._INTERPRET
+    ml.FOLD_MAX = fold  # (a worker of its own)
     llm = LLM(base, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16,
               max_num_seqs=4, max_num_batched_tokens=32, kv_cache_memory_gb=0.01)
     loras = [LoRARequest("a", 1, paths[0]), None, LoRARequest("b", 2, paths[1])]
@@ -135,19 +154,23 @@ def test_triton_kernels_in_engine_match_peft(setup, interp):
     base, adapters, refs = setup
     if "Qwen3" in base:
         pytest.skip("one family suffices for the kernel path")
-    got = interp(triton_case, base, [adapters[0].lora_path, adapters[1].lora_path])
     ids = [adapters[0].lora_int_id, None, adapters[1].lora_int_id]
-    assert got == [refs[i][k][:4] for k, i in enumerate(ids)]
+    for fold in (float("inf"), 0.0):  # A in the base GEMM (dense default), shrink kernels
+        got = interp(triton_case, base, [adapters[0].lora_path, adapters[1].lora_path], fold)
+        assert got == [refs[i][k][:4] for k, i in enumerate(ids)], fold
 
 
-def test_compiled_level2_matches_peft(setup):
+def test_compiled_level2_matches_peft(setup, monkeypatch):
     """torch.compile (level 2, one graph per layer and mode): slot indices are tensors, so
-    steps with other adapters reuse the graphs; tokens equal the merged references."""
+    steps with other adapters reuse the graphs; tokens equal the merged references. (A folded
+    into the base weights, as on a dense GPU deployment.)"""
     import torch
     import torch._dynamo.utils as dynamo_utils
+    from rankserve.models import lora as ml
     base, adapters, refs = setup
     if "Qwen3" in base:
         pytest.skip("one family suffices for the compiled path")
+    monkeypatch.setattr(ml, "FOLD_MAX", float("inf"))
     torch._dynamo.reset()
     dynamo_utils.counters.clear()
     llm = LLM(base, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16,
@@ -161,6 +184,37 @@ def test_compiled_level2_matches_peft(setup):
     assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs  # no step recompiled
     for k, (o, lr) in enumerate(zip(outs, loras)):
         assert o.outputs[0].token_ids == refs[lr.lora_int_id if lr else None][k][:4]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fold,level", [(True, 1), (False, 1), (True, 2)])
+def test_gpu_graphs_match_eager(setup, fold, level, monkeypatch):
+    """On CUDA: the LoRA kernels in CUDA graphs (decode, with new slot indices each replay) and
+    under torch.compile (level 2) give the eager GPU run's tokens for a mixed batch (every
+    prompt with every adapter and the base model), A folded into the base weights or with the
+    shrink kernels. (Kernels vs references: test_lora_kernels.py; eager vs PEFT: the CPU
+    tests; fp32 Triton attention uses TF32, so GPU tokens are compared with GPU tokens.)"""
+    from rankserve.models import lora as ml
+    base, adapters, _ = setup
+    if "Qwen3" in base:
+        pytest.skip("one family suffices")
+    monkeypatch.setattr(ml, "FOLD_MAX", float("inf") if fold else 0.0)
+    common = dict(dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=16,
+                  max_num_seqs=16, gpu_memory_utilization=0.3)
+    choices = [None, *adapters]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS for _ in choices]
+    loras = [choices[(i + j) % len(choices)] for i in range(len(PROMPTS)) for j in range(len(choices))]
+    sp = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    runs = []
+    for kw in (dict(enforce_eager=True), dict(compilation_level=level)):
+        llm = LLM(base, **common, **kw)
+        runner = llm.engine.executor.runner
+        assert all(m.quant.folded == fold for m in runner.lora.layers.values())
+        assert bool(runner.compiled_model.graphs) == ("compilation_level" in kw)
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp, lora_request=loras)])
+        del llm, runner
+    assert runs[0] == runs[1]
 
 
 def test_quantized_base_gets_the_same_update(setup):
@@ -185,6 +239,93 @@ def test_quantized_base_gets_the_same_update(setup):
             deltas.append(layer.quant.apply(layer, x, None) - layer.quant.base.apply(layer, x, None))
     assert deltas[0].abs().max() > 1e-3
     torch.testing.assert_close(deltas[1], deltas[0], atol=1e-5, rtol=1e-5)
+
+
+def test_sleep_and_weight_updates_keep_adapters(setup, tmp_path, monkeypatch):
+    """A folded into the base weights (`weight` a view of the wide weight): sleep level 1 brings
+    both back; level 2 plus new weights from disk serves the new base with the adapter loaded
+    again (its rows came back as zeros)."""
+    from rankserve.models import lora as ml
+    from test_sleep import perturbed_copy
+    base, adapters, refs = setup
+    if "Qwen3" in base:
+        pytest.skip("one family suffices")
+    monkeypatch.setattr(ml, "FOLD_MAX", float("inf"))
+    other = perturbed_copy(base, tmp_path / "other")
+    llm = LLM(base, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16,
+              enable_sleep_mode=True, num_gpu_blocks_override=64, max_model_len=256)
+    lr = adapters[0]
+    sp = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+
+    def run():
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, lora_request=lr)
+        return [o.outputs[0].token_ids for o in outs]
+    assert run() == refs[lr.lora_int_id]
+    llm.sleep(1)
+    llm.wake_up()
+    assert run() == refs[lr.lora_int_id]
+    llm.sleep(2)
+    llm.wake_up(["weights"])
+    llm.update_weights_from_disk(other)
+    llm.wake_up(["kv_cache"])
+    assert run() == merged_greedy(other, lr.lora_path, PROMPTS)
+
+
+def test_folded_layer_with_bias_and_fused_prologue(monkeypatch):
+    """A column-parallel layer with a bias (Qwen2's qkv): the folded GEMM (its bias widened with
+    zeros for A's rows) on the fused add + RMSNorm path, the same unfused, and the shrink path
+    all give base(x) + B A x per token's slot, slice by slice."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from rankserve.models import lora as ml
+    from rankserve.models.fused import add_norm_then
+    from rankserve.models.layers import QKVParallelLinear, RMSNorm
+    from rankserve.models.parallel import ParallelInfo
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv_proj = QKVParallelLinear(32, 8, 4, 2, True, ParallelInfo(), torch.float32)
+
+        @property
+        def in_proj(self):
+            return self.qkv_proj
+
+        def from_in_proj(self, y):
+            return y
+
+        def forward(self, x):
+            return self.qkv_proj(x)
+
+    g = torch.Generator().manual_seed(0)
+    h, delta = torch.randn(5, 32, generator=g), torch.randn(5, 32, generator=g)
+    norm = RMSNorm(32, 1e-5, torch.float32)
+    norm.weight.data = torch.rand(32, generator=g) + 0.5
+    slots = torch.tensor([0, 1, -1, 1, 0], dtype=torch.int32)
+    W, b = torch.randn(64, 32, generator=g), torch.randn(64, generator=g)
+    A, B = torch.randn(2, 12, 32, generator=g), torch.randn(2, 64, 4, generator=g)
+    x = norm(h + delta)
+    want = F.linear(x, W, b)
+    for t, sl in enumerate(slots.tolist()):
+        for i, (lo, hi) in enumerate([(0, 32), (32, 48), (48, 64)]) if sl >= 0 else ():
+            want[t, lo:hi] += B[sl, lo:hi] @ (A[sl, 4 * i:4 * i + 4] @ x[t])
+    for fold in (True, False):
+        monkeypatch.setattr(ml, "FOLD_MAX", float("inf") if fold else 0.0)
+        block = Block()
+        block.qkv_proj.weight.data.copy_(W)
+        block.qkv_proj.bias.data.copy_(b)
+        ctx = ml.LoRAContext(8, 8, "cpu")
+        m = ml.wrap_model(block, ctx, 2, 4, torch.float32, "cpu")["qkv_proj"]
+        assert m.quant.folded == fold and torch.equal(m.weight, W) and torch.equal(m.bias, b)
+        for sl in range(2):
+            ml.slot_a(m, sl).copy_(A[sl])
+            m.lora_b[sl].copy_(B[sl])
+        ctx.token_slot[:5] = slots
+        with torch.inference_mode():
+            fused, h_new = add_norm_then(block, h, delta, norm)
+            plain = block(x)
+        torch.testing.assert_close(fused, want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(plain, want, atol=1e-4, rtol=1e-4)
 
 
 def test_prefix_hashes_include_the_adapter():

@@ -28,6 +28,8 @@
 #                     hybrid / Mamba2 GPU tests; kmamba the Mamba2 kernel benchmark
 #   gputests          dstests hybtests spectests mtptests sleeptests in one pytest (+ $GPUTESTS_EXTRA files)
 #   lora              W2 (1 adapter) and W1 (8 rank-16 adapters) beside the base model, Llama-3.1-8B shape
+#   klora, loratests  LoRA kernel benchmark (one Llama-8B layer's projections, base vs adapters, CUDA
+#                     graphs, bs 1/16/256); the LoRA GPU tests (kernels vs references, engine vs PEFT)
 #   w2spec            W2 speculative decoding: plain on repetitive prompts (w2rep), the same without
 #                     async scheduling (w2sync), n-gram on them (w2ngram), n-gram on random prompts
 #                     (w2ngramrand), a 2-layer dummy draft (w2draft: never accepted, the cost of
@@ -116,6 +118,8 @@ for stage in "$@"; do case $stage in
         serve_w1 servew1 ;;
   servew1dp2) GPUS=2 SERVE_RUNS="c256:--num-prompts 256 --max-concurrency 256;r40:--num-prompts 400 --request-rate 40" \
         SERVE_EXTRA="--data-parallel-size 2" serve_w1 servew1dp2 mpiexec -n 2 ;;
+  klora) run klora 80 python3 -m rankserve.kernels.benchmark --only lora --json "$OUT/klora.json" ;;
+  loratests) run loratests 100 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_lora_kernels.py tests/test_lora.py ;;
   kmla) run kmla 200 python3 -m rankserve.kernels.benchmark --only mla --json "$OUT/kmla.json" ;;
   dskv) run dskv 60 python3 -m rankserve.runtime.bench.kv_bytes deepseek-v3-small qwen3-30b-a3b llama-3.1-70b ;;
   dstests) run dstests 200 python3 -m pytest -q -m gpu tests/test_deepseek_mla_kernel.py tests/test_deepseek.py ;;
