@@ -262,6 +262,24 @@ def test_greedy_equals_plain_and_drafts_match_a_from_scratch_reference(kind, lla
         assert _reference_drafts(proposer, context, len(drafts)) == drafts, f"context of {len(context)}"
 
 
+def test_eagle3_reads_the_residual_stream_entering_its_layers(llama7, tmp_path):
+    """The auxiliary states are transformers' hidden_states[i] (the stream entering layer i) of
+    the configured layers, in layer order; the default is 2, L // 2, L - 3."""
+    import transformers
+    ids = list(range(3, 30))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(llama7, dtype=torch.float32)
+    with torch.no_grad():
+        want = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    for aux, head in (([2, 3, 4], eagle3_head(tmp_path / "default")),
+                      ([1, 5, 6], eagle3_head(tmp_path / "ids", speculators=True, aux_ids=[6, 1, 5]))):
+        proposer = LLM(llama7, **COMMON, speculative_config=spec("eagle3", head)).engine.executor.runner.proposer
+        with torch.inference_mode():
+            proposer.runner.model(torch.tensor(ids), torch.arange(len(ids)), _meta(len(ids)))
+        got = proposer.aux[:len(ids)].reshape(len(ids), 3, H)
+        for j, layer in enumerate(aux):
+            torch.testing.assert_close(got[:, j], want[layer][0], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 def test_head_that_copies_the_target_is_accepted(method, llama, llama7, tmp_path):
     """Every draft of a head that computes what the target does is accepted (1 + k tokens a
