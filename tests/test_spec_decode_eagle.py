@@ -361,3 +361,50 @@ def test_gpu_greedy_equals_plain_with_graphs(method, llama, llama7, tmp_path):
     assert _greedy(llm, PROMPTS, 40) == want
     s = llm.engine.scheduler.stats()
     assert s.spec_num_accepted_tokens >= 0.9 * s.spec_num_draft_tokens > 0, s
+
+
+@pytest.mark.slow
+def test_server_greedy_equals_plain_and_metrics(tmp_path):
+    """Through the server (stories260K, 5 layers, and an EAGLE-3 head reading layers 1-3):
+    completions, streamed or not, are those of plain decoding; /metrics counts the drafts."""
+    import httpx
+
+    from conftest import STORIES_EMBEDDED
+    from test_server import Server
+    head = eagle3_head(tmp_path / "h", aux_ids=[1, 2, 3])
+    prompts = ["Lily and Tom went to the park. Lily and Tom went to the", "Once upon a time"]
+    llm = LLM(str(STORIES_EMBEDDED), kv_cache_memory_gb=0.05)
+    want = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32))]
+    s = Server(str(STORIES_EMBEDDED), "--speculative-config", json.dumps(spec("eagle3", head, 2)),
+               "--kv-cache-memory-gb", "0.05")
+    try:
+        with httpx.Client(base_url=s.url, timeout=120) as c:
+            for prompt, w in zip(prompts, want):
+                r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 32, "temperature": 0})
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["text"] == w
+            with c.stream("POST", "/v1/completions", json={
+                    "prompt": prompts[0], "max_tokens": 32, "temperature": 0, "stream": True}) as r:
+                text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines()
+                               if line.startswith("data: {"))
+            assert text == want[0]
+            m = c.get("/metrics").text
+        drafts = [float(line.split(" ")[-1]) for line in m.splitlines()
+                  if line.startswith("rankserve:spec_decode_num_drafts_total")]
+        assert drafts and drafts[0] > 0, m
+    finally:
+        assert s.stop() == 0
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not on PATH")
+def test_tp2_matches_single_rank(llama7, tmp_path):
+    """mpiexec -n 2 --tp 2: the head's attention and MLP split like the target's (fc
+    replicated, the draft-vocabulary lm_head vocab-parallel), the auxiliary states captured on
+    every rank; same greedy tokens as one rank, with drafts accepted (a nearly copying head)."""
+    from test_multirank import mpi_generate, single
+    target = copying_target(llama7, tmp_path / "t", 0.05)
+    head = copying_head(target, tmp_path / "h", "eagle3")
+    assert mpi_generate(2, target, "--tp", "2", "--speculative-config",
+                        json.dumps(spec("eagle3", head))) == single(target)
