@@ -78,6 +78,8 @@ def load_head_config(path: str, method: str):
     if arch not in ARCHS[method]:
         raise ValueError(f"{flag}: {path!r} ({arch}) is not an EAGLE{'-3' if method == 'eagle3' else ''} "
                          f"head (architectures {', '.join(ARCHS[method][1:])})")
+    if raw.get("add_para_norm"):  # HASS: norms on the embedding and hidden inputs
+        raise ValueError(f"{flag}: {path!r}: add_para_norm (HASS heads) is not supported")
     raw.pop("model_type", None)
     cfg = transformers.LlamaConfig(**raw)
     cfg.architectures = [ARCHS[method][0]]
