@@ -135,7 +135,7 @@ def copying_target(target: str, path: Path, attn_scale: float) -> str:
     return str(path)
 
 
-def copying_head(target: str, path: Path, method: str) -> str:
+def copying_head(target: str, path: Path, method: str, aux_ids: list[int] | None = None) -> str:
     """A head that computes the embedding of its input token, so that its draft is the copying
     target's next token (argmax lm_head(e) = argmax lm_head(norm(e))). EAGLE-1: fc = [I | 0], no
     attention or MLP output. EAGLE-3: q = k = 20 [I | 0] (RoPE makes each token attend to
@@ -154,7 +154,7 @@ def copying_head(target: str, path: Path, method: str) -> str:
         w["layers.0.mlp.down_proj.weight"].zero_()
         torch.save(w, path / "pytorch_model.bin")
         return str(path)
-    eagle3_head(path, draft_vocab=V)
+    eagle3_head(path, draft_vocab=V, aux_ids=aux_ids)
     cfg = json.loads((path / "config.json").read_text())
     cfg["num_key_value_heads"] = 4
     (path / "config.json").write_text(json.dumps(cfg))
@@ -210,14 +210,13 @@ def _reference_drafts(proposer, context: list[int], k: int) -> list[int]:
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3", "eagle3-speculators"])
-def test_greedy_equals_plain_and_drafts_match_a_from_scratch_reference(kind, llama, llama7, tmp_path,
-                                                                      monkeypatch):
+def test_greedy_equals_plain_and_drafts_match_a_from_scratch_reference(kind, llama, tmp_path, monkeypatch):
     """Chunked prefill (budget 16), preemption (14 blocks of 8), async scheduling, then prefix
     caching: the tokens of plain decoding, and the proposals equal the reference's. The target
     is nudged towards its current token (so that a copying-ish random head gets some drafts
     accepted: partial accepts and rollbacks), the head random otherwise."""
     method = kind.split("-")[0]
-    target = copying_target(llama if method == "eagle" else llama7, tmp_path / "t", 0.05)
+    target = copying_target(llama, tmp_path / "t", 0.05)
     if method == "eagle":
         head = copying_head(target, tmp_path / "h", "eagle")
         w = torch.load(Path(head) / "pytorch_model.bin")
@@ -225,7 +224,7 @@ def test_greedy_equals_plain_and_drafts_match_a_from_scratch_reference(kind, lla
         torch.save(w, Path(head) / "pytorch_model.bin")
     else:
         head = eagle3_head(tmp_path / "h", speculators=kind.endswith("speculators"),
-                           aux_ids=[0, 4, 7] if kind.endswith("speculators") else None)
+                           aux_ids=[0, 1, 2] if kind.endswith("speculators") else [2, 0, 1])
     want = _greedy(LLM(target, **COMMON), PROMPTS)
     seen = []
     real = EagleProposer.propose
@@ -281,11 +280,11 @@ def test_eagle3_reads_the_residual_stream_entering_its_layers(llama7, tmp_path):
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
-def test_head_that_copies_the_target_is_accepted(method, llama, llama7, tmp_path):
+def test_head_that_copies_the_target_is_accepted(method, llama, tmp_path):
     """Every draft of a head that computes what the target does is accepted (1 + k tokens a
     verify step): the acceptance counts are those of the tokens emitted."""
-    target = copying_target(llama if method == "eagle" else llama7, tmp_path / "t", 0.0)
-    head = copying_head(target, tmp_path / "h", method)
+    target = copying_target(llama, tmp_path / "t", 0.0)
+    head = copying_head(target, tmp_path / "h", method, [0, 1, 2])
     want = _greedy(LLM(target, **COMMON), PROMPTS[:3], 30)
     llm = LLM(target, **COMMON, speculative_config=spec(method, head, 4))
     assert _greedy(llm, PROMPTS[:3], 30) == want
@@ -352,7 +351,7 @@ def test_gpu_greedy_equals_plain_with_graphs(method, llama, llama7, tmp_path):
     inside them), the head's drafting passes replayed as its own decode graphs; the tokens of
     plain decoding, and the copying head's drafts accepted."""
     target = copying_target(llama if method == "eagle" else llama7, tmp_path / "t", 0.0)
-    head = copying_head(target, tmp_path / "h", method)
+    head = copying_head(target, tmp_path / "h", method)  # EAGLE-3: the default layers 2, 3, 4
     common = dict(dtype="float32", max_num_seqs=8, gpu_memory_utilization=0.3, max_model_len=128)
     want = _greedy(LLM(target, **common), PROMPTS, 40)
     llm = LLM(target, **common, speculative_config=spec(method, head))
@@ -399,12 +398,12 @@ def test_server_greedy_equals_plain_and_metrics(tmp_path):
 @pytest.mark.mpi
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not on PATH")
-def test_tp2_matches_single_rank(llama7, tmp_path):
+def test_tp2_matches_single_rank(llama, tmp_path):
     """mpiexec -n 2 --tp 2: the head's attention and MLP split like the target's (fc
     replicated, the draft-vocabulary lm_head vocab-parallel), the auxiliary states captured on
     every rank; same greedy tokens as one rank, with drafts accepted (a nearly copying head)."""
     from test_multirank import mpi_generate, single
-    target = copying_target(llama7, tmp_path / "t", 0.05)
-    head = copying_head(target, tmp_path / "h", "eagle3")
+    target = copying_target(llama, tmp_path / "t", 0.05)
+    head = copying_head(target, tmp_path / "h", "eagle3", [0, 1, 2])
     assert mpi_generate(2, target, "--tp", "2", "--speculative-config",
                         json.dumps(spec("eagle3", head))) == single(target)
