@@ -421,8 +421,9 @@ class EagleProposer(OwnModel, PairProposer):
     `PairProposer` in a KV cache of its own (`OwnModel`). EAGLE-1's pairs take the target's
     last hidden state; EAGLE-3's the concatenated residual streams of three target layers
     (captured into a persistent buffer by the target's forward, CUDA graphs included),
-    reduced by the head's fc. A step's pairs run through the head's compiled forward; the
-    k single-token passes are decode steps of it, replayed as CUDA graphs on the GPU."""
+    reduced by the head's fc. A step's pairs run through the head's compiled forward (a uniform
+    verify step's replay a CUDA graph on the GPU, as the target's); the k single-token passes
+    are decode steps of it, replayed as CUDA graphs."""
 
     def __init__(self, runner: ModelRunner, params: SpecDecodeParams):
         super().__init__(runner, params)
@@ -437,6 +438,7 @@ class EagleProposer(OwnModel, PairProposer):
                                runner.dtype, runner.device, runner.max_model_len,
                                cfg.model.seed + 1 if cfg.load.load_format == "dummy" else None)
         self.own_model(head, head.cfg.hidden_size)
+        self.compiled.verify_len = 1 + self.k  # a verify step's pairs replay a graph too
         self.aux = None
         if aux is not None:
             rows = max(cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs) + 1

@@ -357,6 +357,7 @@ def test_gpu_greedy_equals_plain_with_graphs(method, llama, llama7, tmp_path):
     llm = LLM(target, **common, speculative_config=spec(method, head))
     runner = llm.engine.executor.runner
     assert runner.compiled_model.verify_graphs and runner.proposer.compiled.graphs
+    assert runner.proposer.compiled.verify_graphs
     assert _greedy(llm, PROMPTS, 40) == want
     s = llm.engine.scheduler.stats()
     assert s.spec_num_accepted_tokens >= 0.9 * s.spec_num_draft_tokens > 0, s
