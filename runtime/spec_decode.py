@@ -232,7 +232,12 @@ class OwnModel:
         return self.compiled(d.ids[:T], d.pos[:T], d.attn(T, B, inp.attn.is_decode), hidden,
                              query_len=inp.query_len)
 
-    def run_one(self, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, qsl: torch.Tensor,
+    def begin_passes(self, B: int) -> None:
+        """Before `run_one` passes: B requests of one query token, no recurrent state."""
+        self.batch.qsl[:B + 1].copy_(torch.arange(B + 1, device=self.runner.device))
+        self.batch.state_idx[:B].fill_(-1)
+
+    def run_one(self, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
                 hidden: torch.Tensor | None) -> torch.Tensor:
         """One token a request (the block table staged in the batch's `table` by
         `ahead_table`): a decode step of the own model, a CUDA graph when captured."""
@@ -241,8 +246,6 @@ class OwnModel:
         d.pos[:B].copy_(pos)
         d.slots[:B].copy_(slots)
         d.seq_lens[:B].copy_((pos + 1).to(torch.int32))
-        d.qsl[:B + 1].copy_(qsl)
-        d.state_idx[:B].fill_(-1)
         return self.compiled(d.ids[:B], d.pos[:B], d.attn(B, B, True), hidden)
 
 
@@ -288,11 +291,11 @@ class DraftModelProposer(OwnModel, Proposer):
         table = self.ahead_table(ctx, d.table)
         pos = r.batch.stage(ctx.base_pos) + ctx.num_accepted  # position of the last emitted token
         x = ctx.tokens.gather(1, ctx.num_accepted[:, None])[:, 0]
-        qsl = torch.arange(B + 1, device=r.device)
+        self.begin_passes(B)
         drafts = []
         for _ in range(self.k):
             p, slots = self.ahead_slots(table, pos)
-            h = self.run_one(x, p, slots, qsl, None)
+            h = self.run_one(x, p, slots, None)
             x = self.model.compute_logits(h).argmax(-1)
             drafts.append(x)
             pos = pos + 1
@@ -332,6 +335,9 @@ class PairProposer(Proposer):
     def table_buffer(self) -> torch.Tensor | None:
         return None
 
+    def begin_passes(self, B: int) -> None:
+        pass
+
     @torch.inference_mode()
     def on_forward(self, inp: StepInputs, hidden: torch.Tensor) -> None:
         T = inp.input_ids.shape[0]
@@ -356,6 +362,7 @@ class PairProposer(Proposer):
     def skip(self, ctx: ProposeContext) -> None:
         if ctx.req_ids:  # only the last pair's KV, with the emitted token
             h, x, pos, table = self._last_pair(ctx)
+            self.begin_passes(len(ctx.req_ids))
             self.store_last(h, x, *self.ahead_slots(table, pos), table)
 
     def _last_pair(self, ctx: ProposeContext):
@@ -373,6 +380,7 @@ class PairProposer(Proposer):
         """n single-token passes a request from the last pair on → [B, n] drafts."""
         h, x, pos, table = self._last_pair(ctx)
         qsl = torch.arange(len(ctx.req_ids) + 1, dtype=torch.int32, device=self.runner.device)
+        self.begin_passes(len(ctx.req_ids))
         drafts = []
         for _ in range(n):
             p, slots = self.ahead_slots(table, pos)
@@ -457,11 +465,10 @@ class EagleProposer(OwnModel, PairProposer):
         self.run_step(inp, nxt, h)
 
     def store_last(self, h, x, pos, slots, table) -> None:
-        qsl = torch.arange(x.shape[0] + 1, dtype=torch.int32, device=x.device)
-        self.run_one(x, pos, slots, qsl, h)
+        self.run_one(x, pos, slots, h)
 
     def one_pass(self, h, x, pos, slots, table, qsl):
-        h = self.run_one(x, pos, slots, qsl, h)
+        h = self.run_one(x, pos, slots, h)
         return h, self.model.draft_tokens(h)
 
 
