@@ -285,7 +285,6 @@ class LoRAConfig:
 
 
 SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
-SPEC_IMPLEMENTED = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
 SPEC_ALIASES = {"deepseek_mtp": "mtp"}  # vLLM's older name
 
 
@@ -329,9 +328,6 @@ def parse_speculative_config(value) -> SpecDecodeParams | None:
         method, d["model"] = "ngram", None
     if method not in SPEC_METHODS:
         raise ConfigError(f"{flag}: method must be one of {', '.join(SPEC_METHODS)}, got {method!r}")
-    if method not in SPEC_IMPLEMENTED:
-        raise ConfigError(f"{flag}: method {method!r} is not implemented yet (implemented: "
-                          f"{', '.join(SPEC_IMPLEMENTED)})")
     k = d.get("num_speculative_tokens")
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
         raise ConfigError(f"{flag}: num_speculative_tokens must be an integer in 1..16, got {k!r}")
