@@ -44,12 +44,33 @@ class FusedResidualLayer:
 
 class FusedResidualDecoder:
     """Mixin for the decoder stack (embed_tokens, layers, norm): threads (h, delta) through the
-    layers and adds the last delta at the end."""
+    layers and adds the last delta at the end.
+
+    Auxiliary hidden states (EAGLE-3 reads the target's residual stream at a few depths):
+    `capture_aux(layer_ids, out)` makes every forward copy the stream entering layer i (i ==
+    num_layers: leaving the last layer, before the norm) into its column block of `out`, a
+    persistent buffer, so CUDA graphs replay the copies too."""
+    aux_slots: dict[str, int] = {}
+    aux_out: torch.Tensor | None = None
+
+    def capture_aux(self, layer_ids: list[int], out: torch.Tensor) -> None:
+        self.aux_slots = {str(i): j for j, i in enumerate(layer_ids)}
+        self.aux_out = out
+
+    def _aux(self, key: str, h: torch.Tensor, delta: torch.Tensor) -> None:
+        j = self.aux_slots.get(key)
+        if j is not None:
+            H = h.shape[-1]
+            self.aux_out[:h.shape[0], j * H:(j + 1) * H].copy_(h + delta)
 
     def forward(self, input_ids, positions, attn, hidden_states=None):
         h = self.embed_tokens(input_ids) if self.pi.is_first_stage else hidden_states
         delta = torch.zeros_like(h)  # h + 0 is exact: the first layer sees h unchanged
-        for layer in self.layers.values():
+        for key, layer in self.layers.items():
+            if self.aux_slots:
+                self._aux(key, h, delta)
             h, delta = layer(h, delta, positions, attn)
+        if self.aux_slots:
+            self._aux(str(int(key) + 1), h, delta)
         h = h + delta
         return self.norm(h) if self.pi.is_last_stage else h

@@ -5,6 +5,7 @@ never materialises a full tensor on a rank that does not need it.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 
@@ -103,23 +104,52 @@ def quant_summary(model) -> str:
     return f"weights {nbytes / 2**30:.2f} GiB on this rank; linear layers: {layers}"
 
 
+def checkpoint_files(model_dir: str) -> list[str]:
+    """The weight files of a checkpoint: *.safetensors, else pytorch_model*.bin (as some heads,
+    e.g. the EAGLE repository's, ship)."""
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    files = files or sorted(glob.glob(os.path.join(model_dir, "pytorch_model*.bin")))
+    if not files:
+        raise ValueError(f"no *.safetensors (or pytorch_model*.bin) files in {model_dir!r} (use "
+                         "--load-format dummy to run with random weights)")
+    return files
+
+
+@contextlib.contextmanager
+def open_weights(path: str):
+    """name → tensor-or-slice reader of one weight file. safetensors: lazy slices (a rank reads
+    only its part); .bin: tensors memory-mapped by torch.load (weights only, no pickled code)."""
+    if path.endswith(".safetensors"):
+        from safetensors import safe_open
+        with safe_open(path, framework="pt", device="cpu") as f:
+            yield f.keys(), f.get_slice
+    else:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        yield list(state), state.__getitem__
+
+
+def checkpoint_shapes(model_dir: str) -> dict[str, tuple[int, ...]]:
+    """Every tensor's name and shape, without reading the data."""
+    shapes = {}
+    for path in checkpoint_files(model_dir):
+        with open_weights(path) as (names, get):
+            shapes.update({n: tuple(slice_shape(get(n))) for n in names})
+    return shapes
+
+
 def load_weights(model, model_dir: str, progress: bool = True) -> int:
     """Copy this rank's slices into the model; returns the number of bytes of its weights."""
-    from safetensors import safe_open
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
-    if not files:
-        raise ValueError(f"no *.safetensors files in {model_dir!r} (use --load-format dummy "
-                         "to run with random weights)")
+    files = checkpoint_files(model_dir)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
-    for path in tqdm(files, desc="Loading safetensors", unit="file", disable=not progress):
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
+    for path in tqdm(files, desc="Loading weights", unit="file", disable=not progress):
+        with open_weights(path) as (names, get):
+            for name in names:
                 for target, shard in model.map_weight(name):
                     param = params.get(target)
                     if param is None:  # another pipeline stage's layer, or unused
                         continue
-                    src = f.get_slice(name)
+                    src = get(name)
                     loader = getattr(param, "weight_loader", None)
                     if loader is None:
                         param.data.copy_(src[:])

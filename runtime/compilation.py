@@ -99,8 +99,8 @@ class CompiledModel:
                  hidden_in: torch.Tensor | None, query_len: int = 0) -> torch.Tensor:
         """One step's forward; the inputs are prefixes of the input batch's buffers.
         `query_len`: every request's query length when they are all equal, else 0."""
-        if query_len > 1 and query_len == self.verify_len and hidden_in is None:
-            hidden = self._run_verify_graph(input_ids.shape[0], attn)
+        if query_len > 1 and query_len == self.verify_len:
+            hidden = self._run_verify_graph(input_ids.shape[0], attn, hidden_in)
             if hidden is not None:
                 return hidden
         hidden = self._run_graph(input_ids.shape[0], attn, hidden_in)
@@ -162,7 +162,8 @@ class CompiledModel:
             b.slots[:T].fill_(-1)
             b.qsl[:bs + 1].copy_(torch.arange(bs + 1, device=self.device) * q)
             b.seq_lens[:bs].fill_(q)
-            args = (b.ids[:T], b.pos[:T], b.attn(T, bs, is_decode=False), None)
+            args = (b.ids[:T], b.pos[:T], b.attn(T, bs, is_decode=False),
+                    None if b.hidden is None else b.hidden[:T])  # (an EAGLE head's input states)
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
@@ -186,13 +187,16 @@ class CompiledModel:
         hidden = None if b.hidden is None else b.hidden[:bs]
         return b.ids[:bs], b.pos[:bs], b.attn(bs, bs, is_decode=True), hidden
 
-    def _run_verify_graph(self, T: int, attn: AttnMeta) -> torch.Tensor | None:
+    def _run_verify_graph(self, T: int, attn: AttnMeta, hidden_in: torch.Tensor | None
+                          ) -> torch.Tensor | None:
         """Replay the smallest verify graph that fits (padding requests have no query)."""
         B = attn.seq_lens.shape[0]
         bs = next((s for s in sorted(self.verify_graphs) if s >= B), None)
         if bs is None:
             return None
         self.batch.pad(T, bs * self.verify_len, B, bs)
+        if hidden_in is not None:
+            self.batch.hidden[:T].copy_(hidden_in)
         graph, out = self.verify_graphs[bs]
         graph.replay()
         return out[:T]

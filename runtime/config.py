@@ -285,7 +285,6 @@ class LoRAConfig:
 
 
 SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
-SPEC_IMPLEMENTED = ("ngram", "draft_model", "mtp")
 SPEC_ALIASES = {"deepseek_mtp": "mtp"}  # vLLM's older name
 
 
@@ -294,7 +293,7 @@ class SpecDecodeParams:
     """The parsed `--speculative-config` (vLLM's keys; runtime/spec_decode.py)."""
     method: str
     num_speculative_tokens: int
-    model: str | None = None  # draft checkpoint (draft_model)
+    model: str | None = None  # draft checkpoint (draft_model) or EAGLE head (eagle, eagle3)
     prompt_lookup_min: int = 1  # n-gram sizes tried, longest first
     prompt_lookup_max: int = 4
     draft_tensor_parallel_size: int | None = None
@@ -329,9 +328,6 @@ def parse_speculative_config(value) -> SpecDecodeParams | None:
         method, d["model"] = "ngram", None
     if method not in SPEC_METHODS:
         raise ConfigError(f"{flag}: method must be one of {', '.join(SPEC_METHODS)}, got {method!r}")
-    if method not in SPEC_IMPLEMENTED:
-        raise ConfigError(f"{flag}: method {method!r} is not implemented yet (implemented: "
-                          f"{', '.join(SPEC_IMPLEMENTED)})")
     k = d.get("num_speculative_tokens")
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
         raise ConfigError(f"{flag}: num_speculative_tokens must be an integer in 1..16, got {k!r}")
@@ -346,12 +342,13 @@ def parse_speculative_config(value) -> SpecDecodeParams | None:
     if lo > hi:
         raise ConfigError(f"{flag}: prompt_lookup_min ({lo}) > prompt_lookup_max ({hi})")
     model = d.get("model")
-    if method == "draft_model":
+    if method in ("draft_model", "eagle", "eagle3"):
+        what = "a checkpoint directory" if method == "draft_model" else "the head's checkpoint directory"
         if not model or not os.path.isfile(os.path.join(str(model), "config.json")):
-            raise ConfigError(f"{flag}: method draft_model needs \"model\": a checkpoint directory "
+            raise ConfigError(f"{flag}: method {method} needs \"model\": {what} "
                               f"(with config.json), got {model!r}")
     elif model is not None:
-        raise ConfigError(f"{flag}: \"model\" is for method draft_model, not {method}"
+        raise ConfigError(f"{flag}: \"model\" is for methods draft_model, eagle and eagle3, not {method}"
                           + (" (MTP layers come from the target checkpoint)" if method == "mtp" else ""))
     return SpecDecodeParams(method, k, model, lo, hi, d.get("draft_tensor_parallel_size"))
 
@@ -361,7 +358,8 @@ class SpeculativeConfig:
     """Speculative decoding (runtime/spec_decode.py)."""
     speculative_config: str | dict | None = opt(
         None, "speculative decoding as a JSON object with vLLM's keys: method (ngram, "
-        "draft_model, mtp), num_speculative_tokens, model (draft checkpoint), prompt_lookup_min/max, "
+        "draft_model, eagle, eagle3, mtp), num_speculative_tokens, model (draft checkpoint or EAGLE "
+        "head), prompt_lookup_min/max, "
         "draft_tensor_parallel_size; e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'")
 
     @property
@@ -452,9 +450,9 @@ class EngineConfig:
             raise ConfigError(f"{flag}: draft_tensor_parallel_size must equal "
                               f"--tensor-parallel-size ({self.parallel.tensor_parallel_size}): the "
                               f"draft model runs on the target's ranks; got {tp}")
-        if spec.method == "draft_model" and self.offload.kv_offload_size > 0:
-            raise ConfigError(f"{flag} with a draft model does not work with --kv-offload-size "
-                              "(the host tier would not hold the draft model's KV)")
+        if spec.method in ("draft_model", "eagle", "eagle3") and self.offload.kv_offload_size > 0:
+            raise ConfigError(f"{flag} with a draft model or EAGLE head does not work with "
+                              "--kv-offload-size (the host tier would not hold its KV)")
         if self.offload.enable_sleep_mode:
             raise ConfigError(f"{flag} does not work with --enable-sleep-mode yet")
 

@@ -158,8 +158,6 @@ class ModelRunner:
             from .spec_decode import make_proposer
             self.proposer = make_proposer(self, cfg.spec)
             self.compiled_model.verify_len = 1 + cfg.spec.num_speculative_tokens
-            if getattr(self.proposer, "compiled", None) is not None:
-                self.proposer.compiled.verify_len = self.compiled_model.verify_len
         # async scheduling: the last step's sampled ids stay on the device and feed the next
         # step's placeholder inputs
         self.prev_sampled: torch.Tensor | None = None

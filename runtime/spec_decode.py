@@ -41,11 +41,12 @@ def can_speculate(sp: SamplingParams) -> bool:
 
 def lookahead_slots(spec: SpecDecodeParams | None) -> int:
     """KV slots past a step's tokens that its proposer writes (the KV of the tokens it feeds
-    itself: a draft model k, an MTP layer k - 1, as it starts one position earlier); the
-    scheduler reserves them."""
+    itself: a draft model k, an MTP layer or EAGLE head k - 1, as it starts one position
+    earlier); the scheduler reserves them."""
     if spec is None:
         return 0
-    return {"draft_model": spec.num_speculative_tokens, "mtp": spec.num_speculative_tokens - 1}.get(spec.method, 0)
+    k = spec.num_speculative_tokens
+    return {"draft_model": k, "mtp": k - 1, "eagle": k - 1, "eagle3": k - 1}.get(spec.method, 0)
 
 
 @dataclass
@@ -186,42 +187,22 @@ def propose_ngram(tokens: np.ndarray, lens: np.ndarray, n_min: int, n_max: int,
     return [drafts[i, :room[i]].tolist() if hit[i] else [] for i in range(B)]
 
 
-@PROPOSERS.register("draft_model")
-class DraftModelProposer(Proposer):
-    """A separate small checkpoint with the target's vocabulary, on the same ranks and with the
-    same tensor parallelism. Its KV cache has the target's block layout: the draft runs every
-    step on exactly the target's tokens, slots and block table (so prefix caching, chunked
-    prefill and preemption hold for it too), then feeds itself k - 1 greedy tokens per request
-    (one-hot drafts) at the positions after the step's emitted tokens (slots the scheduler
-    reserves ahead: `lookahead_slots`)."""
+class OwnModel:
+    """Mixin of the proposers that run a model of their own (draft model, EAGLE head) on the
+    target's ranks: its KV cache in the target's block layout (same blocks and slots, so
+    prefix caching, chunked prefill and preemption hold for it too), its own device input
+    buffers and, over them, its own compiled forward and decode CUDA graphs."""
 
-    def __init__(self, runner: ModelRunner, params: SpecDecodeParams):
-        super().__init__(runner, params)
-        from ..models.loader import build_model, init_dummy_weights, load_hf_config, load_weights
+    def own_model(self, model, hidden_size: int | None) -> None:
         from .compilation import CompiledModel
         from .input_batch import InputBatch
-        cfg = runner.cfg
-        self.hf_config = load_hf_config(params.model)
-        if self.hf_config.vocab_size != runner.hf_config.vocab_size:
-            raise ValueError(f"--speculative-config: the draft model's vocabulary "
-                             f"({self.hf_config.vocab_size}) differs from the target's "
-                             f"({runner.hf_config.vocab_size}); it needs the same tokenizer")
-        if getattr(self.hf_config, "max_position_embeddings", runner.max_model_len) < runner.max_model_len:
-            raise ValueError(f"--speculative-config: the draft model's max_position_embeddings "
-                             f"({self.hf_config.max_position_embeddings}) is below --max-model-len "
-                             f"{runner.max_model_len}")
-        self.model = build_model(self.hf_config, runner.pi, runner.dtype, runner.device)
-        if cfg.load.load_format == "dummy":
-            init_dummy_weights(self.model, cfg.model.seed + 1)
-        else:
-            load_weights(self.model, params.model, progress=False)
-        self.kv_dtype = runner.kv_dtype
+        r, cfg = self.runner, self.runner.cfg
+        self.model, self.kv_dtype = model, r.kv_dtype
         # device buffers of its own (the target's hold the target's step), CUDA graphs over them
-        self.batch = InputBatch(cfg.scheduler.max_num_seqs, runner.max_model_len, runner.block_size,
-                                cfg.scheduler.max_num_batched_tokens, None, runner.dtype, runner.device)
+        self.batch = InputBatch(cfg.scheduler.max_num_seqs, r.max_model_len, r.block_size,
+                                cfg.scheduler.max_num_batched_tokens, hidden_size, r.dtype, r.device)
         self.batch.token_ids = None  # host token ids live in the target's batch
-        self.compiled = CompiledModel(self.model, cfg, self.batch, runner.max_model_len, runner.device,
-                                      show_progress=False)
+        self.compiled = CompiledModel(model, cfg, self.batch, r.max_model_len, r.device, show_progress=False)
 
     def kv_bytes_per_block(self) -> int:
         return sum(2 * self.runner.block_size * a.qkv_proj.num_kv_heads * a.head_dim
@@ -236,10 +217,11 @@ class DraftModelProposer(Proposer):
     def compile(self) -> dict[str, float]:
         return {f"draft_{k}": v for k, v in self.compiled.compile().items()}
 
-    def on_forward(self, inp: StepInputs, hidden: torch.Tensor) -> None:
-        """The draft's KV of this step's tokens, through its own buffers (and graphs)."""
+    def run_step(self, inp: StepInputs, ids: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
+        """The own model over one target step's tokens (their positions, slots and block
+        table), `ids` as its input ids, through its own buffers (and graphs)."""
         d, T, B = self.batch, inp.input_ids.shape[0], inp.attn.seq_lens.shape[0]
-        d.ids[:T].copy_(inp.input_ids)
+        d.ids[:T].copy_(ids)
         d.pos[:T].copy_(inp.positions)
         d.slots[:T].copy_(inp.attn.slot_mapping)
         d.qsl[:B + 1].copy_(inp.attn.query_start_loc)
@@ -247,8 +229,58 @@ class DraftModelProposer(Proposer):
         w = inp.attn.block_table.shape[1]
         d.table[:B, :w].copy_(inp.attn.block_table)
         d.state_idx[:B].copy_(inp.attn.state_idx)
-        self.compiled(d.ids[:T], d.pos[:T], d.attn(T, B, inp.attn.is_decode), None,
-                      query_len=inp.query_len)
+        return self.compiled(d.ids[:T], d.pos[:T], d.attn(T, B, inp.attn.is_decode), hidden,
+                             query_len=inp.query_len)
+
+    def begin_passes(self, B: int) -> None:
+        """Before `run_one` passes: B requests of one query token, no recurrent state."""
+        self.batch.qsl[:B + 1].copy_(torch.arange(B + 1, device=self.runner.device))
+        self.batch.state_idx[:B].fill_(-1)
+
+    def run_one(self, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
+                hidden: torch.Tensor | None) -> torch.Tensor:
+        """One token a request (the block table staged in the batch's `table` by
+        `ahead_table`): a decode step of the own model, a CUDA graph when captured."""
+        d, B = self.batch, x.shape[0]
+        d.ids[:B].copy_(x)
+        d.pos[:B].copy_(pos)
+        d.slots[:B].copy_(slots)
+        d.seq_lens[:B].copy_((pos + 1).to(torch.int32))
+        return self.compiled(d.ids[:B], d.pos[:B], d.attn(B, B, True), hidden)
+
+
+@PROPOSERS.register("draft_model")
+class DraftModelProposer(OwnModel, Proposer):
+    """A separate small checkpoint with the target's vocabulary, on the same ranks and with the
+    same tensor parallelism (its own KV cache and buffers: `OwnModel`). It runs every step on
+    exactly the target's tokens, slots and block table, then feeds itself k - 1 greedy tokens
+    per request (one-hot drafts) at the positions after the step's emitted tokens (slots the
+    scheduler reserves ahead: `lookahead_slots`)."""
+
+    def __init__(self, runner: ModelRunner, params: SpecDecodeParams):
+        super().__init__(runner, params)
+        from ..models.loader import build_model, init_dummy_weights, load_hf_config, load_weights
+        cfg = runner.cfg
+        self.hf_config = load_hf_config(params.model)
+        if self.hf_config.vocab_size != runner.hf_config.vocab_size:
+            raise ValueError(f"--speculative-config: the draft model's vocabulary "
+                             f"({self.hf_config.vocab_size}) differs from the target's "
+                             f"({runner.hf_config.vocab_size}); it needs the same tokenizer")
+        if getattr(self.hf_config, "max_position_embeddings", runner.max_model_len) < runner.max_model_len:
+            raise ValueError(f"--speculative-config: the draft model's max_position_embeddings "
+                             f"({self.hf_config.max_position_embeddings}) is below --max-model-len "
+                             f"{runner.max_model_len}")
+        model = build_model(self.hf_config, runner.pi, runner.dtype, runner.device)
+        if cfg.load.load_format == "dummy":
+            init_dummy_weights(model, cfg.model.seed + 1)
+        else:
+            load_weights(model, params.model, progress=False)
+        self.own_model(model, None)
+        self.compiled.verify_len = 1 + self.k  # the draft scores the target's verify batches too
+
+    def on_forward(self, inp: StepInputs, hidden: torch.Tensor) -> None:
+        """The draft's KV of this step's tokens."""
+        self.run_step(inp, inp.input_ids, None)
 
     @torch.inference_mode()
     def propose(self, ctx: ProposeContext) -> list[list[int]]:
@@ -259,39 +291,113 @@ class DraftModelProposer(Proposer):
         table = self.ahead_table(ctx, d.table)
         pos = r.batch.stage(ctx.base_pos) + ctx.num_accepted  # position of the last emitted token
         x = ctx.tokens.gather(1, ctx.num_accepted[:, None])[:, 0]
-        d.qsl[:B + 1].copy_(torch.arange(B + 1, device=r.device))
-        d.state_idx[:B].fill_(-1)
+        self.begin_passes(B)
         drafts = []
         for _ in range(self.k):
             p, slots = self.ahead_slots(table, pos)
-            d.ids[:B].copy_(x)
-            d.pos[:B].copy_(p)
-            d.slots[:B].copy_(slots)
-            d.seq_lens[:B].copy_((p + 1).to(torch.int32))
-            h = self.compiled(d.ids[:B], d.pos[:B], d.attn(B, B, True), None)
+            h = self.run_one(x, p, slots, None)
             x = self.model.compute_logits(h).argmax(-1)
             drafts.append(x)
             pos = pos + 1
         return self.ahead_result(ctx, torch.stack(drafts, 1))
 
 
-@PROPOSERS.register("mtp")
-class MTPProposer(Proposer):
-    """DeepSeek-V3's multi-token-prediction layer as the drafter (models/deepseek.py
-    `mtp_forward`). Its latent cache is one of the target's attention layers: same blocks and
-    slots, allocated, offloaded and given back with them (so prefix caching, chunked prefill
-    and preemption hold for it as for a draft model's cache).
+class PairProposer(Proposer):
+    """Drafting from the target's hidden states (DeepSeek MTP, EAGLE heads). The drafter's KV
+    cache holds, at token t's position, the pair (the target's hidden state of t, token t + 1).
 
-    Every step it writes the latent of each of the target's tokens (`mtp_store_kv`: no
-    attention, no MoE): at token t's position, the pair (the target's hidden state of t, token
-    t + 1), where t + 1 is the step's next input token, the prompt token after a prefill chunk,
-    or, for the last token of a request that samples, a placeholder. After sampling, pass 0
-    redoes that last pair with the token just emitted (at the last verified position: rejected
-    drafts' pairs past it are overwritten later, as the target's KV is) and gives the first
-    draft; pass i feeds back its own hidden state and draft one position further (the k - 1
-    lookahead slots the scheduler reserves). A step without proposals (`skip`) writes only the
-    last pair. One MTP layer is reused for every draft, as vLLM does (DeepSeek-V3 ships one);
-    eager, not CUDA-graphed."""
+    Every step it writes the pairs of each of the target's tokens (`store_pairs`), where t + 1
+    is the step's next input token, the prompt token after a prefill chunk, or, for the last
+    token of a request that samples, a placeholder. After sampling, pass 0 redoes that last
+    pair with the token just emitted (at the last verified position: rejected drafts' pairs
+    past it are overwritten later, as the target's KV is) and gives the first draft; pass i
+    feeds back its own hidden state and draft one position further (the k - 1 lookahead slots
+    the scheduler reserves). A step without proposals (`skip`) writes only the last pair. A
+    plain decode step has only last pairs: pass 0 (or skip) writes them.
+
+    A subclass says how the target's states become pair states (`pair_states`), how the pairs
+    of a step are stored, and what one pass is (`one_pass`)."""
+
+    def pair_states(self, inp: StepInputs, hidden: torch.Tensor) -> torch.Tensor:
+        """The per-token states the pairs take (default: the target's last hidden states)."""
+        return hidden
+
+    def store_pairs(self, inp: StepInputs, h: torch.Tensor, nxt: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def store_last(self, h, x, pos, slots, table) -> None:
+        raise NotImplementedError
+
+    def one_pass(self, h, x, pos, slots, table, qsl) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden state fed back, greedy draft) of one pair a request."""
+        raise NotImplementedError
+
+    def table_buffer(self) -> torch.Tensor | None:
+        return None
+
+    def begin_passes(self, B: int) -> None:
+        pass
+
+    @torch.inference_mode()
+    def on_forward(self, inp: StepInputs, hidden: torch.Tensor) -> None:
+        T = inp.input_ids.shape[0]
+        self._states = self.pair_states(inp, hidden[:T]) if T else None
+        if T == 0 or (inp.attn.is_decode and len(inp.sample_index) == T):
+            return  # (a plain decode step: every pair is a last one, which pass 0 writes)
+        b = self.runner.batch
+        # the token after each request's last one: known unless the request samples now
+        tail = b.token_ids[inp.rows, np.minimum(inp.seq_lens, b.token_ids.shape[1] - 1)].astype(np.int64)
+        tail[inp.sample_index] = 0
+        nxt = torch.roll(inp.input_ids, -1)
+        nxt[inp.attn.query_start_loc[1:].long() - 1] = b.stage(tail).to(nxt.dtype)
+        self.store_pairs(inp, self._states, nxt)
+
+    @torch.inference_mode()
+    def propose(self, ctx: ProposeContext) -> list[list[int]]:
+        if not ctx.req_ids:
+            return []
+        return self.ahead_result(ctx, self._passes(ctx, self.k))
+
+    @torch.inference_mode()
+    def skip(self, ctx: ProposeContext) -> None:
+        if ctx.req_ids:  # only the last pair's KV, with the emitted token
+            h, x, pos, table = self._last_pair(ctx)
+            self.begin_passes(len(ctx.req_ids))
+            self.store_last(h, x, *self.ahead_slots(table, pos), table)
+
+    def _last_pair(self, ctx: ProposeContext):
+        """(pair state, emitted token, position, block table) of each request's last pair: the
+        last verified token's state and the token emitted after it."""
+        r, B = self.runner, len(ctx.req_ids)
+        ns = np.zeros(B, dtype=np.int64) if ctx.num_drafts is None else ctx.num_drafts
+        first = np.concatenate([[0], np.cumsum(ns + 1)[:-1]])  # each request's first scored row
+        h = self._states[ctx.logits_indices[r.batch.stage(first) + ctx.num_accepted]]
+        x = ctx.tokens.gather(1, ctx.num_accepted[:, None])[:, 0]  # the last emitted token
+        pos = r.batch.stage(ctx.base_pos) + ctx.num_accepted - 1  # the token before it
+        return h, x, pos, self.ahead_table(ctx, self.table_buffer())
+
+    def _passes(self, ctx: ProposeContext, n: int) -> torch.Tensor:
+        """n single-token passes a request from the last pair on → [B, n] drafts."""
+        h, x, pos, table = self._last_pair(ctx)
+        qsl = torch.arange(len(ctx.req_ids) + 1, dtype=torch.int32, device=self.runner.device)
+        self.begin_passes(len(ctx.req_ids))
+        drafts = []
+        for _ in range(n):
+            p, slots = self.ahead_slots(table, pos)
+            h, x = self.one_pass(h, x, p, slots, table, qsl)
+            drafts.append(x)
+            pos = pos + 1
+        return torch.stack(drafts, 1)
+
+
+@PROPOSERS.register("mtp")
+class MTPProposer(PairProposer):
+    """DeepSeek-V3's multi-token-prediction layer as the drafter (models/deepseek.py
+    `mtp_forward`), the pairs of `PairProposer`. Its latent cache is one of the target's
+    attention layers: same blocks and slots, allocated, offloaded and given back with them.
+    Storing a step's pairs writes the latents alone (`mtp_store_kv`: no attention, no MoE).
+    One MTP layer is reused for every draft, as vLLM does (DeepSeek-V3 ships one); eager, not
+    CUDA-graphed."""
 
     def __init__(self, runner: ModelRunner, params: SpecDecodeParams):
         super().__init__(runner, params)
@@ -304,64 +410,67 @@ class MTPProposer(Proposer):
                    "(num_nextn_predict_layers: DeepSeek-V3 and its kind)")
             raise ValueError(f"--speculative-config: method mtp needs the target's MTP layers; {why}")
 
-    @torch.inference_mode()
-    def on_forward(self, inp: StepInputs, hidden: torch.Tensor) -> None:
-        T = inp.input_ids.shape[0]
-        if T == 0 or (inp.attn.is_decode and len(inp.sample_index) == T):
-            return  # (a plain decode step: every pair is a last one, which pass 0 writes)
-        b = self.runner.batch
-        # the token after each request's last one: known unless the request samples now
-        tail = b.token_ids[inp.rows, np.minimum(inp.seq_lens, b.token_ids.shape[1] - 1)].astype(np.int64)
-        tail[inp.sample_index] = 0
-        nxt = torch.roll(inp.input_ids, -1)
-        nxt[inp.attn.query_start_loc[1:].long() - 1] = b.stage(tail).to(nxt.dtype)
-        self.model.mtp_store_kv(hidden[:T], nxt, inp.positions, inp.attn.slot_mapping, 0)
+    def store_pairs(self, inp: StepInputs, h: torch.Tensor, nxt: torch.Tensor) -> None:
+        self.model.mtp_store_kv(h, nxt, inp.positions, inp.attn.slot_mapping, 0)
 
-    @torch.inference_mode()
-    def propose(self, ctx: ProposeContext) -> list[list[int]]:
-        if not ctx.req_ids:
-            return []
-        return self.ahead_result(ctx, self._passes(ctx, self.k))
+    def store_last(self, h, x, pos, slots, table) -> None:
+        self.model.mtp_store_kv(h, x, pos, slots, 0)
 
-    @torch.inference_mode()
-    def skip(self, ctx: ProposeContext) -> None:
-        if ctx.req_ids:  # only the last pair's KV, with the emitted token
-            h, x, pos, table = self._last_pair(ctx)
-            self.model.mtp_store_kv(h, x, *self.ahead_slots(table, pos), 0)
-
-    def _last_pair(self, ctx: ProposeContext):
-        """(target hidden state, emitted token, position, block table) of each request's last
-        pair: the last verified token's hidden state and the token emitted after it."""
-        r, B = self.runner, len(ctx.req_ids)
-        ns = np.zeros(B, dtype=np.int64) if ctx.num_drafts is None else ctx.num_drafts
-        first = np.concatenate([[0], np.cumsum(ns + 1)[:-1]])  # each request's first scored row
-        h = ctx.hidden[ctx.logits_indices[r.batch.stage(first) + ctx.num_accepted]]
-        x = ctx.tokens.gather(1, ctx.num_accepted[:, None])[:, 0]  # the last emitted token
-        pos = r.batch.stage(ctx.base_pos) + ctx.num_accepted - 1  # the token before it
-        return h, x, pos, self.ahead_table(ctx)
-
-    def _passes(self, ctx: ProposeContext, n: int) -> torch.Tensor:
-        """n single-token passes a request from the last pair on → [B, n] drafts."""
+    def one_pass(self, h, x, pos, slots, table, qsl):
         from ..models.layers import AttnMeta
-        h, x, pos, table = self._last_pair(ctx)
-        qsl = torch.arange(len(ctx.req_ids) + 1, dtype=torch.int32, device=self.runner.device)
-        drafts = []
-        for _ in range(n):
-            p, slots = self.ahead_slots(table, pos)
-            h = self.model.mtp_forward(h, x, p, AttnMeta(slots, qsl, (p + 1).to(torch.int32), table,
-                                                         is_decode=True), 0)
-            x = self.model.mtp_logits(h, 0).argmax(-1)
-            drafts.append(x)
-            pos = pos + 1
-        return torch.stack(drafts, 1)
+        h = self.model.mtp_forward(h, x, pos, AttnMeta(slots, qsl, (pos + 1).to(torch.int32), table,
+                                                       is_decode=True), 0)
+        return h, self.model.mtp_logits(h, 0).argmax(-1)
 
 
-def not_yet(method: str):
-    """Methods with a config key but no implementation: refused at startup, by name."""
-    raise ValueError(f"--speculative-config: method {method!r} is not implemented yet")
+@PROPOSERS.register("eagle", "eagle3")
+class EagleProposer(OwnModel, PairProposer):
+    """An EAGLE-1 or EAGLE-3 head from a checkpoint (models/eagle.py), the pairs of
+    `PairProposer` in a KV cache of its own (`OwnModel`). EAGLE-1's pairs take the target's
+    last hidden state; EAGLE-3's the concatenated residual streams of three target layers
+    (captured into a persistent buffer by the target's forward, CUDA graphs included),
+    reduced by the head's fc. A step's pairs run through the head's compiled forward (a uniform
+    verify step's replay a CUDA graph on the GPU, as the target's); the k single-token passes
+    are decode steps of it, replayed as CUDA graphs."""
+
+    def __init__(self, runner: ModelRunner, params: SpecDecodeParams):
+        super().__init__(runner, params)
+        from ..models.eagle import build_head
+        cfg, target = runner.cfg, runner.model
+        aux_ok = hasattr(getattr(target, "model", None), "capture_aux")
+        if params.method == "eagle3" and not aux_ok:
+            raise ValueError(f"--speculative-config: method eagle3 reads intermediate hidden states "
+                             f"of the target, which {runner.hf_config.architectures[0]} does not "
+                             "expose (Llama / Qwen / Mistral / MoE / DeepSeek families do)")
+        head, aux = build_head(params.model, params.method, target, runner.hf_config, runner.pi,
+                               runner.dtype, runner.device, runner.max_model_len,
+                               cfg.model.seed + 1 if cfg.load.load_format == "dummy" else None)
+        self.own_model(head, head.cfg.hidden_size)
+        self.compiled.verify_len = 1 + self.k  # a verify step's pairs replay a graph too
+        self.aux = None
+        if aux is not None:
+            rows = max(cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs) + 1
+            self.aux = torch.zeros(rows, len(aux) * runner.hf_config.hidden_size, dtype=runner.dtype,
+                                   device=runner.device)
+            target.model.capture_aux(aux, self.aux)
+            log.info("EAGLE-3 head reads the target's layers %s", aux)
+
+    def pair_states(self, inp: StepInputs, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden if self.aux is None else self.model.combine(self.aux[:hidden.shape[0]])
+
+    def table_buffer(self) -> torch.Tensor:
+        return self.batch.table
+
+    def store_pairs(self, inp: StepInputs, h: torch.Tensor, nxt: torch.Tensor) -> None:
+        self.run_step(inp, nxt, h)
+
+    def store_last(self, h, x, pos, slots, table) -> None:
+        self.run_one(x, pos, slots, h)
+
+    def one_pass(self, h, x, pos, slots, table, qsl):
+        h = self.run_one(x, pos, slots, h)
+        return h, self.model.draft_tokens(h)
 
 
 def make_proposer(runner: ModelRunner, params: SpecDecodeParams) -> Proposer:
-    if params.method not in PROPOSERS:
-        not_yet(params.method)
     return PROPOSERS.get(params.method)(runner, params)

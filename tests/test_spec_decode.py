@@ -53,8 +53,8 @@ def test_config_parses_vllm_keys_and_refuses_the_rest():
     assert (p.method, p.num_speculative_tokens, p.prompt_lookup_min, p.prompt_lookup_max) == ("ngram", 5, 2, 4)
     p = parse_speculative_config({"model": str(STORIES_EMBEDDED), "num_speculative_tokens": 2})
     assert p.method == "draft_model"
-    for bad, words in [({"method": "eagle", "num_speculative_tokens": 2}, ["eagle", "not implemented"]),
-                       ({"method": "eagle3", "num_speculative_tokens": 1}, ["eagle3", "not implemented"]),
+    for bad, words in [({"method": "eagle", "num_speculative_tokens": 2}, ["eagle", "needs \"model\""]),
+                       ({"method": "medusa", "num_speculative_tokens": 1}, ["medusa", "method must be one of"]),
                        ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 4},
                         ["disable_by_batch_size"]),
                        ({"method": "ngram"}, ["num_speculative_tokens"]),
@@ -81,7 +81,7 @@ def test_cli_flag_is_refused_with_a_clear_message():
     r = subprocess.run([sys.executable, "-m", "rankserve.launch", "generate", "--prompt", "x",
                         "--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 2}'],
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "eagle3" in r.stderr and "not implemented" in r.stderr, r.stderr[-2000:]
+    assert r.returncode != 0 and "eagle3" in r.stderr and 'needs "model"' in r.stderr, r.stderr[-2000:]
 
 
 # ---- rejection sampler -------------------------------------------------------------------------

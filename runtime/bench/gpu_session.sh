@@ -34,6 +34,11 @@
 #                     async scheduling (w2sync), n-gram on them (w2ngram), n-gram on random prompts
 #                     (w2ngramrand), a 2-layer dummy draft (w2draft: never accepted, the cost of
 #                     verifying); spectests the speculative-decoding GPU tests (verify CUDA graphs)
+#   w2eagle           W2 with dummy EAGLE heads of Llama-3.1-8B's shape (llama-3.1-8b-eagle3: one layer,
+#                     32k draft vocabulary, the target's layers 2/16/29; llama-3.1-8b-eagle: EAGLE-1):
+#                     their drafts are never accepted, so this is the cost of EAGLE drafting (drafting
+#                     backs off after misses): plain (w2eagle0), EAGLE-3 k=3 (w2eagle3), EAGLE-1 k=3
+#                     (w2eagle1), EAGLE-3 at --compilation-level 2 (w2eagle3l2); eagletests its GPU tests
 # PROFILE_DIR=dir profiles W1 and W2 (kernel table in the log, trace in dir).
 set -u
 OUT=${OUT:-bench_results}; mkdir -p "$OUT"
@@ -135,6 +140,14 @@ for stage in "$@"; do case $stage in
         run dsw2mtp1 200 $W2 --speculative-config '{"method": "mtp", "num_speculative_tokens": 1}' --output-json "$OUT/dsw2mtp1.json"
         run dsw2mtp3 200 $W2 --speculative-config '{"method": "mtp", "num_speculative_tokens": 3}' --output-json "$OUT/dsw2mtp3.json" ;;
   mtptests) run mtptests 200 python3 -m pytest -q -x -m gpu tests/test_spec_decode_mtp.py ;;
+  w2eagle) W2="python3 -m rankserve.launch bench latency llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 --max-num-seqs 8 --cache-dir $CACHE"
+        E3='{"method": "eagle3", "model": "llama-3.1-8b-eagle3", "num_speculative_tokens": 3}'
+        E1='{"method": "eagle", "model": "llama-3.1-8b-eagle", "num_speculative_tokens": 3}'
+        run w2eagle0 150 $W2 --output-json "$OUT/w2eagle0.json"
+        run w2eagle3 180 $W2 --speculative-config "$E3" --output-json "$OUT/w2eagle3.json"
+        run w2eagle1 180 $W2 --speculative-config "$E1" --output-json "$OUT/w2eagle1.json"
+        run w2eagle3l2 240 $W2 --compilation-level 2 --speculative-config "$E3" --output-json "$OUT/w2eagle3l2.json" ;;
+  eagletests) run eagletests 200 python3 -m pytest -q -x -m gpu tests/test_spec_decode_eagle.py ;;
   w2spec) W2="python3 -m rankserve.launch bench latency llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 --max-num-seqs 8 --cache-dir $CACHE"
         NG='{"method": "ngram", "num_speculative_tokens": 4}'
         DM='{"method": "draft_model", "model": "llama-3.1-8b-draft", "num_speculative_tokens": 4}'
@@ -147,7 +160,7 @@ for stage in "$@"; do case $stage in
         # the others' memory in their memory profile and find no room for a KV cache)
         run gputests 400 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_deepseek_mla_kernel.py \
           tests/test_deepseek.py tests/test_hybrid.py tests/test_mamba_kernels.py tests/test_spec_decode.py \
-          tests/test_spec_decode_mtp.py tests/test_gpu_sleep.py ${GPUTESTS_EXTRA:-} ;;
+          tests/test_spec_decode_mtp.py tests/test_spec_decode_eagle.py tests/test_gpu_sleep.py ${GPUTESTS_EXTRA:-} ;;
   lora) # 8 rank-16 adapters over W1's requests, 1 adapter on W2, each beside the base model
         L="--enable-lora --max-lora-rank 16"
         for w in w2 w1; do run ${w}base 200 python3 -m rankserve.launch bench throughput llama-3.1-8b --workload $w \
