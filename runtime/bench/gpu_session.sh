@@ -26,7 +26,7 @@
 #   w1hybrid          W1 on the Nemotron-H-8B shape (hybrid Mamba2 / attention, dummy weights);
 #                     w1hybridbf16 with bf16 SSM states (each may take most of a call); hybtests the
 #                     hybrid / Mamba2 GPU tests; kmamba the Mamba2 kernel benchmark
-#   gputests          dstests hybtests spectests mtptests sleeptests in one pytest (+ $GPUTESTS_EXTRA files)
+#   gputests          dstests hybtests spectests mtptests sleeptests in one pytest ($GPUTESTS: other files)
 #   lora              W2 (1 adapter) and W1 (8 rank-16 adapters) beside the base model, Llama-3.1-8B shape
 #   klora, loratests  LoRA kernel benchmark (one Llama-8B layer's projections, base vs adapters, CUDA
 #                     graphs, bs 1/16/256); the LoRA GPU tests (kernels vs references, engine vs PEFT)
@@ -158,9 +158,9 @@ for stage in "$@"; do case $stage in
         run w2draft 180 $W2 --speculative-config "$DM" --output-json "$OUT/w2draft.json" ;;
   gputests) # the GPU tests of the feature issues in one pytest (parallel processes would each see
         # the others' memory in their memory profile and find no room for a KV cache)
-        run gputests 400 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_deepseek_mla_kernel.py \
+        run gputests 400 python3 -m pytest -q -m gpu -p no:cacheprovider ${GPUTESTS:-tests/test_deepseek_mla_kernel.py \
           tests/test_deepseek.py tests/test_hybrid.py tests/test_mamba_kernels.py tests/test_spec_decode.py \
-          tests/test_spec_decode_mtp.py tests/test_spec_decode_eagle.py tests/test_gpu_sleep.py ${GPUTESTS_EXTRA:-} ;;
+          tests/test_spec_decode_mtp.py tests/test_spec_decode_eagle.py tests/test_gpu_sleep.py} ;;
   lora) # 8 rank-16 adapters over W1's requests, 1 adapter on W2, each beside the base model
         L="--enable-lora --max-lora-rank 16"
         for w in w2 w1; do run ${w}base 200 python3 -m rankserve.launch bench throughput llama-3.1-8b --workload $w \
