@@ -83,6 +83,7 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     prefix_queries: int = 0  # tokens looked up in the prefix cache (cumulative)
     prefix_hits: int = 0  # of which were hits (cumulative)
     num_preemptions: int = 0  # cumulative
+    num_preemptions_swap: int = 0  # of which swapped to the host tier (the rest recompute)
     num_prompt_tokens: int = 0  # computed this step
     num_generation_tokens: int = 0  # generated this step
     # structured outputs (cumulative seconds): grammar compilation (worker threads), and the

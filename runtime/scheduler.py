@@ -3,7 +3,9 @@
 Every step gives tokens to requests so that `num_computed_tokens` catches up with `num_tokens`,
 within `max_num_batched_tokens` and `max_num_seqs`. Prefill, chunked prefill, prefix-cache
 extension and decode are the same rule and mix freely in one batch. When blocks run out the
-lowest-priority (then latest) running request is preempted and later recomputed.
+lowest-priority (then latest) running request is preempted; with the host KV tier its full
+blocks are swapped out (and copied back when it resumes) where that is cheaper than recomputing
+them (runtime/preemption.py), else recomputed.
 
 The step plan (`SchedulerOutput`) is what every rank's model runner receives: new requests in
 full, running ones as deltas (new block ids, tokens appended since they were last scheduled).
@@ -27,6 +29,7 @@ from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from .model_runner import ModelRunnerOutput
+    from .preemption import SwapCostModel
     from .structured_output import StructuredOutputManager
 
 
@@ -129,8 +132,10 @@ class Scheduler:
                  max_model_len: int, async_scheduling: bool = False,
                  structured: StructuredOutputManager | None = None, num_host_blocks: int = 0,
                  max_loras: int = 0, sliding_window: int = 0, spec_lookahead: int = 0,
-                 spec_enabled: bool = False):
+                 spec_enabled: bool = False, swap_cost: SwapCostModel | None = None):
         self.cfg = sched
+        # preemption with the host tier: swap or recompute (forced, or per request by the model)
+        self.swap_cost = swap_cost
         # speculative decoding: KV slots reserved past each step's tokens for the proposer
         self.spec_lookahead = spec_lookahead
         self.spec_enabled = spec_enabled
@@ -154,6 +159,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_ids: list[str] = []
         self.num_preemptions = 0
+        self.num_preemptions_swap = 0  # of which swapped out to the host tier
         self._step_prompt_tokens = 0
         self._step_gen_tokens = 0
 
@@ -414,13 +420,25 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
-        # blocks this step allocated hold no KV yet: they must not stay findable in the cache
-        self.kv.free(req, num_valid_tokens=req.num_computed_tokens)
+        swap = self._swaps(req)
+        # blocks this step allocated hold no KV yet: they must not stay findable in the cache;
+        # recompute: its blocks stay in the device tier's LRU but are not copied to the host
+        self.kv.free(req, num_valid_tokens=req.num_computed_tokens, to_host=swap)
+        self.num_preemptions_swap += swap
         if req.num_sent is not None:
             out.finished_req_ids.append(req.request_id)
         req.preempt()
         self.num_preemptions += 1
         self._enqueue(req)
+
+    def _swaps(self, req: Request) -> bool:
+        """Swap `req`'s full blocks out to the host tier rather than recompute them later?"""
+        if self.kv.offload is None:
+            return False
+        mode = self.cfg.preemption_mode
+        if mode is not None:
+            return mode == "swap"
+        return self.swap_cost is None or self.swap_cost.prefers_swap(req.num_computed_tokens)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent (tests call it every step)."""
@@ -552,6 +570,7 @@ class Scheduler:
             num_blocks_used=self.kv.num_blocks - self.kv.num_free_blocks,
             num_blocks_total=self.kv.num_blocks, prefix_queries=self.kv.prefix_queries,
             prefix_hits=self.kv.prefix_hits, num_preemptions=self.num_preemptions,
+            num_preemptions_swap=self.num_preemptions_swap,
             num_prompt_tokens=self._step_prompt_tokens, num_generation_tokens=self._step_gen_tokens)
         host = self.kv.offload
         if host is not None:

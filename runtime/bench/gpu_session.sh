@@ -13,6 +13,8 @@
 #   sleep, kvtier     sleep level 1/2 memory and wake time (Llama-3.1-8B shape); a multi-turn
 #                     workload over a 2048-block device cache without and with a 32 GiB host tier
 #   sleeptests        sleep / host-tier GPU tests
+#   preempt           W1 over a 4096-block device cache (heavy preemption) with a 16 GiB host tier:
+#                     --preemption-mode by the cost model (preemptauto), swap, recompute
 #   launchtests       srun-style ranks without MPI over NCCL (needs 2 GPUs)
 #   servew1           `rankserve serve` (Qwen3-0.6B shape) + `rankserve bench serve` with W1's
 #                     lengths at concurrency 256 and Poisson 10/20/40 req/s; servew1dp2 the same
@@ -110,7 +112,10 @@ for stage in "$@"; do case $stage in
         --max-num-seqs 256 --mamba-ssm-cache-dtype auto --cache-dir "$CACHE" --output-json "$OUT/w1hybridbf16.json" ;;
   hybtests) run hybtests 300 python3 -m pytest -q -m gpu tests/test_hybrid.py tests/test_mamba_kernels.py ;;
   kmamba) run kmamba 150 python3 -m rankserve.kernels.benchmark --only mamba --json "$OUT/kmamba.json" ;;
-  sleeptests) run sleeptests 200 python3 -m pytest -q -m gpu tests/test_gpu_sleep.py ;;
+  preempt) for mode in auto swap recompute; do run preempt$mode 200 python3 -m rankserve.launch bench throughput \
+        qwen3-0.6b --workload w1 --max-num-seqs 256 --num-gpu-blocks-override 4096 --kv-offload-size 16 \
+        $([ $mode = auto ] || echo --preemption-mode $mode) --cache-dir "$CACHE" --output-json "$OUT/preempt$mode.json"; done ;;
+  sleeptests) run sleeptests 200 python3 -m pytest -q -m gpu tests/test_gpu_sleep.py tests/test_preemption_mode.py ;;
   launchtests) run launchtests 200 python3 -m pytest -q -m gpu tests/test_launch_gpu.py ;;
   servew1) GPUS=1 SERVE_RUNS="c256:--num-prompts 256 --max-concurrency 256;r10:--num-prompts 400 --request-rate 10;r20:--num-prompts 400 --request-rate 20;r40:--num-prompts 400 --request-rate 40" \
         serve_w1 servew1 ;;
@@ -142,7 +147,7 @@ for stage in "$@"; do case $stage in
   gputests) # the GPU tests of the feature issues, as parallel pytest processes (correctness only)
         t0=$(date +%s); for t in "dstests:tests/test_deepseek_mla_kernel.py tests/test_deepseek.py" \
           "hybtests:tests/test_hybrid.py tests/test_mamba_kernels.py" "spectests:tests/test_spec_decode.py" \
-          "mtptests:tests/test_spec_decode_mtp.py" "sleeptests:tests/test_gpu_sleep.py"; do
+          "mtptests:tests/test_spec_decode_mtp.py" "sleeptests:tests/test_gpu_sleep.py tests/test_preemption_mode.py"; do
           run ${t%%:*} 280 python3 -m pytest -q -m gpu -p no:cacheprovider ${t#*:} > /dev/null & done; wait
         for t in dstests hybtests spectests mtptests sleeptests; do echo "== $t"; tail -n 4 "$OUT/$t.log"; done ;;
   lora) # 8 rank-16 adapters over W1's requests, 1 adapter on W2, each beside the base model

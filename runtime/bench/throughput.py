@@ -104,8 +104,12 @@ def rankserve_throughput(llm, wl: common.Workload, warm: common.Workload,
     run_engine(llm, warm, structured=structured, loras=loras)  # compiles the schemas too
     log.clear()
     spec0 = common.spec_snapshot(llm)
+    sch = llm.engine.scheduler
+    pre0 = (sch.num_preemptions, sch.num_preemptions_swap)
     elapsed, out_lens = run_engine(llm, wl, use_tqdm=True, structured=structured, loras=loras)
     spec = common.spec_summary(spec0, common.spec_snapshot(llm))
+    swaps = sch.num_preemptions_swap - pre0[1]  # preemptions of the timed run, by kind
+    preemptions = dict(swap=swaps, recompute=sch.num_preemptions - pre0[0] - swaps)
     n_dev = llm.config.parallel.world_size  # TP shards and PP stages in flight all read at once
     floor = common.physical_floor(stats, wl.prompt_lens, out_lens, log.tokens,
                                   runner.dtype.itemsize, ceilings, num_devices=n_dev,
@@ -119,7 +123,7 @@ def rankserve_throughput(llm, wl: common.Workload, warm: common.Workload,
     return dict(metrics(elapsed, wl.prompt_lens, out_lens, floor, timings),
                 dtype=str(runner.dtype).replace("torch.", ""), num_kv_blocks=llm.engine.num_blocks,
                 num_devices=n_dev, bytes_per_weight=widths["linear"], kv_bytes=widths["kv"],
-                **({"spec_decode": spec} if llm.config.spec else {}), **extra)
+                preemptions=preemptions, **({"spec_decode": spec} if llm.config.spec else {}), **extra)
 
 
 def hf_throughput(model_dir: str, device: torch.device, dtype: torch.dtype, wl, warm, stats,
@@ -144,6 +148,8 @@ def print_result(name: str, r: dict) -> None:
     print(common.format_floor(r["floor"]))
     if "spec_decode" in r:
         print(common.format_spec(r["spec_decode"]))
+    if sum(r.get("preemptions", {}).values()):
+        print("  preemptions: {swap} swapped to the host tier, {recompute} recomputed".format(**r["preemptions"]))
 
 
 def run(cfg, args: ThroughputArgs, on_ranks, multi_process: bool) -> int:
