@@ -90,6 +90,7 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     # step loop's host time to fill token bitmasks and advance the matchers
     grammar_compile_seconds: float = 0.0
     grammar_mask_seconds: float = 0.0
+    grammar_wait_seconds: float = 0.0  # the step loop waiting for a mask fill (not hidden)
     # host KV tier (--kv-offload-size): tokens looked up there (the device tier missed them) and
     # found (cumulative), blocks copied to / from it (cumulative), its blocks in use and in all
     host_prefix_queries: int = 0

@@ -423,7 +423,7 @@ class ModelRunner:
             # the masks fill on the grammar thread while the device runs the forward and the
             # engine does its own host work (the previous step's outputs, the next plan);
             # sampling waits for them and runs at the next step's start (or at collect)
-            plan.fill_async()
+            plan.fill_async(self.sampling.bits_buffer(len(plan.grammar_req_ids)))
             out = self._deferred = ModelRunnerOutput(inp.sample_req_ids, [])
             out._sample = (self, inp, hidden)
             return out

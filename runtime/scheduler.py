@@ -69,6 +69,7 @@ class SchedulerOutput:
     grammar_bitmask: np.ndarray | None = None
     grammar_fill: Callable[..., object] | None = field(default=None, repr=False)
     grammar_future: object = field(default=None, repr=False)  # a fill running on the grammar thread
+    grammar_stats: object = field(default=None, repr=False)  # the StructuredOutputManager (timers)
     # host KV tier (runtime/kv_offload.py): block copies every rank runs before the forward,
     # device → host first, then host → device; `wait_for_copies`: the forward waits for them
     # (it reads loaded blocks, or overwrites a block this plan copies out)
@@ -86,20 +87,24 @@ class SchedulerOutput:
         rank that is at sampling time, after the forward is launched, so the host fills the masks
         while the device computes."""
         if self.grammar_future is not None:
+            t0 = time.perf_counter()
             self.grammar_bitmask, self.grammar_future = self.grammar_future.result(), None
+            if self.grammar_stats is not None:  # the engine loop waited this long for the fill
+                self.grammar_stats.wait_seconds += time.perf_counter() - t0
         elif self.grammar_bitmask is None and self.grammar_fill is not None:
             self.grammar_bitmask, self.grammar_fill = self.grammar_fill(), None
         return self.grammar_bitmask
 
-    def fill_async(self) -> None:
+    def fill_async(self, out=None) -> None:
         """Start filling the rows on the grammar thread (the model runner calls this once the
-        forward is launched, then defers sampling: the engine's own host work runs meanwhile)."""
+        forward is launched, then defers sampling: the engine's own host work runs meanwhile),
+        into `out` if given (the runner's pinned buffer for the copy to the device)."""
         if self.grammar_fill is not None and self.grammar_bitmask is None:
-            self.grammar_future, self.grammar_fill = self.grammar_fill(background=True), None
+            self.grammar_future, self.grammar_fill = self.grammar_fill(background=True, out=out), None
 
     def __getstate__(self):  # sent to other ranks: the rows travel, the filler does not
         self.bitmask()
-        return self.__dict__
+        return {k: v for k, v in self.__dict__.items() if k != "grammar_stats"}
 
     @property
     def is_empty(self) -> bool:
@@ -301,7 +306,8 @@ class Scheduler:
                 constrained.append(req)
         if constrained:
             out.grammar_req_ids = [r.request_id for r in constrained]
-            out.grammar_fill = lambda background=False: self._fill_bitmask(constrained, background)
+            out.grammar_fill = lambda background=False, out=None: self._fill_bitmask(constrained, background, out)
+            out.grammar_stats = self.structured
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         if self.kv.offload is not None and not out.is_empty:  # (an empty plan is not sent)
             out.blocks_to_host, out.blocks_from_host, out.wait_for_copies = self.kv.offload.take_copies()
@@ -312,12 +318,13 @@ class Scheduler:
                 self.structured.wait_any([r.grammar for r in self.compiling], 0.01)
         return out
 
-    def _fill_bitmask(self, reqs: list[Request], background: bool = False):
+    def _fill_bitmask(self, reqs: list[Request], background: bool = False, out=None):
         """The masks of a plan's constrained requests, filled after its forward is launched.
         Under async scheduling the previous step may still be in flight: its tokens are taken
         from its result (waiting for it while this step's forward runs) and accepted first, so
         `update` finds them seen. `background`: run on the grammar thread and return a future;
-        `update` waits until the accepting is done (it reads and advances the same requests)."""
+        `update` waits until the accepting is done (it reads and advances the same requests).
+        `out`: where to write the rows (StructuredOutputManager.fill_bitmask)."""
         results = [r for r in self.results_in_flight() if r is not None] if self.async_scheduling else []
         done = threading.Event()
         self._accepting = done
@@ -327,7 +334,7 @@ class Scheduler:
                 self._accept_in_flight(reqs, results)
             finally:
                 done.set()
-            return self.structured.fill_bitmask([r.grammar for r in reqs])
+            return self.structured.fill_bitmask([r.grammar for r in reqs], out)
         return self.structured.fill_pool.submit(fill) if background else fill()
 
     def _accept_in_flight(self, reqs: list[Request], results: list) -> None:
@@ -589,5 +596,6 @@ class Scheduler:
         if self.structured is not None:
             s.grammar_compile_seconds = self.structured.compile_seconds
             s.grammar_mask_seconds = self.structured.mask_seconds
+            s.grammar_wait_seconds = self.structured.wait_seconds
         self._step_prompt_tokens = self._step_gen_tokens = 0
         return s

@@ -5,7 +5,9 @@
 # so split a session, e.g. `w2 w2warm w1 tests` | `kernels w2hf w1hf`. Stages:
 #   w2, w2warm        W2 cold (empty --cache-dir) and again warm; w2l2 / w1l2 at --compilation-level 2
 #   w1                W1; w1fp8kv with --kv-cache-dtype fp8; w1so with a JSON-schema constraint on
-#                     every request (needs QWEN3_TOKENIZER); w2cublas with the skinny GEMMs off
+#                     every request (needs QWEN3_TOKENIZER); w2cublas with the skinny GEMMs off;
+#                     w1sothreads: w1so with 4, 8 and 14 mask-fill threads (RANKSERVE_GRAMMAR_THREADS);
+#                     gbench: the CPU benchmark of the masks' host cost (runtime/bench/grammar.py)
 #   w2hf, w1hf        the same workloads on transformers
 #   tests, e2e2       GPU tests (kernels, skinny GEMMs, graphs/compile vs eager); e2e2 level 2 only
 #   sotests           structured-output tests on CUDA (need ../shared/tokenizers/qwen3)
@@ -82,6 +84,11 @@ for stage in "$@"; do case $stage in
   w1so) run w1so 200 python3 -m rankserve.launch bench throughput qwen3-0.6b --workload w1 --max-num-seqs 256 \
         --tokenizer "${QWEN3_TOKENIZER:?set QWEN3_TOKENIZER to a Qwen3 tokenizer directory}" \
         --structured-output json --cache-dir "$CACHE" --output-json "$OUT/w1so.json" ;;
+  w1sothreads) for n in 4 8 14; do RANKSERVE_GRAMMAR_THREADS=$n run w1so$n 200 python3 -m rankserve.launch bench \
+        throughput qwen3-0.6b --workload w1 --max-num-seqs 256 --cache-dir "$CACHE" --output-json "$OUT/w1so$n.json" \
+        --tokenizer "${QWEN3_TOKENIZER:?set QWEN3_TOKENIZER to a Qwen3 tokenizer directory}" --structured-output json; done ;;
+  gbench) for f in 5 20; do run gbench$f 120 python3 -m rankserve.runtime.bench.grammar --forward-ms $f --steps 100 \
+        --tokenizer "${QWEN3_TOKENIZER:?set QWEN3_TOKENIZER to a Qwen3 tokenizer directory}" --output-json "$OUT/gbench$f.json"; done ;;
   sotests) run sotests 200 python3 -m pytest -q -x tests/test_structured_output.py ;;
   w1l2) run w1l2 170 python3 -m rankserve.launch bench throughput qwen3-0.6b --workload w1 --max-num-seqs 256 \
         --compilation-level 2 --cache-dir "$CACHE" --output-json "$OUT/w1l2.json" ;;

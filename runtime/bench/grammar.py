@@ -25,6 +25,7 @@ import threading
 import time
 
 import numpy as np
+import torch
 
 from ..config import EngineConfig
 from ..engine_core import EngineCore
@@ -87,7 +88,9 @@ class FakeExecutor:
         self.stop = stop
         self.rng = np.random.default_rng(seed)
         self._deferred: tuple | None = None
-        self.buf = np.empty((512, (VOCAB + 31) // 32), dtype=np.int32)  # the "pinned" buffer
+        # the runner's two "pinned" buffers the fill writes into (SamplingMetadataBuilder)
+        self.bufs = [torch.empty((512, (VOCAB + 31) // 32), dtype=torch.int32) for _ in range(2)]
+        self.buf_step = 0
         self.copy_s: list[float] = []
         self.wait_s: list[float] = []
         # per step, from the previous sampling's end on the device: when the engine thread asked
@@ -114,7 +117,8 @@ class FakeExecutor:
         self.dev.forward()
         out = ModelRunnerOutput(sample_ids, [])
         if plan.grammar_req_ids and not self.inline:
-            plan.fill_async()
+            self.buf_step ^= 1
+            plan.fill_async(self.bufs[self.buf_step][:len(plan.grammar_req_ids)])
             out._sample = (self, plan, None)
             self._deferred = out
         else:
@@ -135,12 +139,16 @@ class FakeExecutor:
             t1 = time.perf_counter()
             self.engine_ready.append(t0 - self.sampled_at)
             self.masks_ready.append(t1 - self.sampled_at)
-            rows = self.buf[:len(bits)]
-            np.copyto(rows, bits)
+            buf = self.bufs[self.buf_step].numpy()
+            if buf.ctypes.data != bits.ctypes.data:  # not filled in place: copy (as the runner)
+                self.buf_step ^= 1
+                buf = self.bufs[self.buf_step].numpy()
+                np.copyto(buf[:len(bits)], bits)
+            rows = buf[:len(bits)]
             self.wait_s.append(t1 - t0)
             self.copy_s.append(time.perf_counter() - t1)
             pos = {r: i for i, r in enumerate(plan.grammar_req_ids)}
-            rows = (rows.copy(), [pos.get(r) for r in out.req_ids])
+            rows = (rows, [pos.get(r) for r in out.req_ids])  # (the next fill into it: 2 steps on)
         n = len(out.req_ids)
         done = _Pending(self.dev.pool.submit(self._timed_pick, n, rows))
         out._pending = (done, done)  # (host copy, event)

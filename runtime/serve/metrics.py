@@ -46,6 +46,7 @@ class EngineMetrics:
                                (self.prefix_hits, "prefix_hits"),
                                (self.grammar_compile, "grammar_compile_seconds"),
                                (self.grammar_mask, "grammar_mask_seconds"),
+                               (self.grammar_wait, "grammar_wait_seconds"),
                                (self.host_prefix_queries, "host_prefix_queries"),
                                (self.host_prefix_hits, "host_prefix_hits"),
                                (self.host_blocks_stored, "host_blocks_stored"),
@@ -103,8 +104,10 @@ class Metrics:
         counter("generation_tokens", "generation_tokens", "Tokens generated")
         counter("grammar_compile", "grammar_compile_seconds", "Seconds compiling structured-output "
                 "grammars (worker threads, off the step loop)")
-        counter("grammar_mask", "grammar_mask_seconds", "Seconds of the step loop filling "
-                "structured-output token bitmasks")
+        counter("grammar_wait", "grammar_wait_seconds", "Seconds the step loop waited for a "
+                "structured-output mask fill (the part the forward did not hide)")
+        counter("grammar_mask", "grammar_mask_seconds", "Seconds filling structured-output token "
+                "bitmasks and accepting sampled tokens (grammar thread or step loop)")
         # the host tier of the prefix cache (--kv-offload-size); its hit rate is
         # host_prefix_cache_hits / host_prefix_cache_queries, the device tier's
         # prefix_cache_hits / prefix_cache_queries
