@@ -42,7 +42,7 @@ KNOBS: dict[str, Knob] = {
     "RANKSERVE_HOST_LINK_GBPS": Knob(None, float, "host <-> device bandwidth (GB/s per direction) of "
                                      "that cost model (default: measured on CUDA, 10 on CPU)"),
     "RANKSERVE_GRAMMAR_THREADS": Knob(None, int, "threads of the structured-output mask fill "
-                                      "(default: half the CPUs the engine process may use)"),
+                                      "(default: the CPUs the engine process may use less two, at most 16)"),
     # test-suite knobs: how long the bounded fuzz and soak runs are (CI keeps the defaults)
     "RANKSERVE_FUZZ_EXAMPLES": Knob(12, int, "generated examples per route in tests/test_fuzz_api.py"),
     "RANKSERVE_SOAK_SECONDS": Knob(60.0, float, "duration of tests/test_soak.py"),

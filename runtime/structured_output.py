@@ -29,13 +29,20 @@ MAX_WHITESPACE = 64  # a JSON whitespace run longer than this is never useful (a
 CACHE_SIZE = 256
 
 
+MAX_FILL_THREADS = 16  # a node-wide affinity (MPI without binding) must not mean 100+ threads
+
+
 def fill_threads() -> int:
-    """Threads of xgrammar's batched mask fill: RANKSERVE_GRAMMAR_THREADS, else half the CPUs this
-    process may run on. (xgrammar's own default halves the node's CPU count, which under Slurm
-    or a container can be many more than the job's.)"""
+    """Threads of xgrammar's batched mask fill: RANKSERVE_GRAMMAR_THREADS, else the CPUs this
+    process may run on less two (the engine loop's thread, and one spare), at most 16. The fill
+    is on the step's critical path whenever it takes as long as the forward (W1 on an H200:
+    ~6 ms a step either way), so it gets the cores the loop does not use; xgrammar's own default
+    (half the node's CPU count, not the job's) gives it half of them, or far too many under
+    Slurm or in a container."""
     n = envs.get("RANKSERVE_GRAMMAR_THREADS")
     if n is None:
-        n = len(os.sched_getaffinity(0)) // 2 if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2) // 2
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        n = min(cpus - 2, MAX_FILL_THREADS)
     return max(1, n)
 
 

@@ -47,12 +47,16 @@ class _Device:
         self.forward_s = forward_s
         self.forwards: list[tuple[float, float]] = []
         self.samples: list[float] = []  # seconds of each 'sampling kernel'
+        self.idle: list[float] = []  # device idle before each forward (after the last kernel)
+        self.last_end = 0.0
 
     def forward(self) -> concurrent.futures.Future:
         def run():
             t0 = time.perf_counter()
+            self.idle.append(t0 - self.last_end)
             time.sleep(self.forward_s)
-            self.forwards.append((t0, time.perf_counter()))
+            self.last_end = time.perf_counter()
+            self.forwards.append((t0, self.last_end))
         return self.pool.submit(run)
 
     def busy_within(self, a: float, b: float) -> float:
@@ -155,10 +159,12 @@ class FakeExecutor:
 
     def _timed_pick(self, n: int, masked) -> list[int]:
         t0 = time.perf_counter()
+        self.dev.idle.append(t0 - self.dev.last_end)
         try:
             return self._pick(n, masked)
         finally:
-            self.dev.samples.append(time.perf_counter() - t0)
+            self.dev.last_end = time.perf_counter()
+            self.dev.samples.append(self.dev.last_end - t0)
 
     def _pick(self, n: int, masked) -> list[int]:
         """The 'sampling kernel' (vectorized, so that it costs the host little, as on a GPU):
@@ -257,8 +263,9 @@ def run(tokenizer: str, num_seqs: int, forward_ms: float, steps: int, structured
     overlap = sum(ex.dev.busy_within(s, e) for s, e, _ in fills) / max(sum(fill_s), 1e-9)
     med = lambda xs: 1e3 * statistics.median(xs) if xs else 0.0  # noqa: E731
     sample_ms = med(ex.dev.samples[-len(step_times):])
+    idle_ms = 1e3 * statistics.mean(ex.dev.idle[-2 * len(step_times):]) * 2  # per step (2 kernels)
     return dict(structured=structured, num_seqs=num_seqs, forward_ms=forward_ms, steps=len(step_times),
-                step_ms=med(step_times), sample_ms=sample_ms,
+                step_ms=med(step_times), sample_ms=sample_ms, device_idle_ms=idle_ms,
                 excess_ms=med(step_times) - forward_ms - sample_ms,
                 mean_step_ms=1e3 * statistics.mean(step_times),
                 fill_ms=med(fill_s), accept_ms=med([e - s for s, e, _ in accepts]),
@@ -287,7 +294,7 @@ def main(argv=None) -> int:
         print(f"[{'json' if structured else 'none'}] {r['steps']} steps of {r['num_seqs']} requests, "
               f"forward {r['forward_ms']:.1f} ms: step {r['step_ms']:.2f} ms median "
               f"(+{r['excess_ms']:.2f} ms over the device's forward + {r['sample_ms']:.2f} ms sampling; "
-              f"mean {r['mean_step_ms']:.2f} ms)")
+              f"mean {r['mean_step_ms']:.2f} ms; device idle {r['device_idle_ms']:.2f} ms a step)")
         if structured:
             print(f"  fill {r['fill_ms']:.2f} ms ({100 * r['fill_overlap']:.0f}% under a forward, "
                   f"threads {', '.join(r['fill_threads'])}), accept {r['accept_ms']:.2f} ms, "
