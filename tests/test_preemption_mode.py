@@ -4,6 +4,7 @@ greedy tokens every way."""
 from __future__ import annotations
 
 import random
+import shutil
 
 import pytest
 import torch
@@ -91,3 +92,23 @@ def test_measured_rates_on_cuda_swap_the_llama_8b_shape():
     print(m.describe())
     assert m.link_bytes_per_s > 5e9 and m.peak_flops > 50e12
     assert m.prefers_swap(16) and m.prefers_swap(4096)
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not on PATH")
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_tp2_preemption_swap_and_recompute_match_single_rank(mode):
+    """Under `mpiexec -n 2 --tp 2` both ranks copy their shard of a swapped request's blocks
+    out and back (or neither does): the same greedy tokens as one rank without preemption."""
+    from test_multirank import PROMPTS, mpi_generate
+    tight = ["--num-gpu-blocks-override", "6", "--block-size", "8", "--max-model-len", "48",
+             "--kv-offload-size", "0.01", "--preemption-mode", mode]
+    llm = LLM(str(STORIES_EMBEDDED), max_model_len=48)
+    want = [o.outputs[0].token_ids for o in llm.generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))]
+    one = LLM(str(STORIES_EMBEDDED), num_gpu_blocks_override=6, block_size=8, max_model_len=48,
+              kv_offload_size=0.01, preemption_mode=mode)  # the same flags do preempt
+    one.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    s = one.engine.scheduler.stats()
+    assert s.num_preemptions > 0 and s.num_preemptions_swap == (s.num_preemptions if mode == "swap" else 0)
+    assert mpi_generate(2, str(STORIES_EMBEDDED), "--tp", "2", *tight) == want
