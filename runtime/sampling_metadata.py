@@ -68,7 +68,7 @@ class SamplingMetadataBuilder:
         self.prefilled = self._next_pinned(rows)
         return self.prefilled[0]
 
-    def _bits_to_device(self, bits: np.ndarray) -> torch.Tensor:
+    def bits_to_device(self, bits: np.ndarray) -> torch.Tensor:
         if self.device.type != "cuda":
             return torch.from_numpy(bits)
         pre, self.prefilled = self.prefilled, None
@@ -83,9 +83,10 @@ class SamplingMetadataBuilder:
 
     def build(self, req_ids: list[str], out_counts: np.ndarray,
               grammar: tuple[list[str], Callable[[], np.ndarray]] | None = None,
-              extra_tokens: np.ndarray | None = None) -> SamplingMetadata:
+              extra_tokens: np.ndarray | None = None, defer_bits: bool = False) -> SamplingMetadata:
         """Metadata for sampling `req_ids` (in order); `out_counts`: their outputs so far;
-        `grammar`: the plan's structured-output bitmask rows and their request ids.
+        `grammar`: the plan's structured-output bitmask rows and their request ids (`defer_bits`:
+        the rows' index only; the caller sets the bits, `bits_to_device`, before sampling).
         `extra_tokens` (speculative decoding: a request has a row per draft): row i samples
         after that many tokens past the request's known ones, which sit in its token ids."""
         reqs, stage, dev = self.batch.reqs, self.batch.stage, self.device
@@ -111,7 +112,7 @@ class SamplingMetadataBuilder:
         if grammar is not None and grammar[0]:
             pos = {rid: i for i, rid in enumerate(req_ids)}
             md.grammar = (stage(np.array([pos[r] for r in grammar[0]], dtype=np.int64)),
-                          self._bits_to_device(grammar[1]()))
+                          None if defer_bits else self.bits_to_device(grammar[1]()))
         under_min = np.flatnonzero(out_counts < p[:, P_MIN_TOKENS])
         if len(under_min):  # EOS and stop tokens may not end the output yet
             for i in under_min:

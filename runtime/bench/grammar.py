@@ -123,7 +123,7 @@ class FakeExecutor:
         if plan.grammar_req_ids and not self.inline:
             self.buf_step ^= 1
             plan.fill_async(self.bufs[self.buf_step][:len(plan.grammar_req_ids)])
-            out._sample = (self, plan, None)
+            out._sample = lambda: self.sample(plan, None, out)
             self._deferred = out
         else:
             self.sample(plan, None, out)
@@ -134,7 +134,6 @@ class FakeExecutor:
         if out is not None:
             out.finish()
 
-    # called by ModelRunnerOutput.finish as runner.sample(inp, hidden, out)
     def sample(self, plan, _hidden, out: ModelRunnerOutput):
         rows = None
         if plan.grammar_req_ids:
