@@ -103,6 +103,11 @@ class SchedulerConfig:
                       choices=("fcfs", "priority"))
     async_scheduling: bool | None = opt(None, "schedule step N+1 while step N runs on the GPU "
                                         "(default: on with CUDA and no pipeline parallelism)")
+    preemption_mode: str | None = opt(None, "how a preempted request's KV comes back: swap (its full "
+                                      "blocks to the host tier, --kv-offload-size, and back) or "
+                                      "recompute (default: per request, whichever the cost model "
+                                      "says is cheaper; recompute without a host tier)",
+                                      choices=("recompute", "swap"))
 
     def validate(self):
         _check(self.max_num_seqs >= 1, "max_num_seqs", ">= 1", self.max_num_seqs)
@@ -430,6 +435,9 @@ class EngineConfig:
         if self.offload.kv_offload_size > 0 and not self.cache.enable_prefix_caching:
             raise ConfigError("--kv-offload-size keeps evicted prefix-cache blocks in host memory: "
                               "it needs --enable-prefix-caching")
+        if self.scheduler.preemption_mode == "swap" and not self.offload.kv_offload_size > 0:
+            raise ConfigError("--preemption-mode swap copies a preempted request's blocks to the host "
+                              "KV tier: it needs --kv-offload-size")
         return self
 
     @property

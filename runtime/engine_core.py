@@ -18,6 +18,7 @@ from ..models.llama import kv_sliding_window
 from ..models.nemotron_h import has_recurrent_state
 from ..models.loader import load_hf_config
 from .scheduler import Scheduler, SchedulerOutput
+from .preemption import build_cost_model
 from .spec_decode import lookahead_slots
 from .structured_output import StructuredOutputManager
 
@@ -66,6 +67,11 @@ class EngineCore:
         self.structured = StructuredOutputManager(cfg.model.tokenizer or cfg.model.model,
                                                   cfg.model.model, self.vocab_size)
         self.num_host_blocks = getattr(executor, "num_host_blocks", 0)
+        swap_cost = None  # preemption with the host tier: swap or recompute (runtime/preemption.py)
+        block_bytes = getattr(executor, "host_block_bytes", 0)  # (test executors: none)
+        if self.num_host_blocks and block_bytes and cfg.scheduler.preemption_mode is None:
+            swap_cost = build_cost_model(hf_config, cfg.cache.block_size, block_bytes, executor.device)
+            log.info("%s", swap_cost.describe())
         cache_cfg = cfg.cache
         window = getattr(executor, "kv_sliding_window", None)  # (test executors set it)
         if window is None:  # every layer windowed alike: out-of-window blocks are released
@@ -82,7 +88,7 @@ class EngineCore:
                                    num_host_blocks=self.num_host_blocks,
                                    max_loras=cfg.lora.max_loras if cfg.lora.enable_lora else 0,
                                    sliding_window=window, spec_lookahead=lookahead_slots(cfg.spec),
-                                   spec_enabled=cfg.spec is not None)
+                                   spec_enabled=cfg.spec is not None, swap_cost=swap_cost)
         self.scheduler.results_in_flight = lambda: [h for _, h in self.in_flight]
         self._lora_ranks: dict[tuple[int, str], int] = {}  # adapters seen: (id, path) → rank
         self.asleep: set[str] = set()  # sleep mode: the tags (weights, kv_cache) now asleep

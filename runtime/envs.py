@@ -37,6 +37,12 @@ KNOBS: dict[str, Knob] = {
                                "torch.distributed even where deepspeed is installed"),
     "RANKSERVE_API_KEY": Knob(None, str, "API key of `rankserve serve` (instead of --api-key, "
                               "which `ps` shows); VLLM_API_KEY is read too"),
+    "RANKSERVE_PEAK_TFLOPS": Knob(None, float, "device FLOP rate (TFLOP/s) of the swap-or-recompute "
+                                  "preemption cost model (default: measured on CUDA, 0.1 on CPU)"),
+    "RANKSERVE_HOST_LINK_GBPS": Knob(None, float, "host <-> device bandwidth (GB/s per direction) of "
+                                     "that cost model (default: measured on CUDA, 10 on CPU)"),
+    "RANKSERVE_GRAMMAR_THREADS": Knob(None, int, "threads of the structured-output mask fill "
+                                      "(default: the CPUs the engine process may use less two, at most 16)"),
     # test-suite knobs: how long the bounded fuzz and soak runs are (CI keeps the defaults)
     "RANKSERVE_FUZZ_EXAMPLES": Knob(12, int, "generated examples per route in tests/test_fuzz_api.py"),
     "RANKSERVE_SOAK_SECONDS": Knob(60.0, float, "duration of tests/test_soak.py"),

@@ -42,6 +42,7 @@ class UniprocExecutor:
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.vocab_size
         self.num_host_blocks = 0
+        self.host_block_bytes = 0  # KV bytes of one block (the preemption cost model)
         self.world_size = 1
 
     @property
@@ -55,7 +56,8 @@ class UniprocExecutor:
         self.runner.allocate_kv_cache(num_blocks)
         gib = self.cfg.offload.kv_offload_size
         if gib > 0:  # the host tier (runtime/kv_offload.py)
-            self.num_host_blocks = int(gib * 2**30) // self.rpc.rpc_host_kv_bytes_per_block()
+            self.host_block_bytes = self.rpc.rpc_host_kv_bytes_per_block()
+            self.num_host_blocks = int(gib * 2**30) // self.host_block_bytes
             self.rpc.rpc_init_host_kv(self.num_host_blocks)
         self.runner.compile()
 
@@ -105,6 +107,10 @@ class MultiRankExecutor:
     @property
     def num_host_blocks(self) -> int:
         return self.worker.num_host_blocks
+
+    @property
+    def host_block_bytes(self) -> int:
+        return self.worker.host_block_bytes
 
     def collective_rpc(self, method: str, *args) -> list:
         """An admin call (runtime/rpc.py) on every rank, broadcast like a step plan; the

@@ -250,9 +250,10 @@ class KVCacheManager:
                 self.pool.register(blocks[i], req.block_hashes[i])
         self.num_registered[req.request_id] = max(start, end)
 
-    def free(self, req: Request, num_valid_tokens: int | None = None) -> None:
+    def free(self, req: Request, num_valid_tokens: int | None = None, to_host: bool = True) -> None:
         """Release the request's blocks. Blocks past `num_valid_tokens` were allocated for a step
-        that will not run: drop them from the prefix cache, their KV was never written."""
+        that will not run: drop them from the prefix cache, their KV was never written.
+        `to_host` False (a preemption that recomputes): none of them goes to the host tier."""
         blocks = [b for b in self.req_blocks.pop(req.request_id, []) if b is not self.pool.null]
         self.num_registered.pop(req.request_id, None)
         if num_valid_tokens is not None:
@@ -260,7 +261,7 @@ class KVCacheManager:
                 if b.ref_cnt == 1 and b.block_hash is not None:
                     self.pool.forget(b)
         self.pool.release(list(reversed(blocks)))
-        if self.offload is not None:
+        if self.offload is not None and to_host:
             self._to_host(list(reversed(blocks)))
 
     def _to_host(self, blocks: list[Block]) -> None:

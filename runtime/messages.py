@@ -83,12 +83,14 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     prefix_queries: int = 0  # tokens looked up in the prefix cache (cumulative)
     prefix_hits: int = 0  # of which were hits (cumulative)
     num_preemptions: int = 0  # cumulative
+    num_preemptions_swap: int = 0  # of which swapped to the host tier (the rest recompute)
     num_prompt_tokens: int = 0  # computed this step
     num_generation_tokens: int = 0  # generated this step
     # structured outputs (cumulative seconds): grammar compilation (worker threads), and the
     # step loop's host time to fill token bitmasks and advance the matchers
     grammar_compile_seconds: float = 0.0
     grammar_mask_seconds: float = 0.0
+    grammar_wait_seconds: float = 0.0  # the step loop waiting for a mask fill (not hidden)
     # host KV tier (--kv-offload-size): tokens looked up there (the device tier missed them) and
     # found (cumulative), blocks copied to / from it (cumulative), its blocks in use and in all
     host_prefix_queries: int = 0

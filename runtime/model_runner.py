@@ -49,7 +49,7 @@ class ModelRunnerOutput:
     accepted: list[list[int]] | None = None
     draft_token_ids: list[list[int]] | None = None
     _pending: tuple | None = None  # (pinned host copy, CUDA event) until resolve()
-    _sample: tuple | None = None  # (runner, inputs, hidden): sampling deferred (grammar masks)
+    _sample: Callable[[], None] | None = None  # a sampling deferred until its grammar masks are ready
 
     def defer(self, ids) -> None:
         """Start the device→host copy of the sampled ids; `resolve` waits for it."""
@@ -65,10 +65,9 @@ class ModelRunnerOutput:
 
     def finish(self) -> None:
         """Run a deferred sampling (on the engine's thread: the runner's next step or collect)."""
-        if self._sample is not None:
-            runner, inp, hidden = self._sample
-            self._sample = None
-            runner.sample(inp, hidden, self)
+        fn, self._sample = self._sample, None
+        if fn is not None:
+            fn()
 
     def resolve(self) -> "ModelRunnerOutput":
         self.finish()
@@ -163,6 +162,7 @@ class ModelRunner:
         self.prev_sampled: torch.Tensor | None = None
         self.prev_index: dict[str, int] = {}
         self._deferred: ModelRunnerOutput | None = None  # a step whose sampling waits for masks
+        self._deferred_after_prepare = False  # ... which may finish after the next step's prepare
 
     @property
     def reqs(self) -> dict[str, ReqState]:
@@ -390,6 +390,7 @@ class ModelRunner:
         ids = put(input_ids, b.ids)
         if self.lora is not None:
             self.lora.prepare(plan, req_ids, counts, attn.is_decode, put)
+        self.finish_sampling()  # (a deferred sampling gives the placeholders their ids)
         if len(placeholder):
             src = np.array([self.prev_index[req_ids[i]] for i in req_of_tok[placeholder]])
             ids[put(placeholder)] = self.prev_sampled[put(src)]
@@ -409,7 +410,8 @@ class ModelRunner:
         """Run one step. Non-last pipeline stages return the hidden states to send on."""
         if self.host_kv is not None:  # the plan's block copies to / from the host tier
             self.host_kv.run(plan)
-        self.finish_sampling()
+        if not self._deferred_after_prepare:  # it reads request states this plan may drop
+            self.finish_sampling()
         inp = self.prepare_inputs(plan)
         hidden = self.compiled_model(inp.input_ids, inp.positions, inp.attn, hidden_in,
                                      query_len=inp.query_len)
@@ -420,10 +422,15 @@ class ModelRunner:
         if plan.grammar_fill is not None and inp.grammar is not None:
             # the masks fill on the grammar thread while the device runs the forward and the
             # engine does its own host work (the previous step's outputs, the next plan);
-            # sampling waits for them and runs at the next step's start (or at collect)
-            plan.fill_async()
+            # sampling waits for them: at the next step, once its inputs are prepared (or at
+            # collect). Without drafts everything else of the sampling is done now (the logits
+            # GEMM queues behind the forward), so only the masks' copy and the sampling kernels
+            # wait, and the next step's host work does not depend on this one's request states.
+            plan.fill_async(self.sampling.bits_buffer(len(plan.grammar_req_ids)))
             out = self._deferred = ModelRunnerOutput(inp.sample_req_ids, [])
-            out._sample = (self, inp, hidden)
+            self._deferred_after_prepare = inp.num_drafts is None and self.proposer is None
+            out._sample = (self._begin_sample(inp, hidden, out) if self._deferred_after_prepare
+                           else lambda: self.sample(inp, hidden, out))
             return out
         return self.sample(inp, hidden)
 
@@ -440,18 +447,42 @@ class ModelRunner:
         elif inp.sample_req_ids:
             logits = self.model.compute_logits(hidden[inp.logits_indices])
             md = self.sampling.build(inp.sample_req_ids, inp.sample_out_counts, inp.grammar)
-            ids, raw_lp = sample(logits, md)
-            self.prev_sampled = ids
-            self.prev_index = {rid: i for i, rid in enumerate(inp.sample_req_ids)}
-            out.defer(ids)
+            ids = self._sampled(inp, logits, md, self._logprob_nums(inp, md), out)
             if self.proposer is not None:
                 self._propose(inp, hidden, out, ids[:, None], torch.zeros_like(ids))
-            if raw_lp is not None:
-                nums = [self.reqs[r].sampling_params.logprobs for r in inp.sample_req_ids]
-                entries = gather_logprobs(raw_lp, ids, [n or 0 for n in nums])
-                out.logprobs = [e if n is not None else None for e, n in zip(entries, nums)]
         self._prompt_logprobs(inp, hidden, out)
         return out
+
+    def _begin_sample(self, inp: StepInputs, hidden: torch.Tensor,
+                      out: ModelRunnerOutput) -> Callable[[], None]:
+        """A plain sampling (no drafts, no proposer) up to its grammar masks: logits, metadata
+        (everything read from the request states), prompt logprobs; the rest, returned, needs
+        only the masks."""
+        logits = self.model.compute_logits(hidden[inp.logits_indices])
+        md = self.sampling.build(inp.sample_req_ids, inp.sample_out_counts, inp.grammar, defer_bits=True)
+        nums = self._logprob_nums(inp, md)
+        self._prompt_logprobs(inp, hidden, out)
+
+        def finish() -> None:
+            md.grammar = (md.grammar[0], self.sampling.bits_to_device(inp.grammar[1]()))
+            self._sampled(inp, logits, md, nums, out)
+        return finish
+
+    def _logprob_nums(self, inp: StepInputs, md) -> list | None:
+        if md.max_num_logprobs is None:
+            return None
+        return [self.reqs[r].sampling_params.logprobs for r in inp.sample_req_ids]
+
+    def _sampled(self, inp: StepInputs, logits: torch.Tensor, md, nums: list | None,
+                 out: ModelRunnerOutput) -> torch.Tensor:
+        ids, raw_lp = sample(logits, md)
+        self.prev_sampled = ids
+        self.prev_index = {rid: i for i, rid in enumerate(inp.sample_req_ids)}
+        out.defer(ids)
+        if raw_lp is not None:
+            entries = gather_logprobs(raw_lp, ids, [n or 0 for n in nums])
+            out.logprobs = [e if n is not None else None for e, n in zip(entries, nums)]
+        return ids
 
     def _prompt_logprobs(self, inp: StepInputs, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
         for rid, first_row, count, first_pos in inp.prompt_lp:

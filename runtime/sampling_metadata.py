@@ -31,6 +31,7 @@ class SamplingMetadataBuilder:
         # on first use); the event says when the copy out of a buffer is done
         self.bits_pinned: list[tuple[torch.Tensor, torch.cuda.Event]] = []
         self.bits_step = 0
+        self.prefilled: tuple[torch.Tensor, torch.cuda.Event] | None = None  # see bits_buffer
         self.max_num_seqs = max_num_seqs
 
     def add(self, st: ReqState) -> None:
@@ -49,26 +50,43 @@ class SamplingMetadataBuilder:
         if sp.bad_words_token_ids:
             self.bad_words[row] = sp.bad_words_token_ids
 
-    def _bits_to_device(self, bits: np.ndarray) -> torch.Tensor:
-        if self.device.type != "cuda":
-            return torch.from_numpy(bits)
+    def _next_pinned(self, rows: int) -> tuple[torch.Tensor, torch.cuda.Event]:
         if not self.bits_pinned:
-            self.bits_pinned = [(torch.empty((self.max_num_seqs, bits.shape[1]), dtype=torch.int32,
+            width = (self.vocab_size + 31) // 32
+            self.bits_pinned = [(torch.empty((self.max_num_seqs, width), dtype=torch.int32,
                                              pin_memory=True), torch.cuda.Event()) for _ in range(2)]
         self.bits_step ^= 1
         buf, done = self.bits_pinned[self.bits_step]
         done.synchronize()  # the copy of two steps ago has left this buffer
-        host = buf[:bits.shape[0]]
-        host.numpy()[:] = bits
+        return buf[:rows], done
+
+    def bits_buffer(self, rows: int) -> torch.Tensor | None:
+        """Where the next step's grammar fill should write its rows: a pinned buffer the rows
+        then go to the device from directly (CUDA; None on CPU)."""
+        if self.device.type != "cuda":
+            return None
+        self.prefilled = self._next_pinned(rows)
+        return self.prefilled[0]
+
+    def bits_to_device(self, bits: np.ndarray) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return torch.from_numpy(bits)
+        pre, self.prefilled = self.prefilled, None
+        if pre is not None and pre[0].data_ptr() == bits.ctypes.data and len(pre[0]) == len(bits):
+            host, done = pre  # filled in place: no host copy
+        else:
+            host, done = self._next_pinned(bits.shape[0])
+            host.numpy()[:] = bits
         out = host.to(self.device, non_blocking=True)
         done.record()
         return out
 
     def build(self, req_ids: list[str], out_counts: np.ndarray,
               grammar: tuple[list[str], Callable[[], np.ndarray]] | None = None,
-              extra_tokens: np.ndarray | None = None) -> SamplingMetadata:
+              extra_tokens: np.ndarray | None = None, defer_bits: bool = False) -> SamplingMetadata:
         """Metadata for sampling `req_ids` (in order); `out_counts`: their outputs so far;
-        `grammar`: the plan's structured-output bitmask rows and their request ids.
+        `grammar`: the plan's structured-output bitmask rows and their request ids (`defer_bits`:
+        the rows' index only; the caller sets the bits, `bits_to_device`, before sampling).
         `extra_tokens` (speculative decoding: a request has a row per draft): row i samples
         after that many tokens past the request's known ones, which sit in its token ids."""
         reqs, stage, dev = self.batch.reqs, self.batch.stage, self.device
@@ -94,7 +112,7 @@ class SamplingMetadataBuilder:
         if grammar is not None and grammar[0]:
             pos = {rid: i for i, rid in enumerate(req_ids)}
             md.grammar = (stage(np.array([pos[r] for r in grammar[0]], dtype=np.int64)),
-                          self._bits_to_device(grammar[1]()))
+                          None if defer_bits else self.bits_to_device(grammar[1]()))
         under_min = np.flatnonzero(out_counts < p[:, P_MIN_TOKENS])
         if len(under_min):  # EOS and stop tokens may not end the output yet
             for i in under_min:

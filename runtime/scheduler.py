@@ -3,7 +3,9 @@
 Every step gives tokens to requests so that `num_computed_tokens` catches up with `num_tokens`,
 within `max_num_batched_tokens` and `max_num_seqs`. Prefill, chunked prefill, prefix-cache
 extension and decode are the same rule and mix freely in one batch. When blocks run out the
-lowest-priority (then latest) running request is preempted and later recomputed.
+lowest-priority (then latest) running request is preempted; with the host KV tier its full
+blocks are swapped out (and copied back when it resumes) where that is cheaper than recomputing
+them (runtime/preemption.py), else recomputed.
 
 The step plan (`SchedulerOutput`) is what every rank's model runner receives: new requests in
 full, running ones as deltas (new block ids, tokens appended since they were last scheduled).
@@ -27,6 +29,7 @@ from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from .model_runner import ModelRunnerOutput
+    from .preemption import SwapCostModel
     from .structured_output import StructuredOutputManager
 
 
@@ -66,6 +69,7 @@ class SchedulerOutput:
     grammar_bitmask: np.ndarray | None = None
     grammar_fill: Callable[..., object] | None = field(default=None, repr=False)
     grammar_future: object = field(default=None, repr=False)  # a fill running on the grammar thread
+    grammar_stats: object = field(default=None, repr=False)  # the StructuredOutputManager (timers)
     # host KV tier (runtime/kv_offload.py): block copies every rank runs before the forward,
     # device → host first, then host → device; `wait_for_copies`: the forward waits for them
     # (it reads loaded blocks, or overwrites a block this plan copies out)
@@ -83,20 +87,24 @@ class SchedulerOutput:
         rank that is at sampling time, after the forward is launched, so the host fills the masks
         while the device computes."""
         if self.grammar_future is not None:
+            t0 = time.perf_counter()
             self.grammar_bitmask, self.grammar_future = self.grammar_future.result(), None
+            if self.grammar_stats is not None:  # the engine loop waited this long for the fill
+                self.grammar_stats.wait_seconds += time.perf_counter() - t0
         elif self.grammar_bitmask is None and self.grammar_fill is not None:
             self.grammar_bitmask, self.grammar_fill = self.grammar_fill(), None
         return self.grammar_bitmask
 
-    def fill_async(self) -> None:
+    def fill_async(self, out=None) -> None:
         """Start filling the rows on the grammar thread (the model runner calls this once the
-        forward is launched, then defers sampling: the engine's own host work runs meanwhile)."""
+        forward is launched, then defers sampling: the engine's own host work runs meanwhile),
+        into `out` if given (the runner's pinned buffer for the copy to the device)."""
         if self.grammar_fill is not None and self.grammar_bitmask is None:
-            self.grammar_future, self.grammar_fill = self.grammar_fill(background=True), None
+            self.grammar_future, self.grammar_fill = self.grammar_fill(background=True, out=out), None
 
     def __getstate__(self):  # sent to other ranks: the rows travel, the filler does not
         self.bitmask()
-        return self.__dict__
+        return {k: v for k, v in self.__dict__.items() if k != "grammar_stats"}
 
     @property
     def is_empty(self) -> bool:
@@ -129,8 +137,10 @@ class Scheduler:
                  max_model_len: int, async_scheduling: bool = False,
                  structured: StructuredOutputManager | None = None, num_host_blocks: int = 0,
                  max_loras: int = 0, sliding_window: int = 0, spec_lookahead: int = 0,
-                 spec_enabled: bool = False):
+                 spec_enabled: bool = False, swap_cost: SwapCostModel | None = None):
         self.cfg = sched
+        # preemption with the host tier: swap or recompute (forced, or per request by the model)
+        self.swap_cost = swap_cost
         # speculative decoding: KV slots reserved past each step's tokens for the proposer
         self.spec_lookahead = spec_lookahead
         self.spec_enabled = spec_enabled
@@ -154,6 +164,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_ids: list[str] = []
         self.num_preemptions = 0
+        self.num_preemptions_swap = 0  # of which swapped out to the host tier
         self._step_prompt_tokens = 0
         self._step_gen_tokens = 0
 
@@ -295,7 +306,8 @@ class Scheduler:
                 constrained.append(req)
         if constrained:
             out.grammar_req_ids = [r.request_id for r in constrained]
-            out.grammar_fill = lambda background=False: self._fill_bitmask(constrained, background)
+            out.grammar_fill = lambda background=False, out=None: self._fill_bitmask(constrained, background, out)
+            out.grammar_stats = self.structured
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         if self.kv.offload is not None and not out.is_empty:  # (an empty plan is not sent)
             out.blocks_to_host, out.blocks_from_host, out.wait_for_copies = self.kv.offload.take_copies()
@@ -306,12 +318,13 @@ class Scheduler:
                 self.structured.wait_any([r.grammar for r in self.compiling], 0.01)
         return out
 
-    def _fill_bitmask(self, reqs: list[Request], background: bool = False):
+    def _fill_bitmask(self, reqs: list[Request], background: bool = False, out=None):
         """The masks of a plan's constrained requests, filled after its forward is launched.
         Under async scheduling the previous step may still be in flight: its tokens are taken
         from its result (waiting for it while this step's forward runs) and accepted first, so
         `update` finds them seen. `background`: run on the grammar thread and return a future;
-        `update` waits until the accepting is done (it reads and advances the same requests)."""
+        `update` waits until the accepting is done (it reads and advances the same requests).
+        `out`: where to write the rows (StructuredOutputManager.fill_bitmask)."""
         results = [r for r in self.results_in_flight() if r is not None] if self.async_scheduling else []
         done = threading.Event()
         self._accepting = done
@@ -321,7 +334,7 @@ class Scheduler:
                 self._accept_in_flight(reqs, results)
             finally:
                 done.set()
-            return self.structured.fill_bitmask([r.grammar for r in reqs])
+            return self.structured.fill_bitmask([r.grammar for r in reqs], out)
         return self.structured.fill_pool.submit(fill) if background else fill()
 
     def _accept_in_flight(self, reqs: list[Request], results: list) -> None:
@@ -414,13 +427,25 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
-        # blocks this step allocated hold no KV yet: they must not stay findable in the cache
-        self.kv.free(req, num_valid_tokens=req.num_computed_tokens)
+        swap = self._swaps(req)
+        # blocks this step allocated hold no KV yet: they must not stay findable in the cache;
+        # recompute: its blocks stay in the device tier's LRU but are not copied to the host
+        self.kv.free(req, num_valid_tokens=req.num_computed_tokens, to_host=swap)
+        self.num_preemptions_swap += swap
         if req.num_sent is not None:
             out.finished_req_ids.append(req.request_id)
         req.preempt()
         self.num_preemptions += 1
         self._enqueue(req)
+
+    def _swaps(self, req: Request) -> bool:
+        """Swap `req`'s full blocks out to the host tier rather than recompute them later?"""
+        if self.kv.offload is None:
+            return False
+        mode = self.cfg.preemption_mode
+        if mode is not None:
+            return mode == "swap"
+        return self.swap_cost is None or self.swap_cost.prefers_swap(req.num_computed_tokens)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent (tests call it every step)."""
@@ -552,6 +577,7 @@ class Scheduler:
             num_blocks_used=self.kv.num_blocks - self.kv.num_free_blocks,
             num_blocks_total=self.kv.num_blocks, prefix_queries=self.kv.prefix_queries,
             prefix_hits=self.kv.prefix_hits, num_preemptions=self.num_preemptions,
+            num_preemptions_swap=self.num_preemptions_swap,
             num_prompt_tokens=self._step_prompt_tokens, num_generation_tokens=self._step_gen_tokens)
         host = self.kv.offload
         if host is not None:
@@ -570,5 +596,6 @@ class Scheduler:
         if self.structured is not None:
             s.grammar_compile_seconds = self.structured.compile_seconds
             s.grammar_mask_seconds = self.structured.mask_seconds
+            s.grammar_wait_seconds = self.structured.wait_seconds
         self._step_prompt_tokens = self._step_gen_tokens = 0
         return s

@@ -15,16 +15,35 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import json
+import os
 import re
 import threading
 import time
 
 import numpy as np
 
+from . import envs
 from .sampling_params import StructuredOutputsParams
 
 MAX_WHITESPACE = 64  # a JSON whitespace run longer than this is never useful (and could loop)
 CACHE_SIZE = 256
+
+
+MAX_FILL_THREADS = 16  # a node-wide affinity (MPI without binding) must not mean 100+ threads
+
+
+def fill_threads() -> int:
+    """Threads of xgrammar's batched mask fill: RANKSERVE_GRAMMAR_THREADS, else the CPUs this
+    process may run on less two (the engine loop's thread, and one spare), at most 16. The fill
+    is on the step's critical path whenever it takes as long as the forward (W1 on an H200:
+    ~6 ms a step either way), so it gets the cores the loop does not use; xgrammar's own default
+    (half the node's CPU count, not the job's) gives it half of them, or far too many under
+    Slurm or in a container."""
+    n = envs.get("RANKSERVE_GRAMMAR_THREADS")
+    if n is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        n = min(cpus - 2, MAX_FILL_THREADS)
+    return max(1, n)
 
 
 def _clean(err: Exception) -> str:
@@ -178,9 +197,17 @@ class StructuredOutputManager:
         self._batch = None  # xgrammar BatchGrammarMatcher, made on first use
         self._stop_ids: set[int] = set()
         self.cache: collections.OrderedDict[tuple, concurrent.futures.Future] = collections.OrderedDict()
-        # cumulative seconds (SchedulerStats)
+        # cumulative seconds (SchedulerStats): compiling; filling masks and accepting tokens
+        # (mask = fill + accept, on the grammar thread or the engine's); the engine loop waiting
+        # for a fill (the part of it the step did not hide)
         self.compile_seconds = 0.0
-        self.mask_seconds = 0.0
+        self.fill_seconds = 0.0
+        self.accept_seconds = 0.0
+        self.wait_seconds = 0.0
+
+    @property
+    def mask_seconds(self) -> float:
+        return self.fill_seconds + self.accept_seconds
 
     def _get_compiler(self):
         with self._lock:  # first use builds it (a tokenizer load: ~1 s), in a pool thread
@@ -227,23 +254,26 @@ class StructuredOutputManager:
             stop = sorted(self._stop_ids | {eos_token_id})  # EOS only where the grammar may end
         g.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop)
 
-    def fill_bitmask(self, grammars: list[RequestGrammar]) -> np.ndarray:
-        """One row of allowed-token bits (int32 words) per matcher, for this step. A matcher
-        that has ended or failed gets a full row: its request finishes when the engine sees the
-        token that ended it, and whatever this step samples for it is dropped."""
+    def fill_bitmask(self, grammars: list[RequestGrammar], out=None) -> np.ndarray:
+        """One row of allowed-token bits (int32 words) per matcher, for this step, written into
+        `out` (an int32 tensor of len(grammars) rows: the runner's pinned buffer, so the rows go
+        to the device without another host copy) or a new array. A matcher that has ended or
+        failed gets a full row: its request finishes when the engine sees the token that ended
+        it, and whatever this step samples for it is dropped."""
+        import torch
         import xgrammar as xgr
         t0 = time.perf_counter()
-        mask = xgr.allocate_token_bitmask(len(grammars), self.vocab_size)
-        if self._batch is None:  # fills the rows on several threads
-            self._batch = xgr.BatchGrammarMatcher()
+        n = len(grammars)
+        mask = out if out is not None else torch.empty((n, (self.vocab_size + 31) // 32), dtype=torch.int32)
+        if self._batch is None:  # fills the rows on several threads, without the GIL
+            self._batch = xgr.BatchGrammarMatcher(fill_threads())
         live = [i for i, g in enumerate(grammars) if not g.failed and not g.matcher.is_terminated()]
         if live:
             self._batch.batch_fill_next_token_bitmask([grammars[i].matcher for i in live], mask,
-                                                      live if len(live) < len(grammars) else None)
-        if len(live) < len(grammars):
-            done = sorted(set(range(len(grammars))) - set(live))
-            mask[done] = -1
-        self.mask_seconds += time.perf_counter() - t0
+                                                      live if len(live) < n else None)
+        if len(live) < n:
+            mask[sorted(set(range(n)) - set(live))] = -1
+        self.fill_seconds += time.perf_counter() - t0
         return mask.numpy()
 
     def accept(self, pairs: list[tuple[RequestGrammar, int]]) -> None:
@@ -262,7 +292,7 @@ class StructuredOutputManager:
             for (g, _), ok in zip(batch, oks):
                 g.num_seen += 1
                 g.failed = not ok
-        self.mask_seconds += time.perf_counter() - t0
+        self.accept_seconds += time.perf_counter() - t0
 
     def wait_any(self, grammars: list[RequestGrammar], timeout: float) -> None:
         concurrent.futures.wait([g.future for g in grammars], timeout, concurrent.futures.FIRST_COMPLETED)

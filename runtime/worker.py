@@ -29,6 +29,7 @@ class Worker:
         self.runner = ModelRunner(cfg, pi, device)
         self.rpc = RunnerRPC(self.runner, control.rank)
         self.num_host_blocks = 0
+        self.host_block_bytes = 0  # every rank's shard of a block (rank 0's cost model)
         # the rank whose sampled ids go back to rank 0: TP rank 0 of the last stage (ranks on
         # the control channel, which spans one data-parallel replica)
         self.result_rank = global_rank(ParallelInfo(0, pi.tp_size, None, pi.pp_size - 1,
@@ -43,6 +44,7 @@ class Worker:
         gib = self.cfg.offload.kv_offload_size
         if gib > 0:  # the host tier: --kv-offload-size GiB over every rank's shard of a block
             sizes = self.control.gather(self.rpc.rpc_host_kv_bytes_per_block())
+            self.host_block_bytes = sum(sizes) if sizes else 0
             self.num_host_blocks = self.control.bcast(int(gib * 2**30) // sum(sizes) if sizes else None)
             self.rpc.rpc_init_host_kv(self.num_host_blocks)
         self.runner.compile()

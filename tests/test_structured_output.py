@@ -134,7 +134,7 @@ def test_constrained_requests_advance_every_step_under_async(qwen3_chat_dir):
     steps, filled_late, overlapped, threads = [], [], [], []
     eng = llm.engine
     fill = eng.structured.fill_bitmask
-    eng.structured.fill_bitmask = lambda g: (threads.append(threading.current_thread().name), fill(g))[1]
+    eng.structured.fill_bitmask = lambda *a: (threads.append(threading.current_thread().name), fill(*a))[1]
     eng.step_hooks.append(lambda plan: (steps.append(plan), filled_late.append(
         plan.grammar_req_ids == [] or plan.grammar_bitmask is None),
         overlapped.append(bool(plan.grammar_req_ids) and len(eng.in_flight) > 0)))

@@ -5,7 +5,9 @@
 # so split a session, e.g. `w2 w2warm w1 tests` | `kernels w2hf w1hf`. Stages:
 #   w2, w2warm        W2 cold (empty --cache-dir) and again warm; w2l2 / w1l2 at --compilation-level 2
 #   w1                W1; w1fp8kv with --kv-cache-dtype fp8; w1so with a JSON-schema constraint on
-#                     every request (needs QWEN3_TOKENIZER); w2cublas with the skinny GEMMs off
+#                     every request (needs QWEN3_TOKENIZER); w2cublas with the skinny GEMMs off;
+#                     w1sothreads: w1so with 4, 8 and 14 mask-fill threads (RANKSERVE_GRAMMAR_THREADS);
+#                     gbench: the CPU benchmark of the masks' host cost (runtime/bench/grammar.py)
 #   w2hf, w1hf        the same workloads on transformers
 #   tests, e2e2       GPU tests (kernels, skinny GEMMs, graphs/compile vs eager); e2e2 level 2 only
 #   sotests           structured-output tests on CUDA (need ../shared/tokenizers/qwen3)
@@ -13,6 +15,8 @@
 #   sleep, kvtier     sleep level 1/2 memory and wake time (Llama-3.1-8B shape); a multi-turn
 #                     workload over a 2048-block device cache without and with a 32 GiB host tier
 #   sleeptests        sleep / host-tier GPU tests
+#   preempt           W1 over a 4096-block device cache (heavy preemption) with a 16 GiB host tier:
+#                     --preemption-mode by the cost model (preemptauto), swap, recompute
 #   launchtests       srun-style ranks without MPI over NCCL (needs 2 GPUs)
 #   servew1           `rankserve serve` (Qwen3-0.6B shape) + `rankserve bench serve` with W1's
 #                     lengths at concurrency 256 and Poisson 10/20/40 req/s; servew1dp2 the same
@@ -87,6 +91,11 @@ for stage in "$@"; do case $stage in
   w1so) run w1so 200 python3 -m rankserve.launch bench throughput qwen3-0.6b --workload w1 --max-num-seqs 256 \
         --tokenizer "${QWEN3_TOKENIZER:?set QWEN3_TOKENIZER to a Qwen3 tokenizer directory}" \
         --structured-output json --cache-dir "$CACHE" --output-json "$OUT/w1so.json" ;;
+  w1sothreads) for n in 4 8 14; do RANKSERVE_GRAMMAR_THREADS=$n run w1so$n 200 python3 -m rankserve.launch bench \
+        throughput qwen3-0.6b --workload w1 --max-num-seqs 256 --cache-dir "$CACHE" --output-json "$OUT/w1so$n.json" \
+        --tokenizer "${QWEN3_TOKENIZER:?set QWEN3_TOKENIZER to a Qwen3 tokenizer directory}" --structured-output json; done ;;
+  gbench) for f in 5 20; do run gbench$f 120 python3 -m rankserve.runtime.bench.grammar --forward-ms $f --steps 100 \
+        --tokenizer "${QWEN3_TOKENIZER:?set QWEN3_TOKENIZER to a Qwen3 tokenizer directory}" --output-json "$OUT/gbench$f.json"; done ;;
   sotests) run sotests 200 python3 -m pytest -q -x tests/test_structured_output.py ;;
   w1l2) run w1l2 170 python3 -m rankserve.launch bench throughput qwen3-0.6b --workload w1 --max-num-seqs 256 \
         --compilation-level 2 --cache-dir "$CACHE" --output-json "$OUT/w1l2.json" ;;
@@ -117,7 +126,10 @@ for stage in "$@"; do case $stage in
         --max-num-seqs 256 --mamba-ssm-cache-dtype auto --cache-dir "$CACHE" --output-json "$OUT/w1hybridbf16.json" ;;
   hybtests) run hybtests 300 python3 -m pytest -q -m gpu tests/test_hybrid.py tests/test_mamba_kernels.py ;;
   kmamba) run kmamba 150 python3 -m rankserve.kernels.benchmark --only mamba --json "$OUT/kmamba.json" ;;
-  sleeptests) run sleeptests 200 python3 -m pytest -q -m gpu tests/test_gpu_sleep.py ;;
+  preempt) for mode in auto swap recompute; do run preempt$mode 200 python3 -m rankserve.launch bench throughput \
+        qwen3-0.6b --workload w1 --max-num-seqs 256 --num-gpu-blocks-override 4096 --kv-offload-size 16 \
+        $([ $mode = auto ] || echo --preemption-mode $mode) --cache-dir "$CACHE" --output-json "$OUT/preempt$mode.json"; done ;;
+  sleeptests) run sleeptests 200 python3 -m pytest -q -m gpu tests/test_gpu_sleep.py tests/test_preemption_mode.py ;;
   launchtests) run launchtests 200 python3 -m pytest -q -m gpu tests/test_launch_gpu.py ;;
   servew1) GPUS=1 SERVE_RUNS="c256:--num-prompts 256 --max-concurrency 256;r10:--num-prompts 400 --request-rate 10;r20:--num-prompts 400 --request-rate 20;r40:--num-prompts 400 --request-rate 40" \
         serve_w1 servew1 ;;
@@ -160,7 +172,7 @@ for stage in "$@"; do case $stage in
         # the others' memory in their memory profile and find no room for a KV cache)
         run gputests 400 python3 -m pytest -q -m gpu -p no:cacheprovider ${GPUTESTS:-tests/test_deepseek_mla_kernel.py \
           tests/test_deepseek.py tests/test_hybrid.py tests/test_mamba_kernels.py tests/test_spec_decode.py \
-          tests/test_spec_decode_mtp.py tests/test_spec_decode_eagle.py tests/test_gpu_sleep.py} ;;
+          tests/test_spec_decode_mtp.py tests/test_spec_decode_eagle.py tests/test_gpu_sleep.py tests/test_preemption_mode.py} ;;
   lora) # 8 rank-16 adapters over W1's requests, 1 adapter on W2, each beside the base model
         L="--enable-lora --max-lora-rank 16"
         for w in w2 w1; do run ${w}base 200 python3 -m rankserve.launch bench throughput llama-3.1-8b --workload $w \

@@ -104,14 +104,23 @@ def rankserve_throughput(llm, wl: common.Workload, warm: common.Workload,
     run_engine(llm, warm, structured=structured, loras=loras)  # compiles the schemas too
     log.clear()
     spec0 = common.spec_snapshot(llm)
+    sch = llm.engine.scheduler
+    pre0 = (sch.num_preemptions, sch.num_preemptions_swap)
+    so = llm.engine.structured
+    so0 = (so.fill_seconds, so.accept_seconds, so.wait_seconds)
     elapsed, out_lens = run_engine(llm, wl, use_tqdm=True, structured=structured, loras=loras)
     spec = common.spec_summary(spec0, common.spec_snapshot(llm))
+    swaps = sch.num_preemptions_swap - pre0[1]  # preemptions of the timed run, by kind
+    preemptions = dict(swap=swaps, recompute=sch.num_preemptions - pre0[0] - swaps)
+    if structured:  # host seconds of the masks over the timed run: fill, accept, and the loop's wait
+        extra_so = dict(zip(("fill_s", "accept_s", "wait_s"),
+                            (b - a for a, b in zip(so0, (so.fill_seconds, so.accept_seconds, so.wait_seconds)))))
     n_dev = llm.config.parallel.world_size  # TP shards and PP stages in flight all read at once
     floor = common.physical_floor(stats, wl.prompt_lens, out_lens, log.tokens,
                                   runner.dtype.itemsize, ceilings, num_devices=n_dev,
                                   widths=(widths := common.byte_widths(runner)))
     timings = dict(llm.engine.timings)
-    extra = {}
+    extra = {"structured_output": extra_so} if structured else {}
     if profile_dir:
         extra["profile"] = common.profile_steps(llm, lambda: run_engine(llm, wl, structured=structured),
                                                 len(log.tokens),
@@ -119,7 +128,7 @@ def rankserve_throughput(llm, wl: common.Workload, warm: common.Workload,
     return dict(metrics(elapsed, wl.prompt_lens, out_lens, floor, timings),
                 dtype=str(runner.dtype).replace("torch.", ""), num_kv_blocks=llm.engine.num_blocks,
                 num_devices=n_dev, bytes_per_weight=widths["linear"], kv_bytes=widths["kv"],
-                **({"spec_decode": spec} if llm.config.spec else {}), **extra)
+                preemptions=preemptions, **({"spec_decode": spec} if llm.config.spec else {}), **extra)
 
 
 def hf_throughput(model_dir: str, device: torch.device, dtype: torch.dtype, wl, warm, stats,
@@ -144,6 +153,13 @@ def print_result(name: str, r: dict) -> None:
     print(common.format_floor(r["floor"]))
     if "spec_decode" in r:
         print(common.format_spec(r["spec_decode"]))
+    if "structured_output" in r:
+        g, n = r["structured_output"], max(r["floor"]["num_steps"], 1)
+        print(f"  structured outputs, per step: fill {1e3 * g['fill_s'] / n:.2f} ms, accept "
+              f"{1e3 * g['accept_s'] / n:.2f} ms (grammar thread), engine loop waited for masks "
+              f"{1e3 * g['wait_s'] / n:.2f} ms")
+    if sum(r.get("preemptions", {}).values()):
+        print("  preemptions: {swap} swapped to the host tier, {recompute} recomputed".format(**r["preemptions"]))
 
 
 def run(cfg, args: ThroughputArgs, on_ranks, multi_process: bool) -> int:

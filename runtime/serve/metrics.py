@@ -20,11 +20,14 @@ class EngineMetrics:
     """The series of one engine replica (label `engine`, as vLLM's): its scheduler's gauges and
     counters and the latencies of the requests it served."""
 
-    def __init__(self, parents: dict, success, spec_per_pos, model_name: str, engine: int):
+    def __init__(self, parents: dict, success, spec_per_pos, preempt_kind, model_name: str,
+                 engine: int):
         for attr, parent in parents.items():
             setattr(self, attr, parent.labels(model_name, str(engine)))
         self._success = success
         self._spec_per_pos = spec_per_pos
+        self._swap = preempt_kind.labels(model_name, str(engine), "swap")
+        self._recompute = preempt_kind.labels(model_name, str(engine), "recompute")
         self._labels = (model_name, str(engine))
         self._last = SchedulerStats()  # the engine's cumulative counters, as last seen
 
@@ -43,6 +46,7 @@ class EngineMetrics:
                                (self.prefix_hits, "prefix_hits"),
                                (self.grammar_compile, "grammar_compile_seconds"),
                                (self.grammar_mask, "grammar_mask_seconds"),
+                               (self.grammar_wait, "grammar_wait_seconds"),
                                (self.host_prefix_queries, "host_prefix_queries"),
                                (self.host_prefix_hits, "host_prefix_hits"),
                                (self.host_blocks_stored, "host_blocks_stored"),
@@ -51,6 +55,9 @@ class EngineMetrics:
                                (self.spec_draft_tokens, "spec_num_draft_tokens"),
                                (self.spec_accepted, "spec_num_accepted_tokens")):
             counter.inc(max(0, getattr(s, field) - getattr(self._last, field)))
+        swaps = s.num_preemptions_swap - self._last.num_preemptions_swap
+        self._swap.inc(max(0, swaps))
+        self._recompute.inc(max(0, s.num_preemptions - self._last.num_preemptions - swaps))
         old = self._last.spec_accepted_per_pos
         for pos, n in enumerate(s.spec_accepted_per_pos):
             prev = old[pos] if pos < len(old) else 0
@@ -97,8 +104,10 @@ class Metrics:
         counter("generation_tokens", "generation_tokens", "Tokens generated")
         counter("grammar_compile", "grammar_compile_seconds", "Seconds compiling structured-output "
                 "grammars (worker threads, off the step loop)")
-        counter("grammar_mask", "grammar_mask_seconds", "Seconds of the step loop filling "
-                "structured-output token bitmasks")
+        counter("grammar_wait", "grammar_wait_seconds", "Seconds the step loop waited for a "
+                "structured-output mask fill (the part the forward did not hide)")
+        counter("grammar_mask", "grammar_mask_seconds", "Seconds filling structured-output token "
+                "bitmasks and accepting sampled tokens (grammar thread or step loop)")
         # the host tier of the prefix cache (--kv-offload-size); its hit rate is
         # host_prefix_cache_hits / host_prefix_cache_queries, the device tier's
         # prefix_cache_hits / prefix_cache_queries
@@ -133,7 +142,11 @@ class Metrics:
         spec_per_pos = prom.Counter("rankserve:spec_decode_num_accepted_tokens_per_pos", "Draft "
                                     "tokens accepted, by position in the draft", [*labels, "position"],
                                     registry=r)
-        self.engines = [EngineMetrics(parents, success, spec_per_pos, model_name, e)
+        # --preemption-mode: swapped to the host KV tier, or recomputed (their sum: num_preemptions)
+        preempt_kind = prom.Counter("rankserve:num_preemptions_by_kind", "Preemptions by how the "
+                                    "request's KV comes back: swap (host KV tier) or recompute",
+                                    [*labels, "kind"], registry=r)
+        self.engines = [EngineMetrics(parents, success, spec_per_pos, preempt_kind, model_name, e)
                         for e in range(num_engines)]
         self._lora: dict[int, tuple[str, str]] = {}  # replica -> (waiting, running) adapters
 

@@ -1,0 +1,75 @@
+"""The per-step mask fill of structured outputs: in place into the runner's buffer, the thread
+count, and the step loop's wait for a fill on the grammar thread (counted, not pickled)."""
+from __future__ import annotations
+
+import concurrent.futures
+import pickle
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import STORIES_EMBEDDED
+from rankserve.runtime.sampling_params import StructuredOutputsParams
+from rankserve.runtime.scheduler import SchedulerOutput
+from rankserve.runtime.structured_output import StructuredOutputManager, fill_threads
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def manager():
+    m = StructuredOutputManager(str(STORIES_EMBEDDED), str(STORIES_EMBEDDED), VOCAB)
+    yield m
+    m.shutdown()
+
+
+def grammars(m, n):
+    out = []
+    for i in range(n):
+        g = m.submit(StructuredOutputsParams(regex="[0-9]{2,4}" if i % 2 else "(yes|no)"))
+        g.future.result()
+        m.init_matcher(g, 2)
+        out.append(g)
+    return out
+
+
+def test_fill_in_place_matches_a_fresh_fill(manager):
+    gs = grammars(manager, 5)
+    gs[3].failed = True  # a failed (or ended) matcher gets a full row
+    fresh = manager.fill_bitmask(gs)
+    buf = torch.zeros((8, (VOCAB + 31) // 32), dtype=torch.int32)
+    t0 = manager.fill_seconds
+    rows = manager.fill_bitmask(gs, buf[:5])
+    assert rows.ctypes.data == buf.data_ptr()  # written where the runner copies from
+    assert np.array_equal(rows, fresh) and (rows[3] == -1).all() and not (rows[0] == -1).all()
+    assert not buf[5:].any() and manager.fill_seconds > t0
+
+
+def test_fill_threads_knob(monkeypatch):
+    monkeypatch.setenv("RANKSERVE_GRAMMAR_THREADS", "3")
+    assert fill_threads() == 3
+    monkeypatch.delenv("RANKSERVE_GRAMMAR_THREADS")
+    assert fill_threads() >= 1
+    monkeypatch.setenv("RANKSERVE_GRAMMAR_THREADS", "x")
+    with pytest.raises(ValueError, match="RANKSERVE_GRAMMAR_THREADS"):
+        fill_threads()
+
+
+def test_waiting_for_a_background_fill_is_counted_and_the_plan_still_pickles(manager):
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    rows = np.full((1, 16), 7, dtype=np.int32)
+
+    def slow():
+        time.sleep(0.05)
+        return rows
+    plan = SchedulerOutput(grammar_req_ids=["a"], grammar_stats=manager,
+                           grammar_fill=lambda background=False, out=None: pool.submit(slow))
+    before = manager.wait_seconds
+    plan.fill_async()
+    assert plan.bitmask() is rows
+    assert manager.wait_seconds - before >= 0.04
+    sent = pickle.loads(pickle.dumps(plan))  # to other ranks: the rows, not the manager
+    assert np.array_equal(sent.grammar_bitmask, rows) and sent.grammar_stats is None
+    pool.shutdown()
