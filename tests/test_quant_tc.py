@@ -178,3 +178,21 @@ def test_gpu_tc_cuda_graph_capture():
             gpu_close(out, ref)
     finally:
         Q.TC_MAX_M = 0
+
+
+@pytest.mark.parametrize("name,method,block", [("llama-3.1-8b-gptq", "gptq", None),
+                                               ("llama-3.1-8b-fp8block", "fp8", [128, 128])])
+def test_shipped_quantized_llama_configs(name, method, block):
+    """The bench configs of the quantized W2 stages (runtime/bench/gpu_session.sh) read as
+    their schemes."""
+    from transformers import AutoConfig
+
+    from rankserve.models.quantization import quant_config_of
+    from rankserve.runtime.bench import common
+    path, named = common.resolve_model(name)
+    qc = quant_config_of(AutoConfig.from_pretrained(path), None)
+    assert named and qc.name == method
+    if block:
+        assert qc.block == block
+    else:
+        assert (qc.method.group_size, qc.method.sym, qc.method.desc_act) == (128, True, False)

@@ -4,6 +4,16 @@ copies to defeat L2 (launch gaps included, as in a decode step). Prints the best
 shape with GB/s against the 4.8 TB/s floor, and writes $OUT/tune.json (CUDA only):
 
     python benchmarks/2026-12-03-h200-s3/tune.py base fp8chan w4sym fp8blk bf16 w4zp
+
+`tc` (about a minute): the tensor-core skinny kernels (kernels/quant_tc.py) against the current
+ones. First a correctness table (every kernel against the plain-torch reference, relative error,
+OK below 1e-2), then per shape the time of the old op path (RANKSERVE_QUANT_TC_MAX_M=0: the
+CUDA-core skinny kernel at M <= 2, else torch._scaled_mm / the tl.dot GEMM) and of the tc
+kernel with the table's config and a few variants (split-K, BLOCK_N), in us and TB/s beside the
+HBM floor, at M = 1 and TC_M (default 8); Llama-8B shapes for FP8 per channel, FP8 128x128 blocks,
+w4a16 sym / zero point, and DeepSeek-V3 shapes for the blocks; then the per-layer sums:
+
+    python benchmarks/2026-12-03-h200-s3/tune.py tc
 """
 import itertools
 import json
@@ -117,11 +127,114 @@ def bf16_sweep(M):
           lambda x, w, out: gemv._skinny(gemv.LINEAR, x, w, None, x.shape[1]), cfgs, M, lambda N, K: N * K * 2, setcfg)
     gemv._config = orig
 
+DS_SHAPES = [("ds_q_b", 24576, 1536), ("ds_o", 7168, 16384), ("ds_qkv_a", 2112, 7168),
+             ("ds_down", 7168, 2048)]
+
+
+def tc_compare():
+    """old op path vs the tensor-core skinny kernels (see the module doc)."""
+    from rankserve.kernels import quant_tc as T
+    Ms = [1] + [int(m) for m in os.environ.get("TC_M", "8").split()]
+    HBM = 4.8e12
+
+    def fp8(bs):
+        def make(N, K):
+            q, s = Q.quant_fp8_weight(torch.randn(N, K, dtype=DT, device="cuda") * K ** -0.5, bs)
+            return q, s
+        old = lambda x, w, out: Q.fp8_linear(x, w[0], w[1], None, bs)  # noqa: E731
+        tc = lambda x, w, out, **kw: T.fp8_tc(x, w[0], w[1], None, bs, out, **kw)  # noqa: E731
+        ref = lambda x, w: Q.fp8_linear_ref(x, w[0], w[1], None, bs)  # noqa: E731
+        nbytes = lambda N, K: N * K + (math.ceil(N / 128) * math.ceil(K / 128) if bs else N) * 4  # noqa: E731
+        return make, old, tc, ref, nbytes
+
+    def w4(zero):
+        def make(N, K):
+            qw = torch.randint(-2 ** 31, 2 ** 31 - 1, (K // 8, N), dtype=torch.int32, device="cuda")
+            sc = (torch.rand(K // 128, N, device="cuda") * 0.01).to(DT)
+            z = torch.randint(0, 16, (K // 128, N), dtype=torch.uint8, device="cuda") if zero else None
+            return qw, sc, z
+        old = lambda x, w, out: Q.w4a16_linear(x, w[0], w[1], w[2], None, 128)  # noqa: E731
+        tc = lambda x, w, out, **kw: T.w4_tc(x, w[0], w[1], w[2], None, 128, None, out, **kw)  # noqa: E731
+        ref = lambda x, w: Q.w4a16_linear_ref(x, w[0], w[1], w[2], None, 128)  # noqa: E731
+        nbytes = lambda N, K: N * K // 2 + (K // 128) * N * (3 if zero else 2)  # noqa: E731
+        return make, old, tc, ref, nbytes
+
+    kinds = [("fp8chan", fp8(None), SHAPES), ("fp8blk", fp8([128, 128]), SHAPES + DS_SHAPES),
+             ("w4sym", w4(False), SHAPES), ("w4zp", w4(True), SHAPES)]
+    Q.TC_MAX_M = 0  # "old" = the op as it runs without the knob
+    print("== correctness (relative error vs the plain-torch reference; OK < 1e-2)", flush=True)
+    bad = 0
+    for tag, (make, old, tc, ref, _), shapes in kinds:
+        for name, N, K in shapes:
+            w = make(N, K)
+            for M in Ms:
+                x = torch.randn(M, K, dtype=DT, device="cuda")
+                r = ref(x, w).float()
+                out = torch.empty(M, N, dtype=DT, device="cuda")
+                errs = {"old": old(x, w, out), "tc": tc(x, w, out.clone()),
+                        "tc_split1": tc(x, w, out.clone(), split=1)}
+                errs = {k: ((v.float() - r).norm() / r.norm()).item() for k, v in errs.items()}
+                ok = all(e < 1e-2 for e in errs.values())
+                bad += not ok
+                print(f"  {tag:8s} M={M:<2d} {name:8s} " + " ".join(f"{k} {e:.1e}" for k, e in errs.items())
+                      + ("  OK" if ok else "  FAIL"), flush=True)
+    print(f"== correctness: {'all OK' if not bad else f'{bad} FAILED'}", flush=True)
+
+    orig = T.tc_config
+    variants = {"tc": {}, "tc_s1": {"SPLIT": 1}, "tc_n128": {"BLOCK_N": 128}, "tc_n32": {"BLOCK_N": 32},
+                "tc_st6": {"NUM_STAGES": 6}}
+    totals = {}
+    print("== timings (per call, inside a CUDA graph, weights > L2)", flush=True)
+    for tag, (make, old, tc, ref, nbytes), shapes in kinds:
+        for name, N, K in shapes:
+            ws = [make(N, K) for _ in range(copies(nbytes(N, K)))]
+            floor_us = nbytes(N, K) / HBM * 1e6
+            for M in Ms:
+                x = torch.randn(M, K, dtype=DT, device="cuda")
+                out = torch.empty(M, N, dtype=DT, device="cuda")
+                row = {}
+                row["old"] = gtime([lambda w=w: old(x, w, out) for w in ws])
+                for vname, over in variants.items():
+                    T.tc_config = lambda *a, over=over: {**orig(*a), **over}
+                    try:
+                        row[vname] = gtime([lambda w=w: tc(x, w, out) for w in ws])
+                    except Exception as e:  # a variant that does not compile / fit
+                        row[vname] = float("nan")
+                        print(f"    {vname} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                    T.tc_config = orig
+                best = min((v, k) for k, v in row.items() if k != "old" and v == v)
+                print(f"  {tag:8s} M={M:<2d} {name:8s} {N}x{K} floor {floor_us:5.1f}us | "
+                      + " ".join(f"{k} {v:5.1f}us {nbytes(N, K) / v / 1e6:4.2f}TB/s" for k, v in row.items())
+                      + f" | best {best[1]} {row['old'] / best[0]:.2f}x old", flush=True)
+                if (name, N, K) in SHAPES:
+                    t = totals.setdefault((tag, M), {"floor": 0.0, "old": 0.0, "tc": 0.0, "best": 0.0})
+                    t["floor"] += floor_us
+                    t["old"] += row["old"]
+                    t["tc"] += row["tc"]
+                    t["best"] += best[0]
+            del ws
+    bf = {}
+    for M in Ms:  # the bf16 skinny GEMV (what W2 bf16 runs) on the same shapes
+        bf[M] = 0.0
+        for name, N, K in SHAPES:
+            ws = [torch.randn(N, K, dtype=DT, device="cuda") for _ in range(copies(N * K * 2))]
+            x = torch.randn(M, K, dtype=DT, device="cuda")
+            bf[M] += gtime([lambda w=w: gemv.skinny_linear(x, w) for w in ws])
+            del ws
+    print("== Llama-8B layer (qkv + o + gate_up + down), us: floor / old / tc (table) / best variant;"
+          " bf16 skinny for comparison", flush=True)
+    for (tag, M), t in totals.items():
+        print(f"  {tag:8s} M={M:<2d} floor {t['floor']:6.1f} old {t['old']:6.1f} tc {t['tc']:6.1f} "
+              f"best {t['best']:6.1f} | bf16 skinny {bf[M]:6.1f} -> tc {bf[M] / t['tc']:.2f}x bf16, "
+              f"{100 * t['floor'] / t['tc']:.0f}% of its floor", flush=True)
+
+
 if __name__ == "__main__":
     t0 = time.time()
     which = sys.argv[1:] or ["base", "fp8chan", "fp8blk", "w4sym", "w4zp"]
     fns = {"base": baselines, "bf16": bf16_sweep, "fp8chan": lambda M: fp8_sweep(M, False),
-           "fp8blk": lambda M: fp8_sweep(M, True), "w4sym": lambda M: w4_sweep(M, False), "w4zp": lambda M: w4_sweep(M, True)}
+           "fp8blk": lambda M: fp8_sweep(M, True), "w4sym": lambda M: w4_sweep(M, False), "w4zp": lambda M: w4_sweep(M, True),
+           "tc": lambda M: tc_compare()}
     for w in which:
         fns[w](1)
         print(f"[{time.time() - t0:.0f}s] {w} done", flush=True)
