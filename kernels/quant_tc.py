@@ -219,8 +219,10 @@ def _run(kernel, args, M, N, K, out, bias, cfg, split, **consts):
 
 def fp8_tc(x2: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
            block_size: list[int] | None, out: torch.Tensor, split: int | None = None,
-           fuse_quant: bool | None = None) -> torch.Tensor:
-    """out [M, N] = fp8_linear(x2, ...) on the tensor cores; x2 [M, K] unit stride along K."""
+           fuse_quant: bool | None = None, prequant: torch.Tensor | None = None) -> torch.Tensor:
+    """out [M, N] = fp8_linear(x2, ...) on the tensor cores; x2 [M, K] unit stride along K.
+    prequant: x2 is already e4m3 and this is its scale [M, 1] (per token) or [M, K / bk]
+    (kernels/fp8_prologue.py)."""
     M, K = x2.shape
     N = w.shape[0]
     group_n, group_k = (1, 0) if block_size is None else block_size
@@ -232,7 +234,9 @@ def fp8_tc(x2: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch
         fuse_quant = M <= FUSE_QUANT_M
     if fuse_quant and group_k and cfg["BLOCK_K"] != group_k:
         fuse_quant = False  # a group wider than a step: quantize first
-    if fuse_quant:
+    if prequant is not None:
+        xq, xs, stride_xs, fuse_quant = x2, prequant, prequant.stride(0), False
+    elif fuse_quant:
         xq, xs, stride_xs = x2, None, 0
     else:
         xq, xs = quant_fp8_triton(x2, group_k)

@@ -8,16 +8,17 @@ of three), also when each layer is compiled on its own (the runner compiles laye
 model: one compilation serves all of them). The arithmetic and its order are the plain block's.
 
 A sub-block takes part by naming its input projection: `in_proj` (a ColumnParallelLinear) and
-`from_in_proj(y, *args)`, the rest of its forward. When that projection is quantized (FP8,
-4-bit), the add and the norm are one kernel in front of it (`add_rms_norm`; its GEMM quantizes
-the normed activations itself); any other sub-block gets the add and the norm unfused.
+`from_in_proj(y, *args)`, the rest of its forward. When that projection is quantized (or has
+LoRA), its linear method runs the prologue (`add_rms_norm_apply`, models/quantization.py: the add
+and the norm in one kernel before the GEMM; FP8 at decode sizes also quantizes the activations
+in that kernel, kernels/fp8_prologue.py); any other sub-block gets the add and the norm unfused.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
-from ..kernels.gemv import add_rms_norm, add_rms_norm_linear
+from ..kernels.gemv import add_rms_norm_linear
 
 
 def add_norm_then(block: nn.Module, h: torch.Tensor, delta: torch.Tensor, norm: nn.Module,
@@ -27,9 +28,9 @@ def add_norm_then(block: nn.Module, h: torch.Tensor, delta: torch.Tensor, norm: 
     if proj is None:
         h = h + delta
         return block(norm(h), *args), h
-    if not proj.quant.dense:  # a quantized GEMM takes the normed input: add + norm, one kernel
-        x, h = add_rms_norm(h, delta, norm.weight, norm.eps)
-        return block(x, *args), h
+    if not proj.quant.dense:  # quantized (or LoRA): the method's own prologue path
+        y, h = proj.quant.add_rms_norm_apply(proj, h, delta, norm.weight, norm.eps, proj.bias)
+        return block.from_in_proj(y, *args), h
     y, h = add_rms_norm_linear(h, delta, norm.weight, norm.eps, proj.weight, proj.bias)
     return block.from_in_proj(y, *args), h
 

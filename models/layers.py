@@ -19,7 +19,7 @@ from ..kernels.attention import attention, rms_norm
 from ..kernels.gemv import silu_mul_linear
 from .loader import read_slice as _read, slice_shape as _shape
 from .parallel import ParallelInfo, tp_all_gather_last, tp_all_reduce
-from .quantization import LinearMethod, Slices, current_linear_method, silu_mul
+from .quantization import LinearMethod, Slices, current_linear_method
 
 
 def divide(a: int, b: int, what: str) -> int:
@@ -133,8 +133,8 @@ class RowParallelLinear(ParallelLinear):
 
     def silu_mul_forward(self, gu: torch.Tensor) -> torch.Tensor:
         """(silu(gate) * up) W^T for gu = [gate | up], the product in the GEMM's prologue."""
-        if not self.quant.dense:
-            return self._reduce(self.linear(silu_mul(gu)))
+        if not self.quant.dense:  # the method's prologue path (FP8: SiLU * up + quant, one kernel)
+            return self._reduce(self.quant.silu_mul_apply(self, gu, None))
         return self._reduce(silu_mul_linear(gu, self.weight))
 
     def _reduce(self, y: torch.Tensor) -> torch.Tensor:

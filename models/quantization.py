@@ -26,7 +26,8 @@ import torch
 import torch.nn as nn
 
 from ..kernels import quant as q
-from ..kernels.gemv import silu_mul_ref, silu_mul_triton, skinny_linear
+from ..kernels.fp8_prologue import fp8_add_rms_norm_linear, fp8_silu_mul_linear
+from ..kernels.gemv import add_rms_norm, silu_mul_ref, silu_mul_triton, skinny_linear
 from .loader import read_slice as _read, slice_shape as _shape
 from .registry import Registry
 
@@ -98,6 +99,19 @@ class LinearMethod:
     def describe(self) -> str:
         return type(self).__name__
 
+    # the decode-layer prologues (models/fused.py, RowParallelLinear.silu_mul_forward) of a
+    # quantized layer: by default one 16-bit prologue kernel, then apply; FP8 fuses more
+    def add_rms_norm_apply(self, layer: nn.Module, h: torch.Tensor, delta: torch.Tensor,
+                           norm_w: torch.Tensor, eps: float, bias: torch.Tensor | None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(apply(rmsnorm(h + delta)), h + delta)"""
+        x, h = add_rms_norm(h, delta, norm_w, eps)
+        return self.apply(layer, x, bias), h
+
+    def silu_mul_apply(self, layer: nn.Module, gu: torch.Tensor, bias: torch.Tensor | None
+                       ) -> torch.Tensor:
+        return self.apply(layer, silu_mul(gu), bias)
+
     def _param(self, layer, name, shape, dtype, loader, fill=None):
         p = nn.Parameter(torch.empty(shape, dtype=dtype) if fill is None
                          else torch.full(shape, fill, dtype=dtype), requires_grad=False)
@@ -157,6 +171,13 @@ class Fp8Linear(LinearMethod):
 
     def apply(self, layer, x, bias):
         return q.fp8_linear(x, layer.weight, self.scale(layer), bias, self.block)
+
+    def add_rms_norm_apply(self, layer, h, delta, norm_w, eps, bias):
+        return fp8_add_rms_norm_linear(h, delta, norm_w, eps, layer.weight, self.scale(layer),
+                                       bias, self.block)
+
+    def silu_mul_apply(self, layer, gu, bias):
+        return fp8_silu_mul_linear(gu, layer.weight, self.scale(layer), bias, self.block)
 
 
 class Fp8Online(Fp8Linear):

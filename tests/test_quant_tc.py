@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rankserve.kernels import gemv, quant as Q, quant_tc as T
+from rankserve.kernels import fp8_prologue as P, gemv, quant as Q, quant_tc as T
 from rankserve.kernels.attention import rms_norm
 from rankserve.runtime import envs
 
@@ -113,6 +113,58 @@ def add_rms_norm_case():
 
 def test_add_rms_norm_op(interp):
     interp(add_rms_norm_case)
+
+
+def fp8_prologue_case():
+    """The FP8 prologue ops: at M <= TC_MAX_M the fused prologue kernel quantizes like the
+    reference (bit for bit from fp16) and the tc GEMM follows; above it the 16-bit path."""
+    from rankserve.kernels.gemv import ADD_RMS_NORM, SILU_MUL, silu_mul_ref
+    g = torch.Generator().manual_seed(1)
+    Q.TC_MAX_M = 4
+    for M, N, K, dtype, bs in [(1, 40, 256, F32, None), (3, 24, 192, F16, None),
+                               (2, 40, 256, F32, [32, 64]), (4, 72, 128, F16, [16, 32])]:
+        h, d = (torch.randn(M, K, generator=g).to(dtype) for _ in range(2))
+        nw = torch.randn(K, generator=g).to(dtype)
+        gu = torch.randn(M, 2 * K, generator=g).to(dtype)
+        _, q, s, b = make_fp8(M, N, K, dtype, bs, True, seed=M + K)
+        x = rms_norm(h + d, nw, 1e-6)
+        grp = bs[1] if bs else 0
+        quant = (lambda v: Q.quant_fp8_per_group_ref(v, grp)) if grp else Q.quant_fp8_per_token_ref
+        for prologue, xin, args in [(ADD_RMS_NORM, x, (h, K, bs, d, nw, 1e-6)),
+                                    (SILU_MUL, silu_mul_ref(gu), (gu, K, bs))]:
+            xq, xs, h_new = P.prologue_fp8(prologue, *args)
+            rq, rs = quant(xin)
+            if dtype == F16:  # x rounded to fp16 like the model code: the same bits
+                assert torch.equal(xq.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(xs, rs)
+            else:  # fp32 x: rstd's summation order moves the last bit
+                torch.testing.assert_close(xs, rs, rtol=1e-6, atol=0)
+                assert (xq.float() != rq.float()).float().mean() < 0.02
+            if prologue == ADD_RMS_NORM:
+                assert torch.equal(h_new, h + d)
+        for tc in (4, 0):  # fused + tc GEMM; the 16-bit prologue + fp8_linear
+            Q.TC_MAX_M = tc
+            y, h_new = P.fp8_add_rms_norm_linear(h, d, nw, 1e-6, q, s, b, bs)
+            assert torch.equal(h_new, h + d)
+            close(y, Q.fp8_linear_ref(x, q, s, b, bs), dtype)
+            close(P.fp8_silu_mul_linear(gu, q, s, b, bs), Q.fp8_linear_ref(silu_mul_ref(gu), q, s, b, bs),
+                  dtype)
+        Q.TC_MAX_M = 4
+    Q.TC_MAX_M = 0
+
+
+def test_fp8_prologue_ops(interp):
+    interp(fp8_prologue_case)
+
+
+def test_fp8_prologue_ops_cpu_are_reference():
+    from rankserve.kernels.gemv import silu_mul_ref
+    x, q, s, b = make_fp8(2, 24, 64, F32, None, True, seed=2)
+    d, nw, gu = torch.randn(2, 64), torch.randn(64), torch.randn(2, 128)
+    y, h_new = torch.ops.rankserve.fp8_add_rms_norm_linear(x, d, nw, 1e-5, q, s, b)
+    assert torch.equal(h_new, x + d)
+    assert torch.equal(y, Q.fp8_linear_ref(rms_norm(x + d, nw, 1e-5), q, s, b))
+    assert torch.equal(torch.ops.rankserve.fp8_silu_mul_linear(gu, q, s, b),
+                       Q.fp8_linear_ref(silu_mul_ref(gu), q, s, b))
 
 
 def test_add_rms_norm_op_cpu_is_reference():
