@@ -18,6 +18,7 @@ from rankserve.kernels.attention import rms_norm
 from rankserve.runtime import envs
 
 from test_quant_kernels import BF16, F16, F32, close, gpu_close, make_fp8, make_w4
+from test_quantization import base  # noqa: F401  (the tiny checkpoints fixture)
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -248,3 +249,31 @@ def test_shipped_quantized_llama_configs(name, method, block):
         assert qc.block == block
     else:
         assert (qc.method.group_size, qc.method.sym, qc.method.desc_act) == (128, True, False)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", ["fp8-tensor", "fp8-block", "awq"])
+def test_gpu_tc_model_matches_default_kernels(base, tmp_path, fmt, monkeypatch):  # noqa: F811
+    """A tiny quantized Llama (CUDA graphs, fp32) gives the same greedy tokens with the
+    tensor-core path (RANKSERVE_QUANT_TC_MAX_M=16: tc GEMMs, FP8 prologues) as without it: both
+    quantize the activations alike, only summation orders differ."""
+    import gc
+
+    from rankserve import LLM
+    from test_quantization import greedy, quantize_checkpoint
+    path = tmp_path / fmt
+    quantize_checkpoint(base("LlamaForCausalLM"), path, fmt)
+    outs = {}
+    try:
+        for tc in ("0", "16"):
+            monkeypatch.setenv("RANKSERVE_QUANT_TC_MAX_M", tc)
+            llm = LLM(str(path), dtype="float32", max_num_seqs=4, gpu_memory_utilization=0.3)
+            assert Q.TC_MAX_M == int(tc)
+            outs[tc] = greedy(llm)
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
+    finally:
+        Q.TC_MAX_M = 0
+    assert sum(a[:8] == b[:8] for a, b in zip(outs["0"], outs["16"])) >= 2, outs
