@@ -41,7 +41,7 @@ FUSE_QUANT_M = 4  # rows up to which fp8_tc quantizes the activations in its own
 # kernels
 # ----------------------------------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compile for every decode batch size
 def _fp8_tc_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K, k_per_split,
                    stride_xm, stride_xsm, stride_wsn, stride_ym, stride_ys, GROUP_N: tl.constexpr,
                    GROUP_K: tl.constexpr, QUANT_X: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -94,7 +94,7 @@ def _fp8_tc_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K, k_per
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _w4_tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, y_ptr, M, N, K, k_per_split,
                   group_size, stride_xm, stride_ym, stride_ys, HAS_ZERO: tl.constexpr,
                   HAS_GIDX: tl.constexpr, CHUNK_GROUP: tl.constexpr, DOT_IEEE: tl.constexpr,
