@@ -211,6 +211,30 @@ def test_gpu_w4_tc_bf16(M, N, K, zero, act_order):
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("M", [1, 2, 16])
+@pytest.mark.parametrize("block_size", [None, [128, 128]])
+def test_gpu_fp8_prologue_ops_bf16(M, block_size):
+    """The fused FP8 prologues at Llama-8B sizes (qkv after add + RMSNorm, down after SiLU * up),
+    tc path on, against the unfused references; h + delta exact."""
+    g = torch.Generator().manual_seed(M)
+    h, d = (torch.randn(M, 4096, generator=g).to(BF16).cuda() for _ in range(2))
+    nw = (torch.rand(4096, generator=g) + 0.5).to(BF16).cuda()
+    gu = torch.randn(M, 2 * 14336, generator=g).to(BF16).cuda()
+    _, q0, s0, b0 = make_fp8(M, 6144, 4096, BF16, block_size, True, seed=1, device="cuda")
+    _, q3, s3, _ = make_fp8(M, 4096, 14336, BF16, block_size, False, seed=2, device="cuda")
+    Q.TC_MAX_M = 16
+    try:
+        y, h_new = P.fp8_add_rms_norm_linear(h, d, nw, 1e-5, q0, s0, b0, block_size)
+        y3 = P.fp8_silu_mul_linear(gu, q3, s3, None, block_size)
+    finally:
+        Q.TC_MAX_M = 0
+    assert torch.equal(h_new, h + d)
+    gpu_close(y, Q.fp8_linear_ref(rms_norm(h + d, nw, 1e-5), q0, s0, b0, block_size))
+    gpu_close(y3, Q.fp8_linear_ref(gemv.silu_mul_ref(gu), q3, s3, None, block_size))
+
+
+@gpu
+@needs_cuda
 def test_gpu_tc_cuda_graph_capture():
     Q.TC_MAX_M = 16
     try:
