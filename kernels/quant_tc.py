@@ -20,7 +20,9 @@ w4a16: the int4 tile [BLOCK_K, BLOCK_N] is unpacked in registers (the 2^23 expon
 int -> float conversion) to (q - zero) in x's dtype (exact), the tl.dot result times the group
 scale when the K block lies in one group, else a fully dequantized tile (g_idx, small groups).
 
-Split-K (program_id(1)): fp32 partials [split, M, N], summed (+ bias, cast) by one small kernel.
+Split-K (program_id(1)): fp32 partials [split, M, N]; the last program of each column tile to
+finish (a per-tile counter, acq_rel atomics) sums them (+ bias, cast): no second launch
+(SPLITK_IN_KERNEL False: one small sum kernel instead).
 Configs come from a static table of shapes (`tc_config`), not autotuning (nothing is
 benchmarked under CUDA-graph capture); `benchmarks/2026-12-03-h200-s3/tune.py tc` times them.
 Under TRITON_INTERPRET=1 the same kernels run on CPU (fp8 tl.dot included); the interpreter's
@@ -35,17 +37,45 @@ import triton.language as tl
 from .quant import _INTERPRET, _act_scale, _num_sms, _to_fp8, quant_fp8_triton
 
 FUSE_QUANT_M = 4  # rows up to which fp8_tc quantizes the activations in its own prologue
+SPLITK_IN_KERNEL = True  # split-K partials summed by each tile's last program (else one more kernel)
 
 
 # ----------------------------------------------------------------------------------------------
 # kernels
 # ----------------------------------------------------------------------------------------------
 
+@triton.jit
+def _epilogue(acc, bias_ptr, y_ptr, out_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, pid_n,
+              pid_k, stride_ym, stride_ys, HAS_BIAS: tl.constexpr, REDUCE: tl.constexpr):
+    """acc = y^T [BLOCK_N, BLOCK_M] of this program -> y (+ bias). REDUCE (split-K in the kernel):
+    y is the fp32 workspace [split, M, N]; the last program of a column tile (a counter per tile,
+    acq_rel atomics) sums the partials into out [M, N] and resets the counter to 0."""
+    mask = n_mask[:, None] & m_mask[None, :]
+    y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+    if REDUCE:
+        tl.store(y_ptrs + pid_k * stride_ys, acc, mask=mask)
+        count = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+        if count == tl.num_programs(1) - 1:
+            total = tl.zeros_like(acc)
+            for s in range(0, tl.num_programs(1)):
+                total += tl.load(y_ptrs + s * stride_ys, mask=mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+            tl.store(out_ptr + offs_m[None, :] * N + offs_n[:, None],
+                     total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptrs + pid_k * stride_ys, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
 @triton.jit(do_not_specialize=["M"])  # one compile for every decode batch size
-def _fp8_tc_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K, k_per_split,
+def _fp8_tc_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, out_ptr, cnt_ptr, M, N, K,
+                   k_per_split,
                    stride_xm, stride_xsm, stride_wsn, stride_ym, stride_ys, GROUP_N: tl.constexpr,
                    GROUP_K: tl.constexpr, QUANT_X: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   BLOCK_M: tl.constexpr,
+                   REDUCE: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
                    EMULATE: tl.constexpr):
     # QUANT_X: x is the 16-bit activation, quantized here (GROUP_K 0: per token, else
@@ -88,17 +118,15 @@ def _fp8_tc_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K, k_per
         if not QUANT_X:
             xs = tl.load(xs_ptr + offs_m * stride_xsm, mask=m_mask, other=0.0)
         acc *= tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0)[:, None] * xs[None, :]
-    if HAS_BIAS:  # split 1 only (split-K adds it in the sum)
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-    y_ptrs = y_ptr + pid_k * stride_ys + offs_m[None, :] * stride_ym + offs_n[:, None]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
+    _epilogue(acc, bias_ptr, y_ptr, out_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, pid_n,
+              pid_k, stride_ym, stride_ys, HAS_BIAS, REDUCE)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _w4_tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, y_ptr, M, N, K, k_per_split,
-                  group_size, stride_xm, stride_ym, stride_ys, HAS_ZERO: tl.constexpr,
+def _w4_tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, y_ptr, out_ptr, cnt_ptr, M, N, K,
+                  k_per_split, group_size, stride_xm, stride_ym, stride_ys, HAS_ZERO: tl.constexpr,
                   HAS_GIDX: tl.constexpr, CHUNK_GROUP: tl.constexpr, DOT_IEEE: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, REDUCE: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
     # y^T [BN, BM] += W [BN, BK] @ x^T [BK, BM]; W^T's tile [BK, BN] is unpacked from qweight
     # [K/8, N] (row k0 + 8i + j in nibble j of packed row k0/8 + i) and transposed for the dot.
@@ -151,10 +179,8 @@ def _w4_tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, y_ptr, M, N, K, 
                 acc = tl.dot(wt, xa, acc, input_precision="ieee")
             else:
                 acc = tl.dot(wt, xa, acc)
-    if HAS_BIAS:  # split 1 only (split-K adds it in the sum)
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-    y_ptrs = y_ptr + pid_k * stride_ys + offs_m[None, :] * stride_ym + offs_n[:, None]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
+    _epilogue(acc, bias_ptr, y_ptr, out_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, pid_n,
+              pid_k, stride_ym, stride_ys, HAS_BIAS, REDUCE)
 
 
 @triton.jit
@@ -193,9 +219,37 @@ def tc_config(kind: str, M: int, N: int, K: int, on_gpu: bool) -> dict:
     return cfg
 
 
+_COUNTERS: dict = {}  # device -> int32 zeros, one per column tile (split-K in the kernel)
+MAX_TILES = 1 << 16
+
+
+def _counters(device: torch.device) -> torch.Tensor | None:
+    """The split-K tile counters of a device: allocated once, outside CUDA-graph capture (every
+    kernel leaves them at 0); None while capturing before that (the sum kernel serves then).
+    Kernels on one stream run one after another; two split-K GEMMs on concurrent streams of a
+    device would share them (none do)."""
+    c = _COUNTERS.get(device)
+    if c is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        c = _COUNTERS[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+    return c
+
+
+def reserve(device: torch.device) -> None:
+    """Allocate the device's split-K counters now (the runtime calls it at start-up, before any
+    CUDA graph is captured)."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    _counters(d)
+
+
 def _run(kernel, args, M, N, K, out, bias, cfg, split, **consts):
     """Launches a split-K-capable tc kernel into out [M, N]: args are the kernel's arguments
-    before y_ptr; after it come M, N, K, k_per_split, `consts['after']` and the y strides."""
+    before bias_ptr; after y_ptr, out_ptr, cnt_ptr come M, N, K, k_per_split, `consts['after']`
+    and the y strides. Split-K: fp32 partials in a workspace, summed by the kernel's last program
+    of each column tile (SPLITK_IN_KERNEL) or by one more small kernel."""
     cfg = dict(cfg)
     split = cfg.pop("SPLIT") if split is None else split
     bk = cfg["BLOCK_K"]
@@ -203,14 +257,20 @@ def _run(kernel, args, M, N, K, out, bias, cfg, split, **consts):
     split = triton.cdiv(K, k_per_split)
     after = consts.pop("after")
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), split)
+    assert out.is_contiguous()
     if split == 1:
-        kernel[grid](*args, bias, out, M, N, K, k_per_split, *after, out.stride(0), 0,
-                     HAS_BIAS=bias is not None, **consts, **cfg)
+        kernel[grid](*args, bias, out, None, None, M, N, K, k_per_split, *after, out.stride(0), 0,
+                     HAS_BIAS=bias is not None, REDUCE=False, **consts, **cfg)
         return out
     part = torch.empty(split, M, N, dtype=torch.float32, device=out.device)
-    kernel[grid](*args, None, part, M, N, K, k_per_split, *after, N, M * N, HAS_BIAS=False,
-                 **consts, **cfg)
-    assert out.is_contiguous()
+    counters = _counters(out.device) if SPLITK_IN_KERNEL else None
+    if counters is not None:
+        assert grid[0] <= MAX_TILES
+        kernel[grid](*args, bias, part, out, counters, M, N, K, k_per_split, *after, N, M * N,
+                     HAS_BIAS=bias is not None, REDUCE=True, **consts, **cfg)
+        return out
+    kernel[grid](*args, None, part, None, None, M, N, K, k_per_split, *after, N, M * N,
+                 HAS_BIAS=False, REDUCE=False, **consts, **cfg)
     block = 64 if _INTERPRET else 1024
     _splitk_sum_kernel[(triton.cdiv(M * N, block),)](part, bias, out, M * N, N, SPLIT=split,
                                                      HAS_BIAS=bias is not None, BLOCK=block)

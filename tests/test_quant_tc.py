@@ -32,11 +32,14 @@ def fp8_tc_case(M, N, K, dtype, block_size, bias):
     assert Q._INTERPRET
     x, q, s, b = make_fp8(M, N, K, dtype, block_size, bias, seed=M * 1000 + N + K)
     ref = Q.fp8_linear_ref(x, q, s, b, block_size)
-    for split in (1, 3):  # one program column, and fp32 partials + the sum kernel
+    for split, in_kernel in [(1, True), (3, True), (3, False)]:  # split-K summed in the kernel
+        T.SPLITK_IN_KERNEL = in_kernel                            # or by the sum kernel
         for fuse in (True, False):  # quantized in the prologue, or by the quant kernel first
             out = T.fp8_tc(x, q, s, b, block_size, torch.empty(M, N, dtype=dtype), split=split,
                            fuse_quant=fuse)
             close(out, ref, dtype)
+    T.SPLITK_IN_KERNEL = True
+    assert not T._counters(x.device).any()  # every tile's last program reset its counter
 
 
 # ragged against the interpreter's tiles (BLOCK_N 16, BLOCK_K 32 or the group) and the blocks;
@@ -54,9 +57,12 @@ def w4_tc_case(M, K, N, group, zero, act_order, dtype, bias):
     args = make_w4(M, K, N, group, zero, act_order, dtype, bias, seed=M * 100 + K + N)
     x, qw, sc, z, gi, gs, b = args
     ref = Q.w4a16_linear_ref(*args)
-    for split in (1, 2):
+    for split, in_kernel in [(1, True), (2, True), (2, False)]:
+        T.SPLITK_IN_KERNEL = in_kernel
         close(T.w4_tc(x, qw, sc, z, gi, gs, b, torch.empty(M, N, dtype=dtype), split=split), ref,
               dtype)
+    T.SPLITK_IN_KERNEL = True
+    assert not T._counters(x.device).any()
 
 
 @pytest.mark.parametrize("M,K,N,group,zero,act_order,dtype,bias", [
@@ -190,10 +196,16 @@ DEEPSEEK = [(24576, 1536), (7168, 16384), (2112, 7168), (7168, 2048)]  # q_b, o,
 def test_gpu_fp8_tc_bf16(M, N, K, block_size):
     x, q, s, b = make_fp8(M, N, K, BF16, block_size, N == 6144, seed=M, device="cuda")
     ref = Q.fp8_linear_ref(x, q, s, b, block_size)
-    for split in (None, 1):  # the table's split and none
+    for split in (None, 1, 4):  # the table's split, none, 4 (in the kernel and by the sum kernel)
         for fuse in (True, False):
             gpu_close(T.fp8_tc(x, q, s, b, block_size, torch.empty_like(ref), split=split,
                                fuse_quant=fuse), ref)
+    T.SPLITK_IN_KERNEL = False
+    try:
+        gpu_close(T.fp8_tc(x, q, s, b, block_size, torch.empty_like(ref), split=4), ref)
+    finally:
+        T.SPLITK_IN_KERNEL = True
+    assert not T._counters(x.device).any()
 
 
 @gpu
@@ -205,8 +217,9 @@ def test_gpu_w4_tc_bf16(M, N, K, zero, act_order):
     args = make_w4(M, K, N, 128, zero, act_order, BF16, N == 6144, seed=M, device="cuda")
     ref = Q.w4a16_linear_ref(*args)
     x, qw, sc, z, gi, gs, b = args
-    for split in (None, 1):
+    for split in (None, 1, 4):
         gpu_close(T.w4_tc(x, qw, sc, z, gi, gs, b, torch.empty_like(ref), split=split), ref)
+    assert not T._counters(x.device).any()
 
 
 @gpu

@@ -174,7 +174,10 @@ def tc_compare():
                 r = ref(x, w).float()
                 out = torch.empty(M, N, dtype=DT, device="cuda")
                 errs = {"old": old(x, w, out), "tc": tc(x, w, out.clone()),
-                        "tc_split1": tc(x, w, out.clone(), split=1)}
+                        "tc_split1": tc(x, w, out.clone(), split=1), "tc_split4": tc(x, w, out.clone(), split=4)}
+                T.SPLITK_IN_KERNEL = False
+                errs["tc_split4_sumk"] = tc(x, w, out.clone(), split=4)
+                T.SPLITK_IN_KERNEL = True
                 errs = {k: ((v.float() - r).norm() / r.norm()).item() for k, v in errs.items()}
                 ok = all(e < 1e-2 for e in errs.values())
                 bad += not ok
@@ -184,7 +187,8 @@ def tc_compare():
     print(f"== correctness: {'all OK' if not bad else f'{bad} FAILED'}", flush=True)
 
     orig = T.tc_config
-    variants = {"tc": {}, "tc_s1": {"SPLIT": 1}, "tc_n128": {"BLOCK_N": 128}, "tc_st6": {"NUM_STAGES": 6}}
+    variants = {"tc": {}, "tc_sumk": {}, "tc_s1": {"SPLIT": 1}, "tc_n32s1": {"BLOCK_N": 32, "SPLIT": 1},
+                "tc_n128": {"BLOCK_N": 128}, "tc_st6": {"NUM_STAGES": 6}}
     totals = {}
     print("== timings (per call, inside a CUDA graph, weights > L2)", flush=True)
     for tag, (make, old, tc, ref, nbytes), shapes in kinds:
@@ -198,12 +202,14 @@ def tc_compare():
                 row["old"] = gtime([lambda w=w: old(x, w, out) for w in ws])
                 for vname, over in variants.items():
                     T.tc_config = lambda *a, over=over: {**orig(*a), **over}
+                    T.SPLITK_IN_KERNEL = vname != "tc_sumk"  # tc_sumk: split-K by a second kernel
                     try:
                         row[vname] = gtime([lambda w=w: tc(x, w, out) for w in ws])
                     except Exception as e:  # a variant that does not compile / fit
                         row[vname] = float("nan")
                         print(f"    {vname} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
                     T.tc_config = orig
+                    T.SPLITK_IN_KERNEL = True
                 best = min((v, k) for k, v in row.items() if k != "old" and v == v)
                 print(f"  {tag:8s} M={M:<2d} {name:8s} {N}x{K} floor {floor_us:5.1f}us | "
                       + " ".join(f"{k} {v:5.1f}us {nbytes(N, K) / v / 1e6:4.2f}TB/s" for k, v in row.items())
