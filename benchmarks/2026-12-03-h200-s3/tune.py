@@ -10,7 +10,7 @@ ones. First a correctness table (every kernel against the plain-torch reference,
 OK below 1e-2), then per shape the time of the old op path (RANKSERVE_QUANT_TC_MAX_M=0: the
 CUDA-core skinny kernel at M <= 2, else torch._scaled_mm / the tl.dot GEMM) and of the tc
 kernel with the table's config and a few variants (split-K, BLOCK_N), in us and TB/s beside the
-HBM floor, at M = 1 and TC_M (default 2: decode in compiled CUDA graphs); Llama-8B shapes for FP8 per channel, FP8 128x128 blocks,
+HBM floor, at M = 1 and the rows listed in TC_M (e.g. TC_M="2 8"; compiled CUDA graphs pad decode to 2); Llama-8B shapes for FP8 per channel, FP8 128x128 blocks,
 w4a16 sym / zero point, and DeepSeek-V3 shapes for the blocks; then the per-layer sums, and a
 Llama-8B layer's four projections with their prologues (as the model runs them) with the knob off
 and on, beside bf16:
@@ -136,7 +136,7 @@ DS_SHAPES = [("ds_q_b", 24576, 1536), ("ds_o", 7168, 16384), ("ds_qkv_a", 2112, 
 def tc_compare():
     """old op path vs the tensor-core skinny kernels (see the module doc)."""
     from rankserve.kernels import quant_tc as T
-    Ms = [1] + [int(m) for m in os.environ.get("TC_M", "2").split()]
+    Ms = [1] + [int(m) for m in os.environ.get("TC_M", "").split()]
     HBM = 4.8e12
 
     def fp8(bs):

@@ -99,7 +99,7 @@ for stage in "$@"; do case $stage in
         tc=0; [ "${stage%tc}" != "$stage" ] && tc=16
         RANKSERVE_QUANT_TC_MAX_M=$tc run $stage 120 python3 -m rankserve.launch bench latency $m $q --batch-size 1 \
         --input-len 128 --output-len 256 --num-iters 3 --max-num-seqs 8 --cache-dir "$CACHE" --output-json "$OUT/$stage.json" ;;
-  ktc) run ktc 200 python3 benchmarks/2026-12-03-h200-s3/tune.py tc ;;
+  ktc) run ktc 240 python3 benchmarks/2026-12-03-h200-s3/tune.py tc ;;
   tctests) run tctests 200 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_quant_tc.py ;;
   w2warm) run w2warm 80 python3 -m rankserve.launch bench latency llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 \
         --num-iters 3 --max-num-seqs 8 --cache-dir "$CACHE" --output-json "$OUT/w2warm.json" ;;
