@@ -54,8 +54,11 @@ def _epilogue(acc, bias_ptr, y_ptr, out_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_
     y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
     if REDUCE:
         tl.store(y_ptrs + pid_k * stride_ys, acc, mask=mask)
-        count = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+        # every thread's stores before the one thread's release (cumulative through the barrier)
+        tl.debug_barrier()
+        count = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if count == tl.num_programs(1) - 1:
+            tl.debug_barrier()  # the acquire before any thread's loads
             total = tl.zeros_like(acc)
             for s in range(0, tl.num_programs(1)):
                 total += tl.load(y_ptrs + s * stride_ys, mask=mask, other=0.0, cache_modifier=".cg")
