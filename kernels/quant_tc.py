@@ -80,7 +80,7 @@ def _fp8_tc_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, out_ptr, cnt_p
                    GROUP_K: tl.constexpr, QUANT_X: tl.constexpr, HAS_BIAS: tl.constexpr,
                    REDUCE: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-                   EMULATE: tl.constexpr):
+                   PRE_BLOCK: tl.constexpr, EMULATE: tl.constexpr):
     # QUANT_X: x is the 16-bit activation, quantized here (GROUP_K 0: per token, else
     # BLOCK_K == GROUP_K, one group a step); else x is fp8 with scales xs [M, 1 or K/GROUP_K].
     pid_n = tl.program_id(0)
@@ -91,12 +91,16 @@ def _fp8_tc_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, out_ptr, cnt_p
     n_mask, m_mask = offs_n < N, offs_m < M
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]        # [BN, BK]
     x_ptrs = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + offs_k[:, None]  # [BK, BM]
-    if QUANT_X and GROUP_K == 0:  # per-token amax of the whole row (L2-resident)
-        amax = tl.zeros([BLOCK_K, BLOCK_M], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            xa = tl.load(x_ptrs + k0, mask=(offs_k[:, None] < K - k0) & m_mask[None, :], other=0.0)
-            amax = tl.maximum(amax, tl.abs(xa.to(tl.float32)))
-        xs, x_inv = _act_scale(tl.max(amax, 0))  # [BM]
+    if QUANT_X and GROUP_K == 0:  # per-token amax of the whole row (L2-resident), each row in
+        offs_p = tl.arange(0, PRE_BLOCK)  # few wide loads (a chain of small ones is latency)
+        amax = tl.zeros([BLOCK_M], tl.float32)
+        for m in range(0, M):
+            am = tl.zeros([PRE_BLOCK], tl.float32)
+            for k0 in range(0, K, PRE_BLOCK):
+                xr = tl.load(x_ptr + m * stride_xm + k0 + offs_p, mask=offs_p < K - k0, other=0.0)
+                am = tl.maximum(am, tl.abs(xr.to(tl.float32)))
+            amax = tl.where(offs_m == m, tl.max(am, 0), amax)
+        xs, x_inv = _act_scale(amax)  # [BM]
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
@@ -307,7 +311,8 @@ def fp8_tc(x2: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch
     ws = w_scale.reshape(N) if block_size is None else w_scale
     return _run(_fp8_tc_kernel, (xq, xs, w, ws), M, N, K, out, bias, cfg, split,
                 after=(xq.stride(0), stride_xs, ws.stride(0) if group_k else 0),
-                GROUP_N=group_n, GROUP_K=group_k, QUANT_X=fuse_quant, EMULATE=_INTERPRET)
+                GROUP_N=group_n, GROUP_K=group_k, QUANT_X=fuse_quant, EMULATE=_INTERPRET,
+                PRE_BLOCK=min(triton.next_power_of_2(K), 64 if _INTERPRET else 4096))
 
 
 def w4_tc(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
