@@ -296,3 +296,19 @@ def silu_mul_linear(gu: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
 @silu_mul_linear.register_fake
 def _(gu, w, bias=None):
     return gu.new_empty(gu.shape[0], w.shape[0])
+
+
+@torch.library.custom_op("rankserve::add_rms_norm", mutates_args=())
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, norm_w: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """h, delta [M, K] -> (rmsnorm(h + delta), h + delta) in one kernel: the prologue of a
+    quantized GEMM, whose kernel takes the normed input as is (models/fused.py)."""
+    if _use_triton(h):
+        return add_rms_norm_triton(h, delta, norm_w, eps)
+    h_new = h + delta
+    return rms_norm(h_new, norm_w, eps), h_new
+
+
+@add_rms_norm.register_fake
+def _(h, delta, norm_w, eps):
+    return torch.empty_like(h), torch.empty_like(h)

@@ -62,6 +62,10 @@ FP8_SKINNY_M = 2      # fp8_linear rows up to which the skinny kernel runs (0: n
 USE_SCALED_MM = True  # per-channel, bf16, sm90+: torch._scaled_mm above FP8_SKINNY_M
 W4_SKINNY_M = 1       # w4a16_linear rows up to which the skinny kernel runs (0: never)
 W4_DEQUANT_M = 1024   # w4a16_linear rows from which it dequantizes the weight and calls cuBLAS
+# rows up to which fp8_linear / w4a16_linear take the tensor-core skinny kernels of
+# kernels/quant_tc.py before any path above (0: never); the runtime sets it from
+# RANKSERVE_QUANT_TC_MAX_M (runtime/envs.py) at start-up
+TC_MAX_M = 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -515,6 +519,9 @@ def fp8_linear_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         pass
+    elif M <= TC_MAX_M and (block_size is None or block_size[1] % 32 == 0):
+        from .quant_tc import fp8_tc  # (quant_tc builds on this module's helpers)
+        fp8_tc(x2, w, w_scale, bias, block_size, out)
     elif M <= FP8_SKINNY_M and (block_size is None or block_size[1] <= 256):
         fp8_skinny(x2, w, w_scale, bias, block_size, out)
     elif _scaled_mm_ok(x2, w, block_size):
@@ -837,6 +844,9 @@ def w4a16_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         pass
+    elif M <= TC_MAX_M:
+        from .quant_tc import w4_tc
+        w4_tc(x2, qweight, scales, zeros, g_idx, group_size, bias, out)
     elif M <= W4_SKINNY_M:
         w4_skinny(x2, qweight, scales, zeros, g_idx, group_size, bias, out)
     elif M >= W4_DEQUANT_M:

@@ -8,27 +8,27 @@ of three), also when each layer is compiled on its own (the runner compiles laye
 model: one compilation serves all of them). The arithmetic and its order are the plain block's.
 
 A sub-block takes part by naming its input projection: `in_proj` (a ColumnParallelLinear) and
-`from_in_proj(y, *args)`, the rest of its forward. Any other sub-block gets the add and the norm
-unfused.
+`from_in_proj(y, *args)`, the rest of its forward. When that projection is quantized (or has
+LoRA), its linear method runs the prologue (`add_rms_norm_apply`, models/quantization.py: the add
+and the norm in one kernel before the GEMM; FP8 at decode sizes also quantizes the activations
+in that kernel, kernels/fp8_prologue.py); any other sub-block gets the add and the norm unfused.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
-from ..kernels.gemv import add_rms_norm_linear
 
 
 def add_norm_then(block: nn.Module, h: torch.Tensor, delta: torch.Tensor, norm: nn.Module,
                   *args) -> tuple[torch.Tensor, torch.Tensor]:
     """(block(norm(h + delta), *args), h + delta)."""
     proj = getattr(block, "in_proj", None)
-    if proj is None or not proj.quant.dense:  # quantized GEMMs take the normed input as is
+    if proj is None:
         h = h + delta
         return block(norm(h), *args), h
-    w, bias = proj.quant.fused_operands(proj, proj.bias)  # LoRA: the weight with A's rows
-    y, h = add_rms_norm_linear(h, delta, norm.weight, norm.eps, w, bias)
-    return block.from_in_proj(proj.quant.fused_epilogue(proj, y, proj.bias), *args), h
+    y, h = proj.quant.add_rms_norm_apply(proj, h, delta, norm.weight, norm.eps, proj.bias)
+    return block.from_in_proj(y, *args), h
 
 
 class FusedResidualLayer:

@@ -16,10 +16,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..kernels.attention import attention, rms_norm
-from ..kernels.gemv import silu_mul_linear
 from .loader import read_slice as _read, slice_shape as _shape
 from .parallel import ParallelInfo, tp_all_gather_last, tp_all_reduce
-from .quantization import LinearMethod, Slices, current_linear_method, silu_mul
+from .quantization import LinearMethod, Slices, current_linear_method
 
 
 def divide(a: int, b: int, what: str) -> int:
@@ -133,10 +132,7 @@ class RowParallelLinear(ParallelLinear):
 
     def silu_mul_forward(self, gu: torch.Tensor) -> torch.Tensor:
         """(silu(gate) * up) W^T for gu = [gate | up], the product in the GEMM's prologue."""
-        if not self.quant.dense:
-            return self._reduce(self.linear(silu_mul(gu)))
-        w, _ = self.quant.fused_operands(self, None)  # the bias comes after the reduction
-        return self._reduce(self.quant.fused_epilogue(self, silu_mul_linear(gu, w), None))
+        return self._reduce(self.quant.silu_mul_apply(self, gu, None))  # the bias after the reduction
 
     def _reduce(self, y: torch.Tensor) -> torch.Tensor:
         if self.reduce:

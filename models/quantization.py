@@ -26,7 +26,9 @@ import torch
 import torch.nn as nn
 
 from ..kernels import quant as q
-from ..kernels.gemv import silu_mul_ref, silu_mul_triton, skinny_linear
+from ..kernels.fp8_prologue import fp8_add_rms_norm_linear, fp8_silu_mul_linear
+from ..kernels.gemv import (add_rms_norm, add_rms_norm_linear, silu_mul_linear, silu_mul_ref,
+                            silu_mul_triton, skinny_linear)
 from .loader import read_slice as _read, slice_shape as _shape
 from .registry import Registry
 
@@ -98,13 +100,36 @@ class LinearMethod:
     def describe(self) -> str:
         return type(self).__name__
 
+    # The decode-layer prologues (models/fused.py, RowParallelLinear.silu_mul_forward), one entry
+    # point per prologue for every method: a `dense` method (16-bit weights, LoRA folded into
+    # them) runs the prologue inside its GEMM (kernels/gemv.py) on `fused_operands`, then
+    # `fused_epilogue`; others run one 16-bit prologue kernel, then apply (FP8 fuses more).
     def fused_operands(self, layer: nn.Module, bias):
-        """(weight, bias) for a GEMM with a fused prologue (kernels/gemv.py; `dense` methods)."""
+        """(weight, bias) for a GEMM with a fused prologue (`dense` methods)."""
         return layer.weight, bias
 
     def fused_epilogue(self, layer: nn.Module, y: torch.Tensor, bias) -> torch.Tensor:
         """What follows that GEMM (LoRA's update, models/lora.py); nothing for a plain layer."""
         return y
+
+    def add_rms_norm_apply(self, layer: nn.Module, h: torch.Tensor, delta: torch.Tensor,
+                           norm_w: torch.Tensor, eps: float, bias: torch.Tensor | None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(apply(rmsnorm(h + delta)), h + delta)"""
+        if self.dense:
+            w, b = self.fused_operands(layer, bias)
+            y, h = add_rms_norm_linear(h, delta, norm_w, eps, w, b)
+            return self.fused_epilogue(layer, y, bias), h
+        x, h = add_rms_norm(h, delta, norm_w, eps)
+        return self.apply(layer, x, bias), h
+
+    def silu_mul_apply(self, layer: nn.Module, gu: torch.Tensor, bias: torch.Tensor | None
+                       ) -> torch.Tensor:
+        """apply(silu(gate) * up) for gu = [gate | up]"""
+        if self.dense:
+            w, b = self.fused_operands(layer, bias)
+            return self.fused_epilogue(layer, silu_mul_linear(gu, w), bias)
+        return self.apply(layer, silu_mul(gu), bias)
 
     def _param(self, layer, name, shape, dtype, loader, fill=None):
         p = nn.Parameter(torch.empty(shape, dtype=dtype) if fill is None
@@ -165,6 +190,13 @@ class Fp8Linear(LinearMethod):
 
     def apply(self, layer, x, bias):
         return q.fp8_linear(x, layer.weight, self.scale(layer), bias, self.block)
+
+    def add_rms_norm_apply(self, layer, h, delta, norm_w, eps, bias):
+        return fp8_add_rms_norm_linear(h, delta, norm_w, eps, layer.weight, self.scale(layer),
+                                       bias, self.block)
+
+    def silu_mul_apply(self, layer, gu, bias):
+        return fp8_silu_mul_linear(gu, layer.weight, self.scale(layer), bias, self.block)
 
 
 class Fp8Online(Fp8Linear):

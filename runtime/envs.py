@@ -33,6 +33,9 @@ KNOBS: dict[str, Knob] = {
                                    "(failure drills and tests)"),
     "RANKSERVE_SKINNY_MAX_M": Knob(1, int, "rows up to which decode GEMMs use the fused skinny "
                                    "Triton kernels (0: off, cuBLAS + prologue kernels)"),
+    "RANKSERVE_QUANT_TC_MAX_M": Knob(0, int, "rows up to which FP8 / 4-bit GEMMs use the "
+                                     "tensor-core skinny Triton kernels (kernels/quant_tc.py; "
+                                     "0: off, the CUDA-core skinny kernels / GEMMs)"),
     "RANKSERVE_COMM_LIB": Knob(None, str, "`torch` makes `rankserve bench comm` use "
                                "torch.distributed even where deepspeed is installed"),
     "RANKSERVE_API_KEY": Knob(None, str, "API key of `rankserve serve` (instead of --api-key, "

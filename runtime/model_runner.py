@@ -19,7 +19,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..kernels import gemv
+from ..kernels import gemv, quant, quant_tc
 from ..models.deepseek import without_mtp
 from ..models.layers import AttnMeta
 from ..models.parallel import ParallelInfo
@@ -109,6 +109,9 @@ class ModelRunner:
 
     def __init__(self, cfg: EngineConfig, pi: ParallelInfo, device: torch.device):
         gemv.MAX_M = envs.get("RANKSERVE_SKINNY_MAX_M")  # a process-wide kernel choice
+        quant.TC_MAX_M = envs.get("RANKSERVE_QUANT_TC_MAX_M")
+        if quant.TC_MAX_M and device.type == "cuda":
+            quant_tc.reserve(device)  # split-K counters, before any CUDA graph is captured
         self.cfg = cfg
         self.pi = pi
         self.device = device

@@ -9,6 +9,13 @@
 #                     w1sothreads: w1so with 4, 8 and 14 mask-fill threads (RANKSERVE_GRAMMAR_THREADS);
 #                     gbench: the CPU benchmark of the masks' host cost (runtime/bench/grammar.py)
 #   w2hf, w1hf        the same workloads on transformers
+#   w2fp8, w2gptq     W2 with FP8 weights (--quantization fp8: per channel) / GPTQ 4-bit (g128 sym,
+#                     llama-3.1-8b-gptq); w2fp8blk block FP8 (llama-3.1-8b-fp8block, as Qwen3-FP8);
+#                     the same with the tensor-core skinny kernels (RANKSERVE_QUANT_TC_MAX_M=16):
+#                     w2fp8tc, w2gptqtc, w2fp8blktc (about 40 s each with a warm cache)
+#   ktc               tensor-core vs current quantized skinny GEMMs (correctness table first, then
+#                     us / TB/s beside the floor; Llama-8B and DeepSeek-V3 shapes; ~1-2 min);
+#                     tctests the GPU tests of kernels/quant_tc.py
 #   tests, e2e2       GPU tests (kernels, skinny GEMMs, graphs/compile vs eager); e2e2 level 2 only
 #   sotests           structured-output tests on CUDA (need ../shared/tokenizers/qwen3)
 #   kernels, kdecode  kernel benchmark (all / skinny GEMM + prepare_qkv)
@@ -102,6 +109,14 @@ for stage in "$@"; do case $stage in
   w2cublas) RANKSERVE_SKINNY_MAX_M=0 run w2cublas 100 python3 -m rankserve.launch bench latency llama-3.1-8b \
         --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 --max-num-seqs 8 --cache-dir "$CACHE" \
         --output-json "$OUT/w2cublas.json" ;;
+  w2fp8|w2fp8tc|w2gptq|w2gptqtc|w2fp8blk|w2fp8blktc) m=llama-3.1-8b; q=
+        case $stage in w2fp8*blk*) m=llama-3.1-8b-fp8block ;; w2fp8*) q="--quantization fp8" ;;
+          w2gptq*) m=llama-3.1-8b-gptq ;; esac
+        tc=0; [ "${stage%tc}" != "$stage" ] && tc=16
+        RANKSERVE_QUANT_TC_MAX_M=$tc run $stage 120 python3 -m rankserve.launch bench latency $m $q --batch-size 1 \
+        --input-len 128 --output-len 256 --num-iters 3 --max-num-seqs 8 --cache-dir "$CACHE" --output-json "$OUT/$stage.json" ;;
+  ktc) run ktc 240 python3 benchmarks/2026-12-03-h200-s3/tune.py tc ;;
+  tctests) run tctests 200 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_quant_tc.py ;;
   w2warm) run w2warm 80 python3 -m rankserve.launch bench latency llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 \
         --num-iters 3 --max-num-seqs 8 --cache-dir "$CACHE" --output-json "$OUT/w2warm.json" ;;
   w1) run w1 170 python3 -m rankserve.launch bench throughput qwen3-0.6b --workload w1 --max-num-seqs 256 \
