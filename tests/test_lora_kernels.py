@@ -42,7 +42,8 @@ def _case(dtype_name: str, device: str = "cpu"):
     want = y0.float() + bias.float() + want
     for sgmv in (torch.tensor(False), torch.tensor(True)):
         s = lora.lora_shrink(x, a, token_slot, seg_start, seg_slot, sgmv)
-        assert s.shape[0] > 1  # K split over programs: partial sums
+        if not x.is_cuda:  # this K is split over programs in the interpreter: partial sums
+            assert s.shape[0] > 1
         torch.testing.assert_close(s.sum(0), ref_s, **tol)
         y = lora.lora_expand(y0, s, b, token_slot, bounds, 0, bias)
         torch.testing.assert_close(y.float(), want, **tol)
