@@ -214,3 +214,38 @@ def test_args_and_arrivals():
         gaps[b] = np.asarray(slept)
         assert gaps[b].mean() == pytest.approx(0.01, rel=0.1)
     assert gaps[0.25].std() > 3 * gaps[4.0].std()
+
+
+@contextlib.contextmanager
+def one_chunk_server():
+    """A server that streams all of a request's text in its last chunk (as one serving a model
+    without a tokenizer would): TTFT and ITL then time that chunk, which the bench must say."""
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            n = req["max_tokens"]
+            for chunk in ({"choices": [{"index": 0, "text": "x" * n, "finish_reason": "length"}]},
+                          {"choices": [], "usage": {"prompt_tokens": len(req["prompt"]), "completion_tokens": n}}):
+                self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            self.wfile.write(b"data: [DONE]\n\n")
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+
+
+def test_warns_when_chunks_are_not_tokens(tmp_path, capsys):
+    with one_chunk_server() as url:
+        args = ServeBenchArgs(base_url=url, model="m", disable_tqdm=True, num_prompts=3,
+                              random_input_len=8, random_output_len=16, random_vocab_size=100,
+                              ignore_eos=True)
+        assert run(args) == 0
+    assert "3 output chunks for 48 tokens" in capsys.readouterr().err

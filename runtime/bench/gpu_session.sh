@@ -70,7 +70,10 @@ W1_SERVE="--random-vocab-size 151936 --random-input-len 562 --random-output-len 
   --result-dir $OUT"
 # serve_w1 NAME [LAUNCHER...]: start a server on Qwen3-0.6B's shape ($SERVE_EXTRA added), wait until
 # it answers, run the bench serve runs of $SERVE_RUNS ("name:flags;..."), stop it
+# The server needs a tokenizer (QWEN3_TOKENIZER) to stream text token by token: without one it has no
+# text to send before the last chunk, and TTFT / ITL would time that chunk.
 serve_w1() { local name=$1; shift; local d; d=$(mktemp -d); cp runtime/bench/configs/qwen3-0.6b.json "$d/config.json"
+  cp "${QWEN3_TOKENIZER:?set QWEN3_TOKENIZER to a Qwen3 tokenizer directory}"/* "$d/"
   local port=$((20000 + RANDOM % 10000)) t0; t0=$(date +%s)
   "$@" "$(command -v python3)" -m rankserve.launch serve "$d" --load-format dummy --max-num-seqs 256 --max-model-len 4096 \
     --cache-dir "$CACHE" --port $port ${SERVE_EXTRA:-} > "$OUT/$name-server.log" 2>&1 &

@@ -237,6 +237,7 @@ class RequestResult:
     latency: float = 0.0
     start: float = 0.0  # seconds since the benchmark started
     finish_reason: str | None = None
+    chunks: int = 0  # stream chunks that carried output
 
 
 def _payload(args: ServeBenchArgs, model: str, req: SampleRequest) -> dict:
@@ -308,6 +309,7 @@ async def send_request(client, url: str, body: dict, req: SampleRequest, chat: b
         res.error = f"{type(e).__name__}: {e}"
         return res
     res.latency = time.perf_counter() - start
+    res.chunks = chunks
     if usage:
         res.output_tokens = usage.get("completion_tokens", 0)
         res.prompt_len = usage.get("prompt_tokens", res.prompt_len)
@@ -544,6 +546,12 @@ def run(args: ServeBenchArgs) -> int:
             print(f"wrote {args.plot}")
         else:
             print("matplotlib is not installed (pip install 'rankserve[bench]'); no plot")
+    ok = [r for r in results if r.success and r.output_tokens > 1]
+    if ok and sum(r.chunks for r in ok) < 0.5 * sum(r.output_tokens for r in ok):
+        # e.g. a model served without a tokenizer: no text, so no chunk until the last one
+        print(f"warning: {sum(r.chunks for r in ok)} output chunks for {sum(r.output_tokens for r in ok)} "
+              "tokens: TTFT, TPOT and ITL time chunks, not tokens (does the server stream text "
+              "for every token?)", file=sys.stderr)
     if failed := s["failed"]:
         print(f"{failed} of {len(results)} request(s) failed or lost tokens", file=sys.stderr)
         return 1
