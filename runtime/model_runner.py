@@ -47,7 +47,7 @@ class ModelRunnerOutput:
     # speculative decoding: per request, the drafts this step accepted (emitted before the
     # sampled token) and the proposals for its next step
     accepted: list[list[int]] | None = None
-    draft_token_ids: list[list[int]] | None = None
+    draft_token_ids: list[list[int] | None] | None = None  # None: no proposal work for it
     _pending: tuple | None = None  # (pinned host copy, CUDA event) until resolve()
     _sample: Callable[[], None] | None = None  # a sampling deferred until its grammar masks are ready
 
@@ -102,6 +102,10 @@ class StepInputs:
     sample_index: np.ndarray | None = None
     rows: np.ndarray | None = None  # every request's input-batch row (host)
     seq_lens: np.ndarray | None = None  # every request's tokens after the step (host)
+    starts: np.ndarray | None = None  # every request's tokens before the step (host)
+    paused: np.ndarray | None = None  # [B] bool: drafting paused (backoff), no proposer work
+    new: np.ndarray | None = None  # [B] bool: the request (re)starts on this rank
+    known: np.ndarray | None = None  # [B] tokens the host knows (the rest are placeholders)
 
 
 class ModelRunner:
@@ -155,7 +159,6 @@ class ModelRunner:
         self.compiled_model = CompiledModel(self.model, cfg, self.batch, self.max_model_len, device,
                                             show_progress=pi.tp_rank == 0)
         self.proposer = None  # speculative decoding (runtime/spec_decode.py)
-        self._skip_proposals = False
         if cfg.spec is not None:
             from .spec_decode import make_proposer
             self.proposer = make_proposer(self, cfg.spec)
@@ -335,6 +338,7 @@ class ModelRunner:
         counts = np.fromiter(plan.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
         # tokens computed before this step
         done = {r.req_id: r.num_computed_tokens for r in plan.new_reqs}
+        done_new = set(done)
         done.update({r.req_id: r.num_computed_tokens for r in plan.cached_reqs})
         start = np.array([done[rid] for rid in req_ids], dtype=np.int64)
         rows = np.array([s.row for s in states], dtype=np.int64)
@@ -400,12 +404,14 @@ class ModelRunner:
         # exact even when the last token is still a placeholder
         out_counts = (seq_lens - nspec - np.array([s.num_prompt_tokens for s in states]))[sample_mask]
         grammar = (plan.grammar_req_ids, plan.bitmask) if plan.grammar_req_ids else None
-        self._skip_proposals = plan.skip_proposals
         q = int(counts[0]) if B and counts.min() == counts.max() else 0
+        paused = np.array([rid in plan.spec_paused for rid in req_ids], dtype=bool)
+        new = np.array([rid in done_new for rid in req_ids], dtype=bool)
         return StepInputs(ids, put(positions, b.pos), attn, put(logits_indices),
                           sample_ids, out_counts, prompt_lp, grammar, q,
                           ns if ns.any() else None, (seq_lens - nspec)[sample_mask],
-                          np.flatnonzero(sample_mask), rows, seq_lens)
+                          np.flatnonzero(sample_mask), rows, seq_lens, start, paused, new,
+                          np.array([s.num_tokens for s in states], dtype=np.int64))
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput,
@@ -544,7 +550,11 @@ class ModelRunner:
                             dtype=bool)
         ctx = ProposeContext(inp.sample_req_ids, rows, inp.base_pos, tokens, num_acc, hidden,
                              inp.logits_indices, eligible, inp.num_drafts)
-        if self._skip_proposals:  # the proposer only keeps its state (an MTP layer's KV) in step
-            self.proposer.skip(ctx)
-            return
-        out.draft_token_ids = self.proposer.propose(ctx)
+        # requests paused by the backoff (or whose proposer state still lags) get no work: None
+        active = self.proposer.step_active[inp.sample_index]
+        if active.all():
+            out.draft_token_ids = self.proposer.propose(ctx)
+        elif active.any():
+            idx = np.flatnonzero(active)
+            drafts = iter(self.proposer.propose(ctx.select(idx, self.batch.stage(idx))))
+            out.draft_token_ids = [next(drafts) if a else None for a in active]

@@ -79,8 +79,10 @@ class SchedulerOutput:
     # speculative decoding: draft tokens scheduled after each request's known tokens (their
     # count is in num_scheduled_tokens); the runner verifies them in this step
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    # no request of this plan takes proposals (all paused): the proposer may skip its work
-    skip_proposals: bool = False
+    # requests that pause drafting in this plan (backoff): the proposer does no work for them
+    # and catches up on the tokens they computed meanwhile when they resume
+    spec_paused: set[str] = field(default_factory=set)
+    skip_proposals: bool = False  # every request of the plan pauses
 
     def bitmask(self) -> np.ndarray | None:
         """The grammar rows, filled on first use (or by the fill `fill_async` started). On one
@@ -293,8 +295,9 @@ class Scheduler:
             step[req.request_id] = (req, n, new_blocks, True)
             budget -= n
 
-        if self.spec_enabled:  # nobody to propose for: the proposer may skip its work
-            out.skip_proposals = all(r.spec_pause > 0 for r, *_ in step.values())
+        if self.spec_enabled:
+            out.spec_paused = {rid for rid, (r, *_) in step.items() if r.spec_pause > 0}
+            out.skip_proposals = len(out.spec_paused) == len(step)
         constrained = []
         for req, n, new_blocks, new in step.values():
             spec = drafts.get(req.request_id)
@@ -549,7 +552,7 @@ class Scheduler:
             req.spec_pause = min(2 ** (req.spec_misses - SPEC_MISSES + 1), SPEC_MAX_PAUSE)
 
     def _take_proposals(self, req: Request, drafts: list[int] | None) -> None:
-        """The proposer's guesses after a step (None: it skipped its work) become the drafts
+        """The proposer's guesses after a step (None: it did no work for it) become the drafts
         of the request's next step, unless the request pauses or already ran ahead of them."""
         if req.spec_pause > 0:
             req.spec_pause -= 1

@@ -11,6 +11,13 @@ KV slots back.
 A proposer sees, after each step (`ProposeContext`): the tokens each request emitted (on the
 device), where they sit, the input batch (host token ids, block table) and the target's last-layer
 hidden states of the step. An MTP or EAGLE head is a proposer that reads those hidden states.
+
+Backoff (scheduler `_count_miss`): a request whose drafts keep being rejected pauses drafting
+for a while. The plan names the paused requests; the proposer does no work for them (no draft
+model forward, no MTP / EAGLE pass) and, when one resumes, catches up on the positions it missed
+in one batched pass before its step (`Stateful`): a draft model prefills the missed tokens into
+its KV cache, an MTP layer / EAGLE head stores the missed pairs from a per-request ring of the
+target's states that steps with paused requests write.
 """
 from __future__ import annotations
 
@@ -63,6 +70,17 @@ class ProposeContext:
     num_drafts: np.ndarray | None = None  # [B] drafts each request verified (None: none did)
     _host: tuple[list[list[int]], list[int]] | None = None
 
+    def select(self, idx: np.ndarray, stage) -> ProposeContext:
+        """The requests `idx` (host) only; `stage` copies a host array to the device."""
+        ns = np.zeros(len(self.req_ids), dtype=np.int64) if self.num_drafts is None else self.num_drafts
+        first = np.concatenate([[0], np.cumsum(ns + 1)[:-1]])
+        scored = np.concatenate([np.arange(first[i], first[i] + ns[i] + 1) for i in idx])
+        d = stage(idx)
+        return ProposeContext([self.req_ids[i] for i in idx], self.rows[idx], self.base_pos[idx],
+                              self.tokens[d], self.num_accepted[d], self.hidden,
+                              self.logits_indices[stage(scored)], self.eligible[idx],
+                              None if self.num_drafts is None else self.num_drafts[idx])
+
     def host(self) -> tuple[list[list[int]], list[int]]:
         """(emitted tokens, num accepted) on the host (one device sync)."""
         if self._host is None:
@@ -88,14 +106,13 @@ class Proposer:
 
     def on_forward(self, inp: StepInputs, hidden: torch.Tensor) -> None:
         """Called on every rank right after the target's forward of each step (hidden: its
-        last-layer hidden states, [T, H])."""
+        last-layer hidden states, [T, H]). Sets `step_active`: the step's requests `propose`
+        sees (the others get no proposals, None)."""
+        self.step_active = ~inp.paused
 
     def propose(self, ctx: ProposeContext) -> list[list[int]]:
+        """Drafts of the active requests that sampled (`ctx` holds only those)."""
         raise NotImplementedError
-
-    def skip(self, ctx: ProposeContext) -> None:
-        """Called instead of `propose` when the plan says nobody needs proposals: only the
-        work that keeps the proposer's state in step with the target."""
 
     def room(self, ctx: ProposeContext, num_tokens: np.ndarray) -> np.ndarray:
         """Drafts each request may get: k, fewer near max_model_len, 0 if not eligible."""
@@ -187,6 +204,64 @@ def propose_ngram(tokens: np.ndarray, lens: np.ndarray, n_min: int, n_max: int,
     return [drafts[i, :room[i]].tolist() if hit[i] else [] for i in range(B)]
 
 
+class Stateful:
+    """Mixin of the proposers with per-request state in step with the target (a draft model's
+    KV cache, an MTP layer's / EAGLE head's pairs). `valid[row]`: the state is right for the
+    positions below it. A paused request's state stays behind; when the request is active
+    again, `catch_up` brings it up to the step's first position before the step's own work,
+    at most `catch_up_budget` tokens a step (the rest the next steps: until then the request
+    stays inactive, as if paused)."""
+
+    def init_state(self) -> None:
+        r = self.runner
+        self.valid = np.zeros(r.cfg.scheduler.max_num_seqs, dtype=np.int64)
+        self.catch_up_budget = max(1, r.cfg.scheduler.max_num_batched_tokens // 2)
+
+    def track(self, inp: StepInputs) -> None:
+        """Set `step_active` (catching up first where needed) and, for `after_step`, `_valid`."""
+        # a (re)started request: its prefix computed before (prefix-cache hit) counts as done;
+        # positions from the step's first on are recomputed, so they count only if active
+        valid = np.minimum(np.where(inp.new, inp.starts, self.valid[inp.rows]), inp.starts)
+        active = ~inp.paused
+        lag = np.flatnonzero(active & (valid < inp.starts))
+        if len(lag):
+            # missed positions up to the step's first, only over tokens the host knows
+            end = np.minimum(inp.starts[lag], inp.known[lag] - self.catch_up_shift)
+            p0, p1 = self.catch_up_range(inp, lag, valid[lag], end)
+            keep = p1 > p0
+            n = np.minimum(p1 - p0, self.catch_up_budget)  # the first requests first
+            n = np.minimum(n, np.maximum(self.catch_up_budget - np.concatenate([[0], np.cumsum(n)[:-1]]), 0))
+            keep &= n > 0
+            if keep.any():
+                self.catch_up(inp.rows[lag[keep]], p0[keep], p0[keep] + n[keep])
+            valid[lag] = np.where(keep, p0 + n, valid[lag])
+            active &= valid >= inp.starts  # still behind: inactive this step
+        self.step_active, self._valid = active, valid
+
+    def after_step(self, inp: StepInputs) -> None:
+        self.valid[inp.rows] = np.where(self.step_active, inp.seq_lens, self._valid)
+
+    catch_up_shift = 0  # tokens past a caught-up position it reads (pairs read t + 1)
+
+    def catch_up_range(self, inp, lag, p0, p1) -> tuple[np.ndarray, np.ndarray]:
+        return p0, p1
+
+    def catch_up(self, rows: np.ndarray, p0: np.ndarray, p1: np.ndarray) -> None:
+        """Bring the state of requests `rows` from position p0 to p1 (host arrays), one pass."""
+        raise NotImplementedError
+
+    def ranges(self, rows: np.ndarray, p0: np.ndarray, p1: np.ndarray):
+        """Token layout of the position ranges [p0, p1) of requests `rows` (host): (query
+        start locations, row of each token, position of each token, KV slot of each token)."""
+        r, bs = self.runner, self.runner.block_size
+        n = p1 - p0
+        cu = np.concatenate([[0], np.cumsum(n)])
+        req = np.repeat(np.arange(len(rows)), n)
+        pos = np.arange(int(cu[-1])) - cu[:-1][req] + p0[req]
+        slots = r.batch.block_table[rows[req], pos // bs].astype(np.int64) * bs + pos % bs
+        return cu, rows[req], pos, slots
+
+
 class OwnModel:
     """Mixin of the proposers that run a model of their own (draft model, EAGLE head) on the
     target's ranks: its KV cache in the target's block layout (same blocks and slots, so
@@ -232,6 +307,32 @@ class OwnModel:
         return self.compiled(d.ids[:T], d.pos[:T], d.attn(T, B, inp.attn.is_decode), hidden,
                              query_len=inp.query_len)
 
+    def run_ranges(self, rows: np.ndarray, p0: np.ndarray, p1: np.ndarray, ids: torch.Tensor | None,
+                   hidden: torch.Tensor | None, id_index: np.ndarray | None = None,
+                   host_ids: np.ndarray | None = None) -> torch.Tensor:
+        """The own model over the positions [p0, p1) of requests `rows` (a chunked prefill in
+        the target's slots): input ids `ids` (device), or `ids[id_index]`, or `host_ids`."""
+        d, r = self.batch, self.runner
+        cu, tok_rows, pos, slots = self.ranges(rows, p0, p1)
+        T, B = int(cu[-1]), len(rows)
+        put = d.stage
+        if host_ids is not None:
+            put(host_ids, d.ids)
+        elif id_index is not None:
+            d.ids[:T].copy_(ids[put(id_index)])
+        else:
+            d.ids[:T].copy_(ids)
+        put(pos, d.pos)
+        put(slots, d.slots)
+        put(cu.astype(np.int32), d.qsl)
+        put(p1.astype(np.int32), d.seq_lens)
+        width = min(int(-(-(p1.max() + self.lookahead) // r.block_size)), r.batch.max_blocks_per_req)
+        put(r.batch.block_table[rows, :width], d.table[:B, :width])
+        d.state_idx[:B].fill_(-1)
+        n = p1 - p0
+        q = int(n[0]) if (n == n[0]).all() else 0
+        return self.compiled(d.ids[:T], d.pos[:T], d.attn(T, B, bool((n == 1).all())), hidden, query_len=q)
+
     def begin_passes(self, B: int) -> None:
         """Before `run_one` passes: B requests of one query token, no recurrent state."""
         self.batch.qsl[:B + 1].copy_(torch.arange(B + 1, device=self.runner.device))
@@ -250,12 +351,13 @@ class OwnModel:
 
 
 @PROPOSERS.register("draft_model")
-class DraftModelProposer(OwnModel, Proposer):
+class DraftModelProposer(Stateful, OwnModel, Proposer):
     """A separate small checkpoint with the target's vocabulary, on the same ranks and with the
     same tensor parallelism (its own KV cache and buffers: `OwnModel`). It runs every step on
     exactly the target's tokens, slots and block table, then feeds itself k - 1 greedy tokens
     per request (one-hot drafts) at the positions after the step's emitted tokens (slots the
-    scheduler reserves ahead: `lookahead_slots`)."""
+    scheduler reserves ahead: `lookahead_slots`). Paused requests' tokens are left out of its
+    step; on resuming, their missed tokens are prefilled into its KV cache (`catch_up`)."""
 
     def __init__(self, runner: ModelRunner, params: SpecDecodeParams):
         super().__init__(runner, params)
@@ -277,10 +379,30 @@ class DraftModelProposer(OwnModel, Proposer):
             load_weights(model, params.model, progress=False)
         self.own_model(model, None)
         self.compiled.verify_len = 1 + self.k  # the draft scores the target's verify batches too
+        self.init_state()
 
+    @torch.inference_mode()
     def on_forward(self, inp: StepInputs, hidden: torch.Tensor) -> None:
-        """The draft's KV of this step's tokens."""
-        self.run_step(inp, inp.input_ids, None)
+        """The draft's KV of this step's tokens (of its active requests)."""
+        if inp.input_ids.shape[0] == 0:
+            self.step_active = ~inp.paused
+            return
+        self.batch.next_arena()
+        self.track(inp)
+        act = self.step_active
+        if act.all():  # the steady state: exactly the target's step (its CUDA graphs)
+            self.run_step(inp, inp.input_ids, None)
+        elif act.any():
+            idx = np.flatnonzero(act)
+            cu = np.concatenate([[0], np.cumsum(inp.seq_lens - inp.starts)])
+            tok = np.concatenate([np.arange(cu[i], cu[i + 1]) for i in idx])
+            self.run_ranges(inp.rows[idx], inp.starts[idx], inp.seq_lens[idx], inp.input_ids, None, tok)
+        self.after_step(inp)
+
+    def catch_up(self, rows: np.ndarray, p0: np.ndarray, p1: np.ndarray) -> None:
+        """The missed tokens (known on the host) prefilled into the draft's KV cache."""
+        _, tok_rows, pos, _ = self.ranges(rows, p0, p1)
+        self.run_ranges(rows, p0, p1, None, None, host_ids=self.runner.batch.token_ids[tok_rows, pos])
 
     @torch.inference_mode()
     def propose(self, ctx: ProposeContext) -> list[list[int]]:
@@ -302,7 +424,7 @@ class DraftModelProposer(OwnModel, Proposer):
         return self.ahead_result(ctx, torch.stack(drafts, 1))
 
 
-class PairProposer(Proposer):
+class PairProposer(Stateful, Proposer):
     """Drafting from the target's hidden states (DeepSeek MTP, EAGLE heads). The drafter's KV
     cache holds, at token t's position, the pair (the target's hidden state of t, token t + 1).
 
@@ -312,15 +434,54 @@ class PairProposer(Proposer):
     pair with the token just emitted (at the last verified position: rejected drafts' pairs
     past it are overwritten later, as the target's KV is) and gives the first draft; pass i
     feeds back its own hidden state and draft one position further (the k - 1 lookahead slots
-    the scheduler reserves). A step without proposals (`skip`) writes only the last pair. A
-    plain decode step has only last pairs: pass 0 (or skip) writes them.
+    the scheduler reserves). A plain decode step has only last pairs: pass 0 writes them.
 
-    A subclass says how the target's states become pair states (`pair_states`), how the pairs
-    of a step are stored, and what one pass is (`one_pass`)."""
+    Paused requests get no pass. A step with requests that are not active writes the target's
+    states of its tokens (`raw_states`: the hidden state, or EAGLE-3's three layers before the
+    head's fc) into a ring of `ring_len` positions per input-batch row, one index_copy; a
+    request that resumes stores its missed pairs from it (`catch_up`) in one pass.
 
-    def pair_states(self, inp: StepInputs, hidden: torch.Tensor) -> torch.Tensor:
-        """The per-token states the pairs take (default: the target's last hidden states)."""
+    A subclass says how the target's states become pair states (`raw_states`, `states_of`),
+    how the pairs of a step are stored, and what one pass is (`one_pass`)."""
+
+    catch_up_shift = 1  # the pair of position t takes token t + 1
+
+    def init_pairs(self, width: int) -> None:
+        from .scheduler import SPEC_MAX_PAUSE
+        r = self.runner
+        self.init_state()
+        # a pause's steps and the few synchronous ones around it (older positions: see below)
+        self.ring_len = SPEC_MAX_PAUSE + 2 * self.k + 8
+        self.ring = torch.zeros(r.cfg.scheduler.max_num_seqs * self.ring_len, width, dtype=r.dtype,
+                                device=r.device)
+
+    def raw_states(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the ring keeps per token (default: the target's last hidden states)."""
         return hidden
+
+    def states_of(self, raw: torch.Tensor) -> torch.Tensor:
+        """The states the pairs take, from `raw_states` rows."""
+        return raw
+
+    def begin_step(self) -> None:
+        pass
+
+    def store_range(self, rows, p0, p1, h, nxt, pos, slots) -> None:
+        """Store the pairs (h, nxt) of the position ranges [p0, p1) (`catch_up`)."""
+        raise NotImplementedError
+
+    def catch_up_range(self, inp, lag, p0, p1) -> tuple[np.ndarray, np.ndarray]:
+        # the ring holds the last ring_len positions before the step; older missed pairs
+        # (a request that lagged longer) stay stale: worse drafts, never a different output
+        return np.maximum(p0, inp.starts[lag] - self.ring_len), p1
+
+    def catch_up(self, rows: np.ndarray, p0: np.ndarray, p1: np.ndarray) -> None:
+        R, dev = self.ring_len, self.runner.device
+        _, tok_rows, pos, slots = self.ranges(rows, p0, p1)
+        h = self.states_of(self.ring[torch.from_numpy(tok_rows * R + pos % R).to(dev)])
+        nxt = torch.from_numpy(self.runner.batch.token_ids[tok_rows, pos + 1]).to(dev)
+        self.store_range(rows, p0, p1, h, nxt, torch.from_numpy(pos).to(dev),
+                         torch.from_numpy(slots).to(dev))
 
     def store_pairs(self, inp: StepInputs, h: torch.Tensor, nxt: torch.Tensor) -> None:
         raise NotImplementedError
@@ -341,8 +502,25 @@ class PairProposer(Proposer):
     @torch.inference_mode()
     def on_forward(self, inp: StepInputs, hidden: torch.Tensor) -> None:
         T = inp.input_ids.shape[0]
-        self._states = self.pair_states(inp, hidden[:T]) if T else None
-        if T == 0 or (inp.attn.is_decode and len(inp.sample_index) == T):
+        self._states = None
+        if T == 0:
+            self.step_active = ~inp.paused
+            return
+        self.begin_step()
+        raw = self.raw_states(hidden[:T])
+        self.track(inp)
+        act = self.step_active
+        if not act.all():  # the states of the requests left behind, for their catch-up
+            att = inp.attn
+            tok_rows = torch.repeat_interleave(att.state_idx[:len(inp.rows)].long(),
+                                               att.query_start_loc[1:] - att.query_start_loc[:-1],
+                                               output_size=T)
+            self.ring.index_copy_(0, tok_rows * self.ring_len + inp.positions % self.ring_len, raw)
+        self.after_step(inp)
+        if not act.any():
+            return
+        self._states = self.states_of(raw)
+        if inp.attn.is_decode and len(inp.sample_index) == T:
             return  # (a plain decode step: every pair is a last one, which pass 0 writes)
         b = self.runner.batch
         # the token after each request's last one: known unless the request samples now
@@ -357,13 +535,6 @@ class PairProposer(Proposer):
         if not ctx.req_ids:
             return []
         return self.ahead_result(ctx, self._passes(ctx, self.k))
-
-    @torch.inference_mode()
-    def skip(self, ctx: ProposeContext) -> None:
-        if ctx.req_ids:  # only the last pair's KV, with the emitted token
-            h, x, pos, table = self._last_pair(ctx)
-            self.begin_passes(len(ctx.req_ids))
-            self.store_last(h, x, *self.ahead_slots(table, pos), table)
 
     def _last_pair(self, ctx: ProposeContext):
         """(pair state, emitted token, position, block table) of each request's last pair: the
@@ -409,12 +580,16 @@ class MTPProposer(PairProposer):
                    f"{cfg.architectures[0]} has no multi-token-prediction layers "
                    "(num_nextn_predict_layers: DeepSeek-V3 and its kind)")
             raise ValueError(f"--speculative-config: method mtp needs the target's MTP layers; {why}")
+        self.init_pairs(cfg.hidden_size)
 
     def store_pairs(self, inp: StepInputs, h: torch.Tensor, nxt: torch.Tensor) -> None:
         self.model.mtp_store_kv(h, nxt, inp.positions, inp.attn.slot_mapping, 0)
 
     def store_last(self, h, x, pos, slots, table) -> None:
         self.model.mtp_store_kv(h, x, pos, slots, 0)
+
+    def store_range(self, rows, p0, p1, h, nxt, pos, slots) -> None:
+        self.model.mtp_store_kv(h, nxt, pos, slots, 0)
 
     def one_pass(self, h, x, pos, slots, table, qsl):
         from ..models.layers import AttnMeta
@@ -454,9 +629,19 @@ class EagleProposer(OwnModel, PairProposer):
                                    device=runner.device)
             target.model.capture_aux(aux, self.aux)
             log.info("EAGLE-3 head reads the target's layers %s", aux)
+        self.init_pairs(runner.hf_config.hidden_size if self.aux is None else self.aux.shape[1])
 
-    def pair_states(self, inp: StepInputs, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden if self.aux is None else self.model.combine(self.aux[:hidden.shape[0]])
+    def raw_states(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden if self.aux is None else self.aux[:hidden.shape[0]]
+
+    def states_of(self, raw: torch.Tensor) -> torch.Tensor:
+        return raw if self.aux is None else self.model.combine(raw)
+
+    def begin_step(self) -> None:
+        self.batch.next_arena()
+
+    def store_range(self, rows, p0, p1, h, nxt, pos, slots) -> None:
+        self.run_ranges(rows, p0, p1, nxt, h)
 
     def table_buffer(self) -> torch.Tensor:
         return self.batch.table
