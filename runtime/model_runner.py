@@ -556,5 +556,5 @@ class ModelRunner:
             out.draft_token_ids = self.proposer.propose(ctx)
         elif active.any():
             idx = np.flatnonzero(active)
-            drafts = iter(self.proposer.propose(ctx.select(idx, self.batch.stage(idx))))
+            drafts = iter(self.proposer.propose(ctx.select(idx, self.batch.stage)))
             out.draft_token_ids = [next(drafts) if a else None for a in active]
