@@ -1,0 +1,144 @@
+"""Speculative decoding backoff (issue 16, "no slowdown worse than 5% when proposals are never
+accepted"): while the scheduler pauses a request's drafting, the proposer does no work for it
+(no draft-model forward, no MTP / EAGLE pass); when the pause ends, it catches up on the
+positions it missed, so its drafts equal those of a proposer that never paused (a from-scratch
+reference over the whole context). Drafters with random weights: their drafts are (almost)
+never accepted, so requests pause and resume many times."""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from rankserve import LLM, SamplingParams
+from rankserve.runtime.spec_decode import DraftModelProposer, EagleProposer, MTPProposer
+
+from conftest import STORIES_EMBEDDED
+from test_deepseek import _mtp_checkpoint
+from test_spec_decode import stories_draft
+from test_spec_decode_eagle import _reference_drafts as eagle_reference
+from test_spec_decode_eagle import eagle3_head
+from test_spec_decode_mtp import _reference_drafts as mtp_reference
+
+PROMPTS = [list(range(3, 40)), [5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11]]
+
+
+def _greedy(llm, prompts, n):
+    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
+
+
+class Spy:
+    """Per step of the runner: the plan's paused / scheduled requests and the proposer work
+    done in it (`calls` counted by the patched methods, tokens caught up)."""
+
+    def __init__(self, llm, monkeypatch, proposer_cls, work: list[str]):
+        self.calls, self.steps, self.caught, self.seen = 0, [], 0, []
+        runner = llm.engine.executor.runner
+        self.proposer = runner.proposer
+        real_execute = runner.execute
+
+        def execute(plan, *a, **kw):
+            before = self.calls
+            out = real_execute(plan, *a, **kw)
+            self.steps.append((set(plan.spec_paused), set(plan.num_scheduled_tokens), self.calls - before))
+            return out
+        monkeypatch.setattr(runner, "execute", execute)
+        target = self.proposer.model if proposer_cls is not DraftModelProposer else None
+        for name in work:  # the proposer's model forwards
+            obj = target if target is not None and hasattr(target, name) else self.proposer
+            real = getattr(obj, name)
+
+            def counted(*a, _real=real, **kw):
+                self.calls += 1
+                return _real(*a, **kw)
+            monkeypatch.setattr(obj, name, counted)
+        real_catch_up = proposer_cls.catch_up
+
+        def catch_up(p, rows, p0, p1):
+            self.caught += int((p1 - p0).sum())
+            return real_catch_up(p, rows, p0, p1)
+        monkeypatch.setattr(proposer_cls, "catch_up", catch_up)
+        real_propose = proposer_cls.propose
+
+        def propose(p, ctx):
+            out = real_propose(p, ctx)
+            toks, acc = ctx.host()
+            b = p.runner.batch
+            for row, base, t, a, d in zip(ctx.rows, ctx.base_pos, toks, acc, out):
+                if d:
+                    self.seen.append((b.token_ids[row, :base].tolist() + t[:a + 1], d))
+            return out
+        monkeypatch.setattr(proposer_cls, "propose", propose)
+
+    def check(self):
+        paused_steps = [w for paused, ids, w in self.steps if paused == ids]
+        assert len(paused_steps) > 20, "the drafts should be rejected and the requests pause"
+        assert sum(paused_steps) == 0, "a step whose requests all pause runs no proposer work"
+        assert self.caught > 20, self.caught  # resumed requests caught up
+
+
+def random_draft(path) -> str:
+    """stories260K's first layer with random weights: same tokenizer, drafts never accepted."""
+    d = stories_draft(path, num_layers=1)
+    g = torch.Generator().manual_seed(1)
+    w = load_file(f"{d}/model.safetensors")
+    save_file({k: torch.randn(v.shape, generator=g) * 0.5 for k, v in w.items()}, f"{d}/model.safetensors")
+    return d
+
+
+@pytest.mark.parametrize("extra", [{}, dict(async_scheduling=True, max_num_batched_tokens=16)],
+                         ids=["sync", "async-budget16"])
+def test_draft_model_does_no_work_while_paused_and_catches_up(tmp_path, monkeypatch, extra):
+    """The draft runs no forward in steps whose requests all pause, and a request that resumes
+    gets the drafts of a draft model that saw every token (its greedy continuation); with a
+    budget of 16 tokens the catch-up spreads over steps (8 tokens a step)."""
+    draft = random_draft(tmp_path / "draft")
+    common = dict(dtype="float32", max_num_seqs=4, kv_cache_memory_gb=0.05, max_model_len=160, **extra)
+    want = _greedy(LLM(str(STORIES_EMBEDDED), **common), PROMPTS, 100)
+    llm = LLM(str(STORIES_EMBEDDED), **common,
+              speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 3})
+    spy = Spy(llm, monkeypatch, DraftModelProposer, ["compiled"])
+    assert _greedy(llm, PROMPTS, 100) == want
+    spy.check()
+    assert llm.engine.scheduler.stats().spec_num_accepted_tokens <= 2
+    # the reference: the draft model decoding greedily from each context
+    ref = LLM(draft, dtype="float32", max_num_seqs=8, kv_cache_memory_gb=0.05, max_model_len=160)
+    got = _greedy(ref, [c for c, _ in spy.seen], 3)
+    assert len(spy.seen) > 10
+    for (context, drafts), r in zip(spy.seen, got):
+        assert r[:len(drafts)] == drafts, f"context of {len(context)}"
+
+
+@pytest.fixture(scope="module")
+def mtp_dir(checkpoint, tmp_path_factory):
+    return _mtp_checkpoint(tmp_path_factory.mktemp("mtp"), checkpoint("DeepseekV3ForCausalLM"))[0]
+
+
+@pytest.mark.parametrize("method", ["mtp", "eagle3"])
+def test_pair_proposers_do_no_work_while_paused_and_catch_up(method, mtp_dir, checkpoint, tmp_path,
+                                                             monkeypatch):
+    """MTP / EAGLE-3: no pass in steps whose requests all pause (the target's states go to
+    the ring), and every proposal, those right after a pause included, equals the reference's
+    from scratch (the missed pairs were stored from the ring)."""
+    common = dict(dtype="float32", max_num_seqs=4, kv_cache_memory_gb=0.05, max_model_len=160)
+    if method == "mtp":
+        target, spec, cls = mtp_dir, {"method": "mtp", "num_speculative_tokens": 2}, MTPProposer
+        work = ["mtp_forward", "mtp_store_kv"]
+    else:
+        target = checkpoint("LlamaForCausalLM")
+        head = eagle3_head(tmp_path / "h", aux_ids=[2, 0, 1])
+        spec, cls = {"method": "eagle3", "model": head, "num_speculative_tokens": 2}, EagleProposer
+        work = ["compiled"]
+    want = _greedy(LLM(target, **common), PROMPTS, 100)
+    llm = LLM(target, **common, speculative_config=spec)
+    spy = Spy(llm, monkeypatch, cls, work)
+    assert _greedy(llm, PROMPTS, 100) == want
+    spy.check()
+    assert len(spy.seen) > 10
+    p = spy.proposer  # (its caches are scratch now)
+    for context, drafts in spy.seen:
+        ref = mtp_reference(p.model, context, len(drafts)) if method == "mtp" \
+            else eagle_reference(p, context, len(drafts))
+        assert ref == drafts, f"context of {len(context)}"
+
