@@ -76,6 +76,9 @@ class Spy:
         assert len(paused_steps) > 20, "the drafts should be rejected and the requests pause"
         assert sum(paused_steps) == 0, "a step whose requests all pause runs no proposer work"
         assert self.caught > 20, self.caught  # resumed requests caught up
+        # steps where some requests pause and others draft (the chunked prefills of prompts of
+        # different lengths put them out of phase)
+        assert any(paused and paused != ids for paused, ids, _ in self.steps)
 
 
 def random_draft(path) -> str:
@@ -87,14 +90,13 @@ def random_draft(path) -> str:
     return d
 
 
-@pytest.mark.parametrize("extra", [{}, dict(async_scheduling=True, max_num_batched_tokens=16)],
-                         ids=["sync", "async-budget16"])
-def test_draft_model_does_no_work_while_paused_and_catches_up(tmp_path, monkeypatch, extra):
+def test_draft_model_does_no_work_while_paused_and_catches_up(tmp_path, monkeypatch):
     """The draft runs no forward in steps whose requests all pause, and a request that resumes
-    gets the drafts of a draft model that saw every token (its greedy continuation); with a
-    budget of 16 tokens the catch-up spreads over steps (8 tokens a step)."""
+    gets the drafts of a draft model that saw every token (its greedy continuation). Async
+    scheduling, a budget of 16 tokens: the catch-up spreads over steps (8 tokens a step)."""
     draft = random_draft(tmp_path / "draft")
-    common = dict(dtype="float32", max_num_seqs=4, kv_cache_memory_gb=0.05, max_model_len=160, **extra)
+    common = dict(dtype="float32", max_num_seqs=4, kv_cache_memory_gb=0.05, max_model_len=160,
+                  async_scheduling=True, max_num_batched_tokens=16)
     want = _greedy(LLM(str(STORIES_EMBEDDED), **common), PROMPTS, 100)
     llm = LLM(str(STORIES_EMBEDDED), **common,
               speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 3})
@@ -118,10 +120,11 @@ def mtp_dir(checkpoint, tmp_path_factory):
 @pytest.mark.parametrize("method", ["mtp", "eagle3"])
 def test_pair_proposers_do_no_work_while_paused_and_catch_up(method, mtp_dir, checkpoint, tmp_path,
                                                              monkeypatch):
-    """MTP / EAGLE-3: no pass in steps whose requests all pause (the target's states go to
-    the ring), and every proposal, those right after a pause included, equals the reference's
+    """MTP / EAGLE-3 (async scheduling, budget 16): no pass in steps whose requests all pause
+    (the target's states go to the ring), and every proposal, those right after a pause included, equals the reference's
     from scratch (the missed pairs were stored from the ring)."""
-    common = dict(dtype="float32", max_num_seqs=4, kv_cache_memory_gb=0.05, max_model_len=160)
+    common = dict(dtype="float32", max_num_seqs=4, kv_cache_memory_gb=0.05, max_model_len=160,
+                  async_scheduling=True, max_num_batched_tokens=16)
     if method == "mtp":
         target, spec, cls = mtp_dir, {"method": "mtp", "num_speculative_tokens": 2}, MTPProposer
         work = ["mtp_forward", "mtp_store_kv"]
@@ -137,6 +140,9 @@ def test_pair_proposers_do_no_work_while_paused_and_catch_up(method, mtp_dir, ch
     spy.check()
     assert len(spy.seen) > 10
     p = spy.proposer  # (its caches are scratch now)
+    if method == "eagle3":  # the reference runs whole contexts: a capture buffer that fits them
+        inner = p.runner.model.model
+        p.aux = inner.aux_out = torch.zeros(200, p.aux.shape[1], dtype=p.aux.dtype)
     for context, drafts in spy.seen:
         ref = mtp_reference(p.model, context, len(drafts)) if method == "mtp" \
             else eagle_reference(p, context, len(drafts))
