@@ -296,7 +296,10 @@ class Scheduler:
             budget -= n
 
         if self.spec_enabled:
-            out.spec_paused = {rid for rid, (r, *_) in step.items() if r.spec_pause > 0}
+            # a request whose pause ends with this step's outputs (1 left) gets proposals from
+            # it: its next step verifies them, without a step of its own to propose (one that
+            # could not run ahead)
+            out.spec_paused = {rid for rid, (r, *_) in step.items() if r.spec_pause > 1}
             out.skip_proposals = len(out.spec_paused) == len(step)
         constrained = []
         for req, n, new_blocks, new in step.values():
@@ -556,7 +559,8 @@ class Scheduler:
         of the request's next step, unless the request pauses or already ran ahead of them."""
         if req.spec_pause > 0:
             req.spec_pause -= 1
-            return
+            if req.spec_pause > 0:
+                return
         if drafts is None or req.num_pending:
             return
         if not drafts:

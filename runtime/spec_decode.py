@@ -225,15 +225,14 @@ class Stateful:
         active = ~inp.paused
         lag = np.flatnonzero(active & (valid < inp.starts))
         if len(lag):
-            # missed positions up to the step's first, only over tokens the host knows
-            end = np.minimum(inp.starts[lag], inp.known[lag] - self.catch_up_shift)
-            p0, p1 = self.catch_up_range(inp, lag, valid[lag], end)
+            # the missed positions: up to the step's first (the tokens before it are on the host)
+            p0, p1 = self.catch_up_range(inp, lag, valid[lag], inp.starts[lag])
             keep = p1 > p0
             n = np.minimum(p1 - p0, self.catch_up_budget)  # the first requests first
             n = np.minimum(n, np.maximum(self.catch_up_budget - np.concatenate([[0], np.cumsum(n)[:-1]]), 0))
             keep &= n > 0
             if keep.any():
-                self.catch_up(inp.rows[lag[keep]], p0[keep], p0[keep] + n[keep])
+                self.catch_up(inp, lag[keep], p0[keep], p0[keep] + n[keep])
             valid[lag] = np.where(keep, p0 + n, valid[lag])
             active &= valid >= inp.starts  # still behind: inactive this step
         self.step_active, self._valid = active, valid
@@ -241,13 +240,12 @@ class Stateful:
     def after_step(self, inp: StepInputs) -> None:
         self.valid[inp.rows] = np.where(self.step_active, inp.seq_lens, self._valid)
 
-    catch_up_shift = 0  # tokens past a caught-up position it reads (pairs read t + 1)
-
     def catch_up_range(self, inp, lag, p0, p1) -> tuple[np.ndarray, np.ndarray]:
         return p0, p1
 
-    def catch_up(self, rows: np.ndarray, p0: np.ndarray, p1: np.ndarray) -> None:
-        """Bring the state of requests `rows` from position p0 to p1 (host arrays), one pass."""
+    def catch_up(self, inp: StepInputs, idx: np.ndarray, p0: np.ndarray, p1: np.ndarray) -> None:
+        """Bring the state of the step's requests `idx` from position p0 to p1 (host arrays),
+        in one pass, before the step's own work."""
         raise NotImplementedError
 
     def ranges(self, rows: np.ndarray, p0: np.ndarray, p1: np.ndarray):
@@ -399,8 +397,9 @@ class DraftModelProposer(Stateful, OwnModel, Proposer):
             self.run_ranges(inp.rows[idx], inp.starts[idx], inp.seq_lens[idx], inp.input_ids, None, tok)
         self.after_step(inp)
 
-    def catch_up(self, rows: np.ndarray, p0: np.ndarray, p1: np.ndarray) -> None:
-        """The missed tokens (known on the host) prefilled into the draft's KV cache."""
+    def catch_up(self, inp: StepInputs, idx: np.ndarray, p0: np.ndarray, p1: np.ndarray) -> None:
+        """The missed tokens (on the host) prefilled into the draft's KV cache."""
+        rows = inp.rows[idx]
         _, tok_rows, pos, _ = self.ranges(rows, p0, p1)
         self.run_ranges(rows, p0, p1, None, None, host_ids=self.runner.batch.token_ids[tok_rows, pos])
 
@@ -444,8 +443,6 @@ class PairProposer(Stateful, Proposer):
     A subclass says how the target's states become pair states (`raw_states`, `states_of`),
     how the pairs of a step are stored, and what one pass is (`one_pass`)."""
 
-    catch_up_shift = 1  # the pair of position t takes token t + 1
-
     def init_pairs(self, width: int) -> None:
         from .scheduler import SPEC_MAX_PAUSE
         r = self.runner
@@ -475,11 +472,18 @@ class PairProposer(Stateful, Proposer):
         # (a request that lagged longer) stay stale: worse drafts, never a different output
         return np.maximum(p0, inp.starts[lag] - self.ring_len), p1
 
-    def catch_up(self, rows: np.ndarray, p0: np.ndarray, p1: np.ndarray) -> None:
-        R, dev = self.ring_len, self.runner.device
+    def catch_up(self, inp: StepInputs, idx: np.ndarray, p0: np.ndarray, p1: np.ndarray) -> None:
+        R, dev, rows = self.ring_len, self.runner.device, inp.rows[idx]
         _, tok_rows, pos, slots = self.ranges(rows, p0, p1)
         h = self.states_of(self.ring[torch.from_numpy(tok_rows * R + pos % R).to(dev)])
-        nxt = torch.from_numpy(self.runner.batch.token_ids[tok_rows, pos + 1]).to(dev)
+        # token t + 1: on the host, but for t + 1 = the step's first position when the step
+        # ran ahead (its input is the last step's sampled token, on the device only)
+        req = np.repeat(np.arange(len(idx)), p1 - p0)
+        host = self.runner.batch.token_ids[tok_rows, pos + 1]
+        cu = np.concatenate([[0], np.cumsum(inp.seq_lens - inp.starts)])
+        src = np.where(pos + 1 < inp.known[idx][req], inp.input_ids.shape[0] + np.arange(len(pos)),
+                       cu[idx][req])  # an index into [the step's input ids, host]
+        nxt = torch.cat([inp.input_ids, torch.from_numpy(host).to(dev)])[torch.from_numpy(src).to(dev)]
         self.store_range(rows, p0, p1, h, nxt, torch.from_numpy(pos).to(dev),
                          torch.from_numpy(slots).to(dev))
 

@@ -23,9 +23,13 @@ from test_spec_decode_mtp import _reference_drafts as mtp_reference
 PROMPTS = [list(range(3, 40)), [5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11]]
 
 
-def _greedy(llm, prompts, n):
+def _generate(llm, prompts, n):
     sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+
+
+def _greedy(llm, prompts, n):
+    return [o.outputs[0].token_ids for o in _generate(llm, prompts, n)]
 
 
 class Spy:
@@ -55,21 +59,27 @@ class Spy:
             monkeypatch.setattr(obj, name, counted)
         real_catch_up = proposer_cls.catch_up
 
-        def catch_up(p, rows, p0, p1):
+        def catch_up(p, inp, idx, p0, p1):
             self.caught += int((p1 - p0).sum())
-            return real_catch_up(p, rows, p0, p1)
+            return real_catch_up(p, inp, idx, p0, p1)
         monkeypatch.setattr(proposer_cls, "catch_up", catch_up)
         real_propose = proposer_cls.propose
 
-        def propose(p, ctx):
+        def propose(p, ctx):  # (request, length of the context, drafts): see `run`
             out = real_propose(p, ctx)
-            toks, acc = ctx.host()
-            b = p.runner.batch
-            for row, base, t, a, d in zip(ctx.rows, ctx.base_pos, toks, acc, out):
-                if d:
-                    self.seen.append((b.token_ids[row, :base].tolist() + t[:a + 1], d))
+            _, acc = ctx.host()
+            self.seen += [(rid, int(base) + a + 1, d)
+                          for rid, base, a, d in zip(ctx.req_ids, ctx.base_pos, acc, out) if d]
             return out
         monkeypatch.setattr(proposer_cls, "propose", propose)
+
+    def run(self, llm, prompts, n):
+        """Greedy outputs; `seen` becomes (context, drafts) (a step that ran ahead has its
+        last input token on the device only: the context comes from the final sequences)."""
+        outs = _generate(llm, prompts, n)
+        seqs = {o.request_id: o.prompt_token_ids + o.outputs[0].token_ids for o in outs}
+        self.seen = [(seqs[rid][:m], d) for rid, m, d in self.seen]
+        return [o.outputs[0].token_ids for o in outs]
 
     def check(self):
         paused_steps = [w for paused, ids, w in self.steps if paused == ids]
@@ -101,7 +111,7 @@ def test_draft_model_does_no_work_while_paused_and_catches_up(tmp_path, monkeypa
     llm = LLM(str(STORIES_EMBEDDED), **common,
               speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 3})
     spy = Spy(llm, monkeypatch, DraftModelProposer, ["compiled"])
-    assert _greedy(llm, PROMPTS, 100) == want
+    assert spy.run(llm, PROMPTS, 100) == want
     spy.check()
     assert llm.engine.scheduler.stats().spec_num_accepted_tokens <= 2
     # the reference: the draft model decoding greedily from each context
@@ -136,7 +146,7 @@ def test_pair_proposers_do_no_work_while_paused_and_catch_up(method, mtp_dir, ch
     want = _greedy(LLM(target, **common), PROMPTS, 100)
     llm = LLM(target, **common, speculative_config=spec)
     spy = Spy(llm, monkeypatch, cls, work)
-    assert _greedy(llm, PROMPTS, 100) == want
+    assert spy.run(llm, PROMPTS, 100) == want
     spy.check()
     assert len(spy.seen) > 10
     p = spy.proposer  # (its caches are scratch now)
