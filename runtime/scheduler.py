@@ -298,8 +298,9 @@ class Scheduler:
         if self.spec_enabled:
             # a request whose pause ends with this step's outputs (1 left) gets proposals from
             # it: its next step verifies them, without a step of its own to propose (one that
-            # could not run ahead)
-            out.spec_paused = {rid for rid, (r, *_) in step.items() if r.spec_pause > 1}
+            # could not run ahead). Prefill chunks (a preempted request's) always keep the
+            # proposer's state: a catch-up covers only what a pause of decodes misses
+            out.spec_paused = {rid for rid, (r, n, *_) in step.items() if r.spec_pause > 1 and n == 1}
             out.skip_proposals = len(out.spec_paused) == len(step)
         constrained = []
         for req, n, new_blocks, new in step.values():

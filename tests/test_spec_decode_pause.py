@@ -91,15 +91,15 @@ class Spy:
         assert sum(paused_steps) == 0, "a step whose requests all pause runs no proposer work"
         assert self.caught > 20, self.caught  # resumed requests caught up
         assert sum(r for *_, r in self.seen) >= 5  # proposals right after a catch-up
+        # steps where some requests pause and others draft (the chunked prefills of prompts of
+        # different lengths put them out of phase)
+        assert any(paused and paused != ids for paused, ids, _ in self.steps)
 
     def sample(self, n: int):
         """The proposals right after a catch-up, and others up to n."""
         first = [s for s in self.seen if s[2]]
         rest = [s for s in self.seen if not s[2]]
         return first + rest[::max(1, len(rest) // max(n - len(first), 1))]
-        # steps where some requests pause and others draft (the chunked prefills of prompts of
-        # different lengths put them out of phase)
-        assert any(paused and paused != ids for paused, ids, _ in self.steps)
 
 
 def random_draft(path) -> str:
@@ -111,13 +111,15 @@ def random_draft(path) -> str:
     return d
 
 
-def test_draft_model_does_no_work_while_paused_and_catches_up(tmp_path, monkeypatch):
+COMMON = dict(dtype="float32", max_num_seqs=4, kv_cache_memory_gb=0.05, max_model_len=160,
+              async_scheduling=True, max_num_batched_tokens=16)
+
+
+def test_draft_model_does_no_work_while_paused_and_catches_up(tmp_path, monkeypatch, common=COMMON):
     """The draft runs no forward in steps whose requests all pause, and a request that resumes
     gets the drafts of a draft model that saw every token (its greedy continuation). Async
     scheduling, a budget of 16 tokens: the catch-up spreads over steps (8 tokens a step)."""
     draft = random_draft(tmp_path / "draft")
-    common = dict(dtype="float32", max_num_seqs=4, kv_cache_memory_gb=0.05, max_model_len=160,
-                  async_scheduling=True, max_num_batched_tokens=16)
     want = _greedy(LLM(str(STORIES_EMBEDDED), **common), PROMPTS, 90)
     llm = LLM(str(STORIES_EMBEDDED), **common,
               speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 3})
@@ -140,12 +142,10 @@ def mtp_dir(checkpoint, tmp_path_factory):
 
 @pytest.mark.parametrize("method", ["mtp", "eagle3"])
 def test_pair_proposers_do_no_work_while_paused_and_catch_up(method, mtp_dir, checkpoint, tmp_path,
-                                                             monkeypatch):
+                                                             monkeypatch, common=COMMON, reference=True):
     """MTP / EAGLE-3 (async scheduling, budget 16): no pass in steps whose requests all pause
-    (the target's states go to the ring), and every proposal, those right after a pause included, equals the reference's
-    from scratch (the missed pairs were stored from the ring)."""
-    common = dict(dtype="float32", max_num_seqs=4, kv_cache_memory_gb=0.05, max_model_len=160,
-                  async_scheduling=True, max_num_batched_tokens=16)
+    (the target's states go to the ring), and every proposal right after a pause (and others)
+    equals the reference's from scratch (the missed pairs were stored from the ring)."""
     if method == "mtp":
         target, spec, cls = mtp_dir, {"method": "mtp", "num_speculative_tokens": 2}, MTPProposer
         work = ["mtp_forward", "mtp_store_kv"]
@@ -160,6 +160,8 @@ def test_pair_proposers_do_no_work_while_paused_and_catch_up(method, mtp_dir, ch
     assert spy.run(llm, PROMPTS, 90) == want
     spy.check()
     assert len(spy.seen) > 10
+    if not reference:  # (the references run on the host)
+        return
     p = spy.proposer  # (its caches are scratch now)
     if method == "eagle3":  # the reference runs whole contexts: a capture buffer that fits them
         inner = p.runner.model.model
@@ -169,3 +171,19 @@ def test_pair_proposers_do_no_work_while_paused_and_catch_up(method, mtp_dir, ch
             else eagle_reference(p, context, len(drafts))
         assert ref == drafts, f"context of {len(context)}"
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("method", ["draft_model", "mtp", "eagle3"])
+def test_gpu_pause_and_catch_up_with_graphs(method, mtp_dir, checkpoint, tmp_path, monkeypatch):
+    """The same on the GPU: the steady state replays the proposers' CUDA graphs, the subset and
+    catch-up passes stage through pinned memory, the ring is written on the device (the MTP /
+    EAGLE references run on the host: checked by the CPU tests)."""
+    common = {**COMMON, "gpu_memory_utilization": 0.3}
+    common.pop("kv_cache_memory_gb")
+    if method == "draft_model":
+        test_draft_model_does_no_work_while_paused_and_catches_up(tmp_path, monkeypatch, common)
+    else:
+        test_pair_proposers_do_no_work_while_paused_and_catch_up(method, mtp_dir, checkpoint, tmp_path,
+                                                                 monkeypatch, common, reference=False)

@@ -198,7 +198,7 @@ for stage in "$@"; do case $stage in
           n=1; [ $w = w1 ] && n=8
           run ${w}lora 200 python3 -m rankserve.launch bench throughput llama-3.1-8b --workload $w $L --num-loras $n \
             --max-loras $n --cache-dir "$CACHE" --output-json "$OUT/${w}lora.json"; done ;;
-  spectests) run spectests 300 python3 -m pytest -q -x -m gpu tests/test_spec_decode.py ;;
+  spectests) run spectests 300 python3 -m pytest -q -x -m gpu tests/test_spec_decode.py tests/test_spec_decode_pause.py ;;
   *) echo "unknown stage $stage" ;;
 esac; done
 echo "== summary"; cat "$OUT/summary.txt"
