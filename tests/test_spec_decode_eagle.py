@@ -32,9 +32,13 @@ def spec(method: str, head: str, k: int = 3) -> dict:
     return {"method": method, "model": head, "num_speculative_tokens": k}
 
 
-def _greedy(llm, prompts, n=24):
+def _greedy(llm, prompts, n=24, seqs: dict | None = None):
+    """Greedy outputs; `seqs` (if given) gets each request's prompt + output by request id."""
     sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+    if seqs is not None:
+        seqs.update({o.request_id: o.prompt_token_ids + o.outputs[0].token_ids for o in outs})
+    return [o.outputs[0].token_ids for o in outs]
 
 
 # ---- heads in the published formats -------------------------------------------------------------
@@ -226,23 +230,22 @@ def test_greedy_equals_plain_and_drafts_match_a_from_scratch_reference(kind, lla
         head = eagle3_head(tmp_path / "h", speculators=kind.endswith("speculators"),
                            aux_ids=[0, 1, 2] if kind.endswith("speculators") else [2, 0, 1])
     want = _greedy(LLM(target, **COMMON), PROMPTS)
-    seen = []
+    seen, raw = [], []
     real = EagleProposer.propose
 
-    def record(self, ctx):
-        out = real(self, ctx)
-        toks, acc = ctx.host()
-        b = self.runner.batch
-        for row, base, t, a, d in zip(ctx.rows, ctx.base_pos, toks, acc, out):
-            if d:
-                seen.append((b.token_ids[row, :base].tolist() + t[:a + 1], d))
+    def record(self, ctx):  # (request, context length, drafts): contexts from the final
+        out = real(self, ctx)  # sequences (a step that ran ahead has its input on the device only)
+        _, acc = ctx.host()
+        raw.extend((rid, int(base) + a + 1, d) for rid, base, a, d in zip(ctx.req_ids, ctx.base_pos, acc, out) if d)
         return out
     monkeypatch.setattr(EagleProposer, "propose", record)
     for extra in (dict(max_num_batched_tokens=16, block_size=8, num_gpu_blocks_override=14, max_model_len=96,
                        async_scheduling=True),
                   dict(enable_prefix_caching=True)):
         llm = LLM(target, **{**COMMON, **extra}, speculative_config=spec(method, head))
-        assert _greedy(llm, PROMPTS) == want, extra
+        assert _greedy(llm, PROMPTS, seqs=(seqs := {})) == want, extra
+        seen += [(seqs[rid][:m], d) for rid, m, d in raw]
+        raw.clear()
         sch = llm.engine.scheduler
         s = sch.stats()
         assert s.spec_num_drafts > 0

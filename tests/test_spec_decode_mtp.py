@@ -24,9 +24,13 @@ PROMPTS = [list(range(3, 40)), [5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11], list
 COMMON = dict(dtype="float32", max_num_seqs=4, kv_cache_memory_gb=0.05, max_model_len=128)
 
 
-def _greedy(llm, prompts, n=24):
+def _greedy(llm, prompts, n=24, seqs: dict | None = None):
+    """Greedy outputs; `seqs` (if given) gets each request's prompt + output by request id."""
     sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+    if seqs is not None:
+        seqs.update({o.request_id: o.prompt_token_ids + o.outputs[0].token_ids for o in outs})
+    return [o.outputs[0].token_ids for o in outs]
 
 
 @pytest.fixture(scope="module")
@@ -68,23 +72,22 @@ def test_greedy_equals_plain_and_drafts_match_a_from_scratch_reference(mtp_dir, 
     path = mtp_dir if attn_scale is None else copying(mtp_dir, tmp_path / "mtp", attn_scale)
     plain = LLM(path, **COMMON)
     want = _greedy(plain, PROMPTS)
-    seen = []
+    seen, raw = [], []
     real = MTPProposer.propose
 
-    def record(self, ctx):
-        out = real(self, ctx)
-        toks, acc = ctx.host()
-        b = self.runner.batch
-        for row, base, t, a, d in zip(ctx.rows, ctx.base_pos, toks, acc, out):
-            if d:
-                seen.append((b.token_ids[row, :base].tolist() + t[:a + 1], d))
+    def record(self, ctx):  # (request, context length, drafts): contexts from the final
+        out = real(self, ctx)  # sequences (a step that ran ahead has its input on the device only)
+        _, acc = ctx.host()
+        raw.extend((rid, int(base) + a + 1, d) for rid, base, a, d in zip(ctx.req_ids, ctx.base_pos, acc, out) if d)
         return out
     monkeypatch.setattr(MTPProposer, "propose", record)
     for extra in (dict(max_num_batched_tokens=16, block_size=8, num_gpu_blocks_override=14, max_model_len=96,
                        async_scheduling=True),
                   dict(enable_prefix_caching=True)):
         llm = LLM(path, **{**COMMON, **extra}, speculative_config=MTP)
-        assert _greedy(llm, PROMPTS) == want, extra
+        assert _greedy(llm, PROMPTS, seqs=(seqs := {})) == want, extra
+        seen += [(seqs[rid][:m], d) for rid, m, d in raw]
+        raw.clear()
         sch = llm.engine.scheduler
         s = sch.stats()
         assert s.spec_num_drafts > 0
