@@ -106,6 +106,7 @@ class StepInputs:
     paused: np.ndarray | None = None  # [B] bool: drafting paused (backoff), no proposer work
     new: np.ndarray | None = None  # [B] bool: the request (re)starts on this rank
     known: np.ndarray | None = None  # [B] tokens the host knows (the rest are placeholders)
+    pause_on_miss: np.ndarray | None = None  # [B] bool: pauses drafting if it accepts nothing
 
 
 class ModelRunner:
@@ -411,7 +412,8 @@ class ModelRunner:
                           sample_ids, out_counts, prompt_lp, grammar, q,
                           ns if ns.any() else None, (seq_lens - nspec)[sample_mask],
                           np.flatnonzero(sample_mask), rows, seq_lens, start, paused, new,
-                          np.array([s.num_tokens for s in states], dtype=np.int64))
+                          np.array([s.num_tokens for s in states], dtype=np.int64),
+                          np.array([rid in plan.spec_pause_on_miss for rid in req_ids], dtype=bool))
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput,
@@ -552,6 +554,12 @@ class ModelRunner:
                              inp.logits_indices, eligible, inp.num_drafts)
         # requests paused by the backoff (or whose proposer state still lags) get no work: None
         active = self.proposer.step_active[inp.sample_index]
+        last_try = active & inp.pause_on_miss[inp.sample_index]
+        if last_try.any():  # (the host needs the accepted counts for the drafts anyway)
+            done = last_try & (np.asarray(ctx.host()[1]) == 0)  # pauses now: no proposals
+            if done.any():
+                self.proposer.finish(ctx.select(np.flatnonzero(done), self.batch.stage))
+                active = active & ~done
         if active.all():
             out.draft_token_ids = self.proposer.propose(ctx)
         elif active.any():

@@ -83,6 +83,9 @@ class SchedulerOutput:
     # and catches up on the tokens they computed meanwhile when they resume
     spec_paused: set[str] = field(default_factory=set)
     skip_proposals: bool = False  # every request of the plan pauses
+    # requests whose drafts this plan verifies and which pause if none is accepted: then the
+    # proposer skips their proposals (the scheduler would drop them)
+    spec_pause_on_miss: set[str] = field(default_factory=set)
 
     def bitmask(self) -> np.ndarray | None:
         """The grammar rows, filled on first use (or by the fill `fill_async` started). On one
@@ -308,6 +311,8 @@ class Scheduler:
             if spec:
                 out.spec_token_ids[req.request_id] = spec
                 req.spec_in_flight = len(spec)
+                if req.spec_misses + 1 >= SPEC_MISSES:
+                    out.spec_pause_on_miss.add(req.request_id)
             req.spec_token_ids = []  # scheduled now, or stale
             if self._commit(req, n, new_blocks, new, out, len(spec or ())) and req.grammar and req.grammar.active:
                 constrained.append(req)

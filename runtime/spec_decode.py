@@ -114,6 +114,10 @@ class Proposer:
         """Drafts of the active requests that sampled (`ctx` holds only those)."""
         raise NotImplementedError
 
+    def finish(self, ctx: ProposeContext) -> None:
+        """Instead of `propose` for requests that pause from now on (their proposals would be
+        dropped): only what keeps the proposer's state right up to the emitted tokens."""
+
     def room(self, ctx: ProposeContext, num_tokens: np.ndarray) -> np.ndarray:
         """Drafts each request may get: k, fewer near max_model_len, 0 if not eligible."""
         room = self.runner.max_model_len - 1 - num_tokens
@@ -539,6 +543,12 @@ class PairProposer(Stateful, Proposer):
         if not ctx.req_ids:
             return []
         return self.ahead_result(ctx, self._passes(ctx, self.k))
+
+    @torch.inference_mode()
+    def finish(self, ctx: ProposeContext) -> None:
+        h, x, pos, table = self._last_pair(ctx)  # the last pair only, with the emitted token
+        self.begin_passes(len(ctx.req_ids))
+        self.store_last(h, x, *self.ahead_slots(table, pos), table)
 
     def _last_pair(self, ctx: ProposeContext):
         """(pair state, emitted token, position, block table) of each request's last pair: the
