@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from rankserve import LLM, SamplingParams
 from rankserve.runtime.spec_decode import EagleProposer
+from test_spec_decode_mtp import DraftLog, _greedy
 
 PROMPTS = [list(range(3, 40)), [5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11], list(range(3, 40))]
 COMMON = dict(dtype="float32", max_num_seqs=4, kv_cache_memory_gb=0.05, max_model_len=128)
@@ -30,15 +31,6 @@ H, V = 64, 512  # the conftest targets' width and vocabulary
 
 def spec(method: str, head: str, k: int = 3) -> dict:
     return {"method": method, "model": head, "num_speculative_tokens": k}
-
-
-def _greedy(llm, prompts, n=24, seqs: dict | None = None):
-    """Greedy outputs; `seqs` (if given) gets each request's prompt + output by request id."""
-    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
-    if seqs is not None:
-        seqs.update({o.request_id: o.prompt_token_ids + o.outputs[0].token_ids for o in outs})
-    return [o.outputs[0].token_ids for o in outs]
 
 
 # ---- heads in the published formats -------------------------------------------------------------
@@ -230,22 +222,13 @@ def test_greedy_equals_plain_and_drafts_match_a_from_scratch_reference(kind, lla
         head = eagle3_head(tmp_path / "h", speculators=kind.endswith("speculators"),
                            aux_ids=[0, 1, 2] if kind.endswith("speculators") else [2, 0, 1])
     want = _greedy(LLM(target, **COMMON), PROMPTS)
-    seen, raw = [], []
-    real = EagleProposer.propose
-
-    def record(self, ctx):  # (request, context length, drafts): contexts from the final
-        out = real(self, ctx)  # sequences (a step that ran ahead has its input on the device only)
-        _, acc = ctx.host()
-        raw.extend((rid, int(base) + a + 1, d) for rid, base, a, d in zip(ctx.req_ids, ctx.base_pos, acc, out) if d)
-        return out
-    monkeypatch.setattr(EagleProposer, "propose", record)
+    seen, log = [], DraftLog(monkeypatch, EagleProposer)
     for extra in (dict(max_num_batched_tokens=16, block_size=8, num_gpu_blocks_override=14, max_model_len=96,
                        async_scheduling=True),
                   dict(enable_prefix_caching=True)):
         llm = LLM(target, **{**COMMON, **extra}, speculative_config=spec(method, head))
         assert _greedy(llm, PROMPTS, seqs=(seqs := {})) == want, extra
-        seen += [(seqs[rid][:m], d) for rid, m, d in raw]
-        raw.clear()
+        seen += log.take(seqs)
         sch = llm.engine.scheduler
         s = sch.stats()
         assert s.spec_num_drafts > 0

@@ -33,6 +33,29 @@ def _greedy(llm, prompts, n=24, seqs: dict | None = None):
     return [o.outputs[0].token_ids for o in outs]
 
 
+class DraftLog:
+    """Every proposal a proposer class makes, as (request id, context length, drafts); `take`
+    turns them into (context, drafts) from the final sequences (a step that ran ahead has its
+    last input token on the device only)."""
+
+    def __init__(self, monkeypatch, proposer_cls):
+        self.raw = []
+        real = proposer_cls.propose
+
+        def propose(p, ctx):
+            out = real(p, ctx)
+            _, acc = ctx.host()
+            self.raw.extend((rid, int(base) + a + 1, d)
+                            for rid, base, a, d in zip(ctx.req_ids, ctx.base_pos, acc, out) if d)
+            return out
+        monkeypatch.setattr(proposer_cls, "propose", propose)
+
+    def take(self, seqs: dict) -> list[tuple[list[int], list[int]]]:
+        out = [(seqs[rid][:m], d) for rid, m, d in self.raw]
+        self.raw.clear()
+        return out
+
+
 @pytest.fixture(scope="module")
 def mtp_dir(checkpoint, tmp_path_factory):
     return _mtp_checkpoint(tmp_path_factory.mktemp("mtp"), checkpoint("DeepseekV3ForCausalLM"))[0]
@@ -72,22 +95,13 @@ def test_greedy_equals_plain_and_drafts_match_a_from_scratch_reference(mtp_dir, 
     path = mtp_dir if attn_scale is None else copying(mtp_dir, tmp_path / "mtp", attn_scale)
     plain = LLM(path, **COMMON)
     want = _greedy(plain, PROMPTS)
-    seen, raw = [], []
-    real = MTPProposer.propose
-
-    def record(self, ctx):  # (request, context length, drafts): contexts from the final
-        out = real(self, ctx)  # sequences (a step that ran ahead has its input on the device only)
-        _, acc = ctx.host()
-        raw.extend((rid, int(base) + a + 1, d) for rid, base, a, d in zip(ctx.req_ids, ctx.base_pos, acc, out) if d)
-        return out
-    monkeypatch.setattr(MTPProposer, "propose", record)
+    seen, log = [], DraftLog(monkeypatch, MTPProposer)
     for extra in (dict(max_num_batched_tokens=16, block_size=8, num_gpu_blocks_override=14, max_model_len=96,
                        async_scheduling=True),
                   dict(enable_prefix_caching=True)):
         llm = LLM(path, **{**COMMON, **extra}, speculative_config=MTP)
         assert _greedy(llm, PROMPTS, seqs=(seqs := {})) == want, extra
-        seen += [(seqs[rid][:m], d) for rid, m, d in raw]
-        raw.clear()
+        seen += log.take(seqs)
         sch = llm.engine.scheduler
         s = sch.stats()
         assert s.spec_num_drafts > 0
