@@ -116,15 +116,15 @@ def test_chat_endpoint(server, tmp_path):
 
 
 @contextlib.contextmanager
-def lossy_server():
-    """An OpenAI-style SSE server that streams one token fewer than asked for, or (prompts whose
-    first token id is even) cuts the stream after two chunks."""
+def sse_server(events):
+    """An OpenAI-style SSE server (model "fake") that streams `events(request)`: the JSON objects
+    of one completion stream, then [DONE] unless the list ends with None (a cut stream)."""
     class Handler(http.server.BaseHTTPRequestHandler):
         def log_message(self, *a):
             pass
 
         def do_GET(self):
-            body = json.dumps({"data": [{"id": "lossy"}]}).encode()
+            body = json.dumps({"data": [{"id": "fake"}]}).encode()
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -135,21 +135,34 @@ def lossy_server():
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
-            n = req["max_tokens"] - 1
-            cut = req["prompt"][0] % 2 == 0
-            for i in range(2 if cut else n):
-                last = i == n - 1
-                chunk = {"choices": [{"index": 0, "text": "x", "finish_reason": "length" if last else None}]}
-                self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-            if not cut:
-                usage = {"choices": [], "usage": {"prompt_tokens": len(req["prompt"]), "completion_tokens": n}}
-                self.wfile.write(b"data: " + json.dumps(usage).encode() + b"\n\ndata: [DONE]\n\n")
+            msgs = events(req)
+            for m in msgs:
+                if m is not None:
+                    self.wfile.write(b"data: " + json.dumps(m).encode() + b"\n\n")
+            if not msgs or msgs[-1] is not None:
+                self.wfile.write(b"data: [DONE]\n\n")
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
         yield f"http://127.0.0.1:{srv.server_address[1]}"
     finally:
         srv.shutdown()
+
+
+def _usage(req, n):
+    return {"choices": [], "usage": {"prompt_tokens": len(req["prompt"]), "completion_tokens": n}}
+
+
+def lossy_server():
+    """Streams one token fewer than asked for, or (prompts whose first token id is even) cuts
+    the stream after two chunks."""
+    def events(req):
+        n = req["max_tokens"] - 1
+        if req["prompt"][0] % 2 == 0:
+            return [{"choices": [{"index": 0, "text": "x", "finish_reason": None}]}] * 2 + [None]
+        return [{"choices": [{"index": 0, "text": "x", "finish_reason": "length" if i == n - 1 else None}]}
+                for i in range(n)] + [_usage(req, n)]
+    return sse_server(events)
 
 
 def test_failures_and_lost_tokens_are_counted(server, tmp_path):
@@ -216,30 +229,12 @@ def test_args_and_arrivals():
     assert gaps[0.25].std() > 3 * gaps[4.0].std()
 
 
-@contextlib.contextmanager
 def one_chunk_server():
-    """A server that streams all of a request's text in its last chunk (as one serving a model
-    without a tokenizer would): TTFT and ITL then time that chunk, which the bench must say."""
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def log_message(self, *a):
-            pass
-
-        def do_POST(self):
-            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.end_headers()
-            n = req["max_tokens"]
-            for chunk in ({"choices": [{"index": 0, "text": "x" * n, "finish_reason": "length"}]},
-                          {"choices": [], "usage": {"prompt_tokens": len(req["prompt"]), "completion_tokens": n}}):
-                self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-            self.wfile.write(b"data: [DONE]\n\n")
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{srv.server_address[1]}"
-    finally:
-        srv.shutdown()
+    """Streams all of a request's text in its last chunk (as a server of a model without a
+    tokenizer would): TTFT and ITL then time that chunk, which the bench must say."""
+    return sse_server(lambda req: [{"choices": [{"index": 0, "text": "x" * req["max_tokens"],
+                                                 "finish_reason": "length"}]},
+                                   _usage(req, req["max_tokens"])])
 
 
 def test_warns_when_chunks_are_not_tokens(tmp_path, capsys):
