@@ -17,7 +17,7 @@ from rankserve.kernels import fp8_prologue as P, gemv, quant as Q, quant_tc as T
 from rankserve.kernels.attention import rms_norm
 from rankserve.runtime import envs
 
-from test_quant_kernels import BF16, F16, F32, close, gpu_close, make_fp8, make_w4
+from test_quant_kernels import BF16, F16, F32, check_graph_capture, close, gpu_close, make_fp8, make_w4
 from test_quantization import base  # noqa: F401  (the tiny checkpoints fixture)
 
 gpu = pytest.mark.gpu
@@ -251,21 +251,7 @@ def test_gpu_fp8_prologue_ops_bf16(M, block_size):
 def test_gpu_tc_cuda_graph_capture():
     Q.TC_MAX_M = 16
     try:
-        x, q, s, b = make_fp8(2, 4096, 4096, BF16, None, False, seed=1, device="cuda")
-        _, qb, sb, _ = make_fp8(2, 4096, 4096, BF16, [128, 128], False, seed=2, device="cuda")
-        w4 = make_w4(2, 4096, 4096, 128, True, False, BF16, False, seed=3, device="cuda")
-        ops = lambda: (Q.fp8_linear(x, q, s, b), Q.fp8_linear(x, qb, sb, None, [128, 128]),  # noqa: E731
-                       Q.w4a16_linear(x, *w4[1:]))
-        ops()  # compile outside capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs = ops()
-        x.normal_()
-        graph.replay()
-        refs = (Q.fp8_linear_ref(x, q, s, b), Q.fp8_linear_ref(x, qb, sb, None, [128, 128]),
-                Q.w4a16_linear_ref(x, *w4[1:]))
-        for out, ref in zip(outs, refs):
-            gpu_close(out, ref)
+        check_graph_capture(2)
     finally:
         Q.TC_MAX_M = 0
 

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from rankserve import LLM, SamplingParams
 from rankserve.runtime.spec_decode import EagleProposer
-from test_spec_decode_mtp import DraftLog, _greedy
+from test_spec_decode_mtp import DraftLog, _greedy, without_mlp
 
 PROMPTS = [list(range(3, 40)), [5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11], list(range(3, 40))]
 COMMON = dict(dtype="float32", max_num_seqs=4, kv_cache_memory_gb=0.05, max_model_len=128)
@@ -121,11 +121,7 @@ def copying_target(target: str, path: Path, attn_scale: float) -> str:
     current one."""
     shutil.copytree(target, path)
     w = load_file(str(path / "model.safetensors"))
-    for name, t in w.items():
-        if "down_proj" in name:
-            t.zero_()
-        if "o_proj" in name:
-            t.mul_(attn_scale)
+    without_mlp(w, attn_scale)
     w["model.norm.weight"].fill_(1)
     save_file(w, str(path / "model.safetensors"))
     return str(path)

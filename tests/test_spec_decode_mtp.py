@@ -33,6 +33,15 @@ def _greedy(llm, prompts, n=24, seqs: dict | None = None):
     return [o.outputs[0].token_ids for o in outs]
 
 
+def without_mlp(w: dict, attn_scale: float) -> None:
+    """In place: no MLP output anywhere (down_proj zero), attention outputs times `attn_scale`."""
+    for name, t in w.items():
+        if "down_proj" in name:
+            t.zero_()
+        if "o_proj" in name:
+            t.mul_(attn_scale)
+
+
 class DraftLog:
     """Every proposal a proposer class makes, as (request id, context length, drafts); `take`
     turns them into (context, drafts) from the final sequences (a step that ran ahead has its
@@ -128,11 +137,7 @@ def copying(mtp_dir, path, attn_scale: float) -> str:
     the MTP layer computes too (every draft right); above 0 the context pulls them apart."""
     shutil.copytree(mtp_dir, path)
     w = load_file(str(path / "model.safetensors"))
-    for name, t in w.items():
-        if "down_proj" in name:
-            t.zero_()
-        if "o_proj" in name:
-            t.mul_(attn_scale)
+    without_mlp(w, attn_scale)
     H = w["model.norm.weight"].shape[0]
     m = "model.layers.3."
     w["model.norm.weight"].fill_(1)
