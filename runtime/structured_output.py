@@ -271,10 +271,11 @@ class StructuredOutputManager:
         if live:
             self._batch.batch_fill_next_token_bitmask([grammars[i].matcher for i in live], mask,
                                                       live if len(live) < n else None)
-        if len(live) < n:
-            mask[sorted(set(range(n)) - set(live))] = -1
+        rows = mask.numpy()
+        if len(live) < n:  # through numpy: the runner's buffer is an inference tensor (made in
+            rows[sorted(set(range(n)) - set(live))] = -1  # its step), which torch won't edit here
         self.fill_seconds += time.perf_counter() - t0
-        return mask.numpy()
+        return rows
 
     def accept(self, pairs: list[tuple[RequestGrammar, int]]) -> None:
         """Feed sampled tokens to their matchers (the active ones in one xgrammar call)."""

@@ -35,11 +35,15 @@ def grammars(m, n):
     return out
 
 
-def test_fill_in_place_matches_a_fresh_fill(manager):
+@pytest.mark.parametrize("inference_buffer", [False, True])
+def test_fill_in_place_matches_a_fresh_fill(manager, inference_buffer):
+    """`inference_buffer`: the runner makes its pinned buffer inside its inference-mode step,
+    and the grammar thread fills it outside inference mode (a full row once crashed there)."""
     gs = grammars(manager, 5)
     gs[3].failed = True  # a failed (or ended) matcher gets a full row
     fresh = manager.fill_bitmask(gs)
-    buf = torch.zeros((8, (VOCAB + 31) // 32), dtype=torch.int32)
+    with torch.inference_mode(inference_buffer):
+        buf = torch.zeros((8, (VOCAB + 31) // 32), dtype=torch.int32)
     t0 = manager.fill_seconds
     rows = manager.fill_bitmask(gs, buf[:5])
     assert rows.ctypes.data == buf.data_ptr()  # written where the runner copies from
