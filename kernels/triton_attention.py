@@ -185,6 +185,15 @@ def _fp8_dot_query(q, KV_FP8: tl.constexpr):
 
 
 @triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    """fp32 models: exact fp32 products (TF32, the default, would make a verify step, which runs
+    the unified kernel, round differently from the decode kernel and flip near-tied tokens)."""
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
 def _qk_scale(scale_log2e, k_scale_ptr, KV_FP8: tl.constexpr):
     """Softmax scale (log2 domain) of the raw cache keys: an fp8 cache's k_scale folded in."""
     if KV_FP8:
@@ -222,7 +231,7 @@ def _unified_attention_kernel(
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr, SOFTCAP: tl.constexpr):
+        BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
     # Program (pid, kvh) owns BLOCK_Q query tokens x the GROUP query heads of kv head kvh, as
     # BLOCK_M = BLOCK_Q * GROUP (padded) rows, so every K/V tile is loaded once per kv head.
     # Request i owns the tiles [S_i, S_{i+1}) with S_i = qsl[i] // BLOCK_Q + i, which is at least
@@ -289,7 +298,7 @@ def _unified_attention_kernel(
                              kvh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
                              stride_vh, BLOCK_SIZE, q.dtype, KV_FP8)
 
-        s = _softcap(tl.dot(q, tl.trans(k)) * qk_scale, softcap_log2e, SOFTCAP)
+        s = _softcap(_dot(q, tl.trans(k), None, IEEE) * qk_scale, softcap_log2e, SOFTCAP)
         causal = (n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
                   & (offs_n[None, :] > q_pos[:, None] - window))
         s = tl.where(causal, s, float("-inf"))
@@ -297,7 +306,7 @@ def _unified_attention_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
         m_i = m_new
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
@@ -319,7 +328,7 @@ def _decode_split_kernel(
         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, KV_FP8: tl.constexpr,
-        SOFTCAP: tl.constexpr):
+        SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
     # Program (req, kvh, split): the GROUP heads of kv head kvh over one segment of the context.
     # Partial results are normalised; lse (log2 domain) lets the reduce kernel reweight them.
     # With one split (large batches) the result is final: written straight to out, no reduce.
@@ -356,13 +365,13 @@ def _decode_split_kernel(
                              kvh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
                              stride_vh, BLOCK_SIZE, q.dtype, KV_FP8)
 
-        s = _softcap(tl.dot(q, tl.trans(k)) * qk_scale, softcap_log2e, SOFTCAP)
+        s = _softcap(_dot(q, tl.trans(k), None, IEEE) * qk_scale, softcap_log2e, SOFTCAP)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
         m_i = m_new
 
     empty = l_i == 0.0  # empty segment: weight 0 in the reduction, partial output 0
@@ -501,6 +510,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     scale_log2e = scale * _LOG2E
     fp8, k_scale, v_scale = _kv_scales(k_cache, v_cache, k_scale, v_scale)
     win = window if window > 0 else 1 << 30
+    ieee = q.dtype == torch.float32
     cap = (float(softcap) * _LOG2E if softcap > 0 else 1.0, softcap > 0)
     common = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0))
@@ -519,7 +529,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             seq_lens, block_table, scale_log2e, B, win, cap[0], q.stride(0), q.stride(1), out.stride(0),
             out.stride(1), *common, NUM_HEADS=H, HEAD_DIM=D, GROUP=group, BLOCK_SIZE=block_size,
             BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-            NUM_SPLITS=splits, KV_FP8=fp8, SOFTCAP=cap[1], num_warps=4, num_stages=2)
+            NUM_SPLITS=splits, KV_FP8=fp8, SOFTCAP=cap[1], IEEE=ieee, num_warps=4, num_stages=2)
         if splits == 1:
             return out
         _decode_reduce_kernel[(B, H)](
@@ -536,6 +546,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q, k_cache, v_cache, k_scale, v_scale, out, query_start_loc, seq_lens, block_table,
         scale_log2e, B, T, win, cap[0], q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common,
         HEAD_DIM=D, GROUP=group, BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_D=block_d, KV_FP8=fp8, SOFTCAP=cap[1], num_warps=warps,
+        BLOCK_N=block_n, BLOCK_D=block_d, KV_FP8=fp8, SOFTCAP=cap[1], IEEE=ieee, num_warps=warps,
         num_stages=stages)
     return out

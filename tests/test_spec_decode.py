@@ -5,15 +5,13 @@ random Llama / Qwen3), and seeded temperature-1 / top-p samples have the same di
 from __future__ import annotations
 
 import gc
-import json
-import os
-import shutil
 
 import numpy as np
 import pytest
 import torch
 
 from rankserve import LLM, SamplingParams
+from rankserve.runtime.bench.draft import cut_draft
 from rankserve.runtime.config import ConfigError, EngineConfig, parse_speculative_config
 from rankserve.runtime.rejection_sampler import SpecBatch, rejection_sample
 from rankserve.runtime.spec_decode import propose_ngram
@@ -27,19 +25,7 @@ PROMPTS = ["Once upon a time", "Lily and Tom went to the park. Lily and Tom went
 
 def stories_draft(path, num_layers: int = 3) -> str:
     """A draft model made from stories260K: its first `num_layers` layers (same tokenizer)."""
-    from safetensors.torch import load_file, save_file
-    os.makedirs(path, exist_ok=True)
-    for f in os.listdir(STORIES_EMBEDDED):
-        if f not in ("config.json", "model.safetensors"):
-            shutil.copy(STORIES_EMBEDDED / f, path)
-    cfg = json.loads((STORIES_EMBEDDED / "config.json").read_text())
-    cfg["num_hidden_layers"] = num_layers
-    (path / "config.json").write_text(json.dumps(cfg))
-    w = load_file(STORIES_EMBEDDED / "model.safetensors")
-    save_file({k: v for k, v in w.items()
-               if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers},
-              str(path / "model.safetensors"))
-    return str(path)
+    return cut_draft(str(STORIES_EMBEDDED), str(path), num_layers)
 
 
 @pytest.fixture(scope="module")
