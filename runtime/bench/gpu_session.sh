@@ -52,6 +52,7 @@
 #                     (w2eagle1), EAGLE-3 at --compilation-level 2 (w2eagle3l2); eagletests its GPU tests
 #   w2specstories     the speed-up on a trained model: stories260K, prompts that tile a 16-token segment,
 #                     plain (w2s) / n-gram k=4 (w2sngram)
+#   w2startprof       cProfile of one W2 run: where start-up time goes (top functions by cumulative time)
 # PROFILE_DIR=dir profiles W1 and W2 (kernel table in the log, trace in dir).
 set -u
 OUT=${OUT:-bench_results}; mkdir -p "$OUT"
@@ -206,6 +207,12 @@ for stage in "$@"; do case $stage in
         W2S="python3 -m rankserve.launch bench latency models/default/stories260K --batch-size 1 --input-len 128 --output-len 256 --num-iters 5 --max-num-seqs 8 --prompt-kind repeat --cache-dir $CACHE"
         run w2s 100 $W2S --output-json "$OUT/w2s.json"
         run w2sngram 100 $W2S --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}' --output-json "$OUT/w2sngram.json" ;;
+  w2startprof) # where W2's start goes: cProfile of one W2 run (process start to exit), top functions by
+        # cumulative time (the engine's own startup line covers only part of start to first token)
+        run w2startprof 150 python3 -m cProfile -o "$OUT/w2start.prof" -m rankserve.launch bench latency llama-3.1-8b \
+          --batch-size 1 --input-len 128 --output-len 256 --num-iters 1 --num-iters-warmup 0 --max-num-seqs 8 --cache-dir "$CACHE"
+        python3 -c "import pstats; pstats.Stats('$OUT/w2start.prof').sort_stats('cumulative').print_stats(60)" \
+          > "$OUT/w2startprof-top.log" 2>&1; head -n 90 "$OUT/w2startprof-top.log" | cut -c1-200 ;;
   spectests) run spectests 300 python3 -m pytest -q -x -m gpu tests/test_spec_decode.py tests/test_spec_decode_pause.py ;;
   *) echo "unknown stage $stage" ;;
 esac; done
