@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from . import pdl
 from .attention import rms_norm
 
 # Rows up to which the skinny kernel runs; 0 turns it off (the prologue kernels + cuBLAS run
@@ -123,7 +124,7 @@ def _act_chunk(a_ptr, b_ptr, nw_ptr, h_out_ptr, row, offs_k, mask, K, rstd, writ
 @triton.jit
 def _skinny_kernel(a_ptr, b_ptr, nw_ptr, w_ptr, bias_ptr, y_ptr, h_out_ptr, N, K, eps,
                    PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+                   BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr):
     # Program (row, column tile). Rows vary fastest in launch order, so the programs of one
     # column tile run together and all but the first read its weight tile from L2: HBM sees the
     # weight once for any small M.
@@ -132,13 +133,22 @@ def _skinny_kernel(a_ptr, b_ptr, nw_ptr, w_ptr, bias_ptr, y_ptr, h_out_ptr, N, K
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # elementwise partial sums, reduced once
+    k_start = 0
+    if USE_PDL:  # the first weight tile (no kernel writes weights) streams in before the wait
+        w0 = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_k[None, :] < K), other=0.0)
+    pdl.wait_and_release(USE_PDL)
     rstd = 0.0
     if PROLOGUE == 1:
         rstd = _rstd(a_ptr, b_ptr, row, K, eps, BLOCK_K)
-    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # elementwise partial sums, reduced once
+    if USE_PDL:
+        a0 = _act_chunk(a_ptr, b_ptr, nw_ptr, h_out_ptr, row, offs_k, offs_k < K, K, rstd,
+                        pid_n == 0, PROLOGUE)
+        acc += w0.to(tl.float32) * a0.to(tl.float32)[None, :]
+        k_start = BLOCK_K
     # an explicit num_stages lets Triton pipeline (cp.async) the loads of this dot-free loop
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+    for k0 in tl.range(k_start, K, BLOCK_K, num_stages=NUM_STAGES):
         k_mask = k0 + offs_k < K
         a = _act_chunk(a_ptr, b_ptr, nw_ptr, h_out_ptr, row, k0 + offs_k, k_mask, K, rstd,
                        pid_n == 0, PROLOGUE)
@@ -204,7 +214,7 @@ def _skinny(prologue, a, w, bias, K, b=None, norm_w=None, eps=0.0, h_out=None):
     cfg = _config(N, a.is_cuda)
     _skinny_kernel[(M, triton.cdiv(N, cfg["BLOCK_N"]))](
         a, b, norm_w, w, bias, y, h_out, N, K, eps, PROLOGUE=prologue,
-        HAS_BIAS=bias is not None, **cfg)
+        HAS_BIAS=bias is not None, **cfg, **pdl.launch(a))
     return y
 
 

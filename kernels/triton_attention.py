@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64
 
@@ -59,7 +61,8 @@ def _prepare_qkv_kernel(qkv_ptr, pos_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, q
                         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
                         KV_FP8: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_KV: tl.constexpr,
-                        BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+                        BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl.wait_and_release(USE_PDL)
     # Program per token: rows 0..H-1 of the [heads, D/2] tiles are q heads, H..H+KH-1 k heads.
     # Rounding follows the torch reference step by step (norm -> dtype -> * weight -> dtype ->
     # fp32 RoPE -> dtype), so compiled and eager runs agree on the same device.
@@ -146,7 +149,7 @@ def prepare_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tenso
         NUM_HEADS=num_heads, NUM_KV_HEADS=KH, HEAD_DIM=D, BLOCK_SIZE=block_size,
         HAS_NORM=has_norm, KV_FP8=fp8, BLOCK_HEADS=triton.next_power_of_2(num_heads + KH),
         BLOCK_KV=triton.next_power_of_2(KH), BLOCK_HALF=triton.next_power_of_2(D // 2),
-        BLOCK_D=triton.next_power_of_2(D), num_warps=4)
+        BLOCK_D=triton.next_power_of_2(D), num_warps=4, **pdl.launch(qkv))
     return q
 
 
@@ -328,7 +331,8 @@ def _decode_split_kernel(
         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, KV_FP8: tl.constexpr,
-        SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
+        SOFTCAP: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl.wait_and_release(USE_PDL)
     # Program (req, kvh, split): the GROUP heads of kv head kvh over one segment of the context.
     # Partial results are normalised; lse (log2 domain) lets the reduce kernel reweight them.
     # With one split (large batches) the result is final: written straight to out, no reduce.
@@ -398,7 +402,8 @@ def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, qsl_ptr, num_seqs
                           stride_ot, stride_oh,
                           NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                           NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                          BLOCK_D: tl.constexpr):
+                          BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl.wait_and_release(USE_PDL)
     req = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -517,6 +522,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     if is_decode:
         assert T == B, f"decode attention needs one query row per request (T={T}, B={B})"
+        use_pdl = pdl.launch(q)
         block_n = 64 if on_gpu else 16
         max_context = min(block_table.shape[1] * block_size, win)
         splits = _num_splits(B, KH, max_context, block_n, q.device)
@@ -529,14 +535,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             seq_lens, block_table, scale_log2e, B, win, cap[0], q.stride(0), q.stride(1), out.stride(0),
             out.stride(1), *common, NUM_HEADS=H, HEAD_DIM=D, GROUP=group, BLOCK_SIZE=block_size,
             BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-            NUM_SPLITS=splits, KV_FP8=fp8, SOFTCAP=cap[1], IEEE=ieee, num_warps=4, num_stages=2)
+            NUM_SPLITS=splits, KV_FP8=fp8, SOFTCAP=cap[1], IEEE=ieee, num_warps=4, num_stages=2,
+            **use_pdl)
         if splits == 1:
             return out
         _decode_reduce_kernel[(B, H)](
             part_out, part_lse, out, query_start_loc, B, out.stride(0), out.stride(1),
             NUM_HEADS=H, HEAD_DIM=D, NUM_SPLITS=splits,
             BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=triton.next_power_of_2(D),
-            num_warps=1 if D <= 64 else 2)
+            num_warps=1 if D <= 64 else 2, **use_pdl)
         return out
 
     block_m, block_n, warps, stages = _unified_config(T, B, D, group, on_gpu)

@@ -36,6 +36,9 @@ KNOBS: dict[str, Knob] = {
     "RANKSERVE_QUANT_TC_MAX_M": Knob(0, int, "rows up to which FP8 / 4-bit GEMMs use the "
                                      "tensor-core skinny Triton kernels (kernels/quant_tc.py; "
                                      "0: off, the CUDA-core skinny kernels / GEMMs)"),
+    "RANKSERVE_PDL": Knob(False, _flag, "1: programmatic dependent launch for the decode-path Triton "
+                          "kernels (skinny GEMVs, prepare_qkv, decode attention; Hopper+), each "
+                          "launching while the previous one finishes (kernels/pdl.py)"),
     "RANKSERVE_COMM_LIB": Knob(None, str, "`torch` makes `rankserve bench comm` use "
                                "torch.distributed even where deepspeed is installed"),
     "RANKSERVE_API_KEY": Knob(None, str, "API key of `rankserve serve` (instead of --api-key, "

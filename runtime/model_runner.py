@@ -19,7 +19,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..kernels import gemv, quant, quant_tc
+from ..kernels import gemv, pdl, quant, quant_tc
 from ..models.deepseek import without_mtp
 from ..models.layers import AttnMeta
 from ..models.parallel import ParallelInfo
@@ -114,6 +114,7 @@ class ModelRunner:
 
     def __init__(self, cfg: EngineConfig, pi: ParallelInfo, device: torch.device):
         gemv.MAX_M = envs.get("RANKSERVE_SKINNY_MAX_M")  # a process-wide kernel choice
+        pdl.ENABLED = envs.get("RANKSERVE_PDL")
         quant.TC_MAX_M = envs.get("RANKSERVE_QUANT_TC_MAX_M")
         if quant.TC_MAX_M and device.type == "cuda":
             quant_tc.reserve(device)  # split-K counters, before any CUDA graph is captured

@@ -172,3 +172,34 @@ def test_gpu_cuda_graph_capture():
     ref_y, ref_h = gemv.ref_add_rms_norm_linear(t["h"], t["delta"], t["norm_w"], EPS, t["w"])
     assert torch.equal(h_new, ref_h)
     gpu_close(y, ref_y)
+
+
+@gpu
+@needs_cuda
+def test_gpu_pdl_chain_in_a_graph_equals_plain(monkeypatch):
+    """Programmatic dependent launch (RANKSERVE_PDL): a decode layer's chain of skinny GEMVs,
+    each reading the one before's output, captured in a CUDA graph and replayed on new inputs,
+    gives exactly the tokens of plain launches (the first weight tile, read before the wait, is
+    summed in the same order)."""
+    from rankserve.kernels import pdl
+    K, N = 4096, 4096
+    t = make_inputs(1, N, K, torch.bfloat16, False, device="cuda")
+    w2 = make_inputs(1, 2 * K, K, torch.bfloat16, False, device="cuda", seed=1)["w"]
+
+    def chain():
+        y, h_new = gemv.add_rms_norm_linear(t["h"], t["delta"], t["norm_w"], EPS, t["w"])
+        gu = gemv.skinny_linear(y, w2)  # [1, 2K]
+        return gemv.silu_mul_linear(gu, t["w"][:, :K].contiguous()), h_new
+
+    outs = []
+    for on in (False, True):
+        monkeypatch.setattr(pdl, "ENABLED", on)
+        chain()  # compile outside capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain()
+        t["h"].copy_(make_inputs(1, N, K, torch.bfloat16, False, device="cuda", seed=5)["h"])
+        graph.replay()
+        torch.cuda.synchronize()
+        outs.append([o.clone() for o in out])
+    assert all(torch.equal(a, b) for a, b in zip(*outs))

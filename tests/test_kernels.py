@@ -367,8 +367,12 @@ def test_gpu_prepare_qkv(norm):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("decode", [True, False])
-def test_gpu_cuda_graph_capture(decode):
-    """The op captures (no host sync) and replays correctly on new metadata of the same shape."""
+@pytest.mark.parametrize("use_pdl", [False, True])
+def test_gpu_cuda_graph_capture(decode, use_pdl, monkeypatch):
+    """The op captures (no host sync) and replays correctly on new metadata of the same shape;
+    `use_pdl`: with programmatic dependent launch (prepare_qkv -> decode split -> reduce)."""
+    from rankserve.kernels import pdl
+    monkeypatch.setattr(pdl, "ENABLED", use_pdl)
     B = 8
     q_lens = [1] * B if decode else [1, 40, 1, 200, 3, 1, 0, 1]
     seq = [100, 900, 5, 2000, 64, 1, 0, 3000] if not decode else [100, 900, 5, 2000, 64, 1, 7, 3]
