@@ -53,6 +53,7 @@
 #   w2specstories     the speed-up on a trained model: stories260K, prompts that tile a 16-token segment,
 #                     plain (w2s) / n-gram k=4 (w2sngram)
 #   pdl               RANKSERVE_PDL=1 (programmatic dependent launch): pdltests, then w2pdl and w1pdl
+#   w1prof, w2prof    W1 / W2 with --profile-dir (kernel table in the log, trace beside it)
 #   w2startprof       cProfile of one W2 run: where start-up time goes (top functions by cumulative time)
 # PROFILE_DIR=dir profiles W1 and W2 (kernel table in the log, trace in dir).
 set -u
@@ -220,6 +221,10 @@ for stage in "$@"; do case $stage in
           --output-len 256 --num-iters 3 --max-num-seqs 8 --cache-dir "$CACHE" --output-json "$OUT/w2pdl.json"
         RANKSERVE_PDL=1 run w1pdl 170 python3 -m rankserve.launch bench throughput qwen3-0.6b --workload w1 --max-num-seqs 256 \
           --cache-dir "$CACHE" --output-json "$OUT/w1pdl.json" ;;
+  w1prof|w2prof) # a window of steady-state steps under the profiler: the kernel table (where the time goes)
+        if [ $stage = w1prof ]; then B="throughput qwen3-0.6b --workload w1 --max-num-seqs 256"
+        else B="latency llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --num-iters 2 --max-num-seqs 8"; fi
+        run $stage 200 python3 -m rankserve.launch bench $B --cache-dir "$CACHE" --profile-dir "$OUT/prof-$stage" ;;
   spectests) run spectests 300 python3 -m pytest -q -x -m gpu tests/test_spec_decode.py tests/test_spec_decode_pause.py ;;
   *) echo "unknown stage $stage" ;;
 esac; done
