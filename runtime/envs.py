@@ -33,9 +33,10 @@ KNOBS: dict[str, Knob] = {
                                    "(failure drills and tests)"),
     "RANKSERVE_SKINNY_MAX_M": Knob(1, int, "rows up to which decode GEMMs use the fused skinny "
                                    "Triton kernels (0: off, cuBLAS + prologue kernels)"),
-    "RANKSERVE_QUANT_TC_MAX_M": Knob(0, int, "rows up to which FP8 / 4-bit GEMMs use the "
+    "RANKSERVE_QUANT_TC_MAX_M": Knob(None, int, "rows up to which FP8 / 4-bit GEMMs use the "
                                      "tensor-core skinny Triton kernels (kernels/quant_tc.py; "
-                                     "0: off, the CUDA-core skinny kernels / GEMMs)"),
+                                     "default 16 on CUDA, 0 elsewhere; 0: off, the CUDA-core "
+                                     "skinny kernels / GEMMs)"),
     "RANKSERVE_PDL": Knob(False, _flag, "1: programmatic dependent launch for the decode-path Triton "
                           "kernels (skinny GEMVs, prepare_qkv, decode attention; Hopper+), each "
                           "launching while the previous one finishes (kernels/pdl.py)"),

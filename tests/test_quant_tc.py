@@ -103,7 +103,7 @@ def test_tc_dispatch(interp):
 
 
 def test_tc_knob():
-    assert envs.get("RANKSERVE_QUANT_TC_MAX_M", {}) == 0
+    assert envs.get("RANKSERVE_QUANT_TC_MAX_M", {}) is None  # 16 on CUDA, 0 elsewhere
     assert envs.get("RANKSERVE_QUANT_TC_MAX_M", {"RANKSERVE_QUANT_TC_MAX_M": "16"}) == 16
 
 
