@@ -538,11 +538,11 @@ class PairProposer(Stateful, Proposer):
         self.track(inp)
         act = self.step_active
         if not act.all():  # the states of the requests left behind, for their catch-up
-            att = inp.attn
-            tok_rows = torch.repeat_interleave(att.state_idx[:len(inp.rows)].long(),
-                                               att.query_start_loc[1:] - att.query_start_loc[:-1],
-                                               output_size=T)
-            self.ring.index_copy_(0, tok_rows * self.ring_len + inp.positions % self.ring_len, raw)
+            # (the ring rows from the host's positions: one staged copy, not a kernel apiece)
+            n = inp.seq_lens - inp.starts
+            req = np.repeat(np.arange(len(n)), n)
+            pos = np.arange(T) - (np.cumsum(n) - n)[req] + inp.starts[req]
+            self.ring.index_copy_(0, self.batch.stage(inp.rows[req] * self.ring_len + pos % self.ring_len), raw)
         self.after_step(inp)
         if not act.any():
             return
