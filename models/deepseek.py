@@ -384,7 +384,8 @@ class DeepseekV2ForCausalLM(MoECausalLM):
         `attn` is ordinary attention metadata: the layer's own latent cache (allocated by the
         model runner with the others, `attention_layers()[-1]`) stores the pairs at
         attn.slot_mapping, so drafting over several steps can reuse the request's block table.
-        Runs on the last pipeline stage (where `mtp` lives); eager, not CUDA-graphed."""
+        Runs on the last pipeline stage (where `mtp` lives); the `mtp` proposer runs it through
+        `MTPDrafter` (CUDA graphs, torch.compile at level 2)."""
         h, y = self.mtp[k].block(self._mtp_input(hidden, next_token_ids, k), torch.zeros_like(hidden),
                                  positions, attn)
         return h + y
