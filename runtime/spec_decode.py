@@ -286,8 +286,6 @@ class OwnForward:
 
     def compile(self) -> dict[str, float]:
         return {f"draft_{k}": v for k, v in self.compiled.compile().items()}
-        return sum(2 * self.runner.block_size * a.qkv_proj.num_kv_heads * a.head_dim
-                   * self.kv_dtype.itemsize for a in self.model.attention_layers())
 
     def run_step(self, inp: StepInputs, ids: torch.Tensor, hidden: torch.Tensor | None,
                  compiled=None) -> torch.Tensor:
