@@ -384,7 +384,8 @@ class DeepseekV2ForCausalLM(MoECausalLM):
         `attn` is ordinary attention metadata: the layer's own latent cache (allocated by the
         model runner with the others, `attention_layers()[-1]`) stores the pairs at
         attn.slot_mapping, so drafting over several steps can reuse the request's block table.
-        Runs on the last pipeline stage (where `mtp` lives); eager, not CUDA-graphed."""
+        Runs on the last pipeline stage (where `mtp` lives); the `mtp` proposer runs it through
+        `MTPDrafter` (CUDA graphs, torch.compile at level 2)."""
         h, y = self.mtp[k].block(self._mtp_input(hidden, next_token_ids, k), torch.zeros_like(hidden),
                                  positions, attn)
         return h + y
@@ -410,3 +411,33 @@ class DeepseekV2ForCausalLM(MoECausalLM):
 @MODELS.register("DeepseekV3ForCausalLM")
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     v3 = True
+
+
+class _Layers(nn.Module):
+    """What CompiledModel compiles one by one at level 2 (`model.layers`)."""
+
+    def __init__(self, layers: dict[str, nn.Module]):
+        super().__init__()
+        self.layers = nn.ModuleDict(layers)
+
+
+class MTPDrafter(nn.Module):
+    """Depth k of a V3 target's MTP as a model of its own, with the forward CompiledModel
+    runs (runtime/compilation.py: forward(ids, positions, attn, hidden), decode and verify CUDA
+    graphs over persistent buffers, `model.layers` compiled at level 2), so the `mtp` proposer
+    replays its passes as CUDA graphs. The target's modules and latent cache, not copies:
+    `store_only` runs `mtp_store_kv` (the latents alone; returns its input states, which
+    nobody reads), else `mtp_forward` (one pass: the hidden states that predict t + 2)."""
+
+    def __init__(self, target: DeepseekV2ForCausalLM, k: int = 0, store_only: bool = False):
+        super().__init__()
+        object.__setattr__(self, "target", target)  # not a submodule: the target owns its weights
+        self.k, self.store_only = k, store_only
+        self.model = _Layers({} if store_only else {"0": target.mtp[k].block})
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnMeta,
+                hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.store_only:
+            self.target.mtp_store_kv(hidden_states, input_ids, positions, attn.slot_mapping, self.k)
+            return hidden_states
+        return self.target.mtp_forward(hidden_states, input_ids, positions, attn, self.k)

@@ -462,7 +462,7 @@ class ModelRunner:
             md = self.sampling.build(inp.sample_req_ids, inp.sample_out_counts, inp.grammar)
             ids = self._sampled(inp, logits, md, self._logprob_nums(inp, md), out)
             if self.proposer is not None:
-                self._propose(inp, hidden, out, ids[:, None], torch.zeros_like(ids))
+                self._propose(inp, hidden, out, ids[:, None], None)
         self._prompt_logprobs(inp, hidden, out)
         return out
 
@@ -547,15 +547,20 @@ class ModelRunner:
             out.logprobs = [e if n is not None else None for e, n in zip(entries, nums)]
 
     def _propose(self, inp: StepInputs, hidden: torch.Tensor, out: ModelRunnerOutput,
-                 tokens: torch.Tensor, num_acc: torch.Tensor) -> None:
+                 tokens: torch.Tensor, num_acc: torch.Tensor | None) -> None:
+        """num_acc None: a plain sampling step (nothing accepted, one token each)."""
         from .spec_decode import ProposeContext, can_speculate
+        # requests paused by the backoff (or whose proposer state still lags) get no work: None
+        active = self.proposer.step_active[inp.sample_index]
+        if not active.any():  # (most steps of drafts that miss: nothing to do on the host)
+            return
+        if num_acc is None:
+            num_acc = torch.zeros_like(tokens[:, 0])
         rows = np.array([self.reqs[r].row for r in inp.sample_req_ids], dtype=np.int64)
         eligible = np.array([can_speculate(self.reqs[r].sampling_params) for r in inp.sample_req_ids],
                             dtype=bool)
         ctx = ProposeContext(inp.sample_req_ids, rows, inp.base_pos, tokens, num_acc, hidden,
                              inp.logits_indices, eligible, inp.num_drafts)
-        # requests paused by the backoff (or whose proposer state still lags) get no work: None
-        active = self.proposer.step_active[inp.sample_index]
         last_try = active & inp.pause_on_miss[inp.sample_index]
         if last_try.any():  # (the host needs the accepted counts for the drafts anyway)
             done = last_try & (np.asarray(ctx.host()[1]) == 0)  # pauses now: no proposals

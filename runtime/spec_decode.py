@@ -264,39 +264,34 @@ class Stateful:
         return cu, rows[req], pos, slots
 
 
-class OwnModel:
-    """Mixin of the proposers that run a model of their own (draft model, EAGLE head) on the
-    target's ranks: its KV cache in the target's block layout (same blocks and slots, so
-    prefix caching, chunked prefill and preemption hold for it too), its own device input
-    buffers and, over them, its own compiled forward and decode CUDA graphs."""
+class OwnForward:
+    """Mixin of the proposers that run a forward of their own on the target's ranks (draft
+    model, EAGLE head, MTP layer): their own device input buffers and, over them, their own
+    compiled forward and decode (and verify) CUDA graphs (runtime/compilation.py)."""
 
-    def own_model(self, model, hidden_size: int | None) -> None:
-        from .compilation import CompiledModel
+    def own_forward(self, model, hidden_size: int | None) -> None:
         from .input_batch import InputBatch
         r, cfg = self.runner, self.runner.cfg
-        self.model, self.kv_dtype = model, r.kv_dtype
         # device buffers of its own (the target's hold the target's step), CUDA graphs over them
         self.batch = InputBatch(cfg.scheduler.max_num_seqs, r.max_model_len, r.block_size,
                                 cfg.scheduler.max_num_batched_tokens, hidden_size, r.dtype, r.device)
         self.batch.token_ids = None  # host token ids live in the target's batch
-        self.compiled = CompiledModel(model, cfg, self.batch, r.max_model_len, r.device, show_progress=False)
+        self.compiled = self.compiled_over(model)
 
-    def kv_bytes_per_block(self) -> int:
-        return sum(2 * self.runner.block_size * a.qkv_proj.num_kv_heads * a.head_dim
-                   * self.kv_dtype.itemsize for a in self.model.attention_layers())
-
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        for a in self.model.attention_layers():
-            shape = (num_blocks, self.runner.block_size, a.qkv_proj.num_kv_heads, a.head_dim)
-            a.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.runner.device)
-            a.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.runner.device)
+    def compiled_over(self, model):
+        """A CompiledModel of `model` over this proposer's buffers."""
+        from .compilation import CompiledModel
+        r = self.runner
+        return CompiledModel(model, r.cfg, self.batch, r.max_model_len, r.device, show_progress=False)
 
     def compile(self) -> dict[str, float]:
         return {f"draft_{k}": v for k, v in self.compiled.compile().items()}
 
-    def run_step(self, inp: StepInputs, ids: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
-        """The own model over one target step's tokens (their positions, slots and block
-        table), `ids` as its input ids, through its own buffers (and graphs)."""
+    def run_step(self, inp: StepInputs, ids: torch.Tensor, hidden: torch.Tensor | None,
+                 compiled=None) -> torch.Tensor:
+        """The own model (or `compiled`, over the same buffers) over one target step's tokens
+        (their positions, slots and block table), `ids` as its input ids, through its own
+        buffers (and graphs)."""
         d, T, B = self.batch, inp.input_ids.shape[0], inp.attn.seq_lens.shape[0]
         d.ids[:T].copy_(ids)
         d.pos[:T].copy_(inp.positions)
@@ -306,8 +301,8 @@ class OwnModel:
         w = inp.attn.block_table.shape[1]
         d.table[:B, :w].copy_(inp.attn.block_table)
         d.state_idx[:B].copy_(inp.attn.state_idx)
-        return self.compiled(d.ids[:T], d.pos[:T], d.attn(T, B, inp.attn.is_decode), hidden,
-                             query_len=inp.query_len)
+        return (compiled or self.compiled)(d.ids[:T], d.pos[:T], d.attn(T, B, inp.attn.is_decode), hidden,
+                                           query_len=inp.query_len)
 
     def run_ranges(self, rows: np.ndarray, p0: np.ndarray, p1: np.ndarray, ids: torch.Tensor | None,
                    hidden: torch.Tensor | None, id_index: np.ndarray | None = None,
@@ -341,15 +336,36 @@ class OwnModel:
         self.batch.state_idx[:B].fill_(-1)
 
     def run_one(self, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
-                hidden: torch.Tensor | None) -> torch.Tensor:
+                hidden: torch.Tensor | None, compiled=None) -> torch.Tensor:
         """One token a request (the block table staged in the batch's `table` by
-        `ahead_table`): a decode step of the own model, a CUDA graph when captured."""
+        `ahead_table`): a decode step of the own model (or of `compiled`), a CUDA graph when
+        captured."""
         d, B = self.batch, x.shape[0]
         d.ids[:B].copy_(x)
         d.pos[:B].copy_(pos)
         d.slots[:B].copy_(slots)
         d.seq_lens[:B].copy_((pos + 1).to(torch.int32))
-        return self.compiled(d.ids[:B], d.pos[:B], d.attn(B, B, True), hidden)
+        return (compiled or self.compiled)(d.ids[:B], d.pos[:B], d.attn(B, B, True), hidden)
+
+
+class OwnModel(OwnForward):
+    """Mixin of the proposers that run a model of their own (draft model, EAGLE head): besides
+    its own forward, its KV cache in the target's block layout (same blocks and slots, so
+    prefix caching, chunked prefill and preemption hold for it too)."""
+
+    def own_model(self, model, hidden_size: int | None) -> None:
+        self.model, self.kv_dtype = model, self.runner.kv_dtype
+        self.own_forward(model, hidden_size)
+
+    def kv_bytes_per_block(self) -> int:
+        return sum(2 * self.runner.block_size * a.qkv_proj.num_kv_heads * a.head_dim
+                   * self.kv_dtype.itemsize for a in self.model.attention_layers())
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        for a in self.model.attention_layers():
+            shape = (num_blocks, self.runner.block_size, a.qkv_proj.num_kv_heads, a.head_dim)
+            a.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.runner.device)
+            a.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.runner.device)
 
 
 @PROPOSERS.register("draft_model")
@@ -477,9 +493,11 @@ class PairProposer(Stateful, Proposer):
         return np.maximum(p0, inp.starts[lag] - self.ring_len), p1
 
     def catch_up(self, inp: StepInputs, idx: np.ndarray, p0: np.ndarray, p1: np.ndarray) -> None:
-        R, dev, rows = self.ring_len, self.runner.device, inp.rows[idx]
+        # (host arrays go up through the pinned arenas: a pageable copy would wait for the
+        # step in flight, the overlap async scheduling buys)
+        R, put, rows = self.ring_len, self.batch.stage, inp.rows[idx]
         _, tok_rows, pos, slots = self.ranges(rows, p0, p1)
-        h = self.states_of(self.ring[torch.from_numpy(tok_rows * R + pos % R).to(dev)])
+        h = self.states_of(self.ring[put(tok_rows * R + pos % R)])
         # token t + 1: on the host, but for t + 1 = the step's first position when the step
         # ran ahead (its input is the last step's sampled token, on the device only)
         req = np.repeat(np.arange(len(idx)), p1 - p0)
@@ -487,9 +505,8 @@ class PairProposer(Stateful, Proposer):
         cu = np.concatenate([[0], np.cumsum(inp.seq_lens - inp.starts)])
         src = np.where(pos + 1 < inp.known[idx][req], inp.input_ids.shape[0] + np.arange(len(pos)),
                        cu[idx][req])  # an index into [the step's input ids, host]
-        nxt = torch.cat([inp.input_ids, torch.from_numpy(host).to(dev)])[torch.from_numpy(src).to(dev)]
-        self.store_range(rows, p0, p1, h, nxt, torch.from_numpy(pos).to(dev),
-                         torch.from_numpy(slots).to(dev))
+        nxt = torch.cat([inp.input_ids, put(host)])[put(src)]
+        self.store_range(rows, p0, p1, h, nxt, put(pos), put(slots))
 
     def store_pairs(self, inp: StepInputs, h: torch.Tensor, nxt: torch.Tensor) -> None:
         raise NotImplementedError
@@ -519,11 +536,11 @@ class PairProposer(Stateful, Proposer):
         self.track(inp)
         act = self.step_active
         if not act.all():  # the states of the requests left behind, for their catch-up
-            att = inp.attn
-            tok_rows = torch.repeat_interleave(att.state_idx[:len(inp.rows)].long(),
-                                               att.query_start_loc[1:] - att.query_start_loc[:-1],
-                                               output_size=T)
-            self.ring.index_copy_(0, tok_rows * self.ring_len + inp.positions % self.ring_len, raw)
+            # (the ring rows from the host's positions: one staged copy, not a kernel apiece)
+            n = inp.seq_lens - inp.starts
+            req = np.repeat(np.arange(len(n)), n)
+            pos = np.arange(T) - (np.cumsum(n) - n)[req] + inp.starts[req]
+            self.ring.index_copy_(0, self.batch.stage(inp.rows[req] * self.ring_len + pos % self.ring_len), raw)
         self.after_step(inp)
         if not act.any():
             return
@@ -576,16 +593,23 @@ class PairProposer(Stateful, Proposer):
 
 
 @PROPOSERS.register("mtp")
-class MTPProposer(PairProposer):
+class MTPProposer(OwnForward, PairProposer):
     """DeepSeek-V3's multi-token-prediction layer as the drafter (models/deepseek.py
     `mtp_forward`), the pairs of `PairProposer`. Its latent cache is one of the target's
     attention layers: same blocks and slots, allocated, offloaded and given back with them.
     Storing a step's pairs writes the latents alone (`mtp_store_kv`: no attention, no MoE).
-    One MTP layer is reused for every draft, as vLLM does (DeepSeek-V3 ships one); eager, not
-    CUDA-graphed."""
+    One MTP layer is reused for every draft, as vLLM does (DeepSeek-V3 ships one).
+
+    It runs as a model of its own (`OwnForward`: its own input buffers and CompiledModels over
+    the target's MTP modules, models/deepseek.py `MTPDrafter`): the k single-token passes are
+    decode steps replayed as CUDA graphs on the GPU (torch.compile'd at --compilation-level 2
+    as the target), and so are the stores of a uniform verify step's pairs (a verify graph)
+    and of the last pairs of requests that pause (a decode graph); mixed steps and catch-ups
+    run the stores eagerly."""
 
     def __init__(self, runner: ModelRunner, params: SpecDecodeParams):
         super().__init__(runner, params)
+        from ..models.deepseek import MTPDrafter
         self.model, cfg = runner.model, runner.hf_config
         if not hasattr(self.model, "mtp"):
             n = getattr(cfg, "num_nextn_predict_layers", 0) or 0
@@ -594,21 +618,33 @@ class MTPProposer(PairProposer):
                    f"{cfg.architectures[0]} has no multi-token-prediction layers "
                    "(num_nextn_predict_layers: DeepSeek-V3 and its kind)")
             raise ValueError(f"--speculative-config: method mtp needs the target's MTP layers; {why}")
+        self.own_forward(MTPDrafter(self.model, 0), cfg.hidden_size)  # the passes: `compiled`
+        self.stores = self.compiled_over(MTPDrafter(self.model, 0, store_only=True))
+        self.stores.verify_len = 1 + self.k  # a uniform verify step's pairs replay a graph
         self.init_pairs(cfg.hidden_size)
 
+    def compile(self) -> dict[str, float]:
+        t = {f"mtp_{k}": v for k, v in self.compiled.compile().items()}
+        t.update({f"mtp_store_{k}": v for k, v in self.stores.compile().items()})
+        return t
+
+    def begin_step(self) -> None:
+        self.batch.next_arena()
+
+    def table_buffer(self) -> torch.Tensor:
+        return self.batch.table
+
     def store_pairs(self, inp: StepInputs, h: torch.Tensor, nxt: torch.Tensor) -> None:
-        self.model.mtp_store_kv(h, nxt, inp.positions, inp.attn.slot_mapping, 0)
+        self.run_step(inp, nxt, h, self.stores)
 
     def store_last(self, h, x, pos, slots, table) -> None:
-        self.model.mtp_store_kv(h, x, pos, slots, 0)
+        self.run_one(x, pos, slots, h, self.stores)
 
     def store_range(self, rows, p0, p1, h, nxt, pos, slots) -> None:
-        self.model.mtp_store_kv(h, nxt, pos, slots, 0)
+        self.model.mtp_store_kv(h, nxt, pos, slots, 0)  # (any number of tokens: eager)
 
     def one_pass(self, h, x, pos, slots, table, qsl):
-        from ..models.layers import AttnMeta
-        h = self.model.mtp_forward(h, x, pos, AttnMeta(slots, qsl, (pos + 1).to(torch.int32), table,
-                                                       is_decode=True), 0)
+        h = self.run_one(x, pos, slots, h)
         return h, self.model.mtp_logits(h, 0).argmax(-1)
 
 

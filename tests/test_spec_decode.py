@@ -296,7 +296,7 @@ def test_gpu_verify_graphs_give_the_plain_greedy_tokens(draft_dir, level, monkey
     replays = []
     real = CompiledModel._run_verify_graph
     monkeypatch.setattr(CompiledModel, "_run_verify_graph",
-                        lambda self, T, attn: replays.append(T) or real(self, T, attn))
+                        lambda self, T, attn, hidden_in: replays.append(T) or real(self, T, attn, hidden_in))
     for spec in (NGRAM, {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": 3}):
         llm = LLM(str(STORIES_EMBEDDED), speculative_config=spec, **common)
         runner = llm.engine.executor.runner

@@ -183,6 +183,27 @@ def test_host_kv_tier_carries_the_mtp_cache(mtp_dir, tmp_path):
     assert s.spec_num_accepted_tokens > 0.5 * s.spec_num_draft_tokens, s
 
 
+def test_passes_and_stores_run_through_the_proposers_compiled_models(mtp_dir, tmp_path):
+    """The MTP layer runs as a model of its own (models/deepseek.py MTPDrafter): every pass
+    goes through the proposer's CompiledModel (CUDA graphs on the GPU, torch.compile at level
+    2), a step's stores through another (verify graphs); the tokens of plain decoding."""
+    path = copying(mtp_dir, tmp_path / "mtp", 0.03)
+    want = _greedy(LLM(path, **COMMON), PROMPTS, 16)
+    llm = LLM(path, **COMMON, speculative_config=MTP)
+    p = llm.engine.executor.runner.proposer
+    assert not p.compiled.model.store_only and p.stores.model.store_only
+    assert p.stores.verify_len == 1 + MTP["num_speculative_tokens"]
+    calls = []
+    for c in (p.compiled, p.stores):
+        real = c.forward
+        c.forward = lambda *a, _real=real, _c=c: calls.append(_c) or _real(*a)
+    assert _greedy(llm, PROMPTS, 16) == want
+    s = llm.engine.scheduler.stats()
+    n = calls.count(p.compiled)  # k passes (over the batch) a proposing step
+    assert n > 0 and n % MTP["num_speculative_tokens"] == 0 and calls.count(p.stores) > 0
+    assert 0.25 * s.spec_num_draft_tokens < s.spec_num_accepted_tokens < s.spec_num_draft_tokens, s
+
+
 @pytest.mark.mpi
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not on PATH")
@@ -196,16 +217,42 @@ def test_tp2_matches_single_rank(mtp_dir, tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_greedy_equals_plain_with_graphs(mtp_dir, tmp_path):
-    """On the GPU: the target's decode and verify CUDA graphs, the MTP layer eager; the tokens
-    of plain decoding (with graphs) and about half the drafts accepted."""
+@pytest.mark.parametrize("level", [1, 2])
+def test_gpu_greedy_equals_plain_with_graphs(mtp_dir, tmp_path, level, monkeypatch):
+    """On the GPU: the target's decode and verify CUDA graphs, and the MTP layer's own: its
+    passes replay decode graphs, a uniform verify step's stores a verify graph (at level 2 over
+    the torch.compile'd MTP block); the tokens of plain decoding (with graphs) and about half
+    the drafts accepted."""
+    import gc
+
+    from rankserve.runtime.compilation import CompiledModel
     path = copying(mtp_dir, tmp_path / "mtp", 0.03)
-    common = dict(dtype="float32", max_num_seqs=8, gpu_memory_utilization=0.3, max_model_len=128)
-    want = _greedy(LLM(path, **common), PROMPTS, 40)
+    common = dict(dtype="float32", max_num_seqs=8, gpu_memory_utilization=0.3, max_model_len=128,
+                  compilation_level=level)
+    plain = LLM(path, **common)
+    want = _greedy(plain, PROMPTS, 40)
+    del plain
+    gc.collect()
+    torch.cuda.empty_cache()
     llm = LLM(path, **common, speculative_config=MTP)
-    assert llm.engine.executor.runner.compiled_model.verify_graphs, "no verify graph was captured"
+    runner = llm.engine.executor.runner
+    p = runner.proposer
+    assert runner.compiled_model.verify_graphs, "no verify graph was captured"
+    assert p.compiled.graphs and p.stores.graphs and p.stores.verify_graphs, "no MTP graph was captured"
+    replays = []
+    for name in ("_run_graph", "_run_verify_graph"):
+        real = getattr(CompiledModel, name)
+
+        def counted(self, *a, _real=real, _name=name):
+            out = _real(self, *a)
+            if out is not None:
+                replays.append((self, _name))
+            return out
+        monkeypatch.setattr(CompiledModel, name, counted)
     assert _greedy(llm, PROMPTS, 40) == want
     s = llm.engine.scheduler.stats()
+    assert replays.count((p.compiled, "_run_graph")) >= MTP["num_speculative_tokens"] * 4
+    assert replays.count((p.stores, "_run_verify_graph")) > 0
     assert 0.25 * s.spec_num_draft_tokens < s.spec_num_accepted_tokens, s
 
 

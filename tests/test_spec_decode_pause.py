@@ -156,7 +156,7 @@ def test_pair_proposers_do_no_work_while_paused_and_catch_up(method, mtp_dir, ch
     equals the reference's from scratch (the missed pairs were stored from the ring)."""
     if method == "mtp":
         target, spec, cls = mtp_dir, {"method": "mtp", "num_speculative_tokens": 2}, MTPProposer
-        work = ["mtp_forward", "mtp_store_kv"]
+        work = ["compiled", "stores", "mtp_store_kv"]  # passes, a step's stores, catch-ups
     else:
         target = checkpoint("LlamaForCausalLM")
         head = eagle3_head(tmp_path / "h", aux_ids=[2, 0, 1])
@@ -188,10 +188,22 @@ def test_gpu_pause_and_catch_up_with_graphs(method, mtp_dir, checkpoint, tmp_pat
     """The same on the GPU: the steady state replays the proposers' CUDA graphs, the subset and
     catch-up passes stage through pinned memory, the ring is written on the device (the MTP /
     EAGLE references run on the host: checked by the CPU tests)."""
+    from rankserve.runtime.compilation import CompiledModel
     common = {**COMMON, "gpu_memory_utilization": 0.3}
     common.pop("kv_cache_memory_gb")
+    replays = []  # the models whose decode graphs replayed
+    real = CompiledModel._run_graph
+
+    def counted(self, *a):
+        out = real(self, *a)
+        if out is not None:
+            replays.append(type(self.model).__name__)
+        return out
+    monkeypatch.setattr(CompiledModel, "_run_graph", counted)
     if method == "draft_model":
         test_draft_model_does_no_work_while_paused_and_catches_up(tmp_path, monkeypatch, common)
     else:
         test_pair_proposers_do_no_work_while_paused_and_catch_up(method, mtp_dir, checkpoint, tmp_path,
                                                                  monkeypatch, common, reference=False)
+        drafter = {"mtp": "MTPDrafter", "eagle3": "Eagle3LlamaForCausalLM"}[method]
+        assert replays.count(drafter) > 10, "the drafting passes should replay CUDA graphs"

@@ -33,7 +33,8 @@
 #                     dskv KV bytes per token (MLA vs GQA); dstests DeepSeek GPU tests; kmla MLA kernels
 #   dsw2mtp           W2 on deepseek-v3-small-mtp (the same plus one MTP layer, dummy weights: its
 #                     drafts are never accepted, so this is the cost of MTP drafting): plain
-#                     (dsw2mtp0), MTP k=1 (dsw2mtp1), k=3 (dsw2mtp3); mtptests the MTP GPU tests
+#                     (dsw2mtp0), MTP k=1 (dsw2mtp1), k=3 (dsw2mtp3); mtptests the MTP GPU tests (graphs at
+#                     levels 1 and 2, and the pause / catch-up test with graphs)
 #   w1hybrid          W1 on the Nemotron-H-8B shape (hybrid Mamba2 / attention, dummy weights);
 #                     w1hybridbf16 with bf16 SSM states (each may take most of a call); hybtests the
 #                     hybrid / Mamba2 GPU tests; kmamba the Mamba2 kernel benchmark
@@ -174,7 +175,8 @@ for stage in "$@"; do case $stage in
         run dsw2mtp0 200 $W2 --output-json "$OUT/dsw2mtp0.json"
         run dsw2mtp1 200 $W2 --speculative-config '{"method": "mtp", "num_speculative_tokens": 1}' --output-json "$OUT/dsw2mtp1.json"
         run dsw2mtp3 200 $W2 --speculative-config '{"method": "mtp", "num_speculative_tokens": 3}' --output-json "$OUT/dsw2mtp3.json" ;;
-  mtptests) run mtptests 200 python3 -m pytest -q -x -m gpu tests/test_spec_decode_mtp.py ;;
+  mtptests) run mtptests 300 python3 -m pytest -q -x -m gpu tests/test_spec_decode_mtp.py \
+          "tests/test_spec_decode_pause.py::test_gpu_pause_and_catch_up_with_graphs[mtp]" ;;
   w2eagle) W2="python3 -m rankserve.launch bench latency llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 --max-num-seqs 8 --cache-dir $CACHE"
         E3='{"method": "eagle3", "model": "llama-3.1-8b-eagle3", "num_speculative_tokens": 3}'
         E1='{"method": "eagle", "model": "llama-3.1-8b-eagle", "num_speculative_tokens": 3}'
