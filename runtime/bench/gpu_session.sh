@@ -53,7 +53,7 @@
 #                     (w2eagle1), EAGLE-3 at --compilation-level 2 (w2eagle3l2); eagletests its GPU tests
 #   w2specstories     the speed-up on a trained model: stories260K, prompts that tile a 16-token segment,
 #                     plain (w2s) / n-gram k=4 (w2sngram)
-#   pdl               RANKSERVE_PDL=1 (programmatic dependent launch): pdltests, then w2pdl and w1pdl
+#   pdl, w1pdl        RANKSERVE_PDL=1 (programmatic dependent launch): pdltests, then w2pdl; w1pdl W1 with it
 #   w1prof, w2prof    W1 / W2 with --profile-dir (kernel table in the log, trace beside it)
 #   w2startprof       cProfile of one W2 run: where start-up time goes (top functions by cumulative time)
 # PROFILE_DIR=dir profiles W1 and W2 (kernel table in the log, trace in dir).
@@ -217,12 +217,12 @@ for stage in "$@"; do case $stage in
           --batch-size 1 --input-len 128 --output-len 256 --num-iters 1 --num-iters-warmup 0 --max-num-seqs 8 --cache-dir "$CACHE"
         python3 -c "import pstats; pstats.Stats('$OUT/w2start.prof').sort_stats('cumulative').print_stats(60)" \
           > "$OUT/w2startprof-top.log" 2>&1; head -n 90 "$OUT/w2startprof-top.log" | cut -c1-200 ;;
-  pdl) # programmatic dependent launch (RANKSERVE_PDL=1): its GPU tests, then W2 and W1 with it (compare w2, w1)
-        run pdltests 150 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_gemv.py tests/test_kernels.py -k "pdl or graph_capture"
+  pdl) # programmatic dependent launch (RANKSERVE_PDL=1): its GPU tests, then W2 with it (compare with w2)
+        run pdltests 150 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_gemv.py tests/test_kernels.py -k "pdl"
         RANKSERVE_PDL=1 run w2pdl 150 python3 -m rankserve.launch bench latency llama-3.1-8b --batch-size 1 --input-len 128 \
-          --output-len 256 --num-iters 3 --max-num-seqs 8 --cache-dir "$CACHE" --output-json "$OUT/w2pdl.json"
-        RANKSERVE_PDL=1 run w1pdl 170 python3 -m rankserve.launch bench throughput qwen3-0.6b --workload w1 --max-num-seqs 256 \
-          --cache-dir "$CACHE" --output-json "$OUT/w1pdl.json" ;;
+          --output-len 256 --num-iters 3 --max-num-seqs 8 --cache-dir "$CACHE" --output-json "$OUT/w2pdl.json" ;;
+  w1pdl) RANKSERVE_PDL=1 run w1pdl 170 python3 -m rankserve.launch bench throughput qwen3-0.6b --workload w1 \
+          --max-num-seqs 256 --cache-dir "$CACHE" --output-json "$OUT/w1pdl.json" ;;
   w1prof|w2prof) # a window of steady-state steps under the profiler: the kernel table (where the time goes)
         if [ $stage = w1prof ]; then B="throughput qwen3-0.6b --workload w1 --max-num-seqs 256"
         else B="latency llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --num-iters 2 --max-num-seqs 8"; fi
