@@ -9,7 +9,9 @@ process can carry, and what each stage costs per token.
   would: W1's decode step on an H200 is ~5 ms at 256 requests), driven by a light raw-socket
   client keeping `--concurrency` streams open (W1's lengths by default). Reports the output
   tokens/s that reach the clients against the tokens/s the engine offered, the API process's CPU
-  time per token, chunks per token, and the gaps between chunks. `--profile FILE` runs the API
+  time per token, chunks per token, and the gaps between chunks; `fraction_of_ideal` is the
+  run's time with an API that cost nothing over its measured time (the issue's "online as fast
+  as offline", with the engine's speed taken out). `--profile FILE` runs the API
   process under cProfile.
 - `stages`: the same per-step messages through the API side's stages in one process, timed one
   by one: msgpack decode, output processor (detokenization), the client's hand-out (updates,
@@ -161,9 +163,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _ideal_s(outs: list[int], concurrency: int, step_ms: float) -> float:
+    """The run's time with an API that costs nothing: each of `concurrency` clients sends its
+    next request when the last one ends, and a request of L tokens takes L engine steps."""
+    import heapq
+    free = [0] * concurrency
+    for n in outs:
+        heapq.heappush(free, heapq.heappop(free) + n)
+    return max(free) * step_ms / 1000
+
+
 def _bodies(args, chat: bool) -> list[bytes]:
     rng = np.random.default_rng(args.seed)
     outs = _lengths(rng, args.num_requests, *args.output_len)
+    args.ideal_s = _ideal_s(outs, args.concurrency, args.step_ms)
     ins = _lengths(rng, args.num_requests, *args.input_len)
     bodies = []
     for i, o in zip(ins, outs):
@@ -218,9 +231,11 @@ def run_e2e(args) -> dict:
     tok = res["output_tokens"]
     return {"stage": "e2e", "endpoint": args.endpoint, "concurrency": args.concurrency,
             "step_ms": args.step_ms, "offered_tok_s": offered,
-            "output_tok_s": tok / res["wall_s"], "fraction_of_offered": tok / res["wall_s"] / offered,
+            "output_tok_s": tok / res["wall_s"], "ideal_tok_s": tok / args.ideal_s,
+            "fraction_of_ideal": args.ideal_s / res["wall_s"],
             "api_cpu_us_per_token": cpu / tok * 1e6, "api_cpu_busy": cpu / res["wall_s"],
-            "tokens_per_chunk": tok / max(res["chunks"], 1), **res}
+            "tokens_per_chunk": tok / max(res["chunks"], 1),
+            "gap_p99_over_step": res["gap_ms_p99"] / args.step_ms, **res}
 
 
 # ---- stages, in one process -------------------------------------------------------------------

@@ -51,6 +51,8 @@ class EngineSleepingError(EngineDeadError):
     """The engine sleeps (sleep mode): requests are refused with a 503 until it wakes up."""
 
 
+# engine messages handled in a row before the handlers get a turn (a bound on their wait)
+MAX_MESSAGES_PER_TURN = 64
 SLEEPING = ("the engine is sleeping: POST /wake_up first; the request was not queued")
 
 
@@ -277,11 +279,18 @@ class EngineClient:
     async def _recv_loop(self, engine: int) -> None:
         sock = self.socks[engine]
         while True:
-            msg = await sock.recv()
-            try:
-                self._handle(outputs_decoder.decode(msg), engine)
-            except Exception:
-                log.exception("failed to process engine outputs")
+            # every message queued now (a recv that is ready does not yield to the loop), then
+            # one turn for the handlers: when they fall behind, the steps that piled up merge
+            # into one update per stream; the handlers never starve behind a stream of steps
+            for _ in range(MAX_MESSAGES_PER_TURN):
+                msg = await sock.recv()
+                try:
+                    self._handle(outputs_decoder.decode(msg), engine)
+                except Exception:
+                    log.exception("failed to process engine outputs")
+                if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    break
+            await asyncio.sleep(0)
 
     def _handle(self, outs: EngineCoreOutputs, engine: int = 0) -> None:
         if outs.engine_dead:
