@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import msgspec
+import zmq
 import pytest
 import transformers
 from fastapi.exceptions import RequestValidationError
@@ -339,3 +340,37 @@ def test_engine_death_mid_stream_ends_the_stream_with_an_error(tok):
         "Hello there"
     assert "CUDA error" in events[-2]["error"]["message"]
     assert events[-2]["error"]["type"] == "service_unavailable"
+
+
+def test_output_loop_gives_the_handlers_a_turn(tok):
+    """Engine messages that keep arriving never starve the handlers: after at most
+    MAX_MESSAGES_PER_TURN messages they run (a ready recv does not yield to the event loop)."""
+    from rankserve.runtime.messages import encoder
+    from rankserve.runtime.serve.client import MAX_MESSAGES_PER_TURN
+
+    class BusySocket:  # always another message queued, until the last
+        def __init__(self, msgs):
+            self.msgs = msgs
+
+        async def recv(self):
+            if not self.msgs:
+                await asyncio.Event().wait()
+            return self.msgs.pop(0)
+
+        def getsockopt(self, opt):
+            return zmq.POLLIN if self.msgs else 0
+
+    async def main():
+        client = make_client(tok)
+        stream = client.generate([1, 2], SamplingParams(max_tokens=1000, ignore_eos=True),
+                                 request_id="r")
+        n = 3 * MAX_MESSAGES_PER_TURN
+        client.socks = [BusySocket([encoder.encode(EngineCoreOutputs(outputs=[EngineCoreOutput(
+            "r", [100 + i], finish_reason=FinishReason.LENGTH if i == n - 1 else None)]))
+            for i in range(n)])]
+        loop = asyncio.create_task(client._recv_loop(0))
+        sizes = [len(u.token_ids) async for u in stream]
+        loop.cancel()
+        return n, sizes
+    n, sizes = asyncio.run(main())
+    assert sum(sizes) == n and max(sizes) <= MAX_MESSAGES_PER_TURN and len(sizes) >= 3
