@@ -7,7 +7,8 @@ process can carry, and what each stage costs per token.
   handlers, the output processor and detokenizer, SSE) against a fake engine core on the same
   ZMQ protocol that emits one token per running request every `--step-ms` (as fast as the GPU
   would: W1's decode step on an H200 is ~5 ms at 256 requests), driven by a light raw-socket
-  client keeping `--concurrency` streams open (W1's lengths by default). Reports the output
+  client keeping `--concurrency` streams open (W1's lengths by default), or with
+  `--client bench-serve` through `rankserve bench serve`'s own client. Reports the output
   tokens/s that reach the clients against the tokens/s the engine offered, the API process's CPU
   time per token, chunks per token, and the gaps between chunks; `fraction_of_ideal` is the
   run's time with an API that cost nothing over its measured time (the issue's "online as fast
@@ -140,15 +141,37 @@ async def _drive(port: int, bodies: list[bytes], path: str, concurrency: int) ->
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     wall = time.perf_counter() - t0
-    gaps = np.concatenate([np.diff(t) for _, t, _ in results if len(t) > 1]) * 1000
-    tokens = sum(r[0] for r in results)
-    return {"wall_s": wall, "output_tokens": tokens, "chunks": sum(r[2] for r in results),
+    gaps = np.concatenate([np.diff(t) for _, t, _ in results if len(t) > 1])
+    return _gap_stats(gaps, wall, sum(r[0] for r in results), sum(r[2] for r in results))
+
+
+def _gap_stats(gaps_s, wall: float, tokens: int, chunks: int) -> dict:
+    gaps = np.asarray(gaps_s) * 1000
+    return {"wall_s": wall, "output_tokens": tokens, "chunks": chunks,
             "gap_ms_p50": float(np.percentile(gaps, 50)), "gap_ms_p99": float(np.percentile(gaps, 99)),
             "gap_ms_mean": float(gaps.mean())}
 
 
-def client(port: int, bodies: list[bytes], path: str, concurrency: int, out) -> None:
-    out.put(asyncio.run(_drive(port, bodies, path, concurrency)))
+async def _drive_bench_serve(port: int, bodies: list[bytes], path: str, concurrency: int) -> dict:
+    """The same requests through `rankserve bench serve`'s client (httpx, a JSON parse per chunk)."""
+    from .serve import SampleRequest, ServeBenchArgs, run_requests
+    args = ServeBenchArgs(base_url=f"http://127.0.0.1:{port}", endpoint=path, model="bench",
+                          max_concurrency=concurrency, ignore_eos=True, disable_tqdm=True)
+    reqs = []
+    for b in map(json.loads, bodies):
+        prompt = b.get("prompt") or b["messages"][0]["content"]
+        reqs.append(SampleRequest(prompt, None, b["max_tokens"]))
+    results, wall = await run_requests(args, "bench", reqs, np.random.default_rng(0))
+    bad = [r.error for r in results if not r.success]
+    if bad:
+        raise RuntimeError(f"{len(bad)} requests failed, e.g. {bad[0]}")
+    return _gap_stats([g for r in results for g in r.itl], wall,
+                      sum(r.output_tokens for r in results), sum(r.chunks for r in results))
+
+
+def client(kind: str, port: int, bodies: list[bytes], path: str, concurrency: int, out) -> None:
+    drive = _drive if kind == "raw" else _drive_bench_serve
+    out.put(asyncio.run(drive(port, bodies, path, concurrency)))
 
 
 def _cpu_s(pid: int) -> float:
@@ -217,7 +240,7 @@ def run_e2e(args) -> dict:
         bodies = _bodies(args, chat)
         q = spawn.Queue()
         cpu0 = _cpu_s(api.pid)
-        cl = spawn.Process(target=client, args=(port, bodies, "/v1/chat/completions" if chat
+        cl = spawn.Process(target=client, args=(args.client, port, bodies, "/v1/chat/completions" if chat
                                                 else "/v1/completions", args.concurrency, q))
         cl.start()
         res = q.get()
@@ -229,7 +252,8 @@ def run_e2e(args) -> dict:
         engine.kill()
     offered = args.concurrency * 1000 / args.step_ms
     tok = res["output_tokens"]
-    return {"stage": "e2e", "endpoint": args.endpoint, "concurrency": args.concurrency,
+    return {"stage": "e2e", "endpoint": args.endpoint, "client": args.client,
+            "concurrency": args.concurrency,
             "step_ms": args.step_ms, "offered_tok_s": offered,
             "output_tok_s": tok / res["wall_s"], "ideal_tok_s": tok / args.ideal_s,
             "fraction_of_ideal": args.ideal_s / res["wall_s"],
@@ -372,6 +396,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer", default=os.path.join(os.path.dirname(__file__), "../../../shared/tokenizers/qwen3"))
     p.add_argument("--mode", choices=("e2e", "stages", "both"), default="both")
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    p.add_argument("--client", choices=("raw", "bench-serve"), default="raw",
+                   help="e2e: a raw-socket client that only counts chunks, or `rankserve bench "
+                        "serve`'s own (to see what the measuring client costs)")
     p.add_argument("--concurrency", type=int, default=256)
     p.add_argument("--num-requests", type=int, default=512)
     p.add_argument("--step-ms", type=float, default=5.0)
