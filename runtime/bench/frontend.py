@@ -107,9 +107,10 @@ def fake_engine(address: str, step_ms: float, vocab: int, seed: int = 0) -> None
 
 
 # ---- the client -------------------------------------------------------------------------------
-async def _one(port: int, body: bytes, path: str) -> tuple[int, list[float], int]:
+async def _one(port: int, body: bytes, path: str) -> tuple[int, list[float], int, float]:
     """One streamed request over a raw socket: (completion tokens, arrival times of the reads
-    that carried chunks, output chunks)."""
+    that carried chunks, output chunks, start time)."""
+    start = time.perf_counter()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(b"POST %s HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
                  b"Connection: close\r\nContent-Length: %d\r\n\r\n" % (path.encode(), len(body)) + body)
@@ -128,7 +129,7 @@ async def _one(port: int, body: bytes, path: str) -> tuple[int, list[float], int
     if i < 0 or b"[DONE]" not in tail:
         raise RuntimeError(f"a stream ended badly: {tail[-300:]!r}")
     tokens = int(tail[i + 20:].split(b",")[0].split(b"}")[0])
-    return tokens, times, chunks - 1 - (path.endswith("chat/completions"))  # usage (+ role) chunks
+    return tokens, times, chunks - 1 - (path.endswith("chat/completions")), start  # usage (+ role)
 
 
 async def _drive(port: int, bodies: list[bytes], path: str, concurrency: int) -> dict:
@@ -141,8 +142,13 @@ async def _drive(port: int, bodies: list[bytes], path: str, concurrency: int) ->
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     wall = time.perf_counter() - t0
-    gaps = np.concatenate([np.diff(t) for _, t, _ in results if len(t) > 1])
-    return _gap_stats(gaps, wall, sum(r[0] for r in results), sum(r[2] for r in results))
+    gaps = np.concatenate([np.diff(t) for _, t, _, _ in results if len(t) > 1])
+    out = _gap_stats(gaps, wall, sum(r[0] for r in results), sum(r[2] for r in results))
+    # the first `concurrency` requests arrive at once: the API's share of a burst's TTFT (the
+    # fake engine's first token comes one step after a request arrived)
+    first = sorted(results, key=lambda r: r[3])[:concurrency]
+    ttft = np.array([r[1][0] - r[3] for r in first]) * 1000
+    return {**out, "burst_ttft_ms_mean": float(ttft.mean()), "burst_ttft_ms_p99": float(np.percentile(ttft, 99))}
 
 
 def _gap_stats(gaps_s, wall: float, tokens: int, chunks: int) -> dict:
