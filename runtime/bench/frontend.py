@@ -275,7 +275,6 @@ def run_stages(args) -> dict:
     from ..messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats, encoder, outputs_decoder
     from ..outputs import OutputProcessor
     from ..sampling_params import SamplingParams
-    from .. import messages as _m  # noqa: F401
     tokenizer = load_tokenizer(args.tokenizer)
     n, steps = args.concurrency, args.steps
     rng = np.random.default_rng(args.seed)
@@ -311,7 +310,6 @@ def run_stages(args) -> dict:
 async def _asgi_stages(args, tokenizer, msgs, prompt, out, tokens) -> None:
     """The client's hand-out alone, then with the OpenAI handlers consuming through the app."""
     from ..messages import outputs_decoder
-    from .. import messages
     from ..serve.app import ServeState, build_app
     from ..serve.args import ServerArgs
     from ..serve.client import EngineClient
@@ -393,7 +391,6 @@ async def _asgi_stages(args, tokenizer, msgs, prompt, out, tokens) -> None:
     await asyncio.gather(*tasks)
     out["app_total_us_per_token"] = (time.perf_counter() - t0) / tokens * 1e6
     out["app_chunks_per_token"] = sent[0] / tokens
-    del messages
 
 
 def main(argv: list[str] | None = None) -> int:
