@@ -90,7 +90,7 @@ def fake_engine(address: str, step_ms: float, vocab: int, seed: int = 0) -> None
             continue
         if not running or time.monotonic() < next_step:
             continue
-        next_step += period
+        next_step = max(next_step + period, time.monotonic())  # late steps are not made up
         ids = rng.integers(0, vocab, len(running)).tolist()
         outs = []
         for (rid, left), tok in zip(list(running.items()), ids):
