@@ -7,12 +7,13 @@ import json
 from pathlib import Path
 
 import msgspec
+import zmq
 import pytest
 import transformers
 from fastapi.exceptions import RequestValidationError
 
 from rankserve.runtime.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
-                                        EngineCoreRequestType, FinishReason)
+                                        EngineCoreRequestType, FinishReason, LogprobsEntry)
 from rankserve.runtime.parse import ContentDelta, ReasoningDelta, ToolCallDelta
 from rankserve.runtime.sampling_params import SamplingParams
 from rankserve.runtime.serve import anthropic_api, responses_api
@@ -131,7 +132,7 @@ def test_n_choices_get_distinct_seeds_and_close_aborts(tok):
         stream = client.generate([1, 2], SamplingParams(n=2, seed=3, max_tokens=5),
                                  request_id="r")
         feed(client, "0_r", [10, 11], finish=FinishReason.LENGTH)
-        ups = [await stream.__anext__() for _ in range(2)]
+        ups = [await stream.__anext__()]  # both steps in one update: nobody read in between
         stream.close()  # choice 1 never finished: the client went away
         return client, ups
     client, ups = asyncio.run(main())
@@ -139,12 +140,46 @@ def test_n_choices_get_distinct_seeds_and_close_aborts(tok):
             if k == EngineCoreRequestType.ADD]
     assert [(r.request_id, r.sampling_params.seed) for r in adds] == [("0_r", 3), ("1_r", 4)]
     assert adds[0].eos_token_id == EOS
-    assert [u.index for u in ups] == [0, 0] and ups[-1].finish_reason == "length"
+    assert [(u.index, u.token_ids) for u in ups] == [(0, [10, 11])]
+    assert ups[-1].finish_reason == "length"
     aborts = [msgspec.msgpack.decode(p) for k, p in client.sent if k == EngineCoreRequestType.ABORT]
     assert aborts == [["1_r"]]
     assert not client.children and not client.streams and not client.processor.states
     text = client.metrics.exposition().decode()
     assert 'finished_reason="abort"' in text and 'finished_reason="length"' in text
+
+
+def test_updates_merge_while_the_consumer_is_behind(tok):
+    """Steps that arrive before the handler reads become one update (one SSE chunk) with every
+    token in order; a finished update, another choice or an error is never merged into."""
+    async def main():
+        client = make_client(tok)
+        ids = tok.encode("It is sunny in Paris today, and tomorrow too")
+        stream = client.generate([1, 2], SamplingParams(max_tokens=50, logprobs=0, n=2),
+                                 request_id="r")
+        for i, t in enumerate(ids[:3]):  # three steps, choice 0 only
+            client._handle(EngineCoreOutputs(outputs=[EngineCoreOutput(
+                "0_r", [t], new_logprobs=[LogprobsEntry([t], [-float(i)], [1])])]))
+        client._handle(EngineCoreOutputs(outputs=[EngineCoreOutput("1_r", [ids[0]])]))
+        first = await stream.__anext__()
+        second = await stream.__anext__()
+        # the handler keeps up: one update per step
+        client._handle(EngineCoreOutputs(outputs=[EngineCoreOutput("0_r", [ids[3]])]))
+        third = await stream.__anext__()
+        for t in ids[4:]:
+            client._handle(EngineCoreOutputs(outputs=[EngineCoreOutput(
+                "0_r", [t], finish_reason=FinishReason.LENGTH if t == ids[-1] else None)]))
+        client._handle(EngineCoreOutputs(outputs=[EngineCoreOutput("0_r", [7])]))  # after the end
+        last = await stream.__anext__()
+        stream.close()
+        return ids, first, second, third, last
+    ids, first, second, third, last = asyncio.run(main())
+    assert (first.index, first.token_ids, first.text) == (0, ids[:3], tok.decode(ids[:3]))
+    assert [e.logprobs[0] for e in first.logprobs] == [0.0, -1.0, -2.0]
+    assert (second.index, second.token_ids) == (1, ids[:1])
+    assert third.token_ids == ids[3:4]
+    assert last.token_ids == ids[4:] and last.finish_reason == "length"
+    assert first.text + third.text + last.text == tok.decode(ids)
 
 
 def test_engine_refusal_and_engine_death(tok):
@@ -305,3 +340,37 @@ def test_engine_death_mid_stream_ends_the_stream_with_an_error(tok):
         "Hello there"
     assert "CUDA error" in events[-2]["error"]["message"]
     assert events[-2]["error"]["type"] == "service_unavailable"
+
+
+def test_output_loop_gives_the_handlers_a_turn(tok):
+    """Engine messages that keep arriving never starve the handlers: after at most
+    MAX_MESSAGES_PER_TURN messages they run (a ready recv does not yield to the event loop)."""
+    from rankserve.runtime.messages import encoder
+    from rankserve.runtime.serve.client import MAX_MESSAGES_PER_TURN
+
+    class BusySocket:  # always another message queued, until the last
+        def __init__(self, msgs):
+            self.msgs = msgs
+
+        async def recv(self):
+            if not self.msgs:
+                await asyncio.Event().wait()
+            return self.msgs.pop(0)
+
+        def getsockopt(self, opt):
+            return zmq.POLLIN if self.msgs else 0
+
+    async def main():
+        client = make_client(tok)
+        stream = client.generate([1, 2], SamplingParams(max_tokens=1000, ignore_eos=True),
+                                 request_id="r")
+        n = 3 * MAX_MESSAGES_PER_TURN
+        client.socks = [BusySocket([encoder.encode(EngineCoreOutputs(outputs=[EngineCoreOutput(
+            "r", [100 + i], finish_reason=FinishReason.LENGTH if i == n - 1 else None)]))
+            for i in range(n)])]
+        loop = asyncio.create_task(client._recv_loop(0))
+        sizes = [len(u.token_ids) async for u in stream]
+        loop.cancel()
+        return n, sizes
+    n, sizes = asyncio.run(main())
+    assert sum(sizes) == n and max(sizes) <= MAX_MESSAGES_PER_TURN and len(sizes) >= 3

@@ -28,6 +28,10 @@
 #   servew1           `rankserve serve` (Qwen3-0.6B shape) + `rankserve bench serve` with W1's
 #                     lengths at concurrency 256 and Poisson 10/20/40 req/s; servew1dp2 the same
 #                     against `mpiexec -n 2 ... --data-parallel-size 2` (2 GPUs)
+#   servew1b2k        servew1's concurrency-256 and 40 req/s runs with --max-num-batched-tokens 2048
+#                     (shorter mixed prefill+decode steps: ITL p99 against TTFT)
+#   frontend          CPU only: the API process against a fake engine (256 streams, a token each every
+#                     5 ms; runtime/bench/frontend.py), with the raw client and with bench serve's
 #   dsw2, dsw1        W2 / W1 on deepseek-v3-small (V3 layers and MLA widths, 8 layers, 64 experts,
 #                     dummy bf16 weights); dsw2fp8 / dsw1fp8 block FP8; dsw1kv8 the fp8 latent cache;
 #                     dskv KV bytes per token (MLA vs GQA); dstests DeepSeek GPU tests; kmla MLA kernels
@@ -157,6 +161,12 @@ for stage in "$@"; do case $stage in
   launchtests) run launchtests 200 python3 -m pytest -q -m gpu tests/test_launch_gpu.py ;;
   servew1) GPUS=1 SERVE_RUNS="c256:--num-prompts 256 --max-concurrency 256;r10:--num-prompts 400 --request-rate 10;r20:--num-prompts 400 --request-rate 20;r40:--num-prompts 400 --request-rate 40" \
         serve_w1 servew1 ;;
+  servew1b2k) GPUS=1 SERVE_RUNS="c256:--num-prompts 256 --max-concurrency 256;r40:--num-prompts 400 --request-rate 40" \
+        SERVE_EXTRA="--max-num-batched-tokens 2048" serve_w1 servew1b2k ;;
+  frontend) run frontend 240 python3 -m rankserve.runtime.bench.frontend --tokenizer "${QWEN3_TOKENIZER:?}" \
+        --num-requests 1024 --output-json "$OUT/frontend.json"
+        run frontendbs 200 python3 -m rankserve.runtime.bench.frontend --tokenizer "$QWEN3_TOKENIZER" --mode e2e \
+        --client bench-serve --num-requests 1024 --output-json "$OUT/frontendbs.json" ;;
   servew1dp2) GPUS=2 SERVE_RUNS="c256:--num-prompts 256 --max-concurrency 256;r40:--num-prompts 400 --request-rate 40" \
         SERVE_EXTRA="--data-parallel-size 2" serve_w1 servew1dp2 mpiexec -n 2 ;;
   klora) run klora 80 python3 -m rankserve.kernels.benchmark --only lora --json "$OUT/klora.json" ;;

@@ -343,8 +343,13 @@ async def run_requests(args: ServeBenchArgs, model: str, requests: list[SampleRe
     if not args.disable_tqdm:
         from tqdm import tqdm
         bar = tqdm(total=len(requests), desc="requests", unit="req")
-    async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout, connect=60.0),
-                                 limits=limit, headers=headers) as client:
+    if url.startswith("http://"):  # httpx costs more per chunk than a busy server (sse_client.py)
+        from .sse_client import StreamingClient
+        session = StreamingClient(headers)
+    else:
+        session = httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout, connect=60.0),
+                                    limits=limit, headers=headers)
+    async with session as client:
         t0 = time.perf_counter()
 
         async def one(req):

@@ -8,6 +8,7 @@ admin calls go to all of them."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import os
@@ -50,6 +51,8 @@ class EngineSleepingError(EngineDeadError):
     """The engine sleeps (sleep mode): requests are refused with a 503 until it wakes up."""
 
 
+# engine messages handled in a row before the handlers get a turn (a bound on their wait)
+MAX_MESSAGES_PER_TURN = 64
 SLEEPING = ("the engine is sleeping: POST /wake_up first; the request was not queued")
 
 
@@ -65,17 +68,45 @@ class Update:
     num_cached_tokens: int = 0
     prompt_logprobs: list[LogprobsEntry | None] | None = None  # with the first update only
 
+    def merge(self, later: Update) -> None:
+        """Append a later update of the same choice (one chunk for both)."""
+        self.text += later.text
+        self.token_ids += later.token_ids
+        if later.logprobs:
+            self.logprobs = (self.logprobs or []) + later.logprobs
+        self.finish_reason, self.stop_reason = later.finish_reason, later.stop_reason
+        self.num_cached_tokens = max(self.num_cached_tokens, later.num_cached_tokens)
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs
+
 
 class RequestStream:
     """The updates of one request (all its choices) in arrival order. `close()` aborts whatever
-    has not finished; call it when the client goes away."""
+    has not finished; call it when the client goes away.
+
+    Updates the consumer has not taken yet are merged (same choice, not finished): when the
+    handler falls behind the engine it wakes once and sends one chunk for all the tokens that
+    arrived meanwhile, instead of one per engine step; no token is lost or reordered."""
 
     def __init__(self, client: EngineClient, request_id: str, child_ids: list[str]):
         self.client, self.request_id, self.child_ids = client, request_id, child_ids
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.items: collections.deque = collections.deque()  # Updates and Exceptions
+        self._waiter: asyncio.Future | None = None
         self.unfinished = set(child_ids)
         self._peeked: Update | None = None
         self.arrival = time.monotonic()
+
+    def put(self, item: Update | Exception) -> None:
+        items = self.items
+        if items and isinstance(item, Update):
+            last = items[-1]
+            if isinstance(last, Update) and last.index == item.index and last.finish_reason is None:
+                last.merge(item)
+                return
+        items.append(item)
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
 
     def __aiter__(self):
         return self
@@ -84,9 +115,15 @@ class RequestStream:
         if self._peeked is not None:
             upd, self._peeked = self._peeked, None
             return upd
-        if not self.unfinished and self.queue.empty():
-            raise StopAsyncIteration
-        item = await self.queue.get()
+        while not self.items:
+            if not self.unfinished:
+                raise StopAsyncIteration
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        item = self.items.popleft()
         if isinstance(item, Exception):
             self.close()
             raise item
@@ -103,6 +140,9 @@ class RequestStream:
             self.client.abort(list(self.unfinished))
             self.unfinished.clear()
         self.client.streams.pop(self.request_id, None)
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
 
 
 class _Child:
@@ -239,11 +279,18 @@ class EngineClient:
     async def _recv_loop(self, engine: int) -> None:
         sock = self.socks[engine]
         while True:
-            msg = await sock.recv()
-            try:
-                self._handle(outputs_decoder.decode(msg), engine)
-            except Exception:
-                log.exception("failed to process engine outputs")
+            # every message queued now (a recv that is ready does not yield to the loop), then
+            # one turn for the handlers: when they fall behind, the steps that piled up merge
+            # into one update per stream; the handlers never starve behind a stream of steps
+            for _ in range(MAX_MESSAGES_PER_TURN):
+                msg = await sock.recv()
+                try:
+                    self._handle(outputs_decoder.decode(msg), engine)
+                except Exception:
+                    log.exception("failed to process engine outputs")
+                if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    break
+            await asyncio.sleep(0)
 
     def _handle(self, outs: EngineCoreOutputs, engine: int = 0) -> None:
         if outs.engine_dead:
@@ -265,7 +312,7 @@ class EngineClient:
                 continue  # aborted meanwhile
             stream = child.stream
             if o.error:
-                stream.queue.put_nowait(EngineSleepingError(o.error) if o.error_status == 503
+                stream.put(EngineSleepingError(o.error) if o.error_status == 503
                                         else RequestError(o.error))
                 continue
             ro, abort = self.processor.process(o)
@@ -282,7 +329,7 @@ class EngineClient:
                 else:
                     em.itl.observe(now - child.last)
                 child.last = now
-            stream.queue.put_nowait(Update(child.index, out.delta_text, list(out.delta_token_ids),
+            stream.put(Update(child.index, out.delta_text, list(out.delta_token_ids),
                                            out.delta_logprobs, out.finish_reason, out.stop_reason,
                                            ro.num_cached_tokens,
                                            ro.prompt_logprobs if o.prompt_logprobs else None))
@@ -307,7 +354,7 @@ class EngineClient:
         self.closing = why
         for stream in list(self.streams.values()):
             if stream.unfinished:
-                stream.queue.put_nowait(ServerShutdownError(why))
+                stream.put(ServerShutdownError(why))
 
     def _mark_dead(self, why: str) -> None:
         if self.dead:
@@ -316,7 +363,7 @@ class EngineClient:
         self.dead = why
         for stream in list(self.streams.values()):
             stream.unfinished.clear()
-            stream.queue.put_nowait(EngineDeadError(why))
+            stream.put(EngineDeadError(why))
         for fut in self.calls.values():
             if not fut.done():
                 fut.set_exception(EngineDeadError(why))

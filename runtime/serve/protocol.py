@@ -85,7 +85,8 @@ def _check_text(value: Any, where: str) -> None:
             _check_text(v, f"{where}.{k}" if where else str(k))
     elif isinstance(value, list):
         for i, v in enumerate(value):
-            _check_text(v, f"{where}[{i}]")
+            if isinstance(v, (str, dict, list)):  # (a token-id prompt: no text, no per-id work)
+                _check_text(v, f"{where}[{i}]")
 
 
 class Request(BaseModel):
