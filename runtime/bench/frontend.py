@@ -159,7 +159,7 @@ def _gap_stats(gaps_s, wall: float, tokens: int, chunks: int) -> dict:
 
 
 async def _drive_bench_serve(port: int, bodies: list[bytes], path: str, concurrency: int) -> dict:
-    """The same requests through `rankserve bench serve`'s client (httpx, a JSON parse per chunk)."""
+    """The same requests through `rankserve bench serve`'s client (aiohttp, a JSON parse per chunk)."""
     from .serve import SampleRequest, ServeBenchArgs, run_requests
     args = ServeBenchArgs(base_url=f"http://127.0.0.1:{port}", endpoint=path, model="bench",
                           max_concurrency=concurrency, ignore_eos=True, disable_tqdm=True)

@@ -270,13 +270,13 @@ async def send_request(client, url: str, body: dict, req: SampleRequest, chat: b
     usage = None
     chunks = 0
     try:
-        async with client.stream("POST", url, json=body) as r:
-            if r.status_code != 200:
-                text = (await r.aread()).decode(errors="replace")
-                res.error = f"HTTP {r.status_code}: {text[:300]}"
+        async with client.post(url, json=body) as r:
+            if r.status != 200:
+                text = (await r.read()).decode(errors="replace")
+                res.error = f"HTTP {r.status}: {text[:300]}"
                 return res
             buf = b""
-            async for raw in r.aiter_bytes():  # SSE: "data: {...}\n\n" events
+            async for raw in r.content.iter_any():  # SSE: "data: {...}\n\n" events
                 buf += raw
                 *events, buf = buf.split(b"\n\n")
                 for ev in events:
@@ -334,21 +334,20 @@ async def arrivals(n: int, rate: float, burstiness: float, rng):
 
 
 async def run_requests(args: ServeBenchArgs, model: str, requests: list[SampleRequest], rng):
-    import httpx
+    # aiohttp, as vLLM's benchmark: the measuring client must cost far less per SSE chunk than
+    # the server (256 streams read ~50,000 chunks a second); httpx did not (runtime/bench/
+    # frontend.py --client bench-serve: 44 % of what the server sent, read in bursts)
+    import aiohttp
     url = args.base_url.rstrip("/") + args.endpoint
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limit = httpx.Limits(max_connections=args.max_concurrency, max_keepalive_connections=args.max_concurrency)
     sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     bar = None
     if not args.disable_tqdm:
         from tqdm import tqdm
         bar = tqdm(total=len(requests), desc="requests", unit="req")
-    if url.startswith("http://"):  # httpx costs more per chunk than a busy server (sse_client.py)
-        from .sse_client import StreamingClient
-        session = StreamingClient(headers)
-    else:
-        session = httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout, connect=60.0),
-                                    limits=limit, headers=headers)
+    session = aiohttp.ClientSession(
+        headers=headers, timeout=aiohttp.ClientTimeout(total=args.request_timeout, sock_connect=60.0),
+        connector=aiohttp.TCPConnector(limit=args.max_concurrency or 0))
     async with session as client:
         t0 = time.perf_counter()
 
