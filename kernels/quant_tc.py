@@ -258,7 +258,8 @@ def _run(kernel, args, M, N, K, out, bias, cfg, split, **consts):
     and the y strides. Split-K: fp32 partials in a workspace, summed by the kernel's last program
     of each column tile (SPLITK_IN_KERNEL) or by one more small kernel."""
     cfg = dict(cfg)
-    split = cfg.pop("SPLIT") if split is None else split
+    table_split = cfg.pop("SPLIT")  # never a kernel argument
+    split = table_split if split is None else split
     bk = cfg["BLOCK_K"]
     k_per_split = triton.cdiv(triton.cdiv(K, bk), split) * bk
     split = triton.cdiv(K, k_per_split)

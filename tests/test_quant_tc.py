@@ -300,3 +300,19 @@ def test_gpu_tc_model_matches_default_kernels(base, tmp_path, fmt, monkeypatch):
     finally:
         Q.TC_MAX_M = 0
     assert sum(a[:8] == b[:8] for a, b in zip(outs["0"], outs["16"])) >= 2, outs
+
+
+@pytest.mark.parametrize("split,table", [(None, 1), (1, 2)])
+def test_explicit_split_launches_without_the_tables_split(split, table, monkeypatch):
+    """An explicit `split` (the tests' and the tuner's) replaces the table's: the table's SPLIT
+    must not reach the kernel as a keyword (the GPU launcher refuses unknown ones; it once did)."""
+    seen = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: seen.append(kw)
+    monkeypatch.setattr(T, "_counters", lambda device: None)
+    out = torch.empty(1, 64)
+    T._run(Spy(), (None,) * 4, 1, 64, 256, out, None, dict(BLOCK_N=16, BLOCK_K=32, SPLIT=table), split,
+           after=(0,))
+    assert seen and all("SPLIT" not in kw for kw in seen)
