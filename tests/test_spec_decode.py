@@ -282,12 +282,15 @@ def test_gpu_verify_graphs_give_the_plain_greedy_tokens(draft_dir, level, monkey
     target's and the draft model's), and the tokens are those of plain decoding with graphs.
     A draft model proposes k tokens for every request, so its batches are uniform; n-gram
     proposes only where the context repeats (a batch mixing hits and misses runs without a
-    verify graph), so its prompts all repeat."""
+    verify graph), so it gets one repeating prompt."""
     from rankserve.runtime.compilation import CompiledModel
     common = dict(dtype="float32", max_num_seqs=8, gpu_memory_utilization=0.3, compilation_level=level)
     repeating = ["Sam had a red ball. Sam had a red ball. Sam had a",
                  "Lily and Tom. Lily and Tom. Lily and Tom. Lily and"]
-    prompt_sets = {"ngram": repeating, "draft_model": PROMPTS + repeating[:1]}
+    # n-gram: one request, so every step that drafts is uniform (with two, most verify steps mix
+    # a drafting request with one whose lookup found nothing: 11 of 12 on CPU, and on the H200
+    # none of them was uniform)
+    prompt_sets = {"ngram": repeating[1:], "draft_model": PROMPTS + repeating[:1]}
     base = LLM(str(STORIES_EMBEDDED), **common)
     wants = {m: _greedy(base, p, max_tokens=60) for m, p in prompt_sets.items()}
     del base
