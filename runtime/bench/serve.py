@@ -489,12 +489,16 @@ def plot(path: str, results: list[RequestResult], s: dict) -> bool:
 
 # ---- the command -------------------------------------------------------------------------------
 def _server_model(args: ServeBenchArgs) -> str:
-    import httpx
+    import aiohttp
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+
+    async def first_model() -> str:  # the streaming client's library, for one GET
+        async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=30)) as s:
+            async with s.get(args.base_url.rstrip("/") + "/v1/models") as r:
+                r.raise_for_status()
+                return (await r.json(content_type=None))["data"][0]["id"]
     try:
-        r = httpx.get(args.base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
-        r.raise_for_status()
-        return r.json()["data"][0]["id"]
+        return asyncio.run(first_model())
     except Exception as e:  # noqa: BLE001
         raise ValueError(f"cannot list the models of {args.base_url} ({e}); is the server up? "
                          "(or pass --model)") from None
@@ -510,8 +514,6 @@ def _environment() -> dict:
 def run(args: ServeBenchArgs) -> int:
     """Run the benchmark, print the summary, save JSON / plot; 0, or 1 when requests failed."""
     args.validate()
-    import logging
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     tokenizer = None
     if args.tokenizer:
         from transformers import AutoTokenizer
