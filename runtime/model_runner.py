@@ -33,6 +33,7 @@ from .sampler import SamplingMetadata, gather_logprobs, sample, target_probs
 from .sampling_metadata import SamplingMetadataBuilder
 from .messages import LogprobsEntry
 from .scheduler import SchedulerOutput
+from .spec_decode import ProposeContext
 
 log = logging.getLogger("rankserve.runner")
 
@@ -523,20 +524,19 @@ class ModelRunner:
         j = np.arange(K)
         cols = np.minimum(inp.base_pos[:, None] + j[None, :], self.batch.token_ids.shape[1] - 1)
         draft_ids = np.where(j[None, :] < ns[:, None], self.batch.token_ids[rows[:, None], cols], 0)
-        dev = self.device
-        spec = SpecBatch(torch.from_numpy(draft_ids).to(dev), torch.from_numpy(ns).to(dev),
-                         torch.from_numpy(first).to(dev))
+        dev, put = self.device, self.batch.stage  # (pinned: a pageable copy waits for the forward)
+        spec = SpecBatch(put(draft_ids), put(ns.astype(np.int64)), put(first.astype(np.int64)))
         gens = None
         if md.generators:
             gens = {int(np.searchsorted(first, r, side="right") - 1): g for r, g in md.generators.items()}
         tokens, num_acc = rejection_sample(probs, greedy, md.temperature[spec.row_start], spec, gens)
-        if self.proposer is not None:
-            self._propose(inp, hidden, out, tokens, num_acc)
         # the last emitted token feeds the placeholders of requests that ran ahead (they had
         # no drafts: it is their only token)
         self.prev_sampled = tokens.gather(1, num_acc[:, None])[:, 0]
         self.prev_index = {rid: i for i, rid in enumerate(inp.sample_req_ids)}
-        toks, acc = tokens.tolist(), num_acc.tolist()
+        ctx = self._propose(inp, hidden, out, tokens, num_acc) if self.proposer is not None else None
+        # one device-to-host copy a verify step (the proposer's, if it made one)
+        toks, acc = (ctx or ProposeContext.of(tokens, num_acc)).host()
         out.sampled_token_ids = [t[a] for t, a in zip(toks, acc)]
         out.accepted = [t[:a] for t, a in zip(toks, acc)]
         if md.max_num_logprobs is not None:  # requests with logprobs verify no drafts: one row
@@ -547,13 +547,14 @@ class ModelRunner:
             out.logprobs = [e if n is not None else None for e, n in zip(entries, nums)]
 
     def _propose(self, inp: StepInputs, hidden: torch.Tensor, out: ModelRunnerOutput,
-                 tokens: torch.Tensor, num_acc: torch.Tensor | None) -> None:
-        """num_acc None: a plain sampling step (nothing accepted, one token each)."""
-        from .spec_decode import ProposeContext, can_speculate
+                 tokens: torch.Tensor, num_acc: torch.Tensor | None) -> ProposeContext | None:
+        """num_acc None: a plain sampling step (nothing accepted, one token each). Returns the
+        context (its `host()` copy, if one was made, serves the caller too), None if idle."""
+        from .spec_decode import can_speculate
         # requests paused by the backoff (or whose proposer state still lags) get no work: None
         active = self.proposer.step_active[inp.sample_index]
         if not active.any():  # (most steps of drafts that miss: nothing to do on the host)
-            return
+            return None
         if num_acc is None:
             num_acc = torch.zeros_like(tokens[:, 0])
         rows = np.array([self.reqs[r].row for r in inp.sample_req_ids], dtype=np.int64)
@@ -573,3 +574,4 @@ class ModelRunner:
             idx = np.flatnonzero(active)
             drafts = iter(self.proposer.propose(ctx.select(idx, self.batch.stage)))
             out.draft_token_ids = [next(drafts) if a else None for a in active]
+        return ctx

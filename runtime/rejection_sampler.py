@@ -60,7 +60,7 @@ def rejection_sample(probs: torch.Tensor | None, greedy_ids: torch.Tensor, tempe
     drafts = spec.draft_ids
     greedy_req = temperature <= 0
     accept = greedy_ids[rows] == drafts  # greedy rule
-    row_req = torch.repeat_interleave(torch.arange(B, device=dev), spec.num_drafts + 1)
+    row_req = torch.repeat_interleave(torch.arange(B, device=dev), spec.num_drafts + 1, output_size=R)  # (no sync)
     if probs is not None:
         p_d = probs[rows, drafts]  # [B, K]
         q_d = 1.0 if spec.draft_probs is None else spec.draft_probs[rows, drafts]

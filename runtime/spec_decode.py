@@ -69,6 +69,7 @@ class ProposeContext:
     eligible: np.ndarray  # [B] bool: can_speculate
     num_drafts: np.ndarray | None = None  # [B] drafts each request verified (None: none did)
     _host: tuple[list[list[int]], list[int]] | None = None
+    _parent: tuple[ProposeContext, list[int]] | None = None  # (context selected from, its rows)
 
     def select(self, idx: np.ndarray, stage) -> ProposeContext:
         """The requests `idx` (host) only; `stage` copies a host array to the device."""
@@ -76,16 +77,40 @@ class ProposeContext:
         first = np.concatenate([[0], np.cumsum(ns + 1)[:-1]])
         scored = np.concatenate([np.arange(first[i], first[i] + ns[i] + 1) for i in idx])
         d = stage(idx)
-        return ProposeContext([self.req_ids[i] for i in idx], self.rows[idx], self.base_pos[idx],
-                              self.tokens[d], self.num_accepted[d], self.hidden,
-                              self.logits_indices[stage(scored)], self.eligible[idx],
-                              None if self.num_drafts is None else self.num_drafts[idx])
+        sub = ProposeContext([self.req_ids[i] for i in idx], self.rows[idx], self.base_pos[idx],
+                             self.tokens[d], self.num_accepted[d], self.hidden,
+                             self.logits_indices[stage(scored)], self.eligible[idx],
+                             None if self.num_drafts is None else self.num_drafts[idx])
+        root, at = self._parent or (self, None)
+        sub._parent = (root, idx.tolist() if at is None else [at[i] for i in idx])
+        return sub
 
-    def host(self) -> tuple[list[list[int]], list[int]]:
-        """(emitted tokens, num accepted) on the host (one device sync)."""
-        if self._host is None:
-            self._host = (self.tokens.tolist(), self.num_accepted.tolist())
-        return self._host
+    @classmethod
+    def of(cls, tokens: torch.Tensor, num_accepted: torch.Tensor) -> ProposeContext:
+        """Only the step's results (for `host`)."""
+        return cls([], np.zeros(0, np.int64), np.zeros(0, np.int64), tokens, num_accepted, None, None,
+                   np.zeros(0, bool))
+
+    def host(self, extra: torch.Tensor | None = None):
+        """(emitted tokens, num accepted) on the host, with the rows of `extra` ([B, n] on the
+        device) if given: one device-to-host copy a step, shared with the context this one was
+        selected from (every copy is a sync, and the device idles while the host launches
+        what follows one)."""
+        root, idx = self._parent or (self, None)
+        got = None
+        if root._host is None:
+            B, K = root.tokens.shape
+            parts = [root.tokens.flatten(), root.num_accepted.to(root.tokens.dtype)]
+            flat = torch.cat(parts + ([extra.flatten().to(root.tokens.dtype)] if extra is not None else [])).tolist()
+            root._host = ([flat[i * K:(i + 1) * K] for i in range(B)], flat[B * K:B * K + B])
+            if extra is not None:
+                n = extra.shape[1]
+                got = [flat[B * K + B + i * n:B * K + B + (i + 1) * n] for i in range(extra.shape[0])]
+        elif extra is not None:
+            got = extra.tolist()
+        toks, acc = root._host
+        host = (toks, acc) if idx is None else ([toks[i] for i in idx], [acc[i] for i in idx])
+        return host if extra is None else (host, got)
 
 
 class Proposer:
@@ -143,9 +168,9 @@ class Proposer:
         """[B, k] greedy drafts → the lists the scheduler takes (the result rank's, cut to room)."""
         if self.runner.pi.tp_rank != 0:
             return [[] for _ in ctx.req_ids]
-        _, acc = ctx.host()
+        (_, acc), rows = ctx.host(drafts)  # (with the step's tokens, unless those came back)
         room = self.room(ctx, ctx.base_pos + np.asarray(acc) + 1)
-        return [row[:n] for row, n in zip(drafts.tolist(), room.tolist())]
+        return [row[:n] for row, n in zip(rows, room.tolist())]
 
 
 @PROPOSERS.register("ngram")
