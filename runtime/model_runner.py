@@ -25,7 +25,7 @@ from ..models.layers import AttnMeta
 from ..models.parallel import ParallelInfo
 from ..models.loader import (
     build_model, init_dummy_weights, load_hf_config, load_weights, quant_summary, resolve_dtype)
-from . import envs
+from . import envs, startup_clock
 from .compilation import CompiledModel
 from .config import EngineConfig
 from .input_batch import InputBatch, ReqState
@@ -113,6 +113,7 @@ class ModelRunner:
     host_kv = None  # this rank's host KV tier (runtime/kv_offload.py), set up by the executor
 
     def __init__(self, cfg: EngineConfig, pi: ParallelInfo, device: torch.device):
+        startup_clock.mark("before_engine")  # since the last mark (all of it under `serve`)
         gemv.MAX_M = envs.get("RANKSERVE_SKINNY_MAX_M")  # a process-wide kernel choice
         pdl.ENABLED = envs.get("RANKSERVE_PDL")
         tc = envs.get("RANKSERVE_QUANT_TC_MAX_M")  # measured: block FP8 layers 1.9x faster at M = 1

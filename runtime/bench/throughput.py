@@ -150,6 +150,8 @@ def print_result(name: str, r: dict) -> None:
           f"{r['requests_per_s']:.2f} req/s, {r['output_tokens_per_s']:.1f} output tok/s, "
           f"{r['total_tokens_per_s']:.1f} total tok/s" + (f"  ({r['mode']})" if "mode" in r else ""))
     print(common.format_timings(r["startup"]))
+    if r.get("startup_account") is not None:
+        print(f"  start-up: {common.format_account(r['startup_account'])} (ceiling measurement excluded)")
     print(common.format_floor(r["floor"]))
     if "spec_decode" in r:
         print(common.format_spec(r["spec_decode"]))
