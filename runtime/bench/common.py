@@ -48,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+from .. import startup_clock
 from ..startup_clock import format_account, process_age  # noqa: F401  (re-exported)
 
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
@@ -507,15 +508,14 @@ def _union_seconds(intervals) -> float:
     return total / 1e6
 
 
-def startup_without_bench(acc: dict | None, bench_s: float) -> dict | None:
+def startup_without_bench(acc: dict | None) -> dict | None:
     """The engine's start-up account (startup_clock) less the bench's own set-up before the
-    engine (ceiling measurement, the transformers backend), which a user's start never pays."""
+    engine (phase `bench_setup`: ceiling measurement, the transformers backend), which a user's
+    start never pays."""
     if acc is None:
         return None
     pre = dict(acc["pre_engine"])
-    first = next(iter(pre), None)  # the set-up ran before the first mark (LLM construction)
-    if first is not None:
-        pre[first] = max(pre[first] - bench_s, 0.0)
+    bench_s = pre.pop("bench_setup", 0.0)
     return dict(acc, pre_engine=pre, ready_after_s=acc["ready_after_s"] - bench_s)
 
 
@@ -534,28 +534,26 @@ def drive(cfg, hf_config, backends, on_ranks, multi_process: bool, engine_bench,
 
     def ceilings(device):
         if state["ceilings"] is None:
-            t0 = time.perf_counter()
             state["ceilings"] = measure_ceilings(device)
-            state["ceilings_s"] = time.perf_counter() - t0
             print(format_ceilings(state["ceilings"]), flush=True)
         return state["ceilings"]
 
     if not multi_process:
+        startup_clock.mark("config")  # since `imports`: the model config, its parameter counts
         device = torch.device(cfg.device.resolve(0))
         ceilings(device)
         if "hf" in backends:
-            t0 = time.perf_counter()
             results["hf"] = hf_bench(device, resolve_dtype(cfg.model.dtype, hf_config, device.type),
                                      state["ceilings"])
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            state["hf_s"] = time.perf_counter() - t0
+        startup_clock.mark("bench_setup")  # left out of the start-up account
     elif "hf" in backends:
         raise ValueError("--backend hf runs in a single process; launch it without mpirun/srun")
     rc = 0
     if "rankserve" in backends:
         def body(llm):
-            acc = startup_without_bench(llm.engine.startup, state.get("ceilings_s", 0.0) + state.get("hf_s", 0.0))
+            acc = startup_without_bench(llm.engine.startup)
             ex = llm.engine.executor
             runner = ex.runner if hasattr(ex, "runner") else ex.worker.runner
             results["rankserve"] = engine_bench(llm, ceilings(runner.device))

@@ -137,8 +137,10 @@ def print_result(name: str, r: dict) -> None:
 
 
 def run(cfg, args: LatencyArgs, on_ranks, multi_process: bool) -> int:
-    from transformers import AutoConfig
-    hf_config = AutoConfig.from_pretrained(cfg.model.model)
+    from ...models.loader import load_hf_config  # the engine's reader (Kimi-K2 configs too)
+    from ..startup_clock import mark
+    mark("imports")  # process start → here: interpreter, imports, CLI
+    hf_config = load_hf_config(cfg.model.model)
     stats = common.model_stats(hf_config)
 
     def hf_bench(device, dtype, ceilings):
