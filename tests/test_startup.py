@@ -1,0 +1,64 @@
+"""Start-up: the per-phase account adds up to the process age, and the start path does not
+import what it does not need (each of these cost seconds on the GPU machine: issue #21)."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import STORIES_EMBEDDED
+
+from rankserve.runtime import startup_clock
+
+# never needed to build an engine and run it offline: sklearn / scipy (pulled by transformers'
+# generation and modeling code), transformers' model code, the API server and the hf backend
+NOT_ON_START_PATH = ("sklearn", "scipy", "transformers.modeling_utils", "transformers.generation.utils",
+                     "fastapi", "uvicorn", "xgrammar", "mistral_common", "rankserve.runtime.serve",
+                     "rankserve.runtime.bench.hf_backend")
+
+_SCRIPT = """
+import json, sys
+from rankserve.runtime.llm import LLM
+llm = LLM({model!r}, max_num_seqs=4, max_model_len=64, kv_cache_memory_gb=0.01)
+out = llm.generate([[1, 2, 3]])
+print(json.dumps(dict(account=llm.engine.startup, modules=sorted(sys.modules))))
+"""
+
+
+@pytest.fixture(scope="module")
+def started():
+    """A fresh process that builds an LLM on stories260K and generates once."""
+    r = subprocess.run([sys.executable, "-c", _SCRIPT.format(model=str(STORIES_EMBEDDED))],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process age from /proc")
+def test_account_adds_up_to_process_age(started):
+    a = started["account"]
+    assert list(a["pre_engine"]) == ["imports", "tokenizer", "before_engine"]
+    assert list(a["engine"])[:1] == ["load"]
+    total = sum(a["pre_engine"].values()) + sum(a["engine"].values()) + a["other_s"]
+    assert a["ready_after_s"] == pytest.approx(total, abs=0.05)
+    assert a["pre_engine"]["imports"] > 0.1  # at least torch's import
+
+
+def test_start_path_imports(started):
+    mods = set(started["modules"])
+    pulled = [m for m in NOT_ON_START_PATH if m in mods]
+    assert not pulled, f"the start path imports {pulled}"
+
+
+def test_mark_books_each_phase_once(monkeypatch):
+    ages = iter([1.0, 3.0, 4.5, 9.0])
+    monkeypatch.setattr(startup_clock, "process_age", lambda: next(ages))
+    monkeypatch.setattr(startup_clock, "_phases", {})
+    monkeypatch.setattr(startup_clock, "_last", 0.0)
+    startup_clock.mark("imports")
+    startup_clock.mark("tokenizer")
+    startup_clock.mark("imports")  # a second engine in the process: not booked again
+    assert startup_clock.pre_engine_phases() == {"imports": 1.0, "tokenizer": 2.0}
+    a = startup_clock.account({"load": 1.0})
+    assert a == dict(pre_engine={"imports": 1.0, "tokenizer": 2.0}, engine={"load": 1.0},
+                     other_s=9.0 - 4.0, ready_after_s=9.0)
