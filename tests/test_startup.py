@@ -62,3 +62,16 @@ def test_mark_books_each_phase_once(monkeypatch):
     a = startup_clock.account({"load": 1.0})
     assert a == dict(pre_engine={"imports": 1.0, "tokenizer": 2.0}, engine={"load": 1.0},
                      other_s=9.0 - 4.0, ready_after_s=9.0)
+
+
+def test_importtime_summary():
+    from rankserve.runtime.bench import importtime
+    log = ["import time: self [us] | cumulative | imported package",
+           "import time:       100 |        100 |     b.c",
+           "import time:       200 |        300 |   b",
+           "import time:       400 |        700 | a",
+           "import time:        50 |         50 | b.d",
+           "something else on stderr"]
+    rows = importtime.parse(log)
+    assert rows[2] == (0.0007, 0.0004, 0, "a") and rows[0][2] == 2
+    assert importtime.by_package(rows) == {"a": 0.0007, "b": 0.00005}
