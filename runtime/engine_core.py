@@ -39,7 +39,7 @@ class EngineCore:
         self.cfg = cfg
         self.executor = executor
         log.info("%s", cfg.summary())
-        hf_config = load_hf_config(cfg.model.model)
+        hf_config = load_hf_config(cfg.model.model, cfg.compilation.cache_dir)
         recurrent = has_recurrent_state(hf_config)
         if recurrent:  # refused before the KV cache, host tier and CUDA graphs are made
             if cfg.offload.kv_offload_size:

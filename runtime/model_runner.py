@@ -124,7 +124,7 @@ class ModelRunner:
         self.pi = pi
         self.device = device
         t0 = time.perf_counter()
-        self.hf_config = load_hf_config(cfg.model.model)
+        self.hf_config = load_hf_config(cfg.model.model, cfg.compilation.cache_dir)
         if cfg.spec is None or cfg.spec.method != "mtp":
             self.hf_config = without_mtp(self.hf_config)
         self.dtype = resolve_dtype(cfg.model.dtype, self.hf_config, device.type)

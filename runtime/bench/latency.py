@@ -140,7 +140,7 @@ def run(cfg, args: LatencyArgs, on_ranks, multi_process: bool) -> int:
     from ...models.loader import load_hf_config  # the engine's reader (Kimi-K2 configs too)
     from ..startup_clock import mark
     mark("imports")  # process start → here: interpreter, imports, CLI
-    hf_config = load_hf_config(cfg.model.model)
+    hf_config = load_hf_config(cfg.model.model, cfg.compilation.cache_dir)
     stats = common.model_stats(hf_config)
 
     def hf_bench(device, dtype, ceilings):
