@@ -1,6 +1,7 @@
 """Start-up: the per-phase account adds up to the process age, and the start path does not
 import what it does not need (each of these cost seconds on the GPU machine: issue #21)."""
 import json
+import shutil
 import subprocess
 import sys
 
@@ -19,19 +20,31 @@ NOT_ON_START_PATH = ("sklearn", "scipy", "transformers.modeling_utils", "transfo
 _SCRIPT = """
 import json, sys
 from rankserve.runtime.llm import LLM
-llm = LLM({model!r}, max_num_seqs=4, max_model_len=64, kv_cache_memory_gb=0.01)
+llm = LLM({model!r}, max_num_seqs=4, max_model_len=64, kv_cache_memory_gb=0.01, load_format="dummy",
+          cache_dir={cache!r})
 out = llm.generate([[1, 2, 3]])
 print(json.dumps(dict(account=llm.engine.startup, modules=sorted(sys.modules))))
 """
 
 
 @pytest.fixture(scope="module")
-def started():
-    """A fresh process that builds an LLM on stories260K and generates once."""
-    r = subprocess.run([sys.executable, "-c", _SCRIPT.format(model=str(STORIES_EMBEDDED))],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+def starts(tmp_path_factory):
+    """Two fresh processes (cold, then warm: same cache dir) that build an LLM on stories260K's
+    config (no tokenizer, as a dummy-weight benchmark) and generate once."""
+    model, cache = tmp_path_factory.mktemp("model"), tmp_path_factory.mktemp("cache")
+    shutil.copy(STORIES_EMBEDDED / "config.json", model / "config.json")
+    out = []
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-c", _SCRIPT.format(model=str(model), cache=str(cache))],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-3000:]
+        out.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def started(starts):
+    return starts[1]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process age from /proc")
@@ -44,10 +57,14 @@ def test_account_adds_up_to_process_age(started):
     assert a["pre_engine"]["imports"] > 0.1  # at least torch's import
 
 
-def test_start_path_imports(started):
-    mods = set(started["modules"])
-    pulled = [m for m in NOT_ON_START_PATH if m in mods]
-    assert not pulled, f"the start path imports {pulled}"
+def test_start_path_imports(starts):
+    for run in starts:
+        pulled = [m for m in NOT_ON_START_PATH if m in run["modules"]]
+        assert not pulled, f"the start path imports {pulled}"
+    cold, warm = (set(r["modules"]) for r in starts)
+    assert "transformers.models.llama.configuration_llama" in cold
+    # warm: the config comes from its snapshot; nothing else needs transformers without a tokenizer
+    assert not [m for m in warm if m.split(".")[0] in ("transformers", "accelerate")]
 
 
 def test_mark_books_each_phase_once(monkeypatch):
