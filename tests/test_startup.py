@@ -1,13 +1,14 @@
 """Start-up: the per-phase account adds up to the process age, and the start path does not
 import what it does not need (each of these cost seconds on the GPU machine: issue #21)."""
 import json
+import re
 import shutil
 import subprocess
 import sys
 
 import pytest
 
-from conftest import STORIES_EMBEDDED
+from conftest import REPO, STORIES_EMBEDDED
 
 from rankserve.runtime import startup_clock
 
@@ -92,3 +93,41 @@ def test_importtime_summary():
     rows = importtime.parse(log)
     assert rows[2] == (0.0007, 0.0004, 0, "a") and rows[0][2] == 2
     assert importtime.by_package(rows) == {"a": 0.0007, "b": 0.00005}
+
+
+SHIPPED = sorted(p.stem for p in (REPO / "runtime" / "bench" / "configs").glob("*.json"))
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_config_snapshot_answers_as_transformers(tmp_path, name):
+    """The snapshot a warm start reads answers every attribute as transformers' config does, and
+    builds the same model (meta device: names, shapes, dtypes)."""
+    import torch
+
+    from rankserve.models import config_snapshot
+    from rankserve.models.loader import build_model, load_hf_config
+    from rankserve.models.parallel import ParallelInfo
+    from rankserve.runtime.bench.common import resolve_model
+
+    model_dir = resolve_model(name)[0]
+    real = load_hf_config(model_dir)
+    first = load_hf_config(model_dir, str(tmp_path))  # cold: through transformers, then saved
+    snap = load_hf_config(model_dir, str(tmp_path))  # warm: from the snapshot
+    assert type(first) is type(real) and isinstance(snap, config_snapshot.ConfigSnapshot)
+    attrs = config_snapshot.attributes(real)
+    assert attrs is not None and attrs.keys() - {"snapshot_of"} >= {k for k in vars(real) if not k.startswith("_")}
+    for k, v in attrs.items():
+        assert getattr(snap, k) == v, k
+
+    def params(cfg):
+        m = build_model(cfg, ParallelInfo(), torch.bfloat16, torch.device("meta"))
+        return [(n, tuple(p.shape), p.dtype) for n, p in m.named_parameters()]
+    if "70b" in name:  # the same family as llama-3.1-8b; its meta build is the slowest
+        return
+    try:
+        expected = params(real)
+    except ValueError as e:  # EAGLE drafts are no main model: refused alike
+        with pytest.raises(ValueError, match=re.escape(str(e))):
+            params(snap)
+        return
+    assert params(snap) == expected
