@@ -388,10 +388,11 @@ def format_timings(t: dict) -> str:
 
 # ---- output ---------------------------------------------------------------------------------
 def environment() -> dict:
-    def version(mod):
+    def version(dist):  # the installed version, without importing it (transformers: seconds)
+        import importlib.metadata
         try:
-            return __import__(mod).__version__
-        except Exception:  # noqa: BLE001  (not installed, or broken: report it, don't fail)
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
             return None
     return dict(date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                 host=platform.node(), python=platform.python_version(),
