@@ -6,8 +6,8 @@ Importing a family's config class is the slowest part of reading a config: in tr
 → `core_model_loading` → `torch.distributed.tensor`, accelerate, sympy (1 s on a laptop, several
 on the GPU machine, plus `import transformers`' own package-metadata scan). The first load (cold
 start) goes through transformers and saves every attribute the config object answers — its fields
-with the class's defaults filled in, its properties and `attribute_map` aliases — keyed by the
-config.json bytes and the transformers version. Later loads rebuild a plain object with the same
+with the class's defaults filled in, its class attributes, properties and `attribute_map` aliases —
+keyed by the config.json bytes and the transformers version. Later loads rebuild a plain object with the same
 attributes. Configs with fields other than plain Python data and torch dtypes are not kept."""
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import warnings
 
 import torch
 
-_VERSION = 1  # of the snapshot format: bump when what is saved changes
+_VERSION = 2  # of the snapshot format: bump when what is saved changes
 _PLAIN = (type(None), bool, int, float, str, torch.dtype)
 
 
@@ -62,11 +62,10 @@ def load(cache_dir: str, raw: bytes) -> ConfigSnapshot | None:
 
 def attributes(config) -> dict | None:
     """Every public attribute `config` answers: its fields (None if one is not plain data), and
-    those of its properties and aliases that are plain data."""
+    those of its class attributes, properties and aliases that are plain data."""
     cls = type(config)
     fields = {k for k in vars(config) if not k.startswith("_")}
-    derived = {k for k in dir(cls) if not k.startswith("_") and isinstance(getattr(cls, k, None), property)}
-    derived |= set(getattr(cls, "attribute_map", {}))
+    derived = {k for k in dir(config) if not k.startswith("_")} | set(getattr(cls, "attribute_map", {}))
     out = {}
     quiet = logging.getLogger("transformers")
     level = quiet.level
