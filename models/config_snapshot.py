@@ -49,13 +49,14 @@ def _path(cache_dir: str, raw: bytes) -> str | None:
     return os.path.join(cache_dir, "hf_configs", f"{key}.pkl")
 
 
-def load(cache_dir: str, raw: bytes) -> ConfigSnapshot | None:
+def load(cache_dir: str, raw: bytes, model_dir: str) -> ConfigSnapshot | None:
     path = _path(cache_dir, raw)
     if path is None or not os.path.isfile(path):
         return None
     try:
         with open(path, "rb") as f:
-            return ConfigSnapshot(**pickle.load(f))
+            # the key is the config's content: another directory may have saved it
+            return ConfigSnapshot(**pickle.load(f), name_or_path=model_dir)
     except (OSError, pickle.UnpicklingError, EOFError, TypeError):
         return None  # a damaged entry: read the config through transformers again
 
@@ -71,7 +72,7 @@ def attributes(config) -> dict | None:
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # deprecated aliases (torch_dtype) warn on access
     try:
-        for k in sorted(fields | derived):
+        for k in sorted((fields | derived) - {"name_or_path"}):  # where it was read: set on load
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")

@@ -47,7 +47,7 @@ def load_hf_config(model_dir: str, cache_dir: str | None = None):
     if cache_dir is None:
         return _read_hf_config(model_dir, data)
     from . import config_snapshot
-    config = config_snapshot.load(cache_dir, data)
+    config = config_snapshot.load(cache_dir, data, model_dir)
     if config is None:
         config = _read_hf_config(model_dir, data)
         config_snapshot.save(cache_dir, data, config)

@@ -117,6 +117,7 @@ def test_config_snapshot_answers_as_transformers(tmp_path, name):
     assert type(first) is type(real) and isinstance(snap, config_snapshot.ConfigSnapshot)
     attrs = config_snapshot.attributes(real)
     assert attrs is not None and attrs.keys() >= {k for k in vars(real) if not k.startswith("_")}
+    assert snap.name_or_path == model_dir
     for k in dir(real):  # every public plain-data attribute answers alike
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
