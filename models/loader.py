@@ -35,14 +35,29 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _BUILTIN_CONFIGS = {"DeepseekV3ForCausalLM": "DeepseekV3Config", "DeepseekV2ForCausalLM": "DeepseekV2Config"}
 
 
-def load_hf_config(model_dir: str):
-    import json
-    import transformers
+def load_hf_config(model_dir: str, cache_dir: str | None = None):
+    """The checkpoint's transformers config. With `cache_dir`, a config read before with the
+    same transformers comes from its snapshot there, without importing transformers
+    (models/config_snapshot.py: seconds of a warm start)."""
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
         raise ValueError(f"{model_dir!r} is not a model directory (no config.json)")
-    with open(path) as f:
-        raw = json.load(f)
+    with open(path, "rb") as f:
+        data = f.read()
+    if cache_dir is None:
+        return _read_hf_config(model_dir, data)
+    from . import config_snapshot
+    config = config_snapshot.load(cache_dir, data, model_dir)
+    if config is None:
+        config = _read_hf_config(model_dir, data)
+        config_snapshot.save(cache_dir, data, config)
+    return config
+
+
+def _read_hf_config(model_dir: str, data: bytes):
+    import json
+    import transformers
+    raw = json.loads(data)
     arch = (raw.get("architectures") or [None])[0]
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     if arch in _BUILTIN_CONFIGS and raw.get("model_type") not in CONFIG_MAPPING:

@@ -158,7 +158,7 @@ class CompilationConfig:
                                  "of each decoder layer + CUDA graphs (-1: 1 on CUDA, 0 on CPU; "
                                  "level 1 measured as fast or faster on an H200 and starts sooner)")
     cuda_graph_max_bs: int | None = opt(None, "largest captured batch (default: max_num_seqs, at most 512)")
-    cache_dir: str = opt(_default_cache_dir(), "compile and autotune caches")
+    cache_dir: str = opt(_default_cache_dir(), "compile and autotune caches, model-config snapshots")
 
     def validate(self):
         _check(self.compilation_level in (-1, 0, 1, 2), "compilation_level", "one of -1, 0, 1, 2",

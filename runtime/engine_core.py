@@ -20,6 +20,7 @@ from ..models.loader import load_hf_config
 from .scheduler import Scheduler, SchedulerOutput
 from .preemption import build_cost_model
 from .spec_decode import lookahead_slots
+from .startup_clock import account, format_account
 from .structured_output import StructuredOutputManager
 
 log = logging.getLogger("rankserve.engine")
@@ -38,7 +39,7 @@ class EngineCore:
         self.cfg = cfg
         self.executor = executor
         log.info("%s", cfg.summary())
-        hf_config = load_hf_config(cfg.model.model)
+        hf_config = load_hf_config(cfg.model.model, cfg.compilation.cache_dir)
         recurrent = has_recurrent_state(hf_config)
         if recurrent:  # refused before the KV cache, host tier and CUDA graphs are made
             if cfg.offload.kv_offload_size:
@@ -116,6 +117,9 @@ class EngineCore:
             log.info("host KV tier: %d blocks = %d tokens", self.num_host_blocks, self.num_host_blocks * bs)
         log.info("startup: %s (total %.1f s)", ", ".join(
             f"{k} {v:.1f} s" for k, v in self.timings.items()), sum(self.timings.values()))
+        self.startup = account(self.timings)  # process start → ready, phase by phase
+        if self.startup is not None:
+            log.info("startup account: %s", format_account(self.startup))
 
     # ---- input ------------------------------------------------------------------------------
     def validate(self, req: EngineCoreRequest) -> None:

@@ -8,6 +8,7 @@ import itertools
 
 from tqdm import tqdm
 
+from . import startup_clock
 from .config import DEFAULT_MODEL, EngineConfig
 from .engine_core import EngineCore
 from .inputs import TOKENIZER_FILES, engine_request, eos_token_ids_of, load_tokenizer  # noqa: F401
@@ -18,10 +19,12 @@ from .sampling_params import SamplingParams
 class LLM:
     def __init__(self, model: str | None = None, *, config: EngineConfig | None = None,
                  executor=None, **kwargs):
+        startup_clock.mark("imports")  # process start → here: interpreter, imports, CLI
         self.config = config or EngineConfig.from_kwargs(model=model or DEFAULT_MODEL, **kwargs)
         m = self.config.model
         self.tokenizer = load_tokenizer(m.tokenizer or m.model)
         self.eos_token_ids = eos_token_ids_of(self.tokenizer, m.model) if self.tokenizer else []
+        startup_clock.mark("tokenizer")
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
         if executor is None:
             from .executor import UniprocExecutor

@@ -25,7 +25,7 @@ from ..models.layers import AttnMeta
 from ..models.parallel import ParallelInfo
 from ..models.loader import (
     build_model, init_dummy_weights, load_hf_config, load_weights, quant_summary, resolve_dtype)
-from . import envs
+from . import envs, startup_clock
 from .compilation import CompiledModel
 from .config import EngineConfig
 from .input_batch import InputBatch, ReqState
@@ -114,6 +114,7 @@ class ModelRunner:
     host_kv = None  # this rank's host KV tier (runtime/kv_offload.py), set up by the executor
 
     def __init__(self, cfg: EngineConfig, pi: ParallelInfo, device: torch.device):
+        startup_clock.mark("before_engine")  # since the last mark (all of it under `serve`)
         gemv.MAX_M = envs.get("RANKSERVE_SKINNY_MAX_M")  # a process-wide kernel choice
         pdl.ENABLED = envs.get("RANKSERVE_PDL")
         tc = envs.get("RANKSERVE_QUANT_TC_MAX_M")  # measured: block FP8 layers 1.9x faster at M = 1
@@ -124,7 +125,7 @@ class ModelRunner:
         self.pi = pi
         self.device = device
         t0 = time.perf_counter()
-        self.hf_config = load_hf_config(cfg.model.model)
+        self.hf_config = load_hf_config(cfg.model.model, cfg.compilation.cache_dir)
         if cfg.spec is None or cfg.spec.method != "mtp":
             self.hf_config = without_mtp(self.hf_config)
         self.dtype = resolve_dtype(cfg.model.dtype, self.hf_config, device.type)

@@ -48,6 +48,9 @@ from pathlib import Path
 
 import torch
 
+from .. import startup_clock
+from ..startup_clock import format_account, process_age  # noqa: F401  (re-exported)
+
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
 
 
@@ -385,10 +388,11 @@ def format_timings(t: dict) -> str:
 
 # ---- output ---------------------------------------------------------------------------------
 def environment() -> dict:
-    def version(mod):
+    def version(dist):  # the installed version, without importing it (transformers: seconds)
+        import importlib.metadata
         try:
-            return __import__(mod).__version__
-        except Exception:  # noqa: BLE001  (not installed, or broken: report it, don't fail)
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
             return None
     return dict(date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                 host=platform.node(), python=platform.python_version(),
@@ -505,16 +509,15 @@ def _union_seconds(intervals) -> float:
     return total / 1e6
 
 
-def process_age() -> float | None:
-    """Seconds since this process started (Linux /proc), None elsewhere."""
-    try:
-        with open("/proc/self/stat") as f:
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
+def startup_without_bench(acc: dict | None) -> dict | None:
+    """The engine's start-up account (startup_clock) less the bench's own set-up before the
+    engine (phase `bench_setup`: ceiling measurement, the transformers backend), which a user's
+    start never pays."""
+    if acc is None:
         return None
+    pre = dict(acc["pre_engine"])
+    bench_s = pre.pop("bench_setup", 0.0)
+    return dict(acc, pre_engine=pre, ready_after_s=acc["ready_after_s"] - bench_s)
 
 
 # ---- running the backends -------------------------------------------------------------------
@@ -532,33 +535,31 @@ def drive(cfg, hf_config, backends, on_ranks, multi_process: bool, engine_bench,
 
     def ceilings(device):
         if state["ceilings"] is None:
-            t0 = time.perf_counter()
             state["ceilings"] = measure_ceilings(device)
-            state["ceilings_s"] = time.perf_counter() - t0
             print(format_ceilings(state["ceilings"]), flush=True)
         return state["ceilings"]
 
     if not multi_process:
+        startup_clock.mark("config")  # since `imports`: the model config, its parameter counts
         device = torch.device(cfg.device.resolve(0))
         ceilings(device)
         if "hf" in backends:
-            t0 = time.perf_counter()
             results["hf"] = hf_bench(device, resolve_dtype(cfg.model.dtype, hf_config, device.type),
                                      state["ceilings"])
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            state["hf_s"] = time.perf_counter() - t0
+        startup_clock.mark("bench_setup")  # left out of the start-up account
     elif "hf" in backends:
         raise ValueError("--backend hf runs in a single process; launch it without mpirun/srun")
     rc = 0
     if "rankserve" in backends:
         def body(llm):
-            age = process_age()  # the engine is up: start-up as a user sees it, bench set-up excluded
-            ready = None if age is None else age - state.get("ceilings_s", 0.0) - state.get("hf_s", 0.0)
+            acc = startup_without_bench(llm.engine.startup)
             ex = llm.engine.executor
             runner = ex.runner if hasattr(ex, "runner") else ex.worker.runner
             results["rankserve"] = engine_bench(llm, ceilings(runner.device))
-            results["rankserve"]["ready_after_s"] = ready
+            results["rankserve"]["ready_after_s"] = None if acc is None else acc["ready_after_s"]
+            results["rankserve"]["startup_account"] = acc
         rc = on_ranks(cfg, body)
     # rankserve first, for tables and plots
     return rc, dict(sorted(results.items(), key=lambda kv: kv[0] != "rankserve")), state["ceilings"]

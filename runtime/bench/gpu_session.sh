@@ -60,6 +60,8 @@
 #   pdl, w1pdl        RANKSERVE_PDL=1 (programmatic dependent launch): pdltests, then w2pdl; w1pdl W1 with it
 #   w1prof, w2prof    W1 / W2 with --profile-dir (kernel table in the log, trace beside it)
 #   w2startprof       cProfile of one W2 run: where start-up time goes (top functions by cumulative time)
+#   w2importtime      one W2 run under `python -X importtime`: its start-up account line, the top 30
+#                     imports by cumulative time, the cost per package (runtime/bench/importtime.py)
 # PROFILE_DIR=dir profiles W1 and W2 (kernel table in the log, trace in dir).
 set -u
 OUT=${OUT:-bench_results}; mkdir -p "$OUT"
@@ -227,6 +229,11 @@ for stage in "$@"; do case $stage in
           --batch-size 1 --input-len 128 --output-len 256 --num-iters 1 --num-iters-warmup 0 --max-num-seqs 8 --cache-dir "$CACHE"
         python3 -c "import pstats; pstats.Stats('$OUT/w2start.prof').sort_stats('cumulative').print_stats(60)" \
           > "$OUT/w2startprof-top.log" 2>&1; head -n 90 "$OUT/w2startprof-top.log" | cut -c1-200 ;;
+  w2importtime) # what W2's imports cost on this machine (run after w2 so that the compile caches are warm)
+        run w2importtime 150 python3 -X importtime -m rankserve.launch bench latency llama-3.1-8b --batch-size 1 \
+          --input-len 128 --output-len 256 --num-iters 1 --num-iters-warmup 0 --max-num-seqs 8 --cache-dir "$CACHE"
+        grep -E "startup account|start to first token" "$OUT/w2importtime.log" | cut -c1-400
+        python3 -m rankserve.runtime.bench.importtime "$OUT/w2importtime.log" 30 ;;
   pdl) # programmatic dependent launch (RANKSERVE_PDL=1): its GPU tests, then W2 with it (compare with w2)
         run pdltests 150 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_gemv.py tests/test_kernels.py -k "pdl"
         RANKSERVE_PDL=1 run w2pdl 150 python3 -m rankserve.launch bench latency llama-3.1-8b --batch-size 1 --input-len 128 \

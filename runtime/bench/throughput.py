@@ -150,6 +150,8 @@ def print_result(name: str, r: dict) -> None:
           f"{r['requests_per_s']:.2f} req/s, {r['output_tokens_per_s']:.1f} output tok/s, "
           f"{r['total_tokens_per_s']:.1f} total tok/s" + (f"  ({r['mode']})" if "mode" in r else ""))
     print(common.format_timings(r["startup"]))
+    if r.get("startup_account") is not None:
+        print(f"  start-up: {common.format_account(r['startup_account'])} (ceiling measurement excluded)")
     print(common.format_floor(r["floor"]))
     if "spec_decode" in r:
         print(common.format_spec(r["spec_decode"]))
@@ -164,8 +166,10 @@ def print_result(name: str, r: dict) -> None:
 
 def run(cfg, args: ThroughputArgs, on_ranks, multi_process: bool) -> int:
     """Run each backend on the workload; print, and write JSON / plot on the driving rank."""
-    from transformers import AutoConfig
-    hf_config = AutoConfig.from_pretrained(cfg.model.model)
+    from ...models.loader import load_hf_config  # the engine's reader (Kimi-K2 configs too)
+    from ..startup_clock import mark
+    mark("imports")  # process start → here: interpreter, imports, CLI
+    hf_config = load_hf_config(cfg.model.model, cfg.compilation.cache_dir)
     stats = common.model_stats(hf_config)
     wl = common.make_workload(args.num_prompts, args.input_len, args.output_len,
                               hf_config.vocab_size, args.seed)

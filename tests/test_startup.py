@@ -1,0 +1,139 @@
+"""Start-up: the per-phase account adds up to the process age, and the start path does not
+import what it does not need (each of these cost seconds on the GPU machine: issue #21)."""
+import json
+import re
+import shutil
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+from conftest import REPO, STORIES_EMBEDDED
+
+from rankserve.runtime import startup_clock
+
+# never needed to build an engine and run it offline: sklearn / scipy (pulled by transformers'
+# generation and modeling code), transformers' model code, the API server and the hf backend
+NOT_ON_START_PATH = ("sklearn", "scipy", "transformers.modeling_utils", "transformers.generation.utils",
+                     "fastapi", "uvicorn", "xgrammar", "mistral_common", "rankserve.runtime.serve",
+                     "rankserve.runtime.bench.hf_backend")
+
+_SCRIPT = """
+import json, sys
+from rankserve.runtime.llm import LLM
+llm = LLM({model!r}, max_num_seqs=4, max_model_len=64, kv_cache_memory_gb=0.01, load_format="dummy",
+          cache_dir={cache!r})
+out = llm.generate([[1, 2, 3]])
+print(json.dumps(dict(account=llm.engine.startup, modules=sorted(sys.modules))))
+"""
+
+
+@pytest.fixture(scope="module")
+def starts(tmp_path_factory):
+    """Two fresh processes (cold, then warm: same cache dir) that build an LLM on stories260K's
+    config (no tokenizer, as a dummy-weight benchmark) and generate once."""
+    model, cache = tmp_path_factory.mktemp("model"), tmp_path_factory.mktemp("cache")
+    shutil.copy(STORIES_EMBEDDED / "config.json", model / "config.json")
+    out = []
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-c", _SCRIPT.format(model=str(model), cache=str(cache))],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-3000:]
+        out.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def started(starts):
+    return starts[1]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process age from /proc")
+def test_account_adds_up_to_process_age(started):
+    a = started["account"]
+    assert list(a["pre_engine"]) == ["imports", "tokenizer", "before_engine"]
+    assert list(a["engine"])[:1] == ["load"]
+    total = sum(a["pre_engine"].values()) + sum(a["engine"].values()) + a["other_s"]
+    assert a["ready_after_s"] == pytest.approx(total, abs=0.05)
+    assert a["pre_engine"]["imports"] > 0.1  # at least torch's import
+
+
+def test_start_path_imports(starts):
+    for run in starts:
+        pulled = [m for m in NOT_ON_START_PATH if m in run["modules"]]
+        assert not pulled, f"the start path imports {pulled}"
+    cold, warm = (set(r["modules"]) for r in starts)
+    assert "transformers.models.llama.configuration_llama" in cold
+    # warm: the config comes from its snapshot; nothing else needs transformers without a tokenizer
+    assert not [m for m in warm if m.split(".")[0] in ("transformers", "accelerate")]
+
+
+def test_mark_books_each_phase_once(monkeypatch):
+    ages = iter([1.0, 3.0, 4.5, 9.0])
+    monkeypatch.setattr(startup_clock, "process_age", lambda: next(ages))
+    monkeypatch.setattr(startup_clock, "_phases", {})
+    monkeypatch.setattr(startup_clock, "_last", 0.0)
+    startup_clock.mark("imports")
+    startup_clock.mark("tokenizer")
+    startup_clock.mark("imports")  # a second engine in the process: not booked again
+    assert startup_clock.pre_engine_phases() == {"imports": 1.0, "tokenizer": 2.0}
+    a = startup_clock.account({"load": 1.0})
+    assert a == dict(pre_engine={"imports": 1.0, "tokenizer": 2.0}, engine={"load": 1.0},
+                     other_s=9.0 - 4.0, ready_after_s=9.0)
+
+
+def test_importtime_summary():
+    from rankserve.runtime.bench import importtime
+    log = ["import time: self [us] | cumulative | imported package",
+           "import time:       100 |        100 |     b.c",
+           "import time:       200 |        300 |   b",
+           "import time:       400 |        700 | a",
+           "import time:        50 |         50 | b.d",
+           "something else on stderr"]
+    rows = importtime.parse(log)
+    assert rows[2] == (0.0007, 0.0004, 0, "a") and rows[0][2] == 2
+    assert importtime.by_package(rows) == {"a": 0.0007, "b": 0.00005}
+
+
+SHIPPED = sorted(p.stem for p in (REPO / "runtime" / "bench" / "configs").glob("*.json"))
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_config_snapshot_answers_as_transformers(tmp_path, name):
+    """The snapshot a warm start reads answers every attribute as transformers' config does, and
+    builds the same model (meta device: names, shapes, dtypes)."""
+    import torch
+
+    from rankserve.models import config_snapshot
+    from rankserve.models.loader import build_model, load_hf_config
+    from rankserve.models.parallel import ParallelInfo
+    from rankserve.runtime.bench.common import resolve_model
+
+    model_dir = resolve_model(name)[0]
+    real = load_hf_config(model_dir)
+    first = load_hf_config(model_dir, str(tmp_path))  # cold: through transformers, then saved
+    snap = load_hf_config(model_dir, str(tmp_path))  # warm: from the snapshot
+    assert type(first) is type(real) and isinstance(snap, config_snapshot.ConfigSnapshot)
+    attrs = config_snapshot.attributes(real)
+    assert attrs is not None and attrs.keys() >= {k for k in vars(real) if not k.startswith("_")}
+    assert snap.name_or_path == model_dir
+    for k in dir(real):  # every public plain-data attribute answers alike
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            v = None if k.startswith("_") else getattr(real, k, None)
+        if v is not None and not callable(v) and config_snapshot._plain(v):
+            assert getattr(snap, k) == v, k
+
+    def params(cfg):
+        m = build_model(cfg, ParallelInfo(), torch.bfloat16, torch.device("meta"))
+        return [(n, tuple(p.shape), p.dtype) for n, p in m.named_parameters()]
+    if "70b" in name:  # the same family as llama-3.1-8b; its meta build is the slowest
+        return
+    try:
+        expected = params(real)
+    except ValueError as e:  # EAGLE drafts are no main model: refused alike
+        with pytest.raises(ValueError, match=re.escape(str(e))):
+            params(snap)
+        return
+    assert params(snap) == expected
