@@ -47,6 +47,7 @@ class Request:
         # speculative decoding: the proposer's guesses of the next tokens, verified next step
         self.spec_token_ids: list[int] = []
         self.spec_misses = 0  # verify passes in a row that accepted nothing
+        self.spec_rejects = 0  # verify passes that accepted nothing, while none ever did (-1: one did)
         self.spec_pause = 0  # steps left without drafts (backoff after misses)
         self.spec_in_flight = 0  # drafts of a step in flight (verified when it returns)
 

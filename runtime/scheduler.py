@@ -117,6 +117,7 @@ class SchedulerOutput:
 
 
 SPEC_MISSES = 4  # verify passes in a row with nothing accepted before a request pauses drafting
+SPEC_FIRST_REJECTS = 3  # verify passes with nothing accepted, none ever, before a long pause
 SPEC_MAX_PAUSE = 64  # steps
 
 
@@ -311,7 +312,7 @@ class Scheduler:
             if spec:
                 out.spec_token_ids[req.request_id] = spec
                 req.spec_in_flight = len(spec)
-                if req.spec_misses + 1 >= SPEC_MISSES:
+                if self._miss_pause(req, True):
                     out.spec_pause_on_miss.add(req.request_id)
             req.spec_token_ids = []  # scheduled now, or stale
             if self._commit(req, n, new_blocks, new, out, len(spec or ())) and req.grammar and req.grammar.active:
@@ -544,21 +545,38 @@ class Scheduler:
         the blocks past what the request now holds (the proposer's lookahead too)."""
         req.num_computed_tokens -= num_drafts - num_accepted
         req.spec_in_flight = 0
-        self._count_miss(req, num_accepted > 0)
+        self._count_miss(req, num_accepted > 0, verified=True)
         if self.kv.trim(req, req.num_computed_tokens):
             self.spec_trims = True
         self.spec.record(num_drafts, num_accepted)
 
     @staticmethod
-    def _count_miss(req: Request, hit: bool) -> None:
+    def _miss_pause(req: Request, verified: bool) -> int:
+        """Steps a miss now (a verify pass that accepts nothing, or an empty proposal) would
+        pause the request's drafting for: 0, or 2, 4, ... SPEC_MAX_PAUSE after SPEC_MISSES
+        misses in a row; SPEC_MAX_PAUSE at once after SPEC_FIRST_REJECTS rejected verify passes
+        of a request none of whose drafts was ever accepted (a drafter that is of no use for
+        it: each probe costs a verify pass and a synchronous step)."""
+        misses = req.spec_misses + 1
+        if verified and 0 <= req.spec_rejects and req.spec_rejects + 1 >= SPEC_FIRST_REJECTS:
+            return SPEC_MAX_PAUSE
+        return min(2 ** (misses - SPEC_MISSES + 1), SPEC_MAX_PAUSE) if misses >= SPEC_MISSES else 0
+
+    @classmethod
+    def _count_miss(cls, req: Request, hit: bool, verified: bool = False) -> None:
         """Drafts that keep being rejected cost a verify each step (1 + k tokens instead of 1),
-        and a request waiting for proposals cannot run ahead (async scheduling): after
-        SPEC_MISSES verify passes (or empty proposals) in a row that gave nothing, the request
-        decodes plainly for 2, 4, ... SPEC_MAX_PAUSE steps, then tries again. Acceptance never
-        changes the output, so this only bounds the cost of useless drafts."""
-        req.spec_misses = 0 if hit else req.spec_misses + 1
-        if req.spec_misses >= SPEC_MISSES:
-            req.spec_pause = min(2 ** (req.spec_misses - SPEC_MISSES + 1), SPEC_MAX_PAUSE)
+        and a request waiting for proposals cannot run ahead (async scheduling): a request that
+        keeps missing decodes plainly for a while (`_miss_pause`), then tries again. Acceptance
+        never changes the output, so this only bounds the cost of useless drafts."""
+        if hit:
+            req.spec_misses, req.spec_rejects = 0, -1
+            return
+        pause = cls._miss_pause(req, verified)
+        req.spec_misses += 1
+        if verified and req.spec_rejects >= 0:
+            req.spec_rejects += 1
+        if pause:
+            req.spec_pause = pause
 
     def _take_proposals(self, req: Request, drafts: list[int] | None) -> None:
         """The proposer's guesses after a step (None: it did no work for it) become the drafts

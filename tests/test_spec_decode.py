@@ -309,6 +309,7 @@ def test_a_verify_step_copies_to_the_host_once(draft_dir, method, monkeypatch):
     two copies when it does not; the backoff is off here.)"""
     import rankserve.runtime.scheduler as sched
     monkeypatch.setattr(sched, "SPEC_MISSES", 10 ** 6)
+    monkeypatch.setattr(sched, "SPEC_FIRST_REJECTS", 10 ** 6)
     spec = NGRAM if method == "ngram" else {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": 3}
     llm = LLM(str(STORIES_EMBEDDED), max_num_seqs=8, kv_cache_memory_gb=0.05, speculative_config=spec)
     want = _greedy(llm, PROMPTS[1:], max_tokens=30)
@@ -327,6 +328,7 @@ def test_gpu_verify_step_syncs_once(draft_dir, monkeypatch):
     import rankserve.runtime.scheduler as sched
     from rankserve.runtime.model_runner import ModelRunner
     monkeypatch.setattr(sched, "SPEC_MISSES", 10 ** 6)  # no last tries (see above)
+    monkeypatch.setattr(sched, "SPEC_FIRST_REJECTS", 10 ** 6)
     llm = LLM(str(STORIES_EMBEDDED), dtype="float32", max_num_seqs=8, gpu_memory_utilization=0.3,
               speculative_config={"method": "draft_model", "model": draft_dir, "num_speculative_tokens": 3})
     syncs = []

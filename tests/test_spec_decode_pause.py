@@ -38,6 +38,9 @@ class Spy:
     done in it (`calls` counted by the patched methods, tokens caught up)."""
 
     def __init__(self, llm, monkeypatch, proposer_cls, work: list[str]):
+        # many short pauses (the 4-miss rule; drafts never accepted would pause 64 steps after
+        # 2 rejected verify passes: few resumes in 90 tokens)
+        monkeypatch.setattr("rankserve.runtime.scheduler.SPEC_FIRST_REJECTS", 10 ** 6)
         self.calls, self.steps, self.caught, self.seen, self.resumed = 0, [], 0, [], set()
         self.verified, self.proposed = [], []  # (request, drafts) scheduled / proposed
         runner = llm.engine.executor.runner
