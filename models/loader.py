@@ -185,9 +185,13 @@ def _tied_alias(model, name: str, loaded: set[str]) -> bool:
     return name == "lm_head.weight" and "model.embed_tokens.weight" in loaded
 
 
-def init_dummy_weights(model, seed: int) -> None:
+def init_dummy_weights(model, seed: int, config=None) -> None:
     """Random weights for benchmarks without a checkpoint (norms stay at 1, quantization scales
-    small enough that dequantized weights have the dense init's magnitude)."""
+    small enough that dequantized weights have the dense init's magnitude). A config's
+    `dummy_residual_scale` (shipped bench configs only) scales what the layers write to the
+    residual stream (o_proj, down_proj): at 0 the logits depend on the last token only, and with
+    tied embeddings the model repeats it (a target whose drafts are all accepted, for measuring
+    speculative decoding's ceiling at a real model's size)."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
@@ -207,4 +211,9 @@ def init_dummy_weights(model, seed: int) -> None:
             p.data.normal_(0, 0.02, generator=gen)
         else:
             p.data.zero_()
+    scale = getattr(config, "dummy_residual_scale", None)
+    if scale is not None:
+        for name, p in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")) and p.is_floating_point():
+                p.data.mul_(float(scale))
     finalize_weights(model)

@@ -137,7 +137,7 @@ class ModelRunner:
         torch.manual_seed(cfg.model.seed)
         self.model = build_model(self.hf_config, pi, self.dtype, device, cfg.model.quantization)
         if cfg.load.load_format == "dummy":
-            init_dummy_weights(self.model, cfg.model.seed)
+            init_dummy_weights(self.model, cfg.model.seed, self.hf_config)
         else:
             load_weights(self.model, cfg.model.model, progress=pi.tp_rank == 0 and pi.is_first_stage)
         if self.model.quant_config is not None and pi.tp_rank == 0:

@@ -55,7 +55,7 @@ class RunnerRPC:
         cfg = self.runner.cfg
         if cfg.load.load_format == "dummy":
             from ..models.loader import init_dummy_weights
-            init_dummy_weights(self.runner.model, cfg.model.seed)
+            init_dummy_weights(self.runner.model, cfg.model.seed, self.runner.hf_config)
         else:
             load_from_disk(self.runner.model, cfg.model.model)
 

@@ -417,7 +417,7 @@ class DraftModelProposer(Stateful, OwnModel, Proposer):
                              f"{runner.max_model_len}")
         model = build_model(self.hf_config, runner.pi, runner.dtype, runner.device)
         if cfg.load.load_format == "dummy":
-            init_dummy_weights(model, cfg.model.seed + 1)
+            init_dummy_weights(model, cfg.model.seed + 1, self.hf_config)
         else:
             load_weights(model, params.model, progress=False)
         self.own_model(model, None)

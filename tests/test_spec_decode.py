@@ -388,3 +388,31 @@ def test_gpu_verify_graphs_give_the_plain_greedy_tokens(draft_dir, level, monkey
         del llm, runner
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def test_echo_bench_configs_accept_every_draft(tmp_path):
+    """The shipped `llama-3.1-8b-echo` bench configs (dummy weights, `dummy_residual_scale` 0,
+    tied embeddings) make a target that repeats its last token and a draft that agrees with it:
+    what `w2echo` measures speculative decoding's ceiling with at the 8B shape. Here the same
+    two configs, narrowed, on CPU: every draft is accepted, with n-gram and the draft model."""
+    import json
+    from rankserve.runtime.bench.common import CONFIGS_DIR
+    dirs = {}
+    for name, shape in (("llama-3.1-8b-echo", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32)),
+                        ("llama-3.1-8b-echo-draft", dict(hidden_size=64, intermediate_size=128))):
+        cfg = {**json.loads((CONFIGS_DIR / f"{name}.json").read_text()), **shape, "vocab_size": 4096}
+        assert cfg["dummy_residual_scale"] == 0.0 and cfg["tie_word_embeddings"]
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(cfg))
+        dirs[name] = str(tmp_path / name)
+    common = dict(load_format="dummy", dtype="float32", max_num_seqs=4, kv_cache_memory_gb=0.05, max_model_len=128)
+    prompts = [[7, 8, 9, 10] * 4, [100, 200, 300]]
+    want = _greedy(LLM(dirs["llama-3.1-8b-echo"], **common), prompts, max_tokens=40, ignore_eos=True)
+    assert want == [[10] * 40, [300] * 40]  # it repeats the last token
+    for spec in ({"method": "ngram", "num_speculative_tokens": 4},
+                 {"method": "draft_model", "model": dirs["llama-3.1-8b-echo-draft"], "num_speculative_tokens": 4}):
+        llm = LLM(dirs["llama-3.1-8b-echo"], **common, speculative_config=spec)
+        assert _greedy(llm, prompts, max_tokens=40, ignore_eos=True) == want
+        s = llm.engine.scheduler.stats()
+        assert s.spec_num_accepted_tokens >= 0.9 * s.spec_num_draft_tokens > 0, spec["method"]

@@ -39,6 +39,9 @@
 #                     drafts are never accepted, so this is the cost of MTP drafting): plain
 #                     (dsw2mtp0), MTP k=1 (dsw2mtp1), k=3 (dsw2mtp3); mtptests the MTP GPU tests (graphs at
 #                     levels 1 and 2, and the pause / catch-up test with graphs)
+#   w2echo            the speed-up at the 8B shape: llama-3.1-8b-echo (repeats its last token) plain
+#                     (w2echo), n-gram k=4 (w2echongram), draft llama-3.1-8b-echo-draft k=4 (w2echodraft):
+#                     every draft accepted, speculative decoding's ceiling
 #   w1hybrid          W1 on the Nemotron-H-8B shape (hybrid Mamba2 / attention, dummy weights);
 #                     w1hybridbf16 with bf16 SSM states (each may take most of a call); hybtests the
 #                     hybrid / Mamba2 GPU tests; kmamba the Mamba2 kernel benchmark
@@ -205,6 +208,13 @@ for stage in "$@"; do case $stage in
         run w2ngram 150 $W2 --prompt-kind repeat --speculative-config "$NG" --output-json "$OUT/w2ngram.json"
         run w2ngramrand 150 $W2 --speculative-config "$NG" --output-json "$OUT/w2ngramrand.json"
         run w2draft 180 $W2 --speculative-config "$DM" --output-json "$OUT/w2draft.json" ;;
+  w2echo) # the speed-up at the 8B shape: llama-3.1-8b-echo (dummy weights that write nothing to the
+        # residual stream, tied embeddings: it repeats its last token) and a draft that agrees, so
+        # every draft is accepted: speculative decoding's ceiling, beside the same model plain
+        W2E="python3 -m rankserve.launch bench latency llama-3.1-8b-echo --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 --max-num-seqs 8 --prompt-kind repeat --cache-dir $CACHE"
+        run w2echo 150 $W2E --output-json "$OUT/w2echo.json"
+        run w2echongram 150 $W2E --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}' --output-json "$OUT/w2echongram.json"
+        run w2echodraft 180 $W2E --speculative-config '{"method": "draft_model", "model": "llama-3.1-8b-echo-draft", "num_speculative_tokens": 4}' --output-json "$OUT/w2echodraft.json" ;;
   gputests) # the GPU tests of the feature issues in one pytest (parallel processes would each see
         # the others' memory in their memory profile and find no room for a KV cache)
         run gputests 400 python3 -m pytest -q -m gpu -p no:cacheprovider ${GPUTESTS:-tests/test_deepseek_mla_kernel.py \
