@@ -89,7 +89,8 @@ class EngineCore:
                                    num_host_blocks=self.num_host_blocks,
                                    max_loras=cfg.lora.max_loras if cfg.lora.enable_lora else 0,
                                    sliding_window=window, spec_lookahead=lookahead_slots(cfg.spec),
-                                   spec_enabled=cfg.spec is not None, swap_cost=swap_cost)
+                                   spec_enabled=cfg.spec is not None, swap_cost=swap_cost,
+                                   spec_long_pause=cfg.spec is not None and cfg.spec.method != "ngram")
         self.scheduler.results_in_flight = lambda: [h for _, h in self.in_flight]
         self._lora_ranks: dict[tuple[int, str], int] = {}  # adapters seen: (id, path) → rank
         self.asleep: set[str] = set()  # sleep mode: the tags (weights, kv_cache) now asleep

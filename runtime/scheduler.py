@@ -143,13 +143,16 @@ class Scheduler:
                  max_model_len: int, async_scheduling: bool = False,
                  structured: StructuredOutputManager | None = None, num_host_blocks: int = 0,
                  max_loras: int = 0, sliding_window: int = 0, spec_lookahead: int = 0,
-                 spec_enabled: bool = False, swap_cost: SwapCostModel | None = None):
+                 spec_enabled: bool = False, swap_cost: SwapCostModel | None = None,
+                 spec_long_pause: bool = False):
         self.cfg = sched
         # preemption with the host tier: swap or recompute (forced, or per request by the model)
         self.swap_cost = swap_cost
         # speculative decoding: KV slots reserved past each step's tokens for the proposer
         self.spec_lookahead = spec_lookahead
         self.spec_enabled = spec_enabled
+        # a drafter that runs a model: pause long once its first verify passes all missed
+        self.spec_long_pause = spec_long_pause
         self.spec = SpecDecodingStats()
         self.spec_trims = False  # set once speculative decoding has given blocks back
         self.max_loras = max_loras  # LoRA: most adapters among running requests (0: no LoRA)
@@ -312,7 +315,7 @@ class Scheduler:
             if spec:
                 out.spec_token_ids[req.request_id] = spec
                 req.spec_in_flight = len(spec)
-                if self._miss_pause(req, True):
+                if self._miss_pause(req, True, self.spec_long_pause):
                     out.spec_pause_on_miss.add(req.request_id)
             req.spec_token_ids = []  # scheduled now, or stale
             if self._commit(req, n, new_blocks, new, out, len(spec or ())) and req.grammar and req.grammar.active:
@@ -545,25 +548,27 @@ class Scheduler:
         the blocks past what the request now holds (the proposer's lookahead too)."""
         req.num_computed_tokens -= num_drafts - num_accepted
         req.spec_in_flight = 0
-        self._count_miss(req, num_accepted > 0, verified=True)
+        self._count_miss(req, num_accepted > 0, verified=True, long_pause=self.spec_long_pause)
         if self.kv.trim(req, req.num_computed_tokens):
             self.spec_trims = True
         self.spec.record(num_drafts, num_accepted)
 
     @staticmethod
-    def _miss_pause(req: Request, verified: bool) -> int:
+    def _miss_pause(req: Request, verified: bool, long_pause: bool) -> int:
         """Steps a miss now (a verify pass that accepts nothing, or an empty proposal) would
         pause the request's drafting for: 0, or 2, 4, ... SPEC_MAX_PAUSE after SPEC_MISSES
-        misses in a row; SPEC_MAX_PAUSE at once after SPEC_FIRST_REJECTS rejected verify passes
-        of a request none of whose drafts was ever accepted (a drafter that is of no use for
-        it: each probe costs a verify pass and a synchronous step)."""
+        misses in a row. With `long_pause` (a drafter that runs a model: draft model, MTP,
+        EAGLE), SPEC_MAX_PAUSE at once after SPEC_FIRST_REJECTS rejected verify passes of a
+        request none of whose drafts was ever accepted: the drafter is presumably of no use for
+        it, and each try costs its passes, a verify and a synchronous step. (An n-gram lookup
+        that missed says little about the next match, and costs no passes.)"""
         misses = req.spec_misses + 1
-        if verified and 0 <= req.spec_rejects and req.spec_rejects + 1 >= SPEC_FIRST_REJECTS:
+        if long_pause and verified and 0 <= req.spec_rejects and req.spec_rejects + 1 >= SPEC_FIRST_REJECTS:
             return SPEC_MAX_PAUSE
         return min(2 ** (misses - SPEC_MISSES + 1), SPEC_MAX_PAUSE) if misses >= SPEC_MISSES else 0
 
     @classmethod
-    def _count_miss(cls, req: Request, hit: bool, verified: bool = False) -> None:
+    def _count_miss(cls, req: Request, hit: bool, verified: bool = False, long_pause: bool = False) -> None:
         """Drafts that keep being rejected cost a verify each step (1 + k tokens instead of 1),
         and a request waiting for proposals cannot run ahead (async scheduling): a request that
         keeps missing decodes plainly for a while (`_miss_pause`), then tries again. Acceptance
@@ -571,7 +576,7 @@ class Scheduler:
         if hit:
             req.spec_misses, req.spec_rejects = 0, -1
             return
-        pause = cls._miss_pause(req, verified)
+        pause = cls._miss_pause(req, verified, long_pause)
         req.spec_misses += 1
         if verified and req.spec_rejects >= 0:
             req.spec_rejects += 1

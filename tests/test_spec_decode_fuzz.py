@@ -120,13 +120,15 @@ def test_spec_traces_keep_invariants_no_leaks_same_outputs(combo, method, tokeni
     assert drafted > 50
 
 
+@pytest.mark.parametrize("long_pause", [False, True], ids=["ngram", "model_drafter"])
 @pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
-def test_drafts_that_are_never_accepted_back_off(tokenizer, use_async):  # noqa: F811
-    """A proposer that is always wrong: after 3 verify passes that accepted nothing (and none
-    ever did) a request pauses drafting for 64 steps at a time (the plan tells the proposer to
-    skip its work), so useless drafts cost a verify pass on few steps (11 a 250-token request
-    with the earlier 4 misses and pauses of 2, 4, ... 64: -7.5 % for MTP k = 3 on the H200),
-    and with async scheduling the paused
+def test_drafts_that_are_never_accepted_back_off(tokenizer, use_async, long_pause):  # noqa: F811
+    """A proposer that is always wrong: after 4 verify passes that accepted nothing a request
+    pauses drafting for 2, 4, ... 64 steps (the plan tells the proposer to skip its work); a
+    drafter that runs a model (draft model, MTP, EAGLE: `long_pause`) pauses 64 steps at once
+    after 3 rejected verify passes of a request that never had a draft accepted (11 verify
+    passes a 250-token request otherwise: -7.5 % for MTP k = 3 on the H200). So useless drafts
+    cost a verify pass on few steps, and with async scheduling the paused
     request runs ahead (scheduled before its last token is back); the outputs stay those of a
     plain run."""
     class Wrong(SpecCheckingExecutor):
@@ -144,31 +146,33 @@ def test_drafts_that_are_never_accepted_back_off(tokenizer, use_async):  # noqa:
     ex = Wrong(100, 8, 300)
     eng = engine_for(("fcfs", use_async, True, True), num_blocks=100, max_model_len=300, executor=ex,
                      speculative_config={"method": "ngram", "num_speculative_tokens": K})
+    eng.scheduler.spec_long_pause = long_pause
     trace = [(0, "a", [5, 6, 7], SamplingParams(temperature=0, max_tokens=250, ignore_eos=True), 0)]
     got, _ = run_trace(eng, trace, {}, tokenizer)
     want, _ = run_trace(engine_for(("fcfs", False, True, False), num_blocks=1000, max_model_len=300),
                         trace, {}, tokenizer)
     assert got == want
     s = eng.scheduler.spec
-    assert s.num_accepted_tokens == 0 and 4 <= s.num_drafts <= 6, s.num_drafts
+    assert s.num_accepted_tokens == 0 and s.num_drafts == (6 if long_pause else 11), s.num_drafts
     assert ex.skipped > 150
     assert (ex.ahead > 150) == use_async, ex.ahead
 
 
 def test_backoff_rules():
-    """A request none of whose drafts was ever accepted pauses 64 steps after 3 rejected verify
-    passes; once one was accepted, only 4 misses in a row pause it, for 2, 4, ... steps (a
-    useful drafter's unlucky streak costs little); empty proposals follow the latter rule."""
+    """With a drafter that runs a model, a request none of whose drafts was ever accepted
+    pauses 64 steps after 3 rejected verify passes; once one was accepted, only 4 misses in a
+    row pause it, for 2, 4, ... steps (a useful drafter's unlucky streak costs little); empty
+    proposals, and n-gram's misses, follow the latter rule."""
     from types import SimpleNamespace
 
     from rankserve.runtime.scheduler import SPEC_MAX_PAUSE, Scheduler
 
-    def run(events):
+    def run(events, long_pause=True):
         req = SimpleNamespace(spec_misses=0, spec_rejects=0, spec_pause=0)  # (Request's fields)
         pauses = []
         for ev in events:  # "h": verify that accepted, "m": rejected verify, "e": empty proposal
             req.spec_pause = 0
-            Scheduler._count_miss(req, ev == "h", verified=ev != "e")
+            Scheduler._count_miss(req, ev == "h", verified=ev != "e", long_pause=long_pause)
             pauses.append(req.spec_pause)
         return pauses
 
@@ -180,3 +184,4 @@ def test_backoff_rules():
     assert run("eeeee") == [0, 0, 0, 2, 4]
     assert run("emmmm") == [0, 0, 0, SPEC_MAX_PAUSE, SPEC_MAX_PAUSE]
     assert run("mmhmmmm") == [0, 0, 0, 0, 0, 0, 2]
+    assert run("mmmmmm", long_pause=False) == [0, 0, 0, 2, 4, 8]
