@@ -270,9 +270,11 @@ def bench_throughput(workload, num_prompts, input_len, output_len, structured_ou
 @click.option("--prompt-kind", type=click.Choice(["random", "repeat"]), default="random",
               show_default=True, help="repeat: each prompt tiles a random 16-token segment, a text "
               "the answer can copy from (n-gram speculative decoding)")
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="sampling temperature of every request (0: greedy; rankserve backend only)")
 @_bench_outputs
 def bench_latency(batch_size, input_len, output_len, num_iters, num_iters_warmup, prompt_kind,
-                  backends, hf_compile, output_json, plot, profile_dir, **kwargs):
+                  temperature, backends, hf_compile, output_json, plot, profile_dir, **kwargs):
     """One batch end to end: latency, TTFT (prefill alone), decode tok/s; medians and the floor."""
     from ..runtime.bench import latency
     cfg, name = _bench_config(kwargs)
@@ -281,7 +283,9 @@ def bench_latency(batch_size, input_len, output_len, num_iters, num_iters_warmup
                                seed=cfg.model.seed, backends=tuple(dict.fromkeys(backends)),
                                output_json=output_json, plot=plot, hf_compile=hf_compile,
                                profile_dir=profile_dir,
-                               model_name=name, prompt_kind=prompt_kind)
+                               model_name=name, prompt_kind=prompt_kind, temperature=temperature)
+    if temperature and "hf" in args.backends:
+        raise click.UsageError("--temperature > 0 runs on the rankserve backend only (hf is greedy)")
     _run_bench(latency, cfg, args)
 
 

@@ -255,3 +255,22 @@ def test_sleep_and_multiturn_bench_cli(tmp_path):
                "--output-json", str(out))
     rec = json.loads(out.read_text())
     assert rec["requests"] == 8 and rec["host_hit_tokens"] > 0 and rec["ttft_p50_s"] > 0
+
+
+def test_latency_temperature(tmp_path, monkeypatch):
+    """`--temperature T` samples every request at T (what measures speculative decoding at an
+    acceptance below 1 on the echo configs); the hf backend (greedy) refuses it."""
+    from rankserve.runtime.bench import throughput
+    seen = []
+    real = throughput.engine_params
+    monkeypatch.setattr(throughput, "engine_params", lambda *a: seen.append(a) or real(*a))
+    out_json = tmp_path / "t.json"
+    invoke_cli("latency", STORIES, "--batch-size", "1", "--input-len", "8", "--output-len", "4",
+               "--num-iters", "1", "--num-iters-warmup", "0", "--temperature", "0.7",
+               "--output-json", str(out_json))
+    assert seen and all(a[2] == 0.7 for a in seen)
+    w = json.loads(out_json.read_text())["workload"]
+    assert w["temperature"] == 0.7 and w["greedy"] is False
+    from rankserve.launch.cli import main
+    r = CliRunner().invoke(main, ["bench", "latency", STORIES, "--temperature", "0.7", "--backend", "hf"])
+    assert r.exit_code == 2 and "rankserve backend only" in r.output

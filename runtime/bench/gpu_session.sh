@@ -41,7 +41,8 @@
 #                     levels 1 and 2, and the pause / catch-up test with graphs)
 #   w2echo            the speed-up at the 8B shape: llama-3.1-8b-echo (repeats its last token) plain
 #                     (w2echo), n-gram k=4 (w2echongram), draft llama-3.1-8b-echo-draft k=4 (w2echodraft):
-#                     every draft accepted, speculative decoding's ceiling
+#                     every draft accepted, speculative decoding's ceiling; w2echot the same at
+#                     temperature $ECHO_T (6.5: about 2 of 3 drafts accepted)
 #   w1hybrid          W1 on the Nemotron-H-8B shape (hybrid Mamba2 / attention, dummy weights);
 #                     w1hybridbf16 with bf16 SSM states (each may take most of a call); hybtests the
 #                     hybrid / Mamba2 GPU tests; kmamba the Mamba2 kernel benchmark
@@ -215,6 +216,12 @@ for stage in "$@"; do case $stage in
         run w2echo 150 $W2E --output-json "$OUT/w2echo.json"
         run w2echongram 150 $W2E --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}' --output-json "$OUT/w2echongram.json"
         run w2echodraft 180 $W2E --speculative-config '{"method": "draft_model", "model": "llama-3.1-8b-echo-draft", "num_speculative_tokens": 4}' --output-json "$OUT/w2echodraft.json" ;;
+  w2echot) # the same at temperature 6.5: the echo target then repeats its last token with
+        # probability about 0.67 (CPU estimate), the acceptance of each greedy draft
+        W2E="python3 -m rankserve.launch bench latency llama-3.1-8b-echo --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 --max-num-seqs 8 --prompt-kind repeat --temperature ${ECHO_T:-6.5} --cache-dir $CACHE"
+        run w2echot 150 $W2E --output-json "$OUT/w2echot.json"
+        run w2echotngram 150 $W2E --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}' --output-json "$OUT/w2echotngram.json"
+        run w2echotdraft 180 $W2E --speculative-config '{"method": "draft_model", "model": "llama-3.1-8b-echo-draft", "num_speculative_tokens": 4}' --output-json "$OUT/w2echotdraft.json" ;;
   gputests) # the GPU tests of the feature issues in one pytest (parallel processes would each see
         # the others' memory in their memory profile and find no room for a KV cache)
         run gputests 400 python3 -m pytest -q -m gpu -p no:cacheprovider ${GPUTESTS:-tests/test_deepseek_mla_kernel.py \

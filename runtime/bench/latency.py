@@ -36,6 +36,7 @@ class LatencyArgs:
     hf_compile: bool = False
     model_name: str | None = None
     prompt_kind: str = "random"  # "repeat": prompts tile a 16-token segment (n-gram speculation)
+    temperature: float = 0.0  # 0: greedy (rankserve only: the hf backend is greedy)
 
 
 def _batches(args: LatencyArgs, vocab_size: int, output_len: int, salt: int):
@@ -73,7 +74,7 @@ def rankserve_latency(llm, args: LatencyArgs, stats, ceilings) -> dict:
         times = []
         for warm, wl in tqdm(list(_batches(args, vocab, olen, salt)), desc=f"latency ({name})"):
             log.clear()
-            elapsed, out_lens = run_engine(llm, wl)
+            elapsed, out_lens = run_engine(llm, wl, temperature=args.temperature)
             if out_lens != wl.output_lens:
                 raise RuntimeError(f"the engine generated {out_lens}, not {wl.output_lens}")
             if not warm:
@@ -88,7 +89,7 @@ def rankserve_latency(llm, args: LatencyArgs, stats, ceilings) -> dict:
     extra = {}
     if args.profile_dir:
         wl = next(b for _, b in _batches(args, vocab, args.output_len, 0))
-        extra["profile"] = common.profile_steps(llm, lambda: run_engine(llm, wl),
+        extra["profile"] = common.profile_steps(llm, lambda: run_engine(llm, wl, temperature=args.temperature),
                                                 len(results["e2e"][1]), args.profile_dir, "latency")
     return dict(summarize(args, results["e2e"][0], results["ttft"][0], f["e2e"], f["ttft"],
                           dict(llm.engine.timings)),
@@ -163,7 +164,8 @@ def run(cfg, args: LatencyArgs, on_ranks, multi_process: bool) -> int:
                                 num_iters_warmup=args.num_iters_warmup, seed=args.seed,
                                 prompt_kind=args.prompt_kind, speculative_config=cfg.spec and
                                 dataclasses.asdict(cfg.spec),
-                                ignore_eos=True, greedy=True),
+                                ignore_eos=True, greedy=args.temperature == 0,
+                                temperature=args.temperature),
                   results=results)
     common.save(record, args.output_json, args.plot, "decode_tokens_per_s",
                 f"latency: {args.model_name or os.path.basename(cfg.model.model)}, batch {args.batch_size}, "

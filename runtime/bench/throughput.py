@@ -60,17 +60,18 @@ def observe_steps(llm) -> common.StepLog:
     return log
 
 
-def engine_params(max_tokens: int, schema: dict | None = None) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False,
+def engine_params(max_tokens: int, schema: dict | None = None, temperature: float = 0.0) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True, detokenize=False,
                           structured_outputs=StructuredOutputsParams(json=schema) if schema else None)
 
 
 def run_engine(llm, wl: common.Workload, use_tqdm: bool = False,
-               structured: bool = False, loras: list | None = None) -> tuple[float, list[int]]:
+               structured: bool = False, loras: list | None = None,
+               temperature: float = 0.0) -> tuple[float, list[int]]:
     """Seconds to generate the whole workload, and the output length of each request (a
     structured request ends when its document is complete)."""
     prompts = [{"prompt_token_ids": p} for p in wl.prompts]
-    params = [engine_params(o, SCHEMAS[i % len(SCHEMAS)] if structured else None)
+    params = [engine_params(o, SCHEMAS[i % len(SCHEMAS)] if structured else None, temperature)
               for i, o in enumerate(wl.output_lens)]
     t0 = time.perf_counter()
     lora = [loras[i % len(loras)] for i in range(len(prompts))] if loras else None
