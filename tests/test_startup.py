@@ -67,6 +67,8 @@ def test_start_path_imports(starts):
     assert "transformers.models.llama.configuration_llama" in cold
     # warm: the config comes from its snapshot; nothing else needs transformers without a tokenizer
     assert not [m for m in warm if m.split(".")[0] in ("transformers", "accelerate")]
+    # level 0/1 never compiles: no dynamo, no sympy (the custom ops' first call imported both)
+    assert not [m for m in warm if m.split(".")[0] == "sympy" or m.startswith("torch._dynamo")]
 
 
 def test_mark_books_each_phase_once(monkeypatch):
@@ -137,3 +139,27 @@ def test_config_snapshot_answers_as_transformers(tmp_path, name):
             params(snap)
         return
     assert params(snap) == expected
+
+
+def test_custom_op_defers_dynamo_until_imported(monkeypatch):
+    """Before torch._dynamo is imported the kernel runs as is; once it is (a compile), through
+    torch's dynamo-disabling wrapper, as torch does."""
+    import torch
+
+    from rankserve.kernels import custom_op as co
+    calls = []
+
+    @co.custom_op("rankserve_test::twice", mutates_args=())
+    def twice(x: torch.Tensor) -> torch.Tensor:
+        calls.append(torch.compiler.is_dynamo_compiling())
+        return x * 2
+
+    guarded = []
+    kw = twice._backend_fns[None].__kwdefaults__
+    real = kw["_guarded"]
+    monkeypatch.setitem(kw, "_guarded", lambda *a, **k: guarded.append(1) or real(*a, **k))
+    monkeypatch.setattr(co, "dynamo_imported", lambda: False)
+    assert torch.equal(twice(torch.ones(3)), torch.full((3,), 2.0)) and not guarded
+    monkeypatch.setattr(co, "dynamo_imported", lambda: True)
+    assert torch.equal(twice(torch.ones(2)), torch.full((2,), 2.0)) and guarded == [1]
+    assert calls == [False, False]
