@@ -165,3 +165,32 @@ def test_custom_op_defers_dynamo_until_imported(monkeypatch):
     monkeypatch.setattr(co, "dynamo_imported", lambda: True)
     assert torch.equal(twice(torch.ones(2)), torch.full((2,), 2.0)) and guarded == [1]
     assert calls == [False, False]
+
+
+_META_SCRIPT = """
+import json, sys
+from rankserve.models.loader import load_hf_config
+from rankserve.runtime.bench.common import model_stats, resolve_model
+stats = {}
+for name in sys.argv[2:]:
+    try:
+        stats[name] = model_stats(load_hf_config(resolve_model(name)[0], sys.argv[1])).num_params
+    except ValueError:  # an EAGLE head: no main model
+        pass
+print(json.dumps(dict(stats=stats, modules=sorted(sys.modules))))
+"""
+
+
+def test_bench_config_phase_imports(tmp_path):
+    """The bench's config phase (read every shipped config, count its parameters on the meta
+    device) in a fresh process: neither transformers (the families with a reader), nor dynamo or
+    sympy (torch's reference ops of meta tensors import both)."""
+    names = [n for n in SHIPPED if not n.startswith("nemotron")]  # no reader: transformers
+    r = subprocess.run([sys.executable, "-c", _META_SCRIPT, str(tmp_path), *names],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["stats"]["llama-3.1-8b"] == 8_030_261_248
+    pulled = [m for m in out["modules"] if m.split(".")[0] in ("transformers", "sympy")
+              or m.startswith("torch._dynamo")]
+    assert not pulled, pulled[:5]
