@@ -194,3 +194,34 @@ def test_bench_config_phase_imports(tmp_path):
     pulled = [m for m in out["modules"] if m.split(".")[0] in ("transformers", "sympy")
               or m.startswith("torch._dynamo")]
     assert not pulled, pulled[:5]
+
+
+_GPU_SCRIPT = """
+import importlib.abc, json, sys, traceback
+first = dict()
+class Watch(importlib.abc.MetaPathFinder):  # who imports these first: the failure names it
+    def find_spec(self, name, path, target=None):
+        if name in ("torch._dynamo", "sympy", "transformers") and name not in first:
+            first[name] = "".join(traceback.format_stack(limit=25)[:-1])
+sys.meta_path.insert(0, Watch())
+from rankserve.runtime.llm import LLM
+llm = LLM({model!r}, max_num_seqs=4, max_model_len=256, load_format="dummy", cache_dir={cache!r},
+          compilation_level=1, num_gpu_blocks_override=64)
+llm.generate([[1, 2, 3]])
+print(json.dumps(dict(account=llm.engine.startup, first=first)))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_cuda_level1_start_imports_no_dynamo(tmp_path):
+    """A level-1 engine on CUDA (memory profile, Triton warm-up, graph capture) of a shipped
+    family's config, cold then warm: no torch._dynamo, sympy or transformers on the way."""
+    shutil.copy(STORIES_EMBEDDED / "config.json", tmp_path / "config.json")
+    for run in ("cold", "warm"):
+        r = subprocess.run([sys.executable, "-c", _GPU_SCRIPT.format(model=str(tmp_path),
+                            cache=str(tmp_path / "cache"))], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+        print(run, startup_clock.format_account(out["account"]))
+        assert not out["first"], "\n".join(f"{run}: {m} imported from\n{s}" for m, s in out["first"].items())
