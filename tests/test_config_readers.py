@@ -43,6 +43,11 @@ VARIANTS = {
                                  first_k_dense_replace=1, intermediate_size=96, moe_intermediate_size=32,
                                  q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
                                  v_head_dim=8),
+    "nemotron-h-renamed": dict(model_type="nemotron_h", architectures=["NemotronHForCausalLM"], hidden_size=64,
+                               num_attention_heads=4, head_dim=16, vocab_size=128,
+                               hybrid_override_pattern="M-*M", mamba_num_heads=8, mamba_head_dim=16,
+                               ssm_state_size=16, mamba_n_groups=2, mamba_d_conv=3, mamba_conv_bias=False,
+                               intermediate_size=96, num_hidden_layers=7),
 }
 
 
