@@ -224,3 +224,22 @@ def test_cuda_level1_start_imports_no_dynamo(tmp_path):
         out = json.loads(r.stdout.strip().splitlines()[-1])
         print(run, startup_clock.format_account(out["account"]))
         assert not out["first"], "\n".join(f"{run}: {m} imported from\n{s}" for m, s in out["first"].items())
+
+
+def test_every_kernel_op_defers_dynamo():
+    """Each of our custom ops is declared through kernels/custom_op.py (a new one declared with
+    torch.library.custom_op directly would bring the dynamo import back onto the start path)."""
+    import importlib
+    import pkgutil
+
+    from torch._library.custom_ops import CustomOpDef
+
+    import rankserve.kernels as kernels
+    ops = []
+    for mod in pkgutil.iter_modules(kernels.__path__):
+        m = importlib.import_module(f"rankserve.kernels.{mod.name}")
+        ops += [v for v in vars(m).values() if isinstance(v, CustomOpDef)]
+    assert len(ops) >= 10
+    plain = [op._name for op in ops if any("lazy_dynamo_import" not in f.__qualname__
+                                           for f in op._backend_fns.values())]
+    assert not plain, f"declare these with kernels.custom_op.custom_op: {plain}"
