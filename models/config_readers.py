@@ -20,6 +20,10 @@ from .registry import Registry
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SCALED_ROPE = ("llama3", "yarn", "longrope")  # these carry the pretraining context length
+# read below (RoPE, dtype), never run (auto_map), or rewritten by transformers and unused here
+# (classification labels, the saving path)
+_NOT_COPIED = {"rope_scaling", "rope_parameters", "rope_theta", "torch_dtype", "dtype", "auto_map",
+               "id2label", "label2id", "_name_or_path"}
 
 
 
@@ -163,7 +167,7 @@ def read(raw: dict, model_dir: str) -> ConfigSnapshot | None:
     aliases = family.aliases
     c = dict(family.defaults)
     for k, v in raw.items():
-        if k in ("rope_scaling", "rope_parameters", "rope_theta", "torch_dtype", "dtype", "auto_map"):
+        if k in _NOT_COPIED:
             continue
         c[aliases.get(k, k)] = v
     try:
