@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import torch
 
+from .custom_op import custom_op
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
@@ -139,7 +141,7 @@ def prepare_qkv_ref(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.T
     return q
 
 
-@torch.library.custom_op("rankserve::attention", mutates_args=("k_cache", "v_cache"))
+@custom_op("rankserve::attention", mutates_args=("k_cache", "v_cache"))
 def attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
               q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
               k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor,

@@ -23,6 +23,7 @@ from . import quant as Q
 from .attention import rms_norm
 from .gemv import (ADD_RMS_NORM, SILU_MUL, _add, _rms_scale, _silu_mul, add_rms_norm_triton,
                    silu_mul_ref, silu_mul_triton)
+from .custom_op import custom_op
 
 
 @triton.jit
@@ -115,7 +116,7 @@ def fp8_silu_mul_linear_triton(gu, w, w_scale, bias=None, block_size=None):
 # ops (the references: the unfused model code, then fp8_linear's reference)
 # ----------------------------------------------------------------------------------------------
 
-@torch.library.custom_op("rankserve::fp8_add_rms_norm_linear", mutates_args=())
+@custom_op("rankserve::fp8_add_rms_norm_linear", mutates_args=())
 def fp8_add_rms_norm_linear(h: torch.Tensor, delta: torch.Tensor, norm_w: torch.Tensor,
                             eps: float, w: torch.Tensor, w_scale: torch.Tensor,
                             bias: torch.Tensor | None = None, block_size: list[int] | None = None
@@ -132,7 +133,7 @@ def _(h, delta, norm_w, eps, w, w_scale, bias=None, block_size=None):
     return h.new_empty(h.shape[0], w.shape[0]), torch.empty_like(h)
 
 
-@torch.library.custom_op("rankserve::fp8_silu_mul_linear", mutates_args=())
+@custom_op("rankserve::fp8_silu_mul_linear", mutates_args=())
 def fp8_silu_mul_linear(gu: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                         bias: torch.Tensor | None = None, block_size: list[int] | None = None
                         ) -> torch.Tensor:

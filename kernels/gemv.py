@@ -32,6 +32,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from . import pdl
 from .attention import rms_norm
+from .custom_op import custom_op
 
 # Rows up to which the skinny kernel runs; 0 turns it off (the prologue kernels + cuBLAS run
 # instead). Measured on an H200 at Llama-8B sizes (benchmarks/): at one row the fused
@@ -265,7 +266,7 @@ def silu_mul_linear_triton(gu, w, bias=None):
 # ops
 # ----------------------------------------------------------------------------------------------
 
-@torch.library.custom_op("rankserve::skinny_linear", mutates_args=())
+@custom_op("rankserve::skinny_linear", mutates_args=())
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
                   ) -> torch.Tensor:
     """x [M, K], w [N, K], bias [N] -> x @ w.T + bias [M, N]."""
@@ -279,7 +280,7 @@ def _(x, w, bias=None):
     return x.new_empty(x.shape[0], w.shape[0])
 
 
-@torch.library.custom_op("rankserve::add_rms_norm_linear", mutates_args=())
+@custom_op("rankserve::add_rms_norm_linear", mutates_args=())
 def add_rms_norm_linear(h: torch.Tensor, delta: torch.Tensor, norm_w: torch.Tensor, eps: float,
                         w: torch.Tensor, bias: torch.Tensor | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -294,7 +295,7 @@ def _(h, delta, norm_w, eps, w, bias=None):
     return h.new_empty(h.shape[0], w.shape[0]), torch.empty_like(h)
 
 
-@torch.library.custom_op("rankserve::silu_mul_linear", mutates_args=())
+@custom_op("rankserve::silu_mul_linear", mutates_args=())
 def silu_mul_linear(gu: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
                     ) -> torch.Tensor:
     """gu [M, 2I] (gate | up), w [N, I] -> (silu(gate) * up) @ w.T + bias [M, N]."""
@@ -308,7 +309,7 @@ def _(gu, w, bias=None):
     return gu.new_empty(gu.shape[0], w.shape[0])
 
 
-@torch.library.custom_op("rankserve::add_rms_norm", mutates_args=())
+@custom_op("rankserve::add_rms_norm", mutates_args=())
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, norm_w: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """h, delta [M, K] -> (rmsnorm(h + delta), h + delta) in one kernel: the prologue of a

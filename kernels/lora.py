@@ -38,6 +38,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from .custom_op import custom_op
+
 
 # ----------------------------------------------------------------------------------------------
 # plain-torch references
@@ -234,7 +236,7 @@ def _shrink(x, w, token_slot, seg_start, seg_slot, sgmv: bool) -> torch.Tensor:
 # torch.compile neither guards on it nor recompiles when a step changes kernel
 
 
-@torch.library.custom_op("rankserve::lora_shrink", mutates_args=())
+@custom_op("rankserve::lora_shrink", mutates_args=())
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slot: torch.Tensor,
                 seg_start: torch.Tensor, seg_slot: torch.Tensor, sgmv: torch.Tensor) -> torch.Tensor:
     """[T, K] x [S, R, K] → [P, T, R] fp32 partial sums over K splits."""
@@ -249,7 +251,7 @@ def _(x, a, token_slot, seg_start, seg_slot, sgmv):
     return x.new_empty((P, x.shape[0], a.shape[1]), dtype=torch.float32)
 
 
-@torch.library.custom_op("rankserve::lora_expand", mutates_args=())
+@custom_op("rankserve::lora_expand", mutates_args=())
 def lora_expand(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, token_slot: torch.Tensor,
                 bounds: list[int], slot_cols: int, bias: torch.Tensor | None = None
                 ) -> torch.Tensor:

@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .custom_op import custom_op
+
 
 def _spans(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, state_idx: torch.Tensor):
     qsl = query_start_loc.tolist()
@@ -73,7 +75,7 @@ def ssd_scan_ref(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor, A: to
     return y
 
 
-@torch.library.custom_op("rankserve::mamba_conv1d", mutates_args=("conv_state",))
+@custom_op("rankserve::mamba_conv1d", mutates_args=("conv_state",))
 def mamba_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  conv_state: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                  state_idx: torch.Tensor, is_decode: bool) -> torch.Tensor:
@@ -91,7 +93,7 @@ def _(x, weight, bias, conv_state, query_start_loc, seq_lens, state_idx, is_deco
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("rankserve::ssd_scan", mutates_args=("ssm_state",))
+@custom_op("rankserve::ssd_scan", mutates_args=("ssm_state",))
 def ssd_scan(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor, A: torch.Tensor,
              B: torch.Tensor, C: torch.Tensor, D: torch.Tensor, ssm_state: torch.Tensor,
              query_start_loc: torch.Tensor, seq_lens: torch.Tensor, state_idx: torch.Tensor,

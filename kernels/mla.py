@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from .attention import FP8_KV, dequantize_kv, quantize_fp8
+from .custom_op import custom_op
 
 
 def store_latent_ref(kv: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -67,7 +68,7 @@ def mla_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: 
     return out
 
 
-@torch.library.custom_op("rankserve::mla_attention", mutates_args=("kv_cache",))
+@custom_op("rankserve::mla_attention", mutates_args=("kv_cache",))
 def mla_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
                   kv_scale: torch.Tensor, slot_mapping: torch.Tensor,
                   query_start_loc: torch.Tensor, seq_lens: torch.Tensor,

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .quant import FP8, _quant_act_ref, dequant_fp8_weight, quant_fp8_triton
+from .custom_op import custom_op
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -302,7 +303,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     return y.view(T, K, H).sum(1)  # accumulates in fp32 internally
 
 
-@torch.library.custom_op("rankserve::fused_moe", mutates_args=())
+@custom_op("rankserve::fused_moe", mutates_args=())
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
               w2_scale: torch.Tensor | None = None, block_size: list[int] | None = None

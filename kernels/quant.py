@@ -52,6 +52,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from .custom_op import custom_op
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-12  # an all-zero row gets scale AMAX_FLOOR / FP8_MAX (its q is 0 anyway)
@@ -535,7 +537,7 @@ def fp8_linear_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     return out.view(*x.shape[:-1], N)
 
 
-@torch.library.custom_op("rankserve::fp8_linear", mutates_args=())
+@custom_op("rankserve::fp8_linear", mutates_args=())
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                bias: torch.Tensor | None = None, block_size: list[int] | None = None
                ) -> torch.Tensor:
@@ -857,7 +859,7 @@ def w4a16_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
     return out.view(*x.shape[:-1], N)
 
 
-@torch.library.custom_op("rankserve::w4a16_linear", mutates_args=())
+@custom_op("rankserve::w4a16_linear", mutates_args=())
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                  zeros: torch.Tensor | None, g_idx: torch.Tensor | None, group_size: int,
                  bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -41,7 +41,7 @@ from ..kernels.mla import mla_attention, store_latent_ref
 from ..kernels.quant import FP8, dequant_fp8_weight
 from .fused import FusedResidualLayer
 from .layers import (
-    AttnMeta, ColumnParallelLinear, GatedMLP, ParallelLMHead, RMSNorm, RowParallelLinear,
+    AttnMeta, ColumnParallelLinear, GatedMLP, ParallelLMHead, RMSNorm, RowParallelLinear, building_on_meta,
     VocabParallelEmbedding, divide)
 from .llama import FusedDecoder, rope_params
 from .moe import FusedExperts, MoECausalLM
@@ -100,6 +100,10 @@ def mla_cos_sin(cfg) -> tuple[torch.Tensor, float]:
     40 MiB, which per layer would cost 2.5 GiB."""
     key = (repr(sorted(rope_params(cfg).items())), cfg.qk_rope_head_dim, cfg.qk_nope_head_dim,
            cfg.max_position_embeddings, str(torch.get_default_device()))
+    if building_on_meta():
+        with torch.device("cpu"):
+            inv, _, scale = mla_rope(cfg)
+        return torch.empty(cfg.max_position_embeddings, 2 * inv.numel(), dtype=torch.float32), scale
     if key not in _TABLES:
         inv, attn_factor, scale = mla_rope(cfg)
         freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32), inv)

@@ -207,10 +207,21 @@ def rope_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
 _COS_SIN: dict[tuple, torch.Tensor] = {}
 
 
+def building_on_meta() -> bool:
+    """A model built on the meta device (the bench counting parameters): a table then needs only
+    its shape, and computing it there would run torch's Python reference ops, whose first use
+    imports torch._dynamo and sympy (seconds of a start)."""
+    return torch.get_default_device().type == "meta"
+
+
 def rope_cos_sin(head_dim: int, max_pos: int, params: dict) -> torch.Tensor:
     """fp32 [max_pos, head_dim] table: cos then sin of each position (applied inside the attention
     op, fused with the q/k norm and the KV-cache store). One table per device is shared by all
     layers: at 128k positions it is 64 MiB, which per layer would cost an 8B model 2 GiB."""
+    if building_on_meta():
+        with torch.device("cpu"):
+            inv = rope_inv_freq(head_dim, params)  # its checks: an unsupported rope type raises
+        return torch.empty(max_pos, 2 * inv.numel(), dtype=torch.float32)
     key = (head_dim, max_pos, repr(sorted(params.items())), str(torch.get_default_device()))
     if key not in _COS_SIN:
         inv = rope_inv_freq(head_dim, params)

@@ -36,9 +36,10 @@ _BUILTIN_CONFIGS = {"DeepseekV3ForCausalLM": "DeepseekV3Config", "DeepseekV2ForC
 
 
 def load_hf_config(model_dir: str, cache_dir: str | None = None):
-    """The checkpoint's transformers config. With `cache_dir`, a config read before with the
-    same transformers comes from its snapshot there, without importing transformers
-    (models/config_snapshot.py: seconds of a warm start)."""
+    """The checkpoint's transformers config. With `cache_dir` (the engine's start path) it is
+    read without importing transformers where that can be done: a shipped family through its
+    own reader (models/config_readers.py: seconds of a cold start), another config read before
+    with the same transformers from its snapshot there (models/config_snapshot.py)."""
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
         raise ValueError(f"{model_dir!r} is not a model directory (no config.json)")
@@ -46,7 +47,12 @@ def load_hf_config(model_dir: str, cache_dir: str | None = None):
         data = f.read()
     if cache_dir is None:
         return _read_hf_config(model_dir, data)
-    from . import config_snapshot
+    import json
+
+    from . import config_readers, config_snapshot
+    config = config_readers.read(json.loads(data), model_dir)
+    if config is not None:
+        return config
     config = config_snapshot.load(cache_dir, data, model_dir)
     if config is None:
         config = _read_hf_config(model_dir, data)

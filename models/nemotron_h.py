@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from ..kernels.mamba import mamba_conv1d, ssd_scan
 from .layers import (
     Attention, AttnMeta, ColumnParallelLinear, ParallelInfo, ParallelLMHead, RMSNorm,
-    RowParallelLinear, VocabParallelEmbedding, divide)
+    RowParallelLinear, VocabParallelEmbedding, building_on_meta, divide)
 from .llama import CausalLM, stage_layers
 from .loader import read_slice
 from .parallel import tp_all_reduce
@@ -100,8 +100,8 @@ class Mamba2Mixer(nn.Module):
         self.norm.weight.weight_loader = _rows_loader([(r * self.inter, self.inter)])
         self.out_proj = RowParallelLinear(I, cfg.hidden_size, bool(cfg.use_bias), pi, dtype)
         # the norm's group of this rank, when it spans ranks (see forward)
-        self.register_buffer("group_onehot", F.one_hot(torch.tensor(self.g0), G).float(),
-                             persistent=False)
+        onehot = torch.empty(G) if building_on_meta() else F.one_hot(torch.tensor(self.g0), G).float()
+        self.register_buffer("group_onehot", onehot, persistent=False)
         # per-request state slots, bound by the model runner (like the attention KV caches)
         self.conv_state = torch.empty(0)
         self.ssm_state = torch.empty(0)
@@ -168,9 +168,10 @@ class NemotronHBlock(nn.Module):
             self.mixer = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                                    head_dim, cfg.max_position_embeddings, {}, pi, False, None, dtype)
             # no positional encoding: RoPE with cos 1, sin 0 is the identity, exactly
-            table = torch.cat([torch.ones(cfg.max_position_embeddings, head_dim // 2),
-                               torch.zeros(cfg.max_position_embeddings, head_dim // 2)], -1)
-            self.mixer.cos_sin = table.to(self.mixer.cos_sin.device)
+            if not building_on_meta():  # there the table is a shape (models/layers.py)
+                table = torch.cat([torch.ones(cfg.max_position_embeddings, head_dim // 2),
+                                   torch.zeros(cfg.max_position_embeddings, head_dim // 2)], -1)
+                self.mixer.cos_sin = table.to(self.mixer.cos_sin.device)
         elif self.kind == MLP:
             self.mixer = Relu2MLP(cfg, pi, dtype)
         else:

@@ -66,6 +66,9 @@
 #   w2startprof       cProfile of one W2 run: where start-up time goes (top functions by cumulative time)
 #   w2importtime      one W2 run under `python -X importtime`: its start-up account line, the top 30
 #                     imports by cumulative time, the cost per package (runtime/bench/importtime.py)
+#   w2start           W2's start to first token on its own caches, whatever ran before: cold (empty
+#                     --cache-dir and TRITON_CACHE_DIR), then warm twice; starttests the start-up
+#                     tests on CUDA (a level-1 engine imports no dynamo / sympy / transformers)
 # PROFILE_DIR=dir profiles W1 and W2 (kernel table in the log, trace in dir).
 set -u
 OUT=${OUT:-bench_results}; mkdir -p "$OUT"
@@ -251,6 +254,13 @@ for stage in "$@"; do case $stage in
           --input-len 128 --output-len 256 --num-iters 1 --num-iters-warmup 0 --max-num-seqs 8 --cache-dir "$CACHE"
         grep -E "startup account|start to first token" "$OUT/w2importtime.log" | cut -c1-400
         python3 -m rankserve.runtime.bench.importtime "$OUT/w2importtime.log" 30 ;;
+  w2start) d=$(mktemp -d)  # its own compile caches (Triton's too): the first run is cold on any machine
+        for r in cold warm warm2; do TRITON_CACHE_DIR="$d/triton" run w2start$r 150 python3 -m rankserve.launch \
+          bench latency llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --num-iters 1 \
+          --num-iters-warmup 0 --max-num-seqs 8 --cache-dir "$d" --output-json "$OUT/w2start$r.json"
+          grep -E "startup account|start to first token" "$OUT/w2start$r.log" | cut -c1-400; done ;;
+  starttests) run starttests 200 python3 -m pytest -q -s -p no:cacheprovider tests/test_startup.py \
+          tests/test_config_readers.py ;;
   pdl) # programmatic dependent launch (RANKSERVE_PDL=1): its GPU tests, then W2 with it (compare with w2)
         run pdltests 150 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_gemv.py tests/test_kernels.py -k "pdl"
         RANKSERVE_PDL=1 run w2pdl 150 python3 -m rankserve.launch bench latency llama-3.1-8b --batch-size 1 --input-len 128 \
