@@ -1,0 +1,105 @@
+"""Mask rows reused inside JSON strings (runtime/grammar_state.py): every row the manager hands
+out equals a fresh xgrammar fill of the same matcher, over random walks through the bench's
+schemas and harder ones, with the real Qwen3 tokenizer; and most string rows are reused."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import SHARED
+from rankserve.runtime.bench.throughput import SCHEMAS
+from rankserve.runtime.grammar_state import plain_tokens
+from rankserve.runtime.sampling_params import StructuredOutputsParams
+from rankserve.runtime.structured_output import StructuredOutputManager
+
+QWEN3 = SHARED / "tokenizers" / "qwen3"
+VOCAB = 151936
+HARD = [  # nesting, free keys, escapes met in strings, bounded and patterned strings, enums
+    {"type": "object", "properties": {
+        "a": {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string"}}}},
+        "code": {"type": "string", "pattern": "[a-z]{2,5}"},
+        "short": {"type": "string", "maxLength": 6},
+        "kind": {"enum": ["x\"y", "plain"]}}, "required": ["a", "short"]},
+    {"type": "array", "items": {"type": "string"}, "minItems": 2},
+]
+
+
+@pytest.fixture(scope="module")
+def manager():
+    if not QWEN3.exists():
+        pytest.skip("../shared/tokenizers/qwen3 not present")
+    m = StructuredOutputManager(str(QWEN3), str(QWEN3), VOCAB)
+    yield m
+    m.shutdown()
+
+
+def new_grammar(m, so):
+    g = m.submit(so)
+    g.future.result()
+    m.init_matcher(g, 151645)
+    return g
+
+
+def allowed(row: np.ndarray) -> np.ndarray:
+    return np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:VOCAB])
+
+
+def test_reused_rows_equal_fresh_fills(manager):
+    sos = [StructuredOutputsParams(json=s) for s in SCHEMAS + HARD] + [StructuredOutputsParams(json_object=True)]
+    manager._get_compiler()
+    info = manager.tokenizer_info
+    vocab = info.decoded_vocab
+    quote = np.array([b'"' in b for b in vocab])  # tokens that may end a string
+    escape = np.array([b"\\" in b for b in vocab])
+    wide = np.array([any(c > 127 for c in b) for b in vocab])  # multi-byte, possibly partial
+    rng = np.random.default_rng(0)
+    gs = [new_grammar(manager, sos[i % len(sos)]) for i in range(16)]
+    fresh = torch.zeros((len(gs), (VOCAB + 31) // 32), dtype=torch.int32)
+    filled0, reused0, checked = manager.rows_filled, manager.rows_reused, 0
+    for step in range(70):
+        rows = manager.fill_bitmask(gs)
+        pairs = []
+        for i, g in enumerate(gs):
+            if g.matcher.is_terminated():
+                gs[i] = new_grammar(manager, sos[int(rng.integers(len(sos)))])
+                continue
+            g.matcher.fill_next_token_bitmask(fresh, i)
+            assert np.array_equal(rows[i], fresh[i].numpy()), f"step {step} row {i}"
+            checked += 1
+            ok = allowed(rows[i])
+            r = rng.random()  # mostly string text, often a quote, sometimes escapes or UTF-8
+            for pick in ((r < 0.15) & quote, (r > 0.9) & escape, (0.8 < r <= 0.9) & wide):
+                cand = ok[pick[ok]]
+                if len(cand):
+                    ok = cand
+                    break
+            pairs.append((g, int(rng.choice(ok))))
+        manager.accept(pairs)
+        assert not any(g.failed for g, _ in pairs)
+    reused = manager.rows_reused - reused0
+    assert reused > 0.3 * (manager.rows_filled - filled0 + reused) and checked > 800
+
+
+def test_plain_tokens():
+    vocab = [b"abc", b' "', b"a\\n", b"\xe6\x97", b"\xe6\x97\xa5", b"\n", b"", b"<stop>", b" x"]
+    assert plain_tokens(vocab, {7}, 10).tolist() == [True, False, False, False, True, False, False,
+                                                     False, True, False]
+
+
+@pytest.mark.parametrize("reuse", ["1", "0"])
+def test_string_rows_reused_unless_turned_off(manager, monkeypatch, reuse):
+    from transformers import AutoTokenizer
+    monkeypatch.setenv("RANKSERVE_GRAMMAR_REUSE_MASKS", reuse)
+    m = StructuredOutputManager(str(QWEN3), str(QWEN3), VOCAB)
+    m._compiler, m._plain, m._token_bytes = manager._compiler, manager._plain, manager._token_bytes
+    g = new_grammar(m, StructuredOutputsParams(json=SCHEMAS[0]))
+    m.fill_bitmask([g])
+    # '{"notes": [" ' then six plain tokens inside the string: each of their rows is reused
+    ids = AutoTokenizer.from_pretrained(str(QWEN3)).encode('{"notes": ["hello world and the data of')
+    for t in ids:
+        m.accept([(g, t)])
+        m.fill_bitmask([g])
+    assert m.rows_reused + m.rows_filled == len(ids) + 1
+    assert m.rows_reused == (len(ids) - 4 if reuse == "1" else 0)
+    m.shutdown()
