@@ -103,3 +103,16 @@ def test_string_rows_reused_unless_turned_off(manager, monkeypatch, reuse):
     assert m.rows_reused + m.rows_filled == len(ids) + 1
     assert m.rows_reused == (len(ids) - 4 if reuse == "1" else 0)
     m.shutdown()
+
+
+def test_bench_rows_profile(tmp_path):
+    """`bench.grammar --rows`: per-row fill times by state; the reuse finds unchanged masks."""
+    import json
+    from rankserve.runtime.bench.grammar import main
+    if not QWEN3.exists():
+        pytest.skip("../shared/tokenizers/qwen3 not present")
+    out = tmp_path / "rows.json"
+    assert main(["--tokenizer", str(QWEN3), "--rows", "--num-seqs", "6", "--steps", "40",
+                 "--output-json", str(out)]) == 0
+    r = json.loads(out.read_text())[0]
+    assert r["rows"] == 240 and 0 < r["reused"] <= r["same_as_previous"] and r["string_us"] > 0
