@@ -116,3 +116,24 @@ def test_bench_rows_profile(tmp_path):
                  "--output-json", str(out)]) == 0
     r = json.loads(out.read_text())[0]
     assert r["rows"] == 240 and 0 < r["reused"] <= r["same_as_previous"] and r["string_us"] > 0
+
+
+def test_outputs_identical_with_and_without_reuse(qwen3_chat_dir, monkeypatch):
+    """Through `LLM` (async scheduling, the grammar thread): at temperature 1 with seeds, the
+    token ids with reused rows are those of filling every row, and rows were reused."""
+    import functools
+
+    import rankserve
+    from rankserve import SamplingParams
+    LLM = functools.partial(rankserve.LLM, **({"num_gpu_blocks_override": 512}
+                                              if torch.cuda.is_available() else {}))
+    sps = [SamplingParams(temperature=1.0, seed=s, max_tokens=48,
+                          structured_outputs=StructuredOutputsParams(json=SCHEMAS[s % len(SCHEMAS)]))
+           for s in range(9)]
+    ids, reused = {}, {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("RANKSERVE_GRAMMAR_REUSE_MASKS", flag)
+        llm = LLM(str(qwen3_chat_dir), max_num_seqs=9)
+        ids[flag] = [o.outputs[0].token_ids for o in llm.generate(["Give me a record:"] * 9, sps)]
+        reused[flag] = llm.engine.structured.rows_reused
+    assert ids["1"] == ids["0"] and reused["0"] == 0 and reused["1"] > 10
