@@ -202,6 +202,7 @@ class StructuredOutputManager:
         self._batch = None  # xgrammar BatchGrammarMatcher, made on first use
         self._stop_ids: set[int] = set()
         self.cache: collections.OrderedDict[tuple, concurrent.futures.Future] = collections.OrderedDict()
+        self._valid: collections.OrderedDict[tuple, None] = collections.OrderedDict()  # parsed fine
         # cumulative seconds (SchedulerStats): compiling; filling masks and accepting tokens
         # (mask = fill + accept, on the grammar thread or the engine's); the engine loop waiting
         # for a fill (the part of it the step did not hide)
@@ -250,7 +251,16 @@ class StructuredOutputManager:
                 self.compile_seconds += time.perf_counter() - t0
 
     def validate(self, so: StructuredOutputsParams) -> None:
+        """Parse the constraint (ValueError if invalid), once per constraint: `LLM.generate`
+        validates each request twice, and a W1-like batch repeats a few schemas."""
+        key = _spec_key(so)
+        if key in self._valid:
+            self._valid.move_to_end(key)
+            return
         parse_grammar(so)
+        self._valid[key] = None
+        if len(self._valid) > CACHE_SIZE:
+            self._valid.popitem(last=False)
 
     def submit(self, so: StructuredOutputsParams) -> RequestGrammar:
         """Start (or reuse) the compilation; the request waits until it is done."""
