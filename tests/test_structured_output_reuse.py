@@ -118,22 +118,45 @@ def test_bench_rows_profile(tmp_path):
     assert r["rows"] == 240 and 0 < r["reused"] <= r["same_as_previous"] and r["string_us"] > 0
 
 
-def test_outputs_identical_with_and_without_reuse(qwen3_chat_dir, monkeypatch):
-    """Through `LLM` (async scheduling, the grammar thread): at temperature 1 with seeds, the
-    token ids with reused rows are those of filling every row, and rows were reused."""
+def compare_reuse(model_dir, monkeypatch, n: int, max_tokens: int) -> tuple[list, int]:
+    """Token ids of `n` seeded requests at temperature 1 with the row reuse on and off (they
+    must be equal), and the rows reused."""
     import functools
 
     import rankserve
     from rankserve import SamplingParams
     LLM = functools.partial(rankserve.LLM, **({"num_gpu_blocks_override": 512}
                                               if torch.cuda.is_available() else {}))
-    sps = [SamplingParams(temperature=1.0, seed=s, max_tokens=48,
+    sps = [SamplingParams(temperature=1.0, seed=s, max_tokens=max_tokens,
                           structured_outputs=StructuredOutputsParams(json=SCHEMAS[s % len(SCHEMAS)]))
-           for s in range(9)]
-    ids, reused = {}, {}
+           for s in range(n)]
+    outs, reused = {}, {}
     for flag in ("1", "0"):
         monkeypatch.setenv("RANKSERVE_GRAMMAR_REUSE_MASKS", flag)
-        llm = LLM(str(qwen3_chat_dir), max_num_seqs=9)
-        ids[flag] = [o.outputs[0].token_ids for o in llm.generate(["Give me a record:"] * 9, sps)]
+        llm = LLM(str(model_dir), max_num_seqs=n)
+        outs[flag] = [o.outputs[0] for o in llm.generate(["Give me a record:"] * n, sps)]
         reused[flag] = llm.engine.structured.rows_reused
-    assert ids["1"] == ids["0"] and reused["0"] == 0 and reused["1"] > 10
+    assert [o.token_ids for o in outs["1"]] == [o.token_ids for o in outs["0"]] and reused["0"] == 0
+    return outs["1"], reused["1"]
+
+
+def test_outputs_identical_with_and_without_reuse(qwen3_chat_dir, monkeypatch):
+    """Through `LLM` (async scheduling, the grammar thread): the token ids with reused rows are
+    those of filling every row, and rows were reused."""
+    _, reused = compare_reuse(qwen3_chat_dir, monkeypatch, 9, 48)
+    assert reused > 10
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_outputs_identical_with_and_without_reuse_cuda(qwen3_chat_dir, monkeypatch):
+    """On CUDA (rows written into the pinned buffer, xgrammar's mask kernel), a larger batch:
+    the same tokens either way, and every finished document is valid JSON of its schema."""
+    import json
+
+    import jsonschema
+    outs, reused = compare_reuse(qwen3_chat_dir, monkeypatch, 48, 96)
+    assert reused > 100
+    for i, o in enumerate(outs):
+        if o.finish_reason == "stop":
+            jsonschema.validate(json.loads(o.text), SCHEMAS[i % len(SCHEMAS)])
