@@ -287,7 +287,8 @@ class StructuredOutputManager:
         `out` (an int32 tensor of len(grammars) rows: the runner's pinned buffer, so the rows go
         to the device without another host copy) or a new array. A matcher that has ended or
         failed gets a full row: its request finishes when the engine sees the token that ended
-        it, and whatever this step samples for it is dropped."""
+        it, and whatever this step samples for it is dropped. A row whose mask is known (`g.row`:
+        inside a JSON string, see grammar_state.py) is copied, not filled."""
         import torch
         import xgrammar as xgr
         t0 = time.perf_counter()
