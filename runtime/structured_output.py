@@ -297,8 +297,8 @@ class StructuredOutputManager:
         if self._batch is None:  # fills the rows on several threads, without the GIL
             self._batch = xgr.BatchGrammarMatcher(fill_threads())
         live, fill = [], []
-        for i, g in enumerate(grammars):
-            if not g.failed and not g.matcher.is_terminated():
+        for i, g in enumerate(grammars):  # (a known row is a string's: neither ended nor failed)
+            if g.row is not None or (not g.failed and not g.matcher.is_terminated()):
                 live.append(i)
                 if g.row is None:
                     fill.append(i)
@@ -338,7 +338,7 @@ class StructuredOutputManager:
                 g.failed = not ok
                 if g.num_bytes is not None:
                     g.num_bytes += size[tok]
-                if g.row is not None and not plain[tok]:  # a plain token: the string goes on
+                if not (ok and plain[tok]):  # a plain token: the string goes on, same mask
                     g.row = None
         self.accept_seconds += time.perf_counter() - t0
 
