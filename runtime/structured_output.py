@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 from . import envs
+from .grammar_state import at_string_start, plain_tokens, string_rules, token_lengths
 from .sampling_params import StructuredOutputsParams
 
 MAX_WHITESPACE = 64  # a JSON whitespace run longer than this is never useful (and could loop)
@@ -164,6 +165,9 @@ class RequestGrammar:
         self.start_after = so.start_after_token_id
         self.num_seen = 0
         self.failed = False  # a token the grammar rejects (the mask makes it impossible)
+        self.string_rules: frozenset[int] = frozenset()  # (grammar_state.py) set with the matcher
+        self.num_bytes: int | None = 0  # of text the matcher has read (its positions count bytes)
+        self.row: np.ndarray | None = None  # the mask of the matcher's current state, when known
 
     @property
     def ready(self) -> bool:
@@ -175,6 +179,7 @@ class RequestGrammar:
         if not self.active:
             self.active = token == self.start_after
             return True
+        self.row, self.num_bytes = None, None  # (position no longer known: rows always filled)
         ok = self.failed is False and self.matcher.accept_token(token)
         self.failed = not ok
         return ok
@@ -197,6 +202,7 @@ class StructuredOutputManager:
         self._batch = None  # xgrammar BatchGrammarMatcher, made on first use
         self._stop_ids: set[int] = set()
         self.cache: collections.OrderedDict[tuple, concurrent.futures.Future] = collections.OrderedDict()
+        self._valid: collections.OrderedDict[tuple, None] = collections.OrderedDict()  # parsed fine
         # cumulative seconds (SchedulerStats): compiling; filling masks and accepting tokens
         # (mask = fill + accept, on the grammar thread or the engine's); the engine loop waiting
         # for a fill (the part of it the step did not hide)
@@ -204,6 +210,13 @@ class StructuredOutputManager:
         self.fill_seconds = 0.0
         self.accept_seconds = 0.0
         self.wait_seconds = 0.0
+        # rows of a step: filled by xgrammar, or copied from the step before (grammar_state.py)
+        self.reuse_masks = envs.get("RANKSERVE_GRAMMAR_REUSE_MASKS")
+        self.rows_filled = 0
+        self.rows_reused = 0
+        self.tokenizer_info = None  # xgrammar's, with the compiler
+        self._plain: list[bool] = []
+        self._token_bytes: list[int] = []
 
     @property
     def mask_seconds(self) -> float:
@@ -220,19 +233,34 @@ class StructuredOutputManager:
                 stop = eos_token_ids_of(tok, self.model_dir)
                 info = tokenizer_info(tok, self.vocab_size, stop or None)
                 self._stop_ids = set(info.stop_token_ids)
+                self.tokenizer_info = info
+                vocab = info.decoded_vocab
+                self._plain = plain_tokens(vocab, self._stop_ids | set(info.special_token_ids),
+                                           self.vocab_size).tolist()
+                self._token_bytes = token_lengths(vocab, self.vocab_size).tolist()
                 self._compiler = xgr.GrammarCompiler(info, max_threads=2)
             return self._compiler
 
     def _compile(self, so: StructuredOutputsParams):
         t0 = time.perf_counter()
         try:
-            return self._get_compiler().compile_grammar(parse_grammar(so))
+            compiled = self._get_compiler().compile_grammar(parse_grammar(so))
+            return compiled, string_rules(compiled) if self.reuse_masks else frozenset()
         finally:
             with self._lock:
                 self.compile_seconds += time.perf_counter() - t0
 
     def validate(self, so: StructuredOutputsParams) -> None:
+        """Parse the constraint (ValueError if invalid), once per constraint: `LLM.generate`
+        validates each request twice, and a W1-like batch repeats a few schemas."""
+        key = _spec_key(so)
+        if key in self._valid:
+            self._valid.move_to_end(key)
+            return
         parse_grammar(so)
+        self._valid[key] = None
+        if len(self._valid) > CACHE_SIZE:
+            self._valid.popitem(last=False)
 
     def submit(self, so: StructuredOutputsParams) -> RequestGrammar:
         """Start (or reuse) the compilation; the request waits until it is done."""
@@ -248,7 +276,7 @@ class StructuredOutputManager:
     def init_matcher(self, g: RequestGrammar, eos_token_id: int | None) -> None:
         """Called once `g.future` is done; raises the compilation error if it failed."""
         import xgrammar as xgr
-        compiled = g.future.result()
+        compiled, g.string_rules = g.future.result()
         stop = None
         if eos_token_id is not None and eos_token_id not in self._stop_ids:
             stop = sorted(self._stop_ids | {eos_token_id})  # EOS only where the grammar may end
@@ -259,7 +287,8 @@ class StructuredOutputManager:
         `out` (an int32 tensor of len(grammars) rows: the runner's pinned buffer, so the rows go
         to the device without another host copy) or a new array. A matcher that has ended or
         failed gets a full row: its request finishes when the engine sees the token that ended
-        it, and whatever this step samples for it is dropped."""
+        it, and whatever this step samples for it is dropped. A row whose mask is known (`g.row`:
+        inside a JSON string, see grammar_state.py) is copied, not filled."""
         import torch
         import xgrammar as xgr
         t0 = time.perf_counter()
@@ -267,11 +296,24 @@ class StructuredOutputManager:
         mask = out if out is not None else torch.empty((n, (self.vocab_size + 31) // 32), dtype=torch.int32)
         if self._batch is None:  # fills the rows on several threads, without the GIL
             self._batch = xgr.BatchGrammarMatcher(fill_threads())
-        live = [i for i, g in enumerate(grammars) if not g.failed and not g.matcher.is_terminated()]
-        if live:
-            self._batch.batch_fill_next_token_bitmask([grammars[i].matcher for i in live], mask,
-                                                      live if len(live) < n else None)
+        live, fill = [], []
+        for i, g in enumerate(grammars):  # (a known row is a string's: neither ended nor failed)
+            if g.row is not None or (not g.failed and not g.matcher.is_terminated()):
+                live.append(i)
+                if g.row is None:
+                    fill.append(i)
         rows = mask.numpy()
+        if fill:
+            self._batch.batch_fill_next_token_bitmask([grammars[i].matcher for i in fill], mask,
+                                                      fill if len(fill) < n else None)
+        for i in live:
+            g = grammars[i]
+            if g.row is not None:  # the state's mask is known: an earlier step filled it
+                rows[i] = g.row
+            elif g.string_rules and at_string_start(g.matcher, g.string_rules, g.num_bytes):
+                g.row = rows[i].copy()
+        self.rows_filled += len(fill)
+        self.rows_reused += len(live) - len(fill)
         if len(live) < n:  # through numpy: the runner's buffer is an inference tensor (made in
             rows[sorted(set(range(n)) - set(live))] = -1  # its step), which torch won't edit here
         self.fill_seconds += time.perf_counter() - t0
@@ -290,9 +332,14 @@ class StructuredOutputManager:
         if batch:
             oks = xgr.BatchGrammarMatcher.batch_accept_token([g.matcher for g, _ in batch],
                                                              [t for _, t in batch])
-            for (g, _), ok in zip(batch, oks):
+            plain, size = self._plain, self._token_bytes
+            for (g, tok), ok in zip(batch, oks):
                 g.num_seen += 1
                 g.failed = not ok
+                if g.num_bytes is not None:
+                    g.num_bytes += size[tok]
+                if not (ok and plain[tok]):  # a plain token: the string goes on, same mask
+                    g.row = None
         self.accept_seconds += time.perf_counter() - t0
 
     def wait_any(self, grammars: list[RequestGrammar], timeout: float) -> None:

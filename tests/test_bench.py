@@ -91,6 +91,8 @@ def test_throughput_structured_output_mode(tmp_path):
     assert rec["workload"]["structured_output"] == "json"
     r = rec["results"]["rankserve"]
     assert 0 < r["output_tokens"] <= rec["workload"]["output_tokens"]
+    g = r["structured_output"]  # mask rows filled by xgrammar or reused, counted over the run
+    assert g["rows_filled"] > 0 and g["rows_reused"] >= 0 and g["fill_s"] > 0
     from rankserve import LLM
     llm = LLM(STORIES)  # the same params the bench sends: the texts are JSON prefixes of the schemas
     outs = llm.generate(["a"] * 3, [throughput.engine_params(24, s) for s in throughput.SCHEMAS])

@@ -77,3 +77,18 @@ def test_waiting_for_a_background_fill_is_counted_and_the_plan_still_pickles(man
     sent = pickle.loads(pickle.dumps(plan))  # to other ranks: the rows, not the manager
     assert np.array_equal(sent.grammar_bitmask, rows) and sent.grammar_stats is None
     pool.shutdown()
+
+
+def test_validate_parses_each_constraint_once(manager, monkeypatch):
+    """`LLM.generate` validates every request twice and W1 repeats three schemas: parse once per
+    constraint; an invalid one is parsed (and refused) every time."""
+    from rankserve.runtime import structured_output
+    calls = []
+    real = structured_output.parse_grammar
+    monkeypatch.setattr(structured_output, "parse_grammar", lambda so: calls.append(so) or real(so))
+    ok = StructuredOutputsParams(json={"type": "object", "properties": {"v": {"type": "string"}}})
+    for _ in range(3):
+        manager.validate(ok)
+        with pytest.raises(ValueError, match="regex"):
+            manager.validate(StructuredOutputsParams(regex="(unclosed"))
+    assert len(calls) == 4

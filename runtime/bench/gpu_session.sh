@@ -7,7 +7,9 @@
 #   w1                W1; w1fp8kv with --kv-cache-dtype fp8; w1so with a JSON-schema constraint on
 #                     every request (needs QWEN3_TOKENIZER); w2cublas with the skinny GEMMs off;
 #                     w1sothreads: w1so with 4, 8 and 14 mask-fill threads (RANKSERVE_GRAMMAR_THREADS);
-#                     gbench: the CPU benchmark of the masks' host cost (runtime/bench/grammar.py)
+#                     w1sofill: w1so filling every mask row (RANKSERVE_GRAMMAR_REUSE_MASKS=0, the
+#                     A/B of the row reuse); gbench: the CPU benchmark of the masks' host cost
+#                     (runtime/bench/grammar.py); grows: its per-row fill cost by matcher state
 #   w2hf, w1hf        the same workloads on transformers
 #   w2fp8, w2gptq     W2 with FP8 weights (--quantization fp8: per channel) / GPTQ 4-bit (g128 sym,
 #                     llama-3.1-8b-gptq); w2fp8blk block FP8 (llama-3.1-8b-fp8block, as Qwen3-FP8);
@@ -123,9 +125,15 @@ for stage in "$@"; do case $stage in
   w1sothreads) for n in 4 8 14; do RANKSERVE_GRAMMAR_THREADS=$n run w1so$n 200 python3 -m rankserve.launch bench \
         throughput qwen3-0.6b --workload w1 --max-num-seqs 256 --cache-dir "$CACHE" --output-json "$OUT/w1so$n.json" \
         --tokenizer "${QWEN3_TOKENIZER:?set QWEN3_TOKENIZER to a Qwen3 tokenizer directory}" --structured-output json; done ;;
+  w1sofill) RANKSERVE_GRAMMAR_REUSE_MASKS=0 run w1sofill 200 python3 -m rankserve.launch bench throughput qwen3-0.6b \
+        --workload w1 --max-num-seqs 256 --cache-dir "$CACHE" --output-json "$OUT/w1sofill.json" \
+        --tokenizer "${QWEN3_TOKENIZER:?set QWEN3_TOKENIZER to a Qwen3 tokenizer directory}" --structured-output json ;;
+  grows) run grows 120 python3 -m rankserve.runtime.bench.grammar --rows --num-seqs 256 --steps 60 \
+        --tokenizer "${QWEN3_TOKENIZER:?set QWEN3_TOKENIZER to a Qwen3 tokenizer directory}" --output-json "$OUT/grows.json" ;;
   gbench) for f in 5 20; do run gbench$f 120 python3 -m rankserve.runtime.bench.grammar --forward-ms $f --steps 100 \
         --tokenizer "${QWEN3_TOKENIZER:?set QWEN3_TOKENIZER to a Qwen3 tokenizer directory}" --output-json "$OUT/gbench$f.json"; done ;;
-  sotests) run sotests 200 python3 -m pytest -q -x tests/test_structured_output.py ;;
+  sotests) run sotests 200 python3 -m pytest -q -x tests/test_structured_output.py tests/test_structured_output_reuse.py \
+        tests/test_structured_output_fill.py ;;
   w1l2) run w1l2 170 python3 -m rankserve.launch bench throughput qwen3-0.6b --workload w1 --max-num-seqs 256 \
         --compilation-level 2 --cache-dir "$CACHE" --output-json "$OUT/w1l2.json" ;;
   w2cublas) RANKSERVE_SKINNY_MAX_M=0 run w2cublas 100 python3 -m rankserve.launch bench latency llama-3.1-8b \

@@ -206,6 +206,13 @@ def _timed(obj, name: str, log: list):
     setattr(obj, name, wrapper)
 
 
+def sampling_tokens(tok) -> tuple[list[int], set[int]]:
+    """The fake sampler's favourite tokens (text that continues a string) and stop tokens."""
+    preferred = sorted({t for w in ("a", " the", "hello", " data", "x", " value", "ing", " of")
+                        for t in tok.encode(w)})
+    return preferred, {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")}
+
+
 def run(tokenizer: str, num_seqs: int, forward_ms: float, steps: int, structured: bool,
         warmup: int = 10, inline: bool = False) -> dict:
     from transformers import AutoTokenizer
@@ -214,10 +221,8 @@ def run(tokenizer: str, num_seqs: int, forward_ms: float, steps: int, structured
     cfg = EngineConfig.from_kwargs(model=model_dir, tokenizer=tokenizer, async_scheduling=True,
                                    max_num_seqs=num_seqs, max_num_batched_tokens=1 << 16,
                                    enable_prefix_caching=False)
-    preferred = sorted({t for w in ("a", " the", "hello", " data", "x", " value", "ing", " of")
-                        for t in tok.encode(w)})
-    ex = FakeExecutor(forward_ms / 1e3, preferred, {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")},
-                      inline=inline)
+    preferred, stop = sampling_tokens(tok)
+    ex = FakeExecutor(forward_ms / 1e3, preferred, stop, inline=inline)
     engine = EngineCore(cfg, ex)
     so = engine.structured
     fills, accepts = [], []
@@ -236,7 +241,7 @@ def run(tokenizer: str, num_seqs: int, forward_ms: float, steps: int, structured
                                                  eos_token_id=tok.eos_token_id))
             made += 1
     add(num_seqs)
-    step_times, running = [], []
+    step_times, running, reuse = [], [], []
     last = None
     done = 0
     while len(step_times) < steps + warmup:
@@ -250,6 +255,7 @@ def run(tokenizer: str, num_seqs: int, forward_ms: float, steps: int, structured
             if last is not None:
                 step_times.append(now - last)
                 running.append(len(engine.scheduler.running))
+                reuse.append((so.rows_filled, so.rows_reused))
             last = now
     ex.shutdown()
     so.shutdown()
@@ -272,7 +278,9 @@ def run(tokenizer: str, num_seqs: int, forward_ms: float, steps: int, structured
                 engine_ready_ms=med(ex.engine_ready[-len(step_times):]),
                 masks_ready_ms=med(ex.masks_ready[-len(step_times):]),
                 fill_overlap=overlap, fill_threads=sorted({t for *_, t in fills}),
-                mean_running=statistics.mean(running[warmup:]), finished=done)
+                mean_running=statistics.mean(running[warmup:]), finished=done,
+                rows_filled=(reuse[-1][0] - reuse[warmup][0]) / len(step_times),
+                rows_reused=(reuse[-1][1] - reuse[warmup][1]) / len(step_times))
 
 
 def main(argv=None) -> int:
@@ -284,10 +292,19 @@ def main(argv=None) -> int:
     p.add_argument("--mode", choices=("json", "none", "both"), default="both")
     p.add_argument("--inline", action="store_true", help="fill the masks on the engine thread at "
                    "sampling time (no overlap with the engine's own work), for comparison")
+    p.add_argument("--rows", action="store_true", help="instead: time each row's fill on its own, "
+                   "by matcher state (bench/grammar_rows.py)")
     p.add_argument("--output-json")
     a = p.parse_args(argv)
     results = []
-    for structured in {"json": [True], "none": [False], "both": [False, True]}[a.mode]:
+    if a.rows:
+        from transformers import AutoTokenizer
+        from .grammar_rows import profile, report
+        r = profile(a.tokenizer, a.num_seqs, a.steps, *sampling_tokens(AutoTokenizer.from_pretrained(a.tokenizer)),
+                    VOCAB)
+        print(report(r))
+        results.append(r)
+    for structured in [] if a.rows else {"json": [True], "none": [False], "both": [False, True]}[a.mode]:
         r = run(a.tokenizer, a.num_seqs, a.forward_ms, a.steps, structured, inline=a.inline)
         results.append(r)
         print(f"[{'json' if structured else 'none'}] {r['steps']} steps of {r['num_seqs']} requests, "
@@ -297,7 +314,8 @@ def main(argv=None) -> int:
         if structured:
             print(f"  fill {r['fill_ms']:.2f} ms ({100 * r['fill_overlap']:.0f}% under a forward, "
                   f"threads {', '.join(r['fill_threads'])}), accept {r['accept_ms']:.2f} ms, "
-                  f"copy {r['copy_ms']:.2f} ms, engine waited for masks {r['wait_ms']:.2f} ms")
+                  f"copy {r['copy_ms']:.2f} ms, engine waited for masks {r['wait_ms']:.2f} ms; rows a step: "
+                  f"{r['rows_filled']:.0f} filled, {r['rows_reused']:.0f} reused")
             print(f"  after a sampling ends: the engine asks for the next masks at {r['engine_ready_ms']:.2f} ms, "
                   f"has them at {r['masks_ready_ms']:.2f} ms")
     if len(results) == 2:

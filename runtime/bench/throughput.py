@@ -108,14 +108,16 @@ def rankserve_throughput(llm, wl: common.Workload, warm: common.Workload,
     sch = llm.engine.scheduler
     pre0 = (sch.num_preemptions, sch.num_preemptions_swap)
     so = llm.engine.structured
-    so0 = (so.fill_seconds, so.accept_seconds, so.wait_seconds)
+    so_keys = ("fill_seconds", "accept_seconds", "wait_seconds", "rows_filled", "rows_reused")
+    so0 = [getattr(so, k) for k in so_keys]
     elapsed, out_lens = run_engine(llm, wl, use_tqdm=True, structured=structured, loras=loras)
     spec = common.spec_summary(spec0, common.spec_snapshot(llm))
     swaps = sch.num_preemptions_swap - pre0[1]  # preemptions of the timed run, by kind
     preemptions = dict(swap=swaps, recompute=sch.num_preemptions - pre0[0] - swaps)
-    if structured:  # host seconds of the masks over the timed run: fill, accept, and the loop's wait
-        extra_so = dict(zip(("fill_s", "accept_s", "wait_s"),
-                            (b - a for a, b in zip(so0, (so.fill_seconds, so.accept_seconds, so.wait_seconds)))))
+    if structured:  # host seconds of the masks over the timed run: fill, accept, and the loop's
+        # wait; mask rows filled by xgrammar and reused from the step before (grammar_state.py)
+        extra_so = dict(zip(("fill_s", "accept_s", "wait_s", "rows_filled", "rows_reused"),
+                            (getattr(so, k) - a for k, a in zip(so_keys, so0))))
     n_dev = llm.config.parallel.world_size  # TP shards and PP stages in flight all read at once
     floor = common.physical_floor(stats, wl.prompt_lens, out_lens, log.tokens,
                                   runner.dtype.itemsize, ceilings, num_devices=n_dev,
@@ -160,7 +162,8 @@ def print_result(name: str, r: dict) -> None:
         g, n = r["structured_output"], max(r["floor"]["num_steps"], 1)
         print(f"  structured outputs, per step: fill {1e3 * g['fill_s'] / n:.2f} ms, accept "
               f"{1e3 * g['accept_s'] / n:.2f} ms (grammar thread), engine loop waited for masks "
-              f"{1e3 * g['wait_s'] / n:.2f} ms")
+              f"{1e3 * g['wait_s'] / n:.2f} ms; mask rows filled {g['rows_filled'] / n:.0f}, reused "
+              f"{g['rows_reused'] / n:.0f} a step")
     if sum(r.get("preemptions", {}).values()):
         print("  preemptions: {swap} swapped to the host tier, {recompute} recomputed".format(**r["preemptions"]))
 
