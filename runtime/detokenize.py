@@ -31,20 +31,25 @@ class IncrementalDetokenizer:
         delta, self.sent = self.text[self.sent:end], end
         return delta
 
-    def push(self, token_ids: list[int]) -> tuple[str, str | None]:
-        """Add tokens; returns (new text, matched stop string or None). After a match the text
-        is cut at the stop string (kept when include_stop_str_in_output)."""
+    def push(self, token_ids: list[int]) -> tuple[str, str | None, int]:
+        """Add tokens; returns (new text, matched stop string or None, tokens used). After a
+        match the text is cut at the stop string (kept when include_stop_str_in_output) and the
+        tokens after the one that completed it are not taken (several tokens arrive at once
+        with speculative decoding: those past a stop must not count as output)."""
         before = len(self.text)
-        for tok in token_ids:
+        for n, tok in enumerate(token_ids, 1):
             self.token_ids.append(tok)
+            start = len(self.text)
             try:
                 piece = self.stream.step(self.backend, tok)
             except Exception:  # noqa: BLE001  (invalid byte sequences from a sampled token)
                 piece = self._resync()
             if piece:
                 self.text += piece
-        matched = self._check_stop(before)
-        return self.text[before:], matched
+                matched = self._check_stop(start)
+                if matched is not None:
+                    return self.text[before:], matched, n
+        return self.text[before:], None, len(token_ids)
 
     def _resync(self) -> str:
         """Decode everything so far in one go and restart the stream after it."""

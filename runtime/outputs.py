@@ -111,8 +111,15 @@ class OutputProcessor:
             if (o.finish_reason == FinishReason.STOP and not isinstance(o.stop_reason, str)
                     and not parent.params.include_stop_str_in_output):
                 ids = ids[:-1]
-            _, stop_str = st.detok.push(ids)
+            _, stop_str, used = st.detok.push(ids)
             out.text = st.detok.text
+            if stop_str is not None and used < len(ids):  # tokens past the stop: not output
+                del out.token_ids[len(out.token_ids) - len(o.new_token_ids) + used:]
+                out.delta_token_ids = out.delta_token_ids[:used]
+                if o.new_logprobs and out.logprobs is not None:
+                    del out.logprobs[len(out.logprobs) - len(o.new_logprobs) + used:]
+                    out.delta_logprobs = o.new_logprobs[:used]
+                o.finish_reason = o.stop_reason = None  # (an EOS / stop token past it, dropped)
             if stop_str is not None and o.finish_reason is None:
                 o.finish_reason, o.stop_reason, abort = FinishReason.STOP, stop_str, True
             elif stop_str is not None:

@@ -1,0 +1,59 @@
+"""Speculative decoding edge cases (issue 16 review): what a user hits when several tokens of a
+request arrive in one step (an accepted draft run), compared with the same request without
+speculation at temperature 0: stops inside the run, the KV blocks given back, and the rest."""
+from __future__ import annotations
+
+import pytest
+
+from rankserve import LLM, SamplingParams
+from rankserve.runtime.detokenize import IncrementalDetokenizer
+
+from conftest import STORIES_EMBEDDED
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+REPEAT = "Lily and Tom went to the park. Lily and Tom went to the"
+GREEDY = dict(temperature=0)
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return LLM(str(STORIES_EMBEDDED), kv_cache_memory_gb=0.05)
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return LLM(str(STORIES_EMBEDDED), kv_cache_memory_gb=0.05, speculative_config=NGRAM)
+
+
+def _same(plain, spec, prompts, params):
+    """Every choice of every prompt: same tokens, text and finish as without speculation; and
+    every KV block back once the requests are done."""
+    want, got = plain.generate(prompts, params), spec.generate(prompts, params)
+    for w, g in zip(want, got):
+        for a, b in zip(w.outputs, g.outputs):
+            assert (b.token_ids, b.text, b.finish_reason, b.stop_reason) == \
+                (a.token_ids, a.text, a.finish_reason, a.stop_reason)
+    kv = spec.engine.scheduler.kv
+    assert kv.num_free_blocks == kv.num_blocks
+    return got
+
+
+# ---- stops inside an accepted draft run ---------------------------------------------------------
+def test_detokenizer_reports_the_token_that_completes_a_stop_string():
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(STORIES_EMBEDDED))
+    ids = tok(" park. They saw a big box", add_special_tokens=False).input_ids
+    d = IncrementalDetokenizer(tok, [1], stop=["park"])
+    _, stop, used = d.push(ids)  # all at once, as an accepted draft run arrives
+    assert stop == "park" and not d.text.strip() and used == 1 + next(
+        i for i in range(len(ids)) if "park" in tok.decode(ids[:i + 1]))
+
+
+def test_stop_string_inside_a_draft_run_ends_the_tokens_there(plain, spec):
+    got = _same(plain, spec, [REPEAT], SamplingParams(max_tokens=40, stop=["park"], **GREEDY))
+    assert got[0].outputs[0].stop_reason == "park"
+    # the streamed deltas add up to the output: nothing past the stop
+    p = SamplingParams(max_tokens=40, stop=["saw a"], **GREEDY)
+    want = plain.generate([REPEAT], p)[0].outputs[0]
+    assert want.stop_reason == "saw a"
+    _same(plain, spec, [REPEAT], p)
