@@ -329,7 +329,7 @@ def parse_speculative_config(value) -> SpecDecodeParams | None:
     d = dict(value)
     method = d.get("method") or ("draft_model" if d.get("model") else None)
     method = SPEC_ALIASES.get(method, method)
-    if method == "ngram" or d.get("model") in ("ngram", "[ngram]"):
+    if d.get("model") in ("ngram", "[ngram]"):  # vLLM's older spelling of the method
         method, d["model"] = "ngram", None
     if method not in SPEC_METHODS:
         raise ConfigError(f"{flag}: method must be one of {', '.join(SPEC_METHODS)}, got {method!r}")

@@ -57,3 +57,20 @@ def test_stop_string_inside_a_draft_run_ends_the_tokens_there(plain, spec):
     want = plain.generate([REPEAT], p)[0].outputs[0]
     assert want.stop_reason == "saw a"
     _same(plain, spec, [REPEAT], p)
+
+
+# ---- --speculative-config: a key the method does not use is refused, not ignored ---------------
+def test_model_key_with_ngram_is_refused():
+    from rankserve.runtime.config import ConfigError, parse_speculative_config
+    assert parse_speculative_config({"model": "[ngram]", "num_speculative_tokens": 2}).model is None
+    with pytest.raises(ConfigError, match=r'--speculative-config: "model" is for methods .* not ngram'):
+        parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2,
+                                  "model": str(STORIES_EMBEDDED)})
+
+
+def test_draft_with_another_vocabulary_is_refused(checkpoint):
+    from rankserve.runtime.config import ConfigError
+    other = checkpoint("LlamaForCausalLM", vocab_size=600)
+    with pytest.raises((ConfigError, ValueError), match="--speculative-config.*vocab"):
+        LLM(str(STORIES_EMBEDDED), kv_cache_memory_gb=0.05, speculative_config={
+            "method": "draft_model", "model": other, "num_speculative_tokens": 2})
