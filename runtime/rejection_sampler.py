@@ -33,7 +33,8 @@ class SpecBatch:
 
 def _random(shape_like: torch.Tensor, kind: str, row_of: torch.Tensor,
             generators: dict[int, torch.Generator] | None) -> torch.Tensor:
-    """Uniform or Exp(1) noise per row; rows of seeded requests from their generator."""
+    """Uniform or Exp(1) noise per row; rows of seeded requests from their generator (rows
+    with row_of -1 draw nothing from it)."""
     x = torch.empty_like(shape_like, dtype=torch.float32)
     x.uniform_() if kind == "uniform" else x.exponential_()
     for req, gen in (generators or {}).items():
@@ -64,7 +65,11 @@ def rejection_sample(probs: torch.Tensor | None, greedy_ids: torch.Tensor, tempe
     if probs is not None:
         p_d = probs[rows, drafts]  # [B, K]
         q_d = 1.0 if spec.draft_probs is None else spec.draft_probs[rows, drafts]
-        u = _random(greedy_ids, "uniform", row_req, generators)[rows]
+        # a seeded request draws one uniform per draft, none for its bonus row: one without
+        # drafts then draws what plain sampling would (its tokens do not depend on whether
+        # others in the batch verify drafts)
+        is_draft = torch.arange(R, device=dev) - spec.row_start[row_req] < spec.num_drafts[row_req]
+        u = _random(greedy_ids, "uniform", torch.where(is_draft, row_req, -1), generators)[rows]
         # u < p / q, written without a division (q may be 0 where p is too)
         stochastic = u * q_d < p_d
         accept = torch.where(greedy_req[:, None], accept, stochastic)

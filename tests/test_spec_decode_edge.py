@@ -74,3 +74,19 @@ def test_draft_with_another_vocabulary_is_refused(checkpoint):
     with pytest.raises((ConfigError, ValueError), match="--speculative-config.*vocab"):
         LLM(str(STORIES_EMBEDDED), kv_cache_memory_gb=0.05, speculative_config={
             "method": "draft_model", "model": other, "num_speculative_tokens": 2})
+
+
+# ---- seeds: a seeded request's draws do not depend on what else is in the batch -----------------
+def test_seeded_sample_does_not_depend_on_a_drafting_neighbour(plain, spec):
+    """Without speculation a seeded request gives the same tokens whatever it is batched with;
+    beside a request that verifies drafts it must too (its generator must not be drawn for a
+    verify step's rows it does not have)."""
+    p = SamplingParams(max_tokens=24, temperature=1.0, seed=11)
+    greedy = SamplingParams(max_tokens=40, **GREEDY)
+    want = plain.generate(["Once upon a time"], p)[0].outputs[0].token_ids
+    before = spec.engine.scheduler.spec.num_drafts
+    got = spec.generate(["Once upon a time", REPEAT], [p, greedy])[0].outputs[0].token_ids
+    assert spec.engine.scheduler.spec.num_drafts > before  # the neighbour did verify drafts
+    alone = spec.generate(["Once upon a time"], p)[0].outputs[0].token_ids
+    assert got == alone
+    assert plain.generate(["Once upon a time", REPEAT], [p, greedy])[0].outputs[0].token_ids == want
