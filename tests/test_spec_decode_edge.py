@@ -90,3 +90,46 @@ def test_seeded_sample_does_not_depend_on_a_drafting_neighbour(plain, spec):
     alone = spec.generate(["Once upon a time"], p)[0].outputs[0].token_ids
     assert got == alone
     assert plain.generate(["Once upon a time", REPEAT], [p, greedy])[0].outputs[0].token_ids == want
+
+
+# ---- through the server (the openai client) -----------------------------------------------------
+def test_server_stops_usage_abort_and_metrics(plain):
+    """Stops inside a draft run (streamed and not: same text and usage as plain decoding), a
+    client that disconnects mid-stream (its blocks come back), and the spec_decode counters."""
+    import json
+    import time
+
+    import httpx
+    import openai
+
+    from test_server import Server, metric
+    s = Server("--speculative-config", json.dumps(NGRAM), "--kv-cache-memory-gb", "0.05")
+    try:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+        model = c.models.list().data[0].id
+        for stop in (["park"], ["saw a"]):
+            w = plain.generate([REPEAT], SamplingParams(max_tokens=40, stop=stop, **GREEDY))[0].outputs[0]
+            kw = dict(model=model, prompt=REPEAT, max_tokens=40, temperature=0, stop=stop)
+            r = c.completions.create(**kw)
+            assert (r.choices[0].text, r.usage.completion_tokens, r.choices[0].finish_reason) == \
+                (w.text, len(w.token_ids), "stop")
+            chunks = list(c.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+            assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == w.text
+            assert chunks[-1].usage.completion_tokens == len(w.token_ids)
+        with httpx.Client(base_url=s.url, timeout=60) as h:
+            with h.stream("POST", "/v1/completions", json={
+                    "prompt": REPEAT, "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+                    "stream": True}) as r:
+                for i, _ in enumerate(r.iter_lines()):
+                    if i > 3:
+                        break  # disconnect while drafts are being verified
+            for _ in range(100):
+                m = h.get("/metrics").text
+                if metric(m, "rankserve:num_requests_running") == 0:
+                    break
+                time.sleep(0.1)
+        assert metric(m, "rankserve:kv_cache_usage_perc") == 0
+        assert 0 < metric(m, "rankserve:spec_decode_num_accepted_tokens_total") \
+            <= metric(m, "rankserve:spec_decode_num_draft_tokens_total")
+    finally:
+        assert s.stop() == 0
