@@ -4,6 +4,7 @@ speculation at temperature 0: stops inside the run, the KV blocks given back, an
 from __future__ import annotations
 
 import pytest
+import torch
 
 from rankserve import LLM, SamplingParams
 from rankserve.runtime.detokenize import IncrementalDetokenizer
@@ -57,6 +58,36 @@ def test_stop_string_inside_a_draft_run_ends_the_tokens_there(plain, spec):
     want = plain.generate([REPEAT], p)[0].outputs[0]
     assert want.stop_reason == "saw a"
     _same(plain, spec, [REPEAT], p)
+
+
+# ---- cases that already held (pinned): same tokens as plain decoding, every block back -----------
+PLAIN_CASES = {
+    # stop token / EOS-like stop inside an accepted run, and masked by min_tokens inside one
+    "stop_token": dict(max_tokens=40, stop_token_ids=[414]),
+    "stop_token_min_tokens": dict(max_tokens=40, stop_token_ids=[414], min_tokens=12),
+    "max_tokens_1": dict(max_tokens=1),
+    "max_tokens_2": dict(max_tokens=2),
+    "ignore_eos": dict(max_tokens=80, ignore_eos=True),
+    "penalties": dict(max_tokens=40, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5),
+    "n3_include_stop": dict(max_tokens=30, n=3, stop=["box"], include_stop_str_in_output=True),
+}
+
+
+@pytest.mark.parametrize("case", list(PLAIN_CASES))
+def test_same_as_plain(plain, spec, case):
+    _same(plain, spec, [REPEAT, "Once upon a time"], SamplingParams(**PLAIN_CASES[case], **GREEDY))
+
+
+def test_logprobs_grammar_and_max_model_len_beside_drafting_requests(plain, spec):
+    from rankserve.runtime.sampling_params import StructuredOutputsParams
+    _same(plain, spec, [REPEAT] * 3, [
+        SamplingParams(max_tokens=20, logprobs=1, prompt_logprobs=1, **GREEDY),
+        SamplingParams(max_tokens=20, structured_outputs=StructuredOutputsParams(regex="( the park\\.)+"),
+                       **GREEDY),
+        SamplingParams(max_tokens=30, **GREEDY)])
+    ids = plain.tokenizer(REPEAT).input_ids * 40  # a repetitive prompt: drafts run past the end
+    _same(plain, spec, [{"prompt_token_ids": ids[:511]}, {"prompt_token_ids": ids[:505]}, REPEAT],
+          SamplingParams(max_tokens=None, ignore_eos=True, **GREEDY))
 
 
 # ---- --speculative-config: a key the method does not use is refused, not ignored ---------------
@@ -133,3 +164,15 @@ def test_server_stops_usage_abort_and_metrics(plain):
             <= metric(m, "rankserve:spec_decode_num_draft_tokens_total")
     finally:
         assert s.stop() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_stop_in_draft_run_and_seed_beside_drafts():
+    """The two sampling-side fixes on the device path (CUDA graphs, the device sampler)."""
+    kw = dict(dtype="float32", max_num_seqs=8, gpu_memory_utilization=0.3)
+    plain, spec = LLM(str(STORIES_EMBEDDED), **kw), LLM(str(STORIES_EMBEDDED), speculative_config=NGRAM, **kw)
+    _same(plain, spec, [REPEAT], SamplingParams(max_tokens=40, stop=["park"], **GREEDY))
+    p = SamplingParams(max_tokens=24, temperature=1.0, seed=11)
+    got = spec.generate(["Once upon a time", REPEAT], [p, SamplingParams(max_tokens=40, **GREEDY)])
+    assert got[0].outputs[0].token_ids == spec.generate(["Once upon a time"], p)[0].outputs[0].token_ids

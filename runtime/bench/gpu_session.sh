@@ -236,7 +236,7 @@ for stage in "$@"; do case $stage in
   gputests) # the GPU tests of the feature issues in one pytest (parallel processes would each see
         # the others' memory in their memory profile and find no room for a KV cache)
         run gputests 400 python3 -m pytest -q -m gpu -p no:cacheprovider ${GPUTESTS:-tests/test_deepseek_mla_kernel.py \
-          tests/test_deepseek.py tests/test_hybrid.py tests/test_mamba_kernels.py tests/test_spec_decode.py \
+          tests/test_deepseek.py tests/test_hybrid.py tests/test_mamba_kernels.py tests/test_spec_decode.py tests/test_spec_decode_edge.py \
           tests/test_spec_decode_mtp.py tests/test_spec_decode_eagle.py tests/test_gpu_sleep.py tests/test_preemption_mode.py} ;;
   lora) # 8 rank-16 adapters over W1's requests, 1 adapter on W2, each beside the base model
         L="--enable-lora --max-lora-rank 16"
@@ -279,7 +279,7 @@ for stage in "$@"; do case $stage in
         if [ $stage = w1prof ]; then B="throughput qwen3-0.6b --workload w1 --max-num-seqs 256"
         else B="latency llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --num-iters 2 --max-num-seqs 8"; fi
         run $stage 200 python3 -m rankserve.launch bench $B --cache-dir "$CACHE" --profile-dir "$OUT/prof-$stage" ;;
-  spectests) run spectests 300 python3 -m pytest -q -x -m gpu tests/test_spec_decode.py tests/test_spec_decode_pause.py ;;
+  spectests) run spectests 300 python3 -m pytest -q -x -m gpu tests/test_spec_decode.py tests/test_spec_decode_pause.py tests/test_spec_decode_edge.py ;;
   *) echo "unknown stage $stage" ;;
 esac; done
 echo "== summary"; cat "$OUT/summary.txt"
