@@ -113,15 +113,18 @@ class OutputProcessor:
                 ids = ids[:-1]
             _, stop_str, used = st.detok.push(ids)
             out.text = st.detok.text
-            if stop_str is not None and used < len(ids):  # tokens past the stop: not output
+            engine_done = o.finish_reason is not None
+            if stop_str is not None and used < len(o.new_token_ids) and not o.error:
+                # several tokens arrived at once (speculative decoding): those after the one that
+                # completed the stop string, an EOS / stop token included, are not output
                 del out.token_ids[len(out.token_ids) - len(o.new_token_ids) + used:]
                 out.delta_token_ids = out.delta_token_ids[:used]
                 if o.new_logprobs and out.logprobs is not None:
                     del out.logprobs[len(out.logprobs) - len(o.new_logprobs) + used:]
                     out.delta_logprobs = o.new_logprobs[:used]
-                o.finish_reason = o.stop_reason = None  # (an EOS / stop token past it, dropped)
+                o.finish_reason = None
             if stop_str is not None and o.finish_reason is None:
-                o.finish_reason, o.stop_reason, abort = FinishReason.STOP, stop_str, True
+                o.finish_reason, o.stop_reason, abort = FinishReason.STOP, stop_str, not engine_done
             elif stop_str is not None:
                 o.finish_reason, o.stop_reason = FinishReason.STOP, stop_str
             out.delta_text = st.detok.take_delta(final=o.finish_reason is not None)

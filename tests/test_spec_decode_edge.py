@@ -50,6 +50,24 @@ def test_detokenizer_reports_the_token_that_completes_a_stop_string():
         i for i in range(len(ids)) if "park" in tok.decode(ids[:i + 1]))
 
 
+def test_stop_string_then_eos_in_one_output():
+    """A run that completes a stop string and then ends with EOS (the engine's stop): the output
+    ends at the stop string's token, as in plain decoding (where the EOS never comes), and the
+    finished request is not aborted again."""
+    from transformers import AutoTokenizer
+
+    from rankserve.runtime.messages import EngineCoreOutput, FinishReason
+    from rankserve.runtime.outputs import OutputProcessor
+    tok = AutoTokenizer.from_pretrained(str(STORIES_EMBEDDED))
+    ids = tok(" the big park", add_special_tokens=False).input_ids
+    proc = OutputProcessor(tok)
+    proc.add_request("r", None, [1], SamplingParams(stop=["park"]))
+    ro, abort = proc.process(EngineCoreOutput("r", ids + [tok.eos_token_id], finish_reason=FinishReason.STOP))
+    out = ro.outputs[0]
+    assert (out.token_ids, out.delta_token_ids, out.text.strip(), out.finish_reason, out.stop_reason, abort) \
+        == (ids, ids, "the big", "stop", "park", False)
+
+
 def test_stop_string_inside_a_draft_run_ends_the_tokens_there(plain, spec):
     got = _same(plain, spec, [REPEAT], SamplingParams(max_tokens=40, stop=["park"], **GREEDY))
     assert got[0].outputs[0].stop_reason == "park"
