@@ -105,7 +105,7 @@ def test_logprobs_grammar_and_max_model_len_beside_drafting_requests(plain, spec
         SamplingParams(max_tokens=30, **GREEDY)])
     ids = plain.tokenizer(REPEAT).input_ids * 40  # a repetitive prompt: drafts run past the end
     _same(plain, spec, [{"prompt_token_ids": ids[:511]}, {"prompt_token_ids": ids[:505]}, REPEAT],
-          SamplingParams(max_tokens=None, ignore_eos=True, **GREEDY))
+          [SamplingParams(max_tokens=None, ignore_eos=True, **GREEDY)] * 2 + [SamplingParams(max_tokens=30, **GREEDY)])
 
 
 # ---- --speculative-config: a key the method does not use is refused, not ignored ---------------
