@@ -107,3 +107,72 @@ def test_responses_text_fields_are_not_dropped(server):
 @pytest.mark.parametrize("words", [[""], ["  "], ["ok", ""]])
 def test_empty_bad_words_are_400(server, words):
     bad_request(completion(server, bad_words=words), "bad_words")
+
+
+def nested_tool_schema() -> dict:
+    """What pydantic (and openai.pydantic_function_tool) writes for nested models: $defs and
+    local $refs, one of them recursive."""
+    import enum
+
+    import pydantic
+
+    class Unit(str, enum.Enum):
+        c = "c"
+        f = "f"
+
+    class Place(pydantic.BaseModel):
+        city: str = pydantic.Field(max_length=10)
+        near: list["Place"] = pydantic.Field(default_factory=list, max_length=1)
+
+    class Query(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="forbid")
+        place: Place
+        unit: Unit
+        days: int | None = pydantic.Field(default=None, ge=1, le=7)
+
+    schema = Query.model_json_schema()
+    assert "$defs" in schema and "$ref" in json.dumps(schema["properties"])
+    return schema
+
+
+def test_forced_tool_calls_with_refs_in_the_schema(client):
+    """tool_choice required builds one schema of all the tools: each tool's local $refs
+    (#/$defs/...) must still resolve inside it (was a 400: "Cannot find field '$defs'")."""
+    import jsonschema
+    schema = nested_tool_schema()
+    tools = [{"type": "function", "function": {"name": "look", "parameters": schema}},
+             {"type": "function", "function": {"name": "other", "parameters": {
+                 "type": "object", "properties": {"x": {"$ref": "#/$defs/X"}}, "required": ["x"],
+                 "$defs": {"X": {"enum": [1, 2]}}}}}]
+    schemas = {"look": schema, "other": tools[1]["function"]["parameters"]}
+    got = 0
+    for seed in range(3):
+        r = client.chat.completions.create(
+            model="q", messages=MESSAGES, max_tokens=300, temperature=1.0, seed=seed,
+            extra_body=NO_THINK, tools=tools, tool_choice="required", parallel_tool_calls=False)
+        calls = r.choices[0].message.tool_calls or []
+        assert len(calls) <= 1
+        for c in calls:
+            jsonschema.validate(json.loads(c.function.arguments), schemas[c.function.name])
+            got += 1
+    assert got  # (random weights finish a call within 300 tokens on these seeds)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}])
+def test_forced_tool_choice_without_tools_is_400(client, choice):
+    import openai
+    with pytest.raises(openai.BadRequestError, match="tools"):
+        client.chat.completions.create(model="q", messages=MESSAGES, max_tokens=4,
+                                       extra_body=NO_THINK, tool_choice=choice)
+
+
+def test_anthropic_tool_choice_is_checked(claude):
+    import anthropic
+    tools = [{"name": "w", "input_schema": {"type": "object", "properties": {
+        "d": {"type": "integer"}}, "required": ["d"]}}]
+    kw = dict(model="q", max_tokens=4, messages=MESSAGES, thinking={"type": "disabled"})
+    for tc, tl in (({"type": "any"}, None), ({"type": "tool", "name": "w"}, None),
+                   ({"type": "any", "disable_parallel": True}, tools),  # a misspelt field
+                   ({"type": "none", "name": "w"}, tools)):
+        with pytest.raises(anthropic.BadRequestError, match="tool"):
+            claude.messages.create(**kw, tool_choice=tc, **({"tools": tl} if tl else {}))
