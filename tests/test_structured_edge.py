@@ -176,3 +176,35 @@ def test_anthropic_tool_choice_is_checked(claude):
                    ({"type": "none", "name": "w"}, tools)):
         with pytest.raises(anthropic.BadRequestError, match="tool"):
             claude.messages.create(**kw, tool_choice=tc, **({"tools": tl} if tl else {}))
+
+
+@pytest.fixture(scope="module")
+def qwen3_tokenizer(qwen3_chat_dir):
+    import transformers
+    return transformers.AutoTokenizer.from_pretrained(str(qwen3_chat_dir))
+
+
+def parse_pieces(tok, pieces: list[str]):
+    """Feed the hermes parser one piece at a time, "<tool_call>" as its special token."""
+    from rankserve.runtime.parse.families import make_parser
+    p = make_parser(tok, "hermes", None)
+    for s in pieces:
+        p.feed([151657] if s == "<tool_call>" else tok.encode(s, add_special_tokens=False), s)
+    p.finish()
+    return p.result()
+
+
+@pytest.mark.parametrize("tail, content", [
+    (["</tool_call>"], None),  # the special token
+    (["<", "/t", "oo", "l", "_cal", "l", ">"], None),  # the same characters as plain tokens
+    (["<", "/t", "oo", "l", "_cal", "l", ">", ">("], ">("),
+    (["x"], "x"),  # text that is not the end marker: given back after the call, once
+])
+def test_hermes_call_closed_by_text_spelled_end_marker(qwen3_tokenizer, tail, content):
+    """A strict tool's structural tag ends a call with the text "}\\n</tool_call>", which the
+    model may spell with ordinary tokens (seen at temperature 1.0). The call is complete; its
+    closing characters were leaked into the content as well ('"}}\\n</tool_call>')."""
+    r = parse_pieces(qwen3_tokenizer, ["<tool_call>", '\n{"name": "t", "arguments": {"tz": "', "UTC",
+                                       '"}}\n', *tail])
+    assert [(c.name, json.loads(c.arguments)) for c in r.tool_calls] == [("t", {"tz": "UTC"})]
+    assert (r.content.strip() if r.content else None) == content
