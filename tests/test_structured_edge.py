@@ -87,6 +87,8 @@ def test_supported_schema_keywords_still_work(server):
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}}, "strict": True},
      "response_format.strict"),
     ({"type": "json_schema", "schema": {"type": "integer"}}, "response_format.schema"),
+    ({"type": "json_object", "schema": {"type": "object"}}, "response_format.schema"),
+    ({"type": "text", "json_schema": {}}, "response_format.json_schema"),
 ])
 def test_response_format_fields_are_not_dropped(server, fmt, param):
     bad_request(completion(server, response_format=fmt), param)

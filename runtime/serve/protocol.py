@@ -231,6 +231,10 @@ def structured_from(req: SamplingRequest, fmt_param: str = "response_format",
     found: list[tuple[str, StructuredOutputsParams]] = []
     if fmt is not None:
         kind = fmt.get("type")
+        extra = sorted(fmt.keys() - {"type"})
+        if kind in ("text", "json_object") and extra:  # (e.g. a schema beside json_object)
+            raise APIError(f"{fmt_param}: unknown field(s) {extra} for type {kind}",
+                           param=f"{fmt_param}.{extra[0]}")
         if kind == "json_object":
             found.append((fmt_param, StructuredOutputsParams(json_object=True)))
         elif kind == "json_schema":
