@@ -210,3 +210,20 @@ def test_hermes_call_closed_by_text_spelled_end_marker(qwen3_tokenizer, tail, co
                                        '"}}\n', *tail])
     assert [(c.name, json.loads(c.arguments)) for c in r.tool_calls] == [("t", {"tz": "UTC"})]
     assert (r.content.strip() if r.content else None) == content
+
+
+def test_offline_bad_words_and_unenforceable_schema_are_errors(qwen3_chat_dir):
+    """Through `LLM`: the same refusals as the server's 400s (an empty bad word was an
+    IndexError from the tokenization, an unenforceable keyword was silently dropped)."""
+    from rankserve.runtime.llm import LLM
+    from rankserve.runtime.sampling_params import SamplingParams, StructuredOutputsParams
+    llm = LLM(str(qwen3_chat_dir), max_model_len=256)
+    with pytest.raises(ValueError, match="bad_words"):
+        llm.generate(["hi"], SamplingParams(max_tokens=4, bad_words=["ok", " "]))
+    with pytest.raises(ValueError, match="uniqueItems"):
+        llm.generate(["hi"], SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(
+            json={"type": "array", "uniqueItems": True})))
+    [out] = llm.generate(["hi"], SamplingParams(max_tokens=40, temperature=1.0, seed=0,
+                                                structured_outputs=StructuredOutputsParams(
+                                                    choice=["alpha", "beta"])))
+    assert out.outputs[0].text in ("alpha", "beta")
