@@ -227,3 +227,14 @@ def test_offline_bad_words_and_unenforceable_schema_are_errors(qwen3_chat_dir):
                                                 structured_outputs=StructuredOutputsParams(
                                                     choice=["alpha", "beta"])))
     assert out.outputs[0].text in ("alpha", "beta")
+
+
+@pytest.mark.parametrize("extra", [{"min_tokens": 3}, {"allowed_token_ids": [1000]}])
+def test_constraint_conflicting_with_token_restrictions_is_400_naming_them(server, extra):
+    """choice "a" ends after one token, so min_tokens (EOS banned) or allowed_token_ids leave
+    no token the grammar allows: a 400 that says why, and nothing left running."""
+    err = bad_request(completion(server, structured_outputs={"choice": ["a"]}, **extra))
+    assert "min_tokens" in err["message"] and "allowed_token_ids" in err["message"], err
+    m = httpx.get(server.url + "/metrics").text
+    assert 'rankserve:num_requests_running{engine="0",model_name="q"} 0.0' in m
+    assert 'rankserve:kv_cache_blocks_used{engine="0",model_name="q"} 0.0' in m
