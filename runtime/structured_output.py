@@ -129,7 +129,9 @@ def _parse_grammar(so: StructuredOutputsParams):
         if kind == "choice":
             if not so.choice:
                 raise ValueError("the list of choices is empty")
-            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in so.choice))
+            # literal characters, not \u escapes: EBNF reads a surrogate pair as two characters
+            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False)
+                                                                  for c in so.choice))
         if kind == "grammar":
             return xgr.Grammar.from_ebnf(so.grammar)
         tag = json.loads(so.structural_tag)

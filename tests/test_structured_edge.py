@@ -238,3 +238,17 @@ def test_constraint_conflicting_with_token_restrictions_is_400_naming_them(serve
     m = httpx.get(server.url + "/metrics").text
     assert 'rankserve:num_requests_running{engine="0",model_name="q"} 0.0' in m
     assert 'rankserve:kv_cache_blocks_used{engine="0",model_name="q"} 0.0' in m
+
+
+def test_choices_outside_the_basic_plane(server):
+    """A choice with a character beyond U+FFFF (an emoji) was written into the grammar as a
+    JSON surrogate-pair escape, which matches no UTF-8 text: the output was '' (not a choice)."""
+    seen = set()
+    for seed, choices in enumerate((["😀", "🙂"], ["😀", "x"], ["😀", "𝔵y", 'a"b\\c', "tab\there"]) * 2):
+        r = completion(server, max_tokens=30, temperature=1.0, seed=seed,
+                       structured_outputs={"choice": choices})
+        assert r.status_code == 200, r.text
+        c = r.json()["choices"][0]
+        assert c["text"] in choices and c["finish_reason"] == "stop", c
+        seen.add(c["text"])
+    assert "😀" in seen
