@@ -9,6 +9,7 @@ output would then not validate against the schema the client gave. Issue #13: su
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 # keyword -> why (shown to the client)
@@ -21,6 +22,8 @@ UNSUPPORTED = {
     "$dynamicRef": "dynamic references", "$recursiveRef": "dynamic references",
     "unevaluatedItems": "unevaluated items",
 }
+# a lookahead / lookbehind group (not an escaped parenthesis): xgrammar ignores lookaheads
+_LOOKAROUND = re.compile(r"(?<!\\)\(\?<?[=!]")
 # keywords whose value is one subschema, a list of them, or a name -> subschema map
 _ONE = ("items", "additionalProperties", "propertyNames", "additionalItems",
         "unevaluatedProperties", "if", "then", "else", "not", "contains")
@@ -52,6 +55,9 @@ def check_schema(schema: Any, where: str = "#") -> None:
         missing = [r for r in required if r not in props]
         if missing:  # (xgrammar closes objects by default, so it could never write them)
             _refuse(f"{where}/required", f"required {missing} not among the properties")
+    patterns = [schema.get("pattern")] + list((schema.get("patternProperties") or {}).keys())
+    if any(isinstance(p, str) and _LOOKAROUND.search(p) for p in patterns):
+        _refuse(f"{where}/pattern", "a lookaround group ((?=, (?!, (?<=, (?<!) in a pattern")
     ref = schema.get("$ref")
     if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
         _refuse(f"{where}/$ref", f"$ref {ref!r} (only local '#/...' references)")

@@ -52,6 +52,8 @@ def bad_request(r, *words):
      "allOf"),
     ({"type": "string", "pattern": "^a+$", "maxLength": 3}, "maxLength"),
     ({"$ref": "https://example.com/schema.json"}, "$ref"),
+    ({"type": "string", "pattern": "^(?!x)[a-z]+$"}, "lookaround"),
+    ({"type": "object", "patternProperties": {"^(?<=a)b$": {"type": "integer"}}}, "lookaround"),
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "z"]}, "'z'"),
     # deep inside: a property of an array item of a $defs entry
     ({"$defs": {"P": {"type": "object", "properties": {"t": {"type": "array", "items": {
