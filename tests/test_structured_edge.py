@@ -177,7 +177,8 @@ def test_anthropic_tool_choice_is_checked(claude):
     kw = dict(model="q", max_tokens=4, messages=MESSAGES, thinking={"type": "disabled"})
     for tc, tl in (({"type": "any"}, None), ({"type": "tool", "name": "w"}, None),
                    ({"type": "any", "disable_parallel": True}, tools),  # a misspelt field
-                   ({"type": "none", "name": "w"}, tools)):
+                   ({"type": "none", "name": "w"}, tools),
+                   ({"type": "any", "disable_parallel_tool_use": "yes"}, tools)):
         with pytest.raises(anthropic.BadRequestError, match="tool"):
             claude.messages.create(**kw, tool_choice=tc, **({"tools": tl} if tl else {}))
 
@@ -254,3 +255,32 @@ def test_choices_outside_the_basic_plane(server):
         assert c["text"] in choices and c["finish_reason"] == "stop", c
         seen.add(c["text"])
     assert "😀" in seen
+
+
+def test_abort_while_the_grammar_compiles_leaks_nothing(server):
+    """Streams closed at once, and a client that gives up, while their (distinct, slow-ish)
+    grammars compile: nothing stays running or waiting, no KV block stays used, and the
+    server still answers a constrained request."""
+    import time
+    big = {"type": "object", "required": [f"p{i}" for i in range(60)], "properties": {
+        f"p{i}": {"type": "string", "pattern": f"^[a-z]{{{i % 7 + 1},{i % 7 + 30}}}x(ab|cd)*$"}
+        for i in range(60)}}
+    body = {"prompt": "x" * 40, "max_tokens": 100}
+    for k in range(3):
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
+                **body, "stream": True, "structured_outputs": {"json": {**big, "title": f"t{k}"}}}):
+            pass
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/completions", timeout=0.05,
+                   json={**body, "structured_outputs": {"json": {**big, "title": "late"}}})
+    metrics = ""
+    for _ in range(100):
+        metrics = httpx.get(server.url + "/metrics").text
+        if all(f'rankserve:{m}{{engine="0",model_name="q"}} 0.0' in metrics for m in (
+                "num_requests_running", "num_requests_waiting", "kv_cache_blocks_used")):
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(metrics)
+    r = completion(server, structured_outputs={"choice": ["done"]})
+    assert r.json()["choices"][0]["text"] == "done"

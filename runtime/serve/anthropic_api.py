@@ -94,6 +94,8 @@ def _tool_choice(tc: dict | None):
     extra = sorted(tc.keys() - {"type"} - TOOL_CHOICE_FIELDS.get(kind, set()))
     if kind in TOOL_CHOICE_FIELDS and extra:
         raise APIError(f"tool_choice {kind!r}: unknown field(s) {extra}", param="tool_choice")
+    if not isinstance(tc.get("disable_parallel_tool_use", False), bool):
+        raise APIError("tool_choice.disable_parallel_tool_use must be a boolean", param="tool_choice")
     if kind == "tool":
         return {"type": "function", "function": {"name": tc.get("name")}}
     if kind not in TOOL_CHOICE:
