@@ -283,7 +283,7 @@ def _json_schema_format(fmt: dict, fmt_param: str) -> dict:
     schema, strict}`), Responses puts it beside the type. An unknown key is a 400, not dropped;
     `strict` true or false both get the schema enforced (false only allows, not asks, less)."""
     nested = fmt_param == "response_format"
-    spec = fmt.get("json_schema") if nested else fmt
+    spec = fmt.get("json_schema", {}) if nested else fmt  # (missing: the schema is missing)
     where = f"{fmt_param}.json_schema" if nested else fmt_param
     outer = {"type", "json_schema"} if nested else {"type", *JSON_SCHEMA_KEYS}
     for obj, allowed, at in ((fmt, outer, fmt_param), (spec, JSON_SCHEMA_KEYS if nested else outer, where)):
