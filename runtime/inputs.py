@@ -8,7 +8,7 @@ import time
 import msgspec
 
 from .messages import EngineCoreRequest
-from .sampling_params import SamplingParams
+from .sampling_params import ParamError, SamplingParams
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tekken.json")
 
@@ -43,6 +43,8 @@ def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
     gives a different first token in as many tokens (a word mid-sentence)."""
     out = []
     for word in words:
+        if not isinstance(word, str) or not word.strip():  # no tokens to ban (was an IndexError)
+            raise ParamError("bad_words must be non-empty words (not only whitespace)", "bad_words")
         plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
         spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
         out.append(plain)

@@ -117,6 +117,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         if self.allowed_token_ids is not None and (not self.allowed_token_ids or any(
                 not 0 <= t < hi for t in self.allowed_token_ids)):
             bad("allowed_token_ids", f"a non-empty list of token ids in [0, {hi})")
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):  # (no tokens)
+            raise ParamError("bad_words must be non-empty words (not only whitespace)", "bad_words")
         if any(not w or any(not 0 <= t < hi for t in w) for w in self.bad_words_token_ids):
             raise ParamError(f"bad_words must be non-empty words of token ids in [0, {hi})", "bad_words")
         if self.structured_outputs is not None:

@@ -536,7 +536,10 @@ class Scheduler:
                 self._finish(req, reason, stop)
                 o.finish_reason, o.stop_reason = reason, stop
                 if reason == FinishReason.ERROR:
-                    o.error = "the sampled token violates the structured output constraint"
+                    # only reachable when another restriction masked every token the grammar allows
+                    o.error = ("the sampled token violates the structured output constraint: no "
+                               "token satisfies both it and the request's min_tokens / "
+                               "allowed_token_ids / bad_words / stop restrictions")
             outputs.append(o)
         for rid, entries in result.prompt_logprobs.items():
             if rid in self.requests:

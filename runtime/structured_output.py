@@ -24,6 +24,7 @@ import numpy as np
 
 from . import envs
 from .grammar_state import at_string_start, plain_tokens, string_rules, token_lengths
+from .json_schema_check import UnsupportedSchema, check_schema
 from .sampling_params import StructuredOutputsParams
 
 MAX_WHITESPACE = 64  # a JSON whitespace run longer than this is never useful (and could loop)
@@ -74,8 +75,41 @@ def _json_strings(grammar):
 def parse_grammar(so: StructuredOutputsParams):
     """The xgrammar Grammar for a constraint; JSON ones (schemas, also inside structural tags)
     with their strings mended (_json_strings). A user's own regex or grammar stays as written."""
+    _check_schemas(so)
     g = _parse_grammar(so)
     return _json_strings(g) if so.kind in ("json", "json_object", "structural_tag") else g
+
+
+def _check_schemas(so: StructuredOutputsParams) -> None:
+    """ValueError if a JSON schema of the constraint uses a keyword the grammar would not
+    enforce (json_schema_check.py); in a structural tag, every "schema" / "json_schema" value."""
+    kind = so.kind
+    if kind not in ("json", "structural_tag"):
+        return
+    try:
+        spec = json.loads(getattr(so, kind)) if isinstance(getattr(so, kind), str) else so.json
+    except ValueError:
+        return  # not JSON: the parse below names the error
+    try:
+        if kind == "json":
+            check_schema(spec)
+        else:
+            for schema in _tag_schemas(spec):
+                check_schema(schema)
+    except UnsupportedSchema as e:
+        raise ValueError(f"invalid structured_outputs.{kind}: {e}") from None
+
+
+def _tag_schemas(value):
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if k in ("schema", "json_schema") and isinstance(v, dict):
+                yield v
+            else:
+                yield from _tag_schemas(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _tag_schemas(v)
 
 
 def _parse_grammar(so: StructuredOutputsParams):
@@ -95,7 +129,9 @@ def _parse_grammar(so: StructuredOutputsParams):
         if kind == "choice":
             if not so.choice:
                 raise ValueError("the list of choices is empty")
-            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in so.choice))
+            # literal characters, not \u escapes: EBNF reads a surrogate pair as two characters
+            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False)
+                                                                  for c in so.choice))
         if kind == "grammar":
             return xgr.Grammar.from_ebnf(so.grammar)
         tag = json.loads(so.structural_tag)

@@ -46,6 +46,7 @@ class StreamingParser:
         self._index = 0
         self._next: str | None = None  # set by a handler: move to this state
         self._broken = False  # set by a handler: the tool call is not valid
+        self._raw_skip = 0  # characters of the text being consumed that belong to an ended call
 
     # public API -----------------------------------------------------------------------------
     def feed(self, token_ids: list[int], text: str) -> list[Delta]:
@@ -103,14 +104,18 @@ class StreamingParser:
         """Earliest terminal of this state in the buffer, and where a literal terminal might be
         starting at the end of the buffer (text from there on waits for more)."""
         best, best_rule, hold = len(self.buf), None, len(self.buf)
+        # a finished call's closing marker also counts as plain text: a constrained call (a
+        # strict tool's structural tag) ends with the marker's text, in whatever tokens
+        closed = self._reader is not None and self._reader.done and self._call is None
         for rule in st.rules:
             t = rule.on
-            if t.token_id is not None and not self._pending.get(t.token_id):
+            literal = t.token_id is None or (closed and st.emit in TOOL_KINDS)
+            if not literal and not self._pending.get(t.token_id):
                 continue
             i = self.buf.find(t.text)
             if i >= 0 and (i < best or (i == best and best_rule and len(t.text) > len(best_rule.on.text))):
                 best, best_rule = i, rule
-            if t.token_id is None and not final:
+            if literal and not final:
                 for k in range(min(len(t.text) - 1, len(self.buf)), 0, -1):
                     if self.buf.endswith(t.text[:k]):
                         hold = min(hold, len(self.buf) - k)
@@ -119,11 +124,12 @@ class StreamingParser:
 
     def _consume(self, n: int) -> None:
         eaten, self.buf = self.buf[:n], self.buf[n:]
+        skip, self._raw_skip = self._raw_skip, 0  # the part of `eaten` that ended a call
         for tid, text in self._id_terms.items():
             if self._pending.get(tid) and text in eaten:
                 self._pending[tid] = max(0, self._pending[tid] - eaten.count(text))
         if self._raw is not None:
-            self._raw += eaten
+            self._raw += eaten[skip:]
 
     def _transition(self, st: State, rule: Rule) -> None:
         if st.emit == "tool_name":
@@ -188,6 +194,8 @@ class StreamingParser:
         for i, ch in enumerate(text):
             for act in self._reader.feed(ch):
                 self._act(act)
+                if act[0] == "call_end" and self._raw is not None:
+                    self._raw_skip = i + 1  # (see _consume)
                 if self._broken:
                     return i
             if self._reader.done and st.after:

@@ -13,6 +13,9 @@ from .protocol import (APIError, CountTokensRequest, MessagesRequest, SamplingRe
                        check_prompts, check_tool_schemas, random_id, sampling_params)
 
 TOOL_CHOICE = {"auto": "auto", "none": "none", "any": "required"}
+# the fields of each tool_choice type (Anthropic's); any other is a 400, not dropped
+TOOL_CHOICE_FIELDS = {"auto": {"disable_parallel_tool_use"}, "any": {"disable_parallel_tool_use"},
+                      "tool": {"name", "disable_parallel_tool_use"}, "none": set()}
 
 
 def _text(content, where: str) -> str:
@@ -88,6 +91,11 @@ def _tool_choice(tc: dict | None):
     if tc is None:
         return None
     kind = tc.get("type")
+    extra = sorted(tc.keys() - {"type"} - TOOL_CHOICE_FIELDS.get(kind, set()))
+    if kind in TOOL_CHOICE_FIELDS and extra:
+        raise APIError(f"tool_choice {kind!r}: unknown field(s) {extra}", param="tool_choice")
+    if not isinstance(tc.get("disable_parallel_tool_use", False), bool):
+        raise APIError("tool_choice.disable_parallel_tool_use must be a boolean", param="tool_choice")
     if kind == "tool":
         return {"type": "function", "function": {"name": tc.get("name")}}
     if kind not in TOOL_CHOICE:

@@ -24,6 +24,7 @@ from ..render import get_renderer
 from .args import ServerArgs
 from .client import EngineClient, EngineDeadError, RequestError, RequestStream, Update
 from .protocol import APIError
+from .tool_schema import required_calls_schema
 
 log = logging.getLogger("rankserve.serve")
 
@@ -268,6 +269,10 @@ class ServeContext:
         - required / a named function: the output is constrained to a JSON schema of the call(s)
           (vLLM's way) and becomes tool calls whatever the parser; `strict` holds by construction.
         `parallel=False` allows at most one call."""
+        if tool_choice == "required" or isinstance(tool_choice, dict):
+            if not tools:  # vLLM: a 400 too; without it the output would be silently free
+                raise APIError("tool_choice required / a named function needs tools",
+                               param="tool_choice")
         if not tools or tool_choice == "none":
             return ToolMode()
         if tool_choice in (None, "auto"):
@@ -281,12 +286,7 @@ class ServeContext:
             fn = t.get("function", t) if isinstance(t, dict) else {}
             schemas[fn.get("name")] = fn.get("parameters") or {"type": "object", "properties": {}}
         if tool_choice == "required":
-            one = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
-                    "required": ["name", "parameters"]} for name, schema in schemas.items()]
-            schema = {"type": "array", "minItems": 1, "items": {"anyOf": one}}
-            if not parallel:
-                schema["maxItems"] = 1
-            return ToolMode(forced="required", schema=schema)
+            return ToolMode(forced="required", schema=required_calls_schema(schemas, parallel))
         name = ((tool_choice or {}).get("function") or {}).get("name") \
             if isinstance(tool_choice, dict) else None
         if name not in schemas:

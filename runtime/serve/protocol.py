@@ -231,15 +231,14 @@ def structured_from(req: SamplingRequest, fmt_param: str = "response_format",
     found: list[tuple[str, StructuredOutputsParams]] = []
     if fmt is not None:
         kind = fmt.get("type")
+        extra = sorted(fmt.keys() - {"type"})
+        if kind in ("text", "json_object") and extra:  # (e.g. a schema beside json_object)
+            raise APIError(f"{fmt_param}: unknown field(s) {extra} for type {kind}",
+                           param=f"{fmt_param}.{extra[0]}")
         if kind == "json_object":
             found.append((fmt_param, StructuredOutputsParams(json_object=True)))
         elif kind == "json_schema":
-            spec = fmt.get("json_schema", fmt)  # Responses puts the schema beside the type
-            schema = spec.get("schema") if isinstance(spec, dict) else None
-            if not isinstance(schema, dict):
-                raise APIError(f"{fmt_param}.json_schema.schema must be a JSON schema object",
-                               param=f"{fmt_param}.json_schema.schema")
-            found.append((fmt_param, StructuredOutputsParams(json=schema)))
+            found.append((fmt_param, StructuredOutputsParams(json=_json_schema_format(fmt, fmt_param))))
         elif kind == "structural_tag":
             found.append((fmt_param, StructuredOutputsParams(structural_tag=json.dumps(fmt))))
         elif kind != "text":
@@ -274,6 +273,31 @@ def structured_from(req: SamplingRequest, fmt_param: str = "response_format",
             isinstance(c, str) and c for c in params.choice)):
         raise APIError("choice must be a non-empty list of non-empty strings", param=name)
     return params
+
+
+JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
+
+
+def _json_schema_format(fmt: dict, fmt_param: str) -> dict:
+    """The schema of a json_schema format: chat / completions nest it (`json_schema: {name,
+    schema, strict}`), Responses puts it beside the type. An unknown key is a 400, not dropped;
+    `strict` true or false both get the schema enforced (false only allows, not asks, less)."""
+    nested = fmt_param == "response_format"
+    spec = fmt.get("json_schema", {}) if nested else fmt  # (missing: the schema is missing)
+    where = f"{fmt_param}.json_schema" if nested else fmt_param
+    outer = {"type", "json_schema"} if nested else {"type", *JSON_SCHEMA_KEYS}
+    for obj, allowed, at in ((fmt, outer, fmt_param), (spec, JSON_SCHEMA_KEYS if nested else outer, where)):
+        if not isinstance(obj, dict):
+            raise APIError(f"{at} must be an object", param=at)
+        extra = sorted(obj.keys() - allowed)
+        if extra:
+            raise APIError(f"{at}: unknown field(s) {extra}", param=f"{at}.{extra[0]}")
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise APIError(f"{where}.strict must be a boolean", param=f"{where}.strict")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise APIError(f"{where}.schema must be a JSON schema object", param=f"{where}.schema")
+    return schema
 
 
 def check_prompts(prompts: list[list[int]], info: dict, max_tokens: int | None, n: int = 1,

@@ -199,6 +199,9 @@ async def create_response(ctx: ServeContext, req: ResponsesRequest):
     if req.previous_response_id:
         raise APIError("previous_response_id is not supported: responses are not stored; send "
                        "the whole conversation as input", param="previous_response_id")
+    extra = sorted((req.text or {}).keys() - {"format"})
+    if extra:  # e.g. verbosity: not implemented, so not silently accepted
+        raise APIError(f"text: unsupported field(s) {extra}", param=f"text.{extra[0]}")
     fmt = (req.text or {}).get("format")
     structured = structured_from(SamplingRequest(), "text.format", fmt) if fmt else None
     tools, choice = to_tools(req.tools), _tool_choice(req.tool_choice)
