@@ -4,6 +4,7 @@ input batch's persistent device buffers, so graphs captured once serve every ste
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -13,6 +14,8 @@ import torch.nn as nn
 from ..models.layers import AttnMeta
 from .config import EngineConfig
 from .input_batch import InputBatch
+
+log = logging.getLogger(__name__)
 
 
 class CompiledModel:
@@ -56,6 +59,36 @@ class CompiledModel:
             self.capture_cuda_graphs()
             timings["cuda_graphs"] = time.perf_counter() - t0
         return timings
+
+    @torch.inference_mode()
+    def precompile(self, profile_step) -> float | None:
+        """Compile the Triton variants that the memory profile (`profile_step`), the warm-up and
+        the graph capture will launch, all at once on a thread pool (kernels/precompile.py),
+        before those phases run. CUDA at levels 0-1 only (level 2's warm-up is torch.compile's
+        own). Returns the seconds it took, or None where it did not run."""
+        from ..kernels import precompile as pre
+        from . import envs
+        level = self.cfg.compilation.level(self.device.type)
+        if self.device.type != "cuda" or level >= 2 or not envs.get("RANKSERVE_PRECOMPILE") \
+                or not pre.available():
+            return None
+        t0 = time.perf_counter()
+        sizes = self.capture_sizes() if level >= 1 else []
+        steps = [profile_step, self.warmup]
+        steps += [lambda bs=bs: self.forward(*self.graph_inputs(bs)) for bs in sizes]
+        steps += [lambda bs=bs: self.forward(*self.verify_inputs(bs)) for bs in self.verify_sizes(sizes)]
+        failed = None
+        with pre.compile_only(self.device) as pool:
+            for step in steps:
+                try:
+                    step()
+                except Exception as e:  # noqa: BLE001 (what it missed compiles where first run)
+                    failed = failed or e
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        log.info("precompile: %d Triton variants in %.2f s (%d dry steps%s)", pool.submitted,
+                 seconds, len(steps), f"; a dry step failed: {failed!r}" if failed else "")
+        return seconds
 
     @staticmethod
     def _with_compile_settings(forward):
@@ -155,15 +188,8 @@ class CompiledModel:
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 out = self.forward(*args)
             self.graphs[bs] = (graph, out)
-        b, q = self.batch, self.verify_len
-        max_t = b.ids.shape[0] - 1
-        for bs in sorted((s for s in sizes if s * q <= max_t), reverse=True) if q > 1 else ():
-            T = bs * q  # uniform verify batches: a query of 1 + k tokens per request
-            b.slots[:T].fill_(-1)
-            b.qsl[:bs + 1].copy_(torch.arange(bs + 1, device=self.device) * q)
-            b.seq_lens[:bs].fill_(q)
-            args = (b.ids[:T], b.pos[:T], b.attn(T, bs, is_decode=False),
-                    None if b.hidden is None else b.hidden[:T])  # (an EAGLE head's input states)
+        for bs in self.verify_sizes(sizes):
+            args = self.verify_inputs(bs)
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
@@ -186,6 +212,21 @@ class CompiledModel:
         b.state_idx[:bs].fill_(-1)
         hidden = None if b.hidden is None else b.hidden[:bs]
         return b.ids[:bs], b.pos[:bs], b.attn(bs, bs, is_decode=True), hidden
+
+    def verify_sizes(self, sizes: list[int]) -> list[int]:
+        """The batch sizes of the verify graphs (speculative decoding), largest first."""
+        q, max_t = self.verify_len, self.batch.ids.shape[0] - 1
+        return sorted((s for s in sizes if s * q <= max_t), reverse=True) if q > 1 else []
+
+    def verify_inputs(self, bs: int) -> tuple:
+        """The forward's arguments for a uniform verify batch: 1 + k query tokens per request."""
+        b, q = self.batch, self.verify_len
+        T = bs * q
+        b.slots[:T].fill_(-1)
+        b.qsl[:bs + 1].copy_(torch.arange(bs + 1, device=self.device) * q)
+        b.seq_lens[:bs].fill_(q)
+        return (b.ids[:T], b.pos[:T], b.attn(T, bs, is_decode=False),
+                None if b.hidden is None else b.hidden[:T])  # (an EAGLE head's input states)
 
     def _run_verify_graph(self, T: int, attn: AttnMeta, hidden_in: torch.Tensor | None
                           ) -> torch.Tensor | None:

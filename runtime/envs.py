@@ -37,6 +37,9 @@ KNOBS: dict[str, Knob] = {
                                      "tensor-core skinny Triton kernels (kernels/quant_tc.py; "
                                      "default 16 on CUDA, 0 elsewhere; 0: off, the CUDA-core "
                                      "skinny kernels / GEMMs)"),
+    "RANKSERVE_PRECOMPILE": Knob(True, _flag, "0: compile Triton kernels where first launched, one "
+                                 "after another, instead of all at once on a thread pool before "
+                                 "the memory profile (CUDA, levels 0-1; kernels/precompile.py)"),
     "RANKSERVE_PDL": Knob(False, _flag, "1: programmatic dependent launch for the decode-path Triton "
                           "kernels (skinny GEMVs, prepare_qkv, decode attention; Hopper+), each "
                           "launching while the previous one finishes (kernels/pdl.py)"),

@@ -229,15 +229,17 @@ class ModelRunner:
 
     def determine_num_blocks(self) -> int:
         c = self.cfg.cache
+        if self.device.type == "cuda":
+            self.allocate_kv_cache(1)  # a placeholder cache for the dry steps to read
+            seconds = self.compiled_model.precompile(self._profile_step)
+            if seconds is not None:
+                self.timings["precompile"] = seconds
         if c.num_gpu_blocks_override:
             return c.num_gpu_blocks_override
         if not self.kv_bytes_per_block():  # no KV here: as many blocks as requests could use
             return self.cfg.scheduler.max_num_seqs * -(-self.max_model_len // self.block_size) + 1
         if self.device.type == "cuda":
-            t0 = time.perf_counter()
-            num = self._profile_num_blocks()
-            self.timings["memory_profile"] = time.perf_counter() - t0
-            return num
+            return self._profile_num_blocks()
         return max(1, int(c.kv_cache_memory_gb * 2**30) // self.kv_bytes_per_block())
 
     def _profile_num_blocks(self) -> int:
@@ -246,6 +248,22 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         self.allocate_kv_cache(1)
+        t0 = time.perf_counter()
+        self._profile_step()
+        torch.cuda.synchronize()
+        self.timings["memory_profile"] = time.perf_counter() - t0
+        peak = torch.cuda.max_memory_allocated()
+        free, total = torch.cuda.mem_get_info()
+        used_by_others = total - free - torch.cuda.memory_reserved()
+        budget = self.cfg.cache.gpu_memory_utilization * total - peak - used_by_others
+        num = int(budget // self.kv_bytes_per_block())
+        if num <= 0:
+            raise RuntimeError(f"no memory left for the KV cache (peak {peak / 2**30:.1f} GiB of "
+                               f"{total / 2**30:.1f} GiB); raise --gpu-memory-utilization")
+        return num
+
+    def _profile_step(self) -> None:
+        """The largest step: a prefill of the whole token budget, then a full batch's sampling."""
         n = min(self.cfg.scheduler.max_num_batched_tokens, self.max_model_len * self.cfg.scheduler.max_num_seqs)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         attn = AttnMeta(torch.full((n,), -1, dtype=torch.long, device=self.device),
@@ -263,16 +281,6 @@ class ModelRunner:
                 md = SamplingMetadata(temperature=torch.ones(b, device=self.device), all_greedy=False,
                                       top_p=torch.full((b,), 0.9, device=self.device))
                 sample(logits, md)
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-        free, total = torch.cuda.mem_get_info()
-        used_by_others = total - free - torch.cuda.memory_reserved()
-        budget = self.cfg.cache.gpu_memory_utilization * total - peak - used_by_others
-        num = int(budget // self.kv_bytes_per_block())
-        if num <= 0:
-            raise RuntimeError(f"no memory left for the KV cache (peak {peak / 2**30:.1f} GiB of "
-                               f"{total / 2**30:.1f} GiB); raise --gpu-memory-utilization")
-        return num
 
     @property
     def ssm_dtype(self) -> torch.dtype:

@@ -1,6 +1,7 @@
 """Start-up: the per-phase account adds up to the process age, and the start path does not
 import what it does not need (each of these cost seconds on the GPU machine: issue #21)."""
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -243,3 +244,60 @@ def test_every_kernel_op_defers_dynamo():
     plain = [op._name for op in ops if any("lazy_dynamo_import" not in f.__qualname__
                                            for f in op._backend_fns.values())]
     assert not plain, f"declare these with kernels.custom_op.custom_op: {plain}"
+
+
+_PRECOMPILE_SCRIPT = """
+import json, sys
+import triton
+compiled = []  # every Triton variant compiled in this process, in order
+triton.knobs.runtime.jit_post_compile_hook = lambda *a, **k: compiled.append(k.get("repr"))
+from rankserve.runtime import compilation
+marks = []
+pre = compilation.CompiledModel.precompile
+def precompile(self, step):
+    seconds = pre(self, step)
+    marks.append(len(compiled))
+    return seconds
+compilation.CompiledModel.precompile = precompile
+from rankserve.runtime.llm import LLM
+llm = LLM({model!r}, max_num_seqs=8, max_model_len=256, load_format="dummy", cache_dir={cache!r},
+          compilation_level=1, speculative_config={{"method": "ngram", "num_speculative_tokens": 3}})
+ready = len(compiled)
+out = llm.generate([[1, 2, 3, 1, 2, 3, 1, 2]], max_tokens=24)
+print(json.dumps(dict(account=llm.engine.startup, marks=marks, ready=ready, names=compiled,
+                      tokens=[o.outputs[0].token_ids for o in out])))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_precompile_leaves_nothing_to_compile(tmp_path):
+    """Cold starts with and without the concurrent precompile (kernels/precompile.py): with it,
+    the memory profile, warm-up and graph capture (decode and verify graphs) compile no Triton
+    variant of their own; both give the same greedy tokens."""
+    shutil.copy(STORIES_EMBEDDED / "config.json", tmp_path / "config.json")
+    res = {}
+    for knob in ("1", "0"):
+        env = dict(os.environ, RANKSERVE_PRECOMPILE=knob, TRITON_CACHE_DIR=str(tmp_path / f"triton{knob}"))
+        r = subprocess.run([sys.executable, "-c", _PRECOMPILE_SCRIPT.format(
+            model=str(tmp_path), cache=str(tmp_path / f"cache{knob}"))], capture_output=True,
+            text=True, timeout=300, env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        res[knob] = json.loads(r.stdout.strip().splitlines()[-1])
+        print(knob, startup_clock.format_account(res[knob]["account"]))
+    on, off = res["1"], res["0"]
+    assert "precompile" in on["account"]["engine"] and "precompile" not in off["account"]["engine"]
+    assert on["marks"] and on["marks"][0] > 0, "the precompile compiled nothing"
+    assert on["ready"] == on["marks"][0], on["names"][on["marks"][0]:on["ready"]]
+    assert on["tokens"] == off["tokens"]
+
+
+def test_checkout_does_not_shadow_top_level_packages():
+    """`python -m` / `-c` in the checkout: after `import rankserve`, the checkout's kernels/
+    folder is not the top-level `kernels` (Hugging Face's package, which transformers >= 5.2x
+    imports with every model config; ours broke LlamaConfig)."""
+    code = ("import importlib.util as u, rankserve; s = u.find_spec('kernels'); "
+            "print(s.origin if s else None)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert not r.stdout.strip().startswith(str(REPO)), r.stdout
