@@ -38,6 +38,9 @@ class _LoadingPool:
     module (the first launch would otherwise do both, serially) in the same worker thread."""
 
     def __init__(self, device: torch.device, workers: int):
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+
         def init():
             torch.cuda.set_device(device)
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="triton-compile",

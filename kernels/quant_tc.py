@@ -24,7 +24,8 @@ Split-K (program_id(1)): fp32 partials [split, M, N]; the last program of each c
 finish (a per-tile counter, acq_rel atomics) sums them (+ bias, cast): no second launch
 (SPLITK_IN_KERNEL False: one small sum kernel instead).
 Configs come from a static table of shapes (`tc_config`), not autotuning (nothing is
-benchmarked under CUDA-graph capture); `benchmarks/2026-12-03-h200-s3/tune.py tc` times them.
+benchmarked under CUDA-graph capture); `benchmarks/2026-12-04-h200-s8/tune_tc.py` sweeps them,
+`benchmarks/2026-12-03-h200-s3/tune.py tc` compares them with the CUDA-core kernels.
 Under TRITON_INTERPRET=1 the same kernels run on CPU (fp8 tl.dot included); the interpreter's
 bf16 tl.dot is wrong (numpy has no bf16), so the w4 kernel is checked in fp16 / fp32 there.
 """
@@ -38,6 +39,7 @@ from .quant import _INTERPRET, _act_scale, _num_sms, _to_fp8, quant_fp8_triton
 
 FUSE_QUANT_M = 4  # rows up to which fp8_tc quantizes the activations in its own prologue
 SPLITK_IN_KERNEL = True  # split-K partials summed by each tile's last program (else one more kernel)
+PREFETCH = True  # fp8_tc quantizing per token: load the first weight tile before the row's pre-pass
 
 
 # ----------------------------------------------------------------------------------------------
@@ -80,7 +82,7 @@ def _fp8_tc_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, out_ptr, cnt_p
                    GROUP_K: tl.constexpr, QUANT_X: tl.constexpr, HAS_BIAS: tl.constexpr,
                    REDUCE: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-                   PRE_BLOCK: tl.constexpr, EMULATE: tl.constexpr):
+                   PRE_BLOCK: tl.constexpr, EMULATE: tl.constexpr, PREFETCH: tl.constexpr):
     # QUANT_X: x is the 16-bit activation, quantized here (GROUP_K 0: per token, else
     # BLOCK_K == GROUP_K, one group a step); else x is fp8 with scales xs [M, 1 or K/GROUP_K].
     pid_n = tl.program_id(0)
@@ -91,6 +93,12 @@ def _fp8_tc_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, out_ptr, cnt_p
     n_mask, m_mask = offs_n < N, offs_m < M
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]        # [BN, BK]
     x_ptrs = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + offs_k[:, None]  # [BK, BM]
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
+    PEEL: tl.constexpr = PREFETCH and QUANT_X and GROUP_K == 0
+    if PEEL:  # the first weight tile streams in while the pre-pass below reads the activations
+        w0 = tl.load(w_ptrs + k_start, mask=n_mask[:, None] & (offs_k[None, :] < K - k_start),
+                     other=0.0)
     if QUANT_X and GROUP_K == 0:  # per-token amax of the whole row (L2-resident), each row in
         offs_p = tl.arange(0, PRE_BLOCK)  # few wide loads (a chain of small ones is latency)
         amax = tl.zeros([BLOCK_M], tl.float32)
@@ -102,9 +110,13 @@ def _fp8_tc_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, out_ptr, cnt_p
             amax = tl.where(offs_m == m, tl.max(am, 0), amax)
         xs, x_inv = _act_scale(amax)  # [BM]
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(K, k_start + k_per_split)
-    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+    k_loop = k_start
+    if PEEL:
+        xa = tl.load(x_ptrs + k_start, mask=(offs_k < K - k_start)[:, None] & m_mask[None, :],
+                     other=0.0)
+        acc = tl.dot(w0, _to_fp8(xa.to(tl.float32) * x_inv[None, :], EMULATE), acc)
+        k_loop = k_start + BLOCK_K
+    for k0 in tl.range(k_loop, k_end, BLOCK_K, num_stages=NUM_STAGES):
         k_mask = offs_k < K - k0
         w = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         xa = tl.load(x_ptrs + k0, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
@@ -208,22 +220,41 @@ def _splitk_sum_kernel(part_ptr, bias_ptr, y_ptr, MN, N, SPLIT: tl.constexpr,
 # configs and launchers
 # ----------------------------------------------------------------------------------------------
 
-def tc_config(kind: str, M: int, N: int, K: int, on_gpu: bool) -> dict:
+def tc_config(kind: str, M: int, N: int, K: int, on_gpu: bool, prologue: bool = False) -> dict:
     """Tile shapes and split-K for kind 'fp8' / 'fp8blk' / 'w4' from the shape (static table).
-    BLOCK_N 64 keeps the weight the wgmma-sized operand; the split makes the grid cover the GPU
-    about twice for the narrow shapes (o_proj, qkv, down at 4096 columns)."""
+    `prologue`: every program first reads the whole activation row (FP8 quantized in the
+    kernel). Measured on an H200 at Llama-8B decode shapes, M = 1, every config of a wide sweep
+    (benchmarks/2026-12-04-h200-s8/tune_tc.py): split-K pays only where the column tiles leave
+    most SMs idle (its fp32 partials and last-program sum cost more than they save on qkv's 96
+    tiles), deep pipelines pay on the long K loops; BLOCK_N 64 keeps the weight the
+    wgmma-sized operand, 128 on the widest layers (gate_up) and block-FP8 prologues."""
     block_m = max(16, triton.next_power_of_2(M))
     if not on_gpu:  # interpreter: small tiles, several K steps and ragged edges on small tests
         return dict(BLOCK_M=block_m, BLOCK_N=16, BLOCK_K=32, NUM_STAGES=1, num_warps=4, SPLIT=1)
-    block_k = {"fp8": 256, "fp8blk": 128, "w4": 128}[kind]
-    cfg = dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, NUM_STAGES=4, num_warps=4)
-    tiles = triton.cdiv(N, 64)
     sms = _num_sms(torch.cuda.current_device())
-    split = 1
-    while tiles * split < 2 * sms and triton.cdiv(K, block_k) // (2 * split) >= 4 and split < 8:
-        split *= 2
-    cfg["SPLIT"] = split
-    return cfg
+
+    def doubling(tiles, k_blocks, cap):  # fill about two waves, >= 4 K blocks a split
+        split = 1
+        while tiles * split < 2 * sms and k_blocks // (2 * split) >= 4 and split < cap:
+            split *= 2
+        return split
+
+    if kind == "fp8" and not prologue:  # qkv 8.9 (was 12.5) us, gate_up 30.2, down 17.6 (20.5)
+        bn = 128 if N >= 16384 else 64
+        split = 2 if triton.cdiv(N, bn) < sms // 2 and triton.cdiv(K, 256) >= 32 else 1
+        return dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=256, NUM_STAGES=3 if bn == 128 else 6,
+                    num_warps=4, SPLIT=split)
+    if kind == "fp8":  # o_proj quantizing its input: 9.5 (10.3) us
+        return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128, NUM_STAGES=4, num_warps=4,
+                    SPLIT=doubling(triton.cdiv(N, 64), triton.cdiv(K, 128), 4))
+    if kind == "fp8blk":  # BLOCK_K = the block's 128: qkv 10.3, o 9.7, gate_up 31.0, down 18.6 us
+        bn = 128 if N >= 16384 or prologue else 64
+        tiles = triton.cdiv(N, bn)
+        split = doubling(tiles, triton.cdiv(K, 128), 8 if prologue else 4) if prologue or tiles < sms else 1
+        return dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=128, NUM_STAGES=6 if K >= 8192 else 4,
+                    num_warps=4, SPLIT=split)
+    return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128, NUM_STAGES=4, num_warps=4,
+                SPLIT=doubling(triton.cdiv(N, 64), triton.cdiv(K, 128), 8))
 
 
 _COUNTERS: dict = {}  # device -> int32 zeros, one per column tile (split-K in the kernel)
@@ -294,12 +325,13 @@ def fp8_tc(x2: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch
     M, K = x2.shape
     N = w.shape[0]
     group_n, group_k = (1, 0) if block_size is None else block_size
-    cfg = tc_config("fp8blk" if group_k else "fp8", M, N, K, x2.is_cuda)
+    if fuse_quant is None:
+        fuse_quant = M <= FUSE_QUANT_M
+    cfg = tc_config("fp8blk" if group_k else "fp8", M, N, K, x2.is_cuda,
+                    prologue=fuse_quant and prequant is None)
     if group_k:  # one (activation, weight) block scale per step: BLOCK_K divides bk
         cfg["BLOCK_K"] = min(group_k & -group_k, 128)
         assert cfg["BLOCK_K"] >= 16, f"fp8_tc: block bk={group_k} needs a factor of 16"
-    if fuse_quant is None:
-        fuse_quant = M <= FUSE_QUANT_M
     if fuse_quant and group_k and cfg["BLOCK_K"] != group_k:
         fuse_quant = False  # a group wider than a step: quantize first
     if prequant is not None:
@@ -313,6 +345,7 @@ def fp8_tc(x2: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch
     return _run(_fp8_tc_kernel, (xq, xs, w, ws), M, N, K, out, bias, cfg, split,
                 after=(xq.stride(0), stride_xs, ws.stride(0) if group_k else 0),
                 GROUP_N=group_n, GROUP_K=group_k, QUANT_X=fuse_quant, EMULATE=_INTERPRET,
+                PREFETCH=PREFETCH,
                 PRE_BLOCK=min(triton.next_power_of_2(K), 64 if _INTERPRET else 4096))
 
 

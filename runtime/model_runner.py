@@ -124,6 +124,10 @@ class ModelRunner:
         self.cfg = cfg
         self.pi = pi
         self.device = device
+        if device.type == "cuda":  # what other engines of this process hold is not ours
+            gc.collect()
+            torch.cuda.empty_cache()
+            self._mem_base = torch.cuda.memory_allocated(device)
         t0 = time.perf_counter()
         self.hf_config = load_hf_config(cfg.model.model, cfg.compilation.cache_dir)
         if cfg.spec is None or cfg.spec.method != "mtp":
@@ -252,10 +256,14 @@ class ModelRunner:
         self._profile_step()
         torch.cuda.synchronize()
         self.timings["memory_profile"] = time.perf_counter() - t0
-        peak = torch.cuda.max_memory_allocated()
+        # --gpu-memory-utilization is this engine's share (as in vLLM): its weights and largest
+        # step, not what another engine in the process allocated before it started
+        peak = torch.cuda.max_memory_allocated() - self._mem_base
         free, total = torch.cuda.mem_get_info()
-        used_by_others = total - free - torch.cuda.memory_reserved()
+        used_by_others = total - free - torch.cuda.memory_reserved()  # other processes, contexts
         budget = self.cfg.cache.gpu_memory_utilization * total - peak - used_by_others
+        # ... and never more than is left on the device
+        budget = min(budget, free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated())
         num = int(budget // self.kv_bytes_per_block())
         if num <= 0:
             raise RuntimeError(f"no memory left for the KV cache (peak {peak / 2**30:.1f} GiB of "

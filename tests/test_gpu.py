@@ -63,3 +63,15 @@ def test_level2_two_new_tokens_equal_eager(checkpoint):
     for (eager_ids, eager_lp), (got_ids, got_lp) in zip(*runs):
         assert got_ids == eager_ids
         torch.testing.assert_close(torch.tensor(got_lp), torch.tensor(eager_lp), atol=1e-3, rtol=1e-3)
+
+
+def test_two_live_engines_each_get_their_share():
+    """--gpu-memory-utilization is each engine's share: a second live engine in the process
+    (0.3 + 0.3) gets a KV cache like the first, instead of counting the first one's cache as its
+    own peak ("no memory left for the KV cache")."""
+    kw = dict(dtype="float32", max_num_seqs=8, gpu_memory_utilization=0.3)
+    a = LLM(str(STORIES_EMBEDDED), **kw)
+    b = LLM(str(STORIES_EMBEDDED), **kw)
+    na, nb = (x.engine.executor.runner.num_blocks for x in (a, b))
+    assert abs(na - nb) <= 0.05 * na, (na, nb)
+    assert greedy(a, 8) == greedy(b, 8)
