@@ -108,10 +108,30 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, md: SamplingMetadata) -> torch
     return torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
 
 
+def argmax_rows(x: torch.Tensor, chunks: int = 64) -> torch.Tensor:
+    """x.argmax(-1) of a [B, V] tensor, the first maximum on ties as torch's. One argmax over a
+    long row runs as a single reduction (36 us for Llama's 128k vocabulary on an H200, 1 % of a
+    W2 step): a few rows go in two passes instead, over `chunks` slices of each row, then over
+    the slices' maxima. Rows of lengths `chunks` does not divide keep the plain argmax."""
+    B, V = x.shape
+    while chunks > 1 and V % chunks:
+        chunks //= 2
+    if chunks == 1 or V // chunks < 1024:
+        return x.argmax(-1)
+    parts = x.reshape(B, chunks, V // chunks)
+    inner = parts.argmax(-1)  # [B, chunks]: the first maximum of each slice
+    best = parts.gather(-1, inner[..., None]).squeeze(-1).argmax(-1)  # the first slice holding it
+    return best * (V // chunks) + inner.gather(-1, best[:, None]).squeeze(-1)
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    return argmax_rows(logits) if logits.is_cuda and logits.shape[0] <= 8 else logits.argmax(-1)
+
+
 def sample(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns (sampled token ids [B], raw logprobs [B, V] or None)."""
     if md.all_greedy and md.max_num_logprobs is None and not md.masks_logits and md.output_counts is None:
-        return logits.argmax(-1), None  # exact in any dtype: skips a [B, V] float copy
+        return _argmax(logits), None  # exact in any dtype: skips a [B, V] float copy
     logits = logits.float()
     raw_logprobs = logits.log_softmax(-1) if md.max_num_logprobs is not None else None
     probs, greedy = target_probs(logits, md)
@@ -135,7 +155,7 @@ def target_probs(logits: torch.Tensor, md: SamplingMetadata
         logits = apply_token_masks(logits, md)
     if md.output_counts is not None:
         logits = apply_penalties(logits, md)
-    greedy = logits.argmax(-1)
+    greedy = _argmax(logits)
     if md.all_greedy:
         return None, greedy
     temp = torch.where(md.temperature > 0, md.temperature, 1.0)

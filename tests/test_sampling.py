@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from rankserve import SamplingParams
-from rankserve.runtime.sampler import SamplingMetadata, sample
+from rankserve.runtime.sampler import SamplingMetadata, argmax_rows, sample
 
 
 def md(B, **kw):
@@ -172,3 +172,18 @@ def test_streamed_deltas_never_contain_a_stop_string(stories_llm):
     assert final.text == ", there was a little girl " and final.finish_reason == "stop"
     assert "".join(deltas) == final.text, deltas
     assert not any("named" in d for d in deltas)
+
+
+@pytest.mark.parametrize("V", [128256, 151936, 4096 * 3, 50257, 512])
+def test_argmax_rows_is_argmax_first_max_on_ties(V):
+    """The two-pass argmax of few long rows (the greedy sampler's on CUDA) equals torch's,
+    the first maximum on ties, including ties across slices, -inf rows and bf16 logits."""
+    g = torch.Generator().manual_seed(V)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(6, V, generator=g).to(dtype)
+        x[1, V // 3] = x[1, V - 7] = x[1].max() + 1  # tie across slices: the first wins
+        x[2, 5] = x[2, 6] = x[2].max() + 1           # tie within a slice
+        x[3] = float("-inf")
+        x[4] = x[4].round()                           # many ties
+        x[5, -1] = x[5].max() + 1                     # the last token
+        assert torch.equal(argmax_rows(x), x.argmax(-1)), dtype
