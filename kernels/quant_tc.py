@@ -112,9 +112,9 @@ def _fp8_tc_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, out_ptr, cnt_p
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     k_loop = k_start
     if PEEL:
-        xa = tl.load(x_ptrs + k_start, mask=(offs_k < K - k_start)[:, None] & m_mask[None, :],
+        x0 = tl.load(x_ptrs + k_start, mask=(offs_k < K - k_start)[:, None] & m_mask[None, :],
                      other=0.0)
-        acc = tl.dot(w0, _to_fp8(xa.to(tl.float32) * x_inv[None, :], EMULATE), acc)
+        acc = tl.dot(w0, _to_fp8(x0.to(tl.float32) * x_inv[None, :], EMULATE), acc)
         k_loop = k_start + BLOCK_K
     for k0 in tl.range(k_loop, k_end, BLOCK_K, num_stages=NUM_STAGES):
         k_mask = offs_k < K - k0

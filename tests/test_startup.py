@@ -263,7 +263,8 @@ from rankserve.runtime.llm import LLM
 llm = LLM({model!r}, max_num_seqs=8, max_model_len=256, load_format="dummy", cache_dir={cache!r},
           compilation_level=1, speculative_config={{"method": "ngram", "num_speculative_tokens": 3}})
 ready = len(compiled)
-out = llm.generate([[1, 2, 3, 1, 2, 3, 1, 2]], max_tokens=24)
+from rankserve import SamplingParams
+out = llm.generate([[1, 2, 3, 1, 2, 3, 1, 2]], SamplingParams(temperature=0, max_tokens=24))
 print(json.dumps(dict(account=llm.engine.startup, marks=marks, ready=ready, names=compiled,
                       tokens=[o.outputs[0].token_ids for o in out])))
 """
