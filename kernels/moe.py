@@ -176,8 +176,10 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, act_ptr, pairs_ptr, block_expert_ptr, num_
             acc_g += tl.dot(a, tl.load(g_ptrs + k0, mask=w_mask, other=0.0)) * sa[:, None] * sg
             acc_u += tl.dot(a, tl.load(u_ptrs + k0, mask=w_mask, other=0.0)) * sa[:, None] * su
         else:
-            acc_g = tl.dot(a, tl.load(g_ptrs + k0, mask=w_mask, other=0.0), acc_g)
-            acc_u = tl.dot(a, tl.load(u_ptrs + k0, mask=w_mask, other=0.0), acc_u)
+            # summed in fp32 per K step: Hopper's FP8 MMA accumulates in reduced precision (a
+            # 16-bit dot folds the add back into the MMA)
+            acc_g += tl.dot(a, tl.load(g_ptrs + k0, mask=w_mask, other=0.0))
+            acc_u += tl.dot(a, tl.load(u_ptrs + k0, mask=w_mask, other=0.0))
     if FP8 and GROUP_K == 0:
         sa, sg = _fp8_scales(xs_ptr, tok, row_mask, ws_ptr + e * stride_wse, offs_n, n_mask, 0, stride_xst,
                              stride_wsn, GROUP_N, GROUP_K)
@@ -222,7 +224,7 @@ def _moe_down_kernel(act_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, weigh
                                  stride_wsn, GROUP_N, GROUP_K)
             acc += tl.dot(a, w) * sa[:, None] * sw[None, :]
         else:
-            acc = tl.dot(a, w, acc)
+            acc += tl.dot(a, w)
     if FP8 and GROUP_K == 0:
         sa, sw = _fp8_scales(as_ptr, pair64, row_mask, ws_ptr + e * stride_wse, offs_n, n_mask, 0, stride_ast,
                              stride_wsn, GROUP_N, GROUP_K)

@@ -373,8 +373,8 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K, k_p
         k_mask = offs_k < K - k0
         a = tl.load(a_ptrs + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(w_ptrs + k0, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        if GROUP_K == 0:
-            acc = tl.dot(a, b, acc)
+        if GROUP_K == 0:  # summed in fp32 per K step (Hopper's FP8 MMA accumulates imprecisely)
+            acc += tl.dot(a, b)
         else:
             sa = tl.load(as_ptr + offs_m * stride_asm + k0 // GROUP_K, mask=m_mask, other=0.0)
             sw = tl.load(ws_ptr + (offs_n // GROUP_N) * stride_wsn + k0 // GROUP_K, mask=n_mask,

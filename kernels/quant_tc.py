@@ -39,7 +39,6 @@ from .quant import _INTERPRET, _act_scale, _num_sms, _to_fp8, quant_fp8_triton
 
 FUSE_QUANT_M = 4  # rows up to which fp8_tc quantizes the activations in its own prologue
 SPLITK_IN_KERNEL = True  # split-K partials summed by each tile's last program (else one more kernel)
-PREFETCH = True  # fp8_tc quantizing per token: load the first weight tile before the row's pre-pass
 
 
 # ----------------------------------------------------------------------------------------------
@@ -82,7 +81,7 @@ def _fp8_tc_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, out_ptr, cnt_p
                    GROUP_K: tl.constexpr, QUANT_X: tl.constexpr, HAS_BIAS: tl.constexpr,
                    REDUCE: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-                   PRE_BLOCK: tl.constexpr, EMULATE: tl.constexpr, PREFETCH: tl.constexpr):
+                   PRE_BLOCK: tl.constexpr, EMULATE: tl.constexpr):
     # QUANT_X: x is the 16-bit activation, quantized here (GROUP_K 0: per token, else
     # BLOCK_K == GROUP_K, one group a step); else x is fp8 with scales xs [M, 1 or K/GROUP_K].
     pid_n = tl.program_id(0)
@@ -93,12 +92,6 @@ def _fp8_tc_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, out_ptr, cnt_p
     n_mask, m_mask = offs_n < N, offs_m < M
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]        # [BN, BK]
     x_ptrs = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + offs_k[:, None]  # [BK, BM]
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(K, k_start + k_per_split)
-    PEEL: tl.constexpr = PREFETCH and QUANT_X and GROUP_K == 0
-    if PEEL:  # the first weight tile streams in while the pre-pass below reads the activations
-        w0 = tl.load(w_ptrs + k_start, mask=n_mask[:, None] & (offs_k[None, :] < K - k_start),
-                     other=0.0)
     if QUANT_X and GROUP_K == 0:  # per-token amax of the whole row (L2-resident), each row in
         offs_p = tl.arange(0, PRE_BLOCK)  # few wide loads (a chain of small ones is latency)
         amax = tl.zeros([BLOCK_M], tl.float32)
@@ -110,13 +103,9 @@ def _fp8_tc_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, out_ptr, cnt_p
             amax = tl.where(offs_m == m, tl.max(am, 0), amax)
         xs, x_inv = _act_scale(amax)  # [BM]
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    k_loop = k_start
-    if PEEL:
-        x0 = tl.load(x_ptrs + k_start, mask=(offs_k < K - k_start)[:, None] & m_mask[None, :],
-                     other=0.0)
-        acc = tl.dot(w0, _to_fp8(x0.to(tl.float32) * x_inv[None, :], EMULATE), acc)
-        k_loop = k_start + BLOCK_K
-    for k0 in tl.range(k_loop, k_end, BLOCK_K, num_stages=NUM_STAGES):
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
         k_mask = offs_k < K - k0
         w = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         xa = tl.load(x_ptrs + k0, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
@@ -125,8 +114,8 @@ def _fp8_tc_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, out_ptr, cnt_p
             if GROUP_K != 0:
                 xs, x_inv = _act_scale(tl.max(tl.abs(xf), 0))
             xa = _to_fp8(xf * x_inv[None, :], EMULATE)
-        if GROUP_K == 0:
-            acc = tl.dot(w, xa, acc)
+        if GROUP_K == 0:  # a dot per K step, summed in fp32: Hopper's FP8 MMA accumulates in
+            acc += tl.dot(w, xa)  # reduced precision, over a whole row 1-2 % off (as DeepSeek-V3 notes)
         else:
             g = k0 // GROUP_K
             if not QUANT_X:
@@ -345,7 +334,6 @@ def fp8_tc(x2: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch
     return _run(_fp8_tc_kernel, (xq, xs, w, ws), M, N, K, out, bias, cfg, split,
                 after=(xq.stride(0), stride_xs, ws.stride(0) if group_k else 0),
                 GROUP_N=group_n, GROUP_K=group_k, QUANT_X=fuse_quant, EMULATE=_INTERPRET,
-                PREFETCH=PREFETCH,
                 PRE_BLOCK=min(triton.next_power_of_2(K), 64 if _INTERPRET else 4096))
 
 

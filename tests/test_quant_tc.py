@@ -248,6 +248,30 @@ def test_gpu_fp8_prologue_ops_bf16(M, block_size):
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("N,K", [(6144, 4096), (4096, 14336)])
+def test_gpu_fp8_per_channel_sums_in_fp32(N, K):
+    """Per-channel FP8 GEMMs on the tensor cores (skinny, one split; the tl.dot GEMM of larger M)
+    against the fp32 product of the same fp8 operands, into an fp32 output: Hopper's FP8 MMA
+    accumulates in reduced precision, so a whole row in one accumulator was 1-2 % off."""
+    g = torch.Generator().manual_seed(K)
+    w = (torch.randn(N, K, generator=g) * K ** -0.5).cuda()
+    wq, ws = Q.quant_fp8_weight(w, None)
+    for M in (1, 64):
+        xq, xs = Q.quant_fp8_triton(torch.randn(M, K, generator=g).to(BF16).cuda(), 0)
+        ref = (xq.float() * xs) @ (wq.float() * ws.reshape(N, 1)).T
+        outs = []
+        if M <= 16:
+            outs.append(T.fp8_tc(xq, wq, ws, None, None, torch.empty(M, N, device="cuda"), split=1,
+                                 prequant=xs))
+        else:
+            outs.append(Q.fp8_linear_triton(xq.float() * xs, wq, ws, None, None).float())
+        for out in outs:
+            err = ((out - ref).norm() / ref.norm()).item()
+            assert err < 1e-4, (M, err)
+
+
+@gpu
+@needs_cuda
 def test_gpu_tc_cuda_graph_capture():
     Q.TC_MAX_M = 16
     try:

@@ -70,35 +70,28 @@ def main():
             out = torch.empty(1, N, dtype=DT, device="cuda")
 
             def call(wq, ws, cfg, x=x, xq=xq, xs=xs, out=out, fuse=fuse):
-                cfg = dict(cfg)
-                T.PREFETCH = cfg.pop("PREFETCH", True)
                 T.tc_config = lambda *a, **k: dict(orig(*a, **k), **cfg)
                 try:
                     if fuse:
                         return T.fp8_tc(x, wq, ws, None, block, out, fuse_quant=True)
                     return T.fp8_tc(xq, wq, ws, None, block, out, prequant=xs)
                 finally:
-                    T.tc_config, T.PREFETCH = orig, True
+                    T.tc_config = orig
             cases.append((name, N, K, nbytes, w, x, call))
         space = [c for c in cfgs if not block or c["BLOCK_K"] <= 128]  # block: BLOCK_K divides 128
-        if not block:  # o_proj's in-kernel quantization: with and without the weight prefetch
-            space += [dict(c, PREFETCH=False) for c in space]
         t0 = time.time()
         with precompile.compile_only(torch.device("cuda")) as pool:
             for case, cfg in itertools.product(cases, space):
-                if case[0] != "o" and "PREFETCH" in cfg:
-                    continue
                 try:
                     case[6](*case[4][0], cfg)
                 except Exception:
                     pass
         print(f"{kind}: compiled {pool.submitted} variants in {time.time() - t0:.1f} s", flush=True)
         for name, N, K, nbytes, w, x, call in cases:
-            shape_space = [c for c in space if name == "o" or "PREFETCH" not in c]
             ref = Q.fp8_linear_ref(x, *w[0], None, block).float()
             table = gtime([lambda wq=wq, ws=ws: call(wq, ws, {}) for wq, ws in w])
             rows = []
-            for cfg in shape_space:
+            for cfg in space:
                 try:
                     got = call(*w[0], cfg).float()
                     err = ((got - ref).norm() / ref.norm()).item()
