@@ -178,7 +178,7 @@ for stage in "$@"; do case $stage in
   launchtests) run launchtests 200 python3 -m pytest -q -m gpu tests/test_launch_gpu.py ;;
   servew1) GPUS=1 SERVE_RUNS=${SERVE_RUNS:-"c256:--num-prompts 256 --max-concurrency 256;r10:--num-prompts 400 --request-rate 10;r20:--num-prompts 400 --request-rate 20;r40:--num-prompts 400 --request-rate 40"} \
         serve_w1 servew1 ;;
-  servew1b2k) GPUS=1 SERVE_RUNS="c256:--num-prompts 256 --max-concurrency 256;r40:--num-prompts 400 --request-rate 40" \
+  servew1b2k) GPUS=1 SERVE_RUNS=${SERVE_RUNS:-"c256:--num-prompts 256 --max-concurrency 256;r40:--num-prompts 400 --request-rate 40"} \
         SERVE_EXTRA="--max-num-batched-tokens 2048" serve_w1 servew1b2k ;;
   frontend) run frontend 240 python3 -m rankserve.runtime.bench.frontend --tokenizer "${QWEN3_TOKENIZER:?}" \
         --num-requests 1024 --output-json "$OUT/frontend.json"
