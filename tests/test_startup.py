@@ -302,3 +302,24 @@ def test_checkout_does_not_shadow_top_level_packages():
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert not r.stdout.strip().startswith(str(REPO)), r.stdout
+
+
+def test_compile_only_restores_everything_on_error():
+    """kernels/precompile.py's dry-pass mode: inside, Triton launches compile instead of running
+    and torch.empty / empty_like / new_empty give zeros; after it (an error included) all of it
+    is as before, and no AsyncCompileMode stays active."""
+    import torch
+    from triton.runtime import _async_compile
+    from triton.runtime.jit import JITFunction
+
+    from rankserve.kernels import precompile
+
+    saved = JITFunction.run, torch.empty, torch.empty_like, torch.Tensor.new_empty
+    with pytest.raises(RuntimeError, match="boom"):
+        with precompile.compile_only(torch.device("cpu"), workers=1):
+            assert JITFunction.run is not saved[0] and _async_compile.active_mode.get() is not None
+            assert torch.empty(4096).eq(0).all() and torch.empty_like(torch.ones(64)).eq(0).all()
+            assert torch.ones(2).new_empty(4096).eq(0).all()
+            raise RuntimeError("boom")
+    assert (JITFunction.run, torch.empty, torch.empty_like, torch.Tensor.new_empty) == saved
+    assert _async_compile.active_mode.get() is None
