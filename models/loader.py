@@ -97,7 +97,7 @@ def build_model(hf_config, pi: ParallelInfo, dtype: torch.dtype, device: torch.d
     qconfig = quant_config_of(hf_config, quantization)
     with torch.device(device), building(qconfig):
         model = cls(hf_config, pi, dtype)
-    apply_ignored(model, qconfig)
+        apply_ignored(model, qconfig)  # rebuilds layers: on the model's device too
     model.quant_config = qconfig
     return model.eval()
 
@@ -172,10 +172,13 @@ def load_weights(model, model_dir: str, progress: bool = True) -> int:
                         continue
                     src = get(name)
                     loader = getattr(param, "weight_loader", None)
-                    if loader is None:
-                        param.data.copy_(src[:])
-                    else:
-                        loader(param, src, shard)
+                    try:
+                        if loader is None:
+                            param.data.copy_(src[:])
+                        else:
+                            loader(param, src, shard)
+                    except ValueError as e:  # which tensor the checkpoint cannot load
+                        raise ValueError(f"{name}: {e}") from e
                     loaded.add(target)
     missing = [n for n in params if n not in loaded and not _tied_alias(model, n, loaded)]
     if missing and hasattr(model, "drop_missing"):  # optional parts the checkpoint lacks (MTP)

@@ -196,7 +196,8 @@ def test_gptq_one_group_per_column_tp2(llama, tmp_path):
     """group_size -1 (one group over all of K): a row-parallel layer's ranks share that group.
     Same tokens as the reference on one rank, and under mpiexec -n 2 --tp 2."""
     qc = {"quant_method": "gptq", "bits": 4, "group_size": -1, "desc_act": False, "sym": False}
-    ref, quantized = write_checkpoint(llama, tmp_path / "q", lambda w: tq.write_gptq(w, group=w.shape[1], sym=False), qc)
+    per_column = lambda w: tq.write_gptq(w, group=w.shape[1], sym=False)  # noqa: E731
+    ref, quantized = write_checkpoint(llama, tmp_path / "q", per_column, qc)
     llm = LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=4)
     assert_matches(llm, ref, quantized, False)
     prompts = ["Once upon a time", "The little dog ran"]
