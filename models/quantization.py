@@ -320,6 +320,7 @@ def _listed(name: str, m: str) -> bool:
 class QuantConfig:
     name = ""
     ignored: list[str] = []
+    only: list[str] | None = None  # when set, the modules (name suffixes) quantized; others dense
 
     def linear(self, prefix: str) -> LinearMethod:
         raise NotImplementedError
@@ -328,20 +329,24 @@ class QuantConfig:
         """How fused-MoE experts are stored; None: the scheme cannot run MoE experts."""
         return None
 
+    def _dense(self, name: str) -> bool:
+        return (any(_listed(name, m) for m in self.ignored)
+                or self.only is not None and not any(name.endswith("." + m) for m in self.only))
+
     def skips(self, prefix: str) -> bool:
         """Whether the config leaves module `prefix` unquantized. A fused module is when all the
         parts it loads are (Llama-3.1-405B-FP8 lists layer 0's q/k/v/gate/up_proj); some
         but not all is an error, since one fused weight cannot mix dense and quantized parts."""
-        if any(_listed(prefix, m) for m in self.ignored):
-            return True
         head, _, last = prefix.rpartition(".")
-        parts = [f"{head}.{p}" if head else p for p in FUSED_PARTS.get(last, ())]
-        hit = [p for p in parts if any(_listed(p, m) for m in self.ignored)]
-        if hit and len(hit) < len(parts):
+        if last not in FUSED_PARTS or any(_listed(prefix, m) for m in self.ignored):
+            return self._dense(prefix)
+        parts = [f"{head}.{p}" for p in FUSED_PARTS[last]]
+        hit = [p for p in parts if self._dense(p)]
+        if 0 < len(hit) < len(parts):
             raise ValueError(f"{prefix}: the {self.name} config leaves {', '.join(hit)} unquantized but "
                              f"not {', '.join(p for p in parts if p not in hit)}; a fused layer's parts "
                              "must all be quantized or all be dense")
-        return bool(parts) and len(hit) == len(parts)
+        return bool(hit)
 
 
 @dataclasses.dataclass
@@ -463,6 +468,9 @@ class GPTQConfig(QuantConfig):
         self.method = W4A16("gptq", int(qc.get("group_size", 128)), bool(qc.get("sym", True)),
                             bool(qc.get("desc_act", False)), zero_plus_one=fmt == "gptq")
         self.ignored = _ignored(qc)
+        blocks = qc.get("modules_in_block_to_quantize")  # transformers / optimum: an allow list
+        if blocks:
+            self.only = [m for group in blocks for m in group]
         # GPTQModel's per-module rules: "-:pattern" leaves modules dense; overrides are refused
         for rule, override in (qc.get("dynamic") or {}).items():
             if rule.startswith("-:"):
@@ -549,9 +557,9 @@ def current_moe_quant() -> MoEQuant | None:
 
 
 def apply_ignored(model: nn.Module, config: QuantConfig | None) -> None:
-    """Layers the checkpoint left unquantized (`modules_to_not_convert` / `ignore`) get dense
-    weights again; they were built with the scheme's method."""
-    if config is None or not config.ignored:
+    """Layers the checkpoint left unquantized (`modules_to_not_convert` / `ignore` /
+    `modules_in_block_to_quantize`) get dense weights again; they were built with the scheme's method."""
+    if config is None or not config.ignored and config.only is None:
         return
     for name, mod in model.named_modules():
         if hasattr(mod, "set_method") and not mod.quant.dense and config.skips(name):

@@ -90,30 +90,32 @@ def linears(llm):
 # modules with "-:" patterns
 LAYER0 = [f"model.layers.0.{m}" for m in ("mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "self_attn.k_proj",
                                           "self_attn.o_proj", "self_attn.q_proj", "self_attn.v_proj")]
-SKIPPED = {
+SKIPPED = {  # kind: (writer, config, FP8 activation group or False for 4-bit, dense(layer, "self_attn" / "mlp"))
     "fbgemm": (tq.write_fp8_channel, {"activation_scale_ub": 1200.0, "quant_method": "fbgemm_fp8",
-                                      "modules_to_not_convert": [*LAYER0, "lm_head"]}, None),
+                                      "modules_to_not_convert": [*LAYER0, "lm_head"]}, None, lambda i, b: i == 0),
     "ct-regex": (tq.write_fp8_channel, {**CT_CHANNEL, "ignore": ["lm_head", r"re:.*layers\.0\.self_attn\..*",
-                                                                 "re:.*mlp.gate$"]}, None),
+                                                                 "re:.*mlp.gate$"]}, None,
+                 lambda i, b: i == 0 and b == "self_attn"),
     "gptq-dynamic": (tq.write_gptq, {**tq.FORMATS["gptq-sym"][1], "lm_head": False, "pack_dtype": "int32",
-                                     "dynamic": {r"-:.*layers\.0\.mlp\..*": {}}}, False),
+                                     "dynamic": {r"-:.*layers\.0\.mlp\..*": {}}}, False,
+                     lambda i, b: i == 0 and b == "mlp"),
+    # transformers / optimum: only the modules listed are quantized
+    "gptq-in-block": (tq.write_gptq, {**tq.FORMATS["gptq-sym"][1], "modules_in_block_to_quantize": [
+        ["self_attn.k_proj", "self_attn.v_proj", "self_attn.q_proj"], ["self_attn.o_proj"]]}, False,
+        lambda i, b: b == "mlp"),
 }
-SKIPPED_LAYERS = {"fbgemm": ("self_attn", "mlp"), "ct-regex": ("self_attn",), "gptq-dynamic": ("mlp",)}
 
 
 @pytest.mark.parametrize("kind", SKIPPED)
 def test_layers_left_unquantized_by_name_are_dense(llama, tmp_path, kind):
     """A fused layer (qkv_proj, gate_up_proj) is dense when the config names all its parts by
     their checkpoint names (or a pattern matches them); the other layers stay quantized."""
-    writer, qc, group = SKIPPED[kind]
-    parts = SKIPPED_LAYERS[kind]
-    ref, quantized = write_checkpoint(llama, tmp_path / "q", writer, qc,
-                                      dense=lambda n: n.startswith("model.layers.0.") and n.split(".")[3] in parts)
+    writer, qc, group, dense = SKIPPED[kind]
+    kept = lambda n: dense(int(n.split(".")[2]), n.split(".")[3])  # noqa: E731  model.layers.<i>.<block>.
+    ref, quantized = write_checkpoint(llama, tmp_path / "q", writer, qc, dense=kept)
     llm = LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=4)
-    lin = linears(llm)
-    for name, mod in lin.items():
-        kept = name.startswith("model.layers.0.") and name.split(".")[3] in parts
-        assert mod.quant.dense == kept, (name, mod.quant.describe())
+    for name, mod in linears(llm).items():
+        assert mod.quant.dense == kept(name), (name, mod.quant.describe())
     assert_matches(llm, ref, quantized, group)
 
 
