@@ -121,8 +121,9 @@ def quant_summary(model) -> str:
         if method is not None:
             kinds[method.describe()] = kinds.get(method.describe(), 0) + 1
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    size = f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
     layers = ", ".join(f"{n} x {k}" for k, n in sorted(kinds.items()))
-    return f"weights {nbytes / 2**30:.2f} GiB on this rank; linear layers: {layers}"
+    return f"weights {size} on this rank; linear layers: {layers}"
 
 
 def checkpoint_files(model_dir: str) -> list[str]:

@@ -40,8 +40,9 @@ AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # nibble i of an AWQ word holds column 8c 
 
 def _div(a: int, b: int, what: str) -> int:
     if a % b:
-        raise ValueError(f"{what} ({a}) is not a multiple of {b}: this checkpoint cannot be "
-                         "sharded at this tensor-parallel size")
+        raise ValueError(f"{what} ({a}) is not a multiple of {b} (the checkpoint's packing, group "
+                         "or block size): this layer cannot be fused or sharded across "
+                         "tensor-parallel ranks there")
     return a // b
 
 
@@ -142,6 +143,9 @@ class LinearMethod:
 
 class Unquantized(LinearMethod):
     dense = True
+
+    def describe(self):
+        return "dense"
 
     def create(self, layer, in_features, out_features, dtype):
         self._param(layer, "weight", (out_features, in_features), dtype,

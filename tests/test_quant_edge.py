@@ -107,15 +107,22 @@ SKIPPED = {  # kind: (writer, config, FP8 activation group or False for 4-bit, d
 
 
 @pytest.mark.parametrize("kind", SKIPPED)
-def test_layers_left_unquantized_by_name_are_dense(llama, tmp_path, kind):
+def test_layers_left_unquantized_by_name_are_dense(llama, tmp_path, caplog, kind):
     """A fused layer (qkv_proj, gate_up_proj) is dense when the config names all its parts by
-    their checkpoint names (or a pattern matches them); the other layers stay quantized."""
+    their checkpoint names (or a pattern matches them); the other layers stay quantized, and the
+    startup log counts both kinds and the weight bytes."""
     writer, qc, group, dense = SKIPPED[kind]
     kept = lambda n: dense(int(n.split(".")[2]), n.split(".")[3])  # noqa: E731  model.layers.<i>.<block>.
     ref, quantized = write_checkpoint(llama, tmp_path / "q", writer, qc, dense=kept)
-    llm = LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=4)
-    for name, mod in linears(llm).items():
+    with caplog.at_level("INFO", logger="rankserve.runner"):
+        llm = LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=4)
+    lin = linears(llm)
+    for name, mod in lin.items():
         assert mod.quant.dense == kept(name), (name, mod.quant.describe())
+    n_dense = sum(kept(n) for n in lin)
+    nbytes = sum(p.numel() * p.element_size() for p in llm.engine.executor.runner.model.parameters())
+    assert (f"quantization {qc['quant_method']}: weights {nbytes / 2**20:.2f} MiB on this rank; linear layers: "
+            f"{n_dense} x dense, {len(lin) - n_dense} x ") in caplog.text
     assert_matches(llm, ref, quantized, group)
 
 
@@ -213,3 +220,23 @@ def test_gptq_one_group_per_column_tp2(llama, tmp_path):
     one = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10,
                                                                                  ignore_eos=True))]
     assert tp == one
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["fbgemm", "gptq-in-block"])
+def test_gpu_layers_left_dense_run_on_the_gpu(llama, tmp_path, kind):
+    """The dense layers of a partly quantized checkpoint live on the GPU with the rest (they are
+    rebuilt after the model) and the model runs there: greedy tokens of the float32 GPU run equal
+    the CPU run's on most prompts, logits close."""
+    from test_deepseek import _device_logits
+    from test_parity import model_logits
+    writer, qc, _, dense = SKIPPED[kind]
+    write_checkpoint(llama, tmp_path / "q", writer, qc, dense=lambda n: dense(int(n.split(".")[2]), n.split(".")[3]))
+    gpu = LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=4, gpu_memory_utilization=0.3)
+    assert {p.device.type for p in gpu.engine.executor.runner.model.parameters()} == {"cuda"}
+    cpu = LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=4, device="cpu")
+    same = [a == b for a, b in zip(tq.greedy(gpu), tq.greedy(cpu))]
+    errs = [float((_device_logits(gpu, p).cpu() - r).norm() / r.norm())
+            for p, r in ((p, model_logits(cpu, p)) for p in tq.PROMPTS)]
+    assert sum(same) >= 2 and max(errs) < tq.LOGIT_TIE_TOL, (same, errs)
