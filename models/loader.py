@@ -35,7 +35,30 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _BUILTIN_CONFIGS = {"DeepseekV3ForCausalLM": "DeepseekV3Config", "DeepseekV2ForCausalLM": "DeepseekV2Config"}
 
 
+# older AutoGPTQ / AutoAWQ checkpoints keep the scheme beside config.json (often without quant_method)
+_SIDE_QUANT_CONFIGS = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
+
+
+def _with_side_quant_config(config, model_dir: str):
+    if getattr(config, "quantization_config", None):
+        return config
+    for name, method in _SIDE_QUANT_CONFIGS.items():
+        path = os.path.join(model_dir, name)
+        if os.path.isfile(path):
+            import json
+            with open(path) as f:
+                config.quantization_config = {"quant_method": method, **json.load(f)}
+            break
+    return config
+
+
 def load_hf_config(model_dir: str, cache_dir: str | None = None):
+    """The checkpoint's transformers config (with `quantization_config` from a side file where
+    config.json has none)."""
+    return _with_side_quant_config(_load_hf_config(model_dir, cache_dir), model_dir)
+
+
+def _load_hf_config(model_dir: str, cache_dir: str | None = None):
     """The checkpoint's transformers config. With `cache_dir` (the engine's start path) it is
     read without importing transformers where that can be done: a shipped family through its
     own reader (models/config_readers.py: seconds of a cold start), another config read before

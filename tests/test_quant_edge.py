@@ -162,6 +162,23 @@ def test_gptqmodel_format_field(llama, tmp_path):
     assert_matches(LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=4), ref, quantized, False)
 
 
+@pytest.mark.parametrize("side_file, side, fmt", [
+    ("quantize_config.json", {"bits": 4, "group_size": 128, "damp_percent": 0.01, "desc_act": False,
+                              "static_groups": False, "sym": True, "true_sequential": True,
+                              "model_name_or_path": None, "model_file_base_name": "model"}, "gptq-sym"),
+    ("quant_config.json", {"zero_point": True, "q_group_size": 128, "w_bit": 4, "version": "GEMM"}, "awq"),
+])
+def test_scheme_in_a_side_file(llama, tmp_path, side_file, side, fmt):
+    """Older AutoGPTQ / AutoAWQ checkpoints keep the scheme in quantize_config.json /
+    quant_config.json (no quant_method there), not in config.json."""
+    ref, quantized = write_checkpoint(llama, tmp_path / "q", tq.FORMATS[fmt][0], {})
+    cfg = json.loads((tmp_path / "q" / "config.json").read_text())
+    del cfg["quantization_config"]
+    (tmp_path / "q" / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "q" / side_file).write_text(json.dumps(side))
+    assert_matches(LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=4), ref, quantized, False)
+
+
 CT = {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
       "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
           "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
