@@ -257,3 +257,19 @@ def test_gpu_layers_left_dense_run_on_the_gpu(llama, tmp_path, kind):
     errs = [float((_device_logits(gpu, p).cpu() - r).norm() / r.norm())
             for p, r in ((p, model_logits(cpu, p)) for p in tq.PROMPTS)]
     assert sum(same) >= 2 and max(errs) < tq.LOGIT_TIE_TOL, (same, errs)
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block", "gptq-sym", "awq"])
+def test_tp_cut_through_a_block_or_group_names_the_tensor(tmp_path, fmt):
+    """intermediate 384 at TP 2: each rank's 192 input columns of down_proj end mid-way through a
+    128 block / group. Loading rank 1 (no collectives needed) is an error naming the tensor."""
+    from rankserve.models.loader import build_model, load_hf_config, load_weights
+    from rankserve.models.parallel import ParallelInfo
+    src = make_checkpoint(tmp_path / "base", "LlamaForCausalLM", **{**tq.SIZES, "intermediate_size": 384,
+                                                                     "num_key_value_heads": 4})
+    tq.quantize_checkpoint(src, tmp_path / fmt, fmt)
+    cfg = load_hf_config(str(tmp_path / fmt))
+    model = build_model(cfg, ParallelInfo(tp_rank=1, tp_size=2), torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.down_proj\.\w+: input shard \w+ \(192\) is not "
+                                         r"a multiple of 128"):
+        load_weights(model, str(tmp_path / fmt), progress=False)
