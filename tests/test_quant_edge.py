@@ -30,9 +30,9 @@ def llama(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("llama"), "LlamaForCausalLM", **tq.SIZES)
 
 
-def write_checkpoint(src: str, dst: Path, writer, qc: dict, dense=lambda name: False):
+def write_checkpoint(src: str, dst: Path, writer, qc: dict, dense=lambda name: False, reference=True):
     """`src` with every linear weight written by `writer` except those `dense(name)` keeps as
-    they are; returns (reference transformers model, the parameters it quantized)."""
+    they are; returns (reference transformers model or None, the parameters it quantized)."""
     import transformers
     dst.mkdir(parents=True)
     out, deq, quantized = {}, {}, set()
@@ -51,6 +51,8 @@ def write_checkpoint(src: str, dst: Path, writer, qc: dict, dense=lambda name: F
     for f in Path(src).iterdir():
         if f.name.startswith("tokenizer") or f.name == "generation_config.json":
             shutil.copy(f, dst / f.name)
+    if not reference:
+        return None, quantized
     ref_dir = dst.parent / (dst.name + "-dequantized")
     shutil.copytree(src, ref_dir)
     save_file(deq, str(ref_dir / "model.safetensors"))
@@ -128,7 +130,8 @@ def test_layers_left_unquantized_by_name_are_dense(llama, tmp_path, caplog, kind
 
 def test_some_but_not_all_parts_of_a_fused_layer_skipped_is_an_error(llama, tmp_path):
     qc = {"quant_method": "fbgemm_fp8", "modules_to_not_convert": ["model.layers.0.self_attn.q_proj"]}
-    write_checkpoint(llama, tmp_path / "q", tq.write_fp8_channel, qc, dense=lambda n: ".0.self_attn.q_proj" in n)
+    write_checkpoint(llama, tmp_path / "q", tq.write_fp8_channel, qc, dense=lambda n: ".0.self_attn.q_proj" in n,
+                     reference=False)
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.qkv_proj.*q_proj.*k_proj"):
         LLM(str(tmp_path / "q"), dtype="float32")
 
@@ -211,7 +214,7 @@ def test_unsupported_fields_are_clear_errors(tmp_path, qc, words):
 def test_a_16bit_tensor_where_fp8_is_expected_names_it(llama, tmp_path):
     """An unlisted dense layer in an FP8 checkpoint: the error names the tensor, not a missing scale."""
     write_checkpoint(llama, tmp_path / "q", tq.write_fp8_block, tq.FORMATS["fp8-block"][1],
-                     dense=lambda n: n == "model.layers.1.mlp.down_proj.weight")
+                     dense=lambda n: n == "model.layers.1.mlp.down_proj.weight", reference=False)
     with pytest.raises(ValueError, match=re.escape("model.layers.1.mlp.down_proj.weight") + ".*float32.*float8"):
         LLM(str(tmp_path / "q"), dtype="float32")
 
@@ -239,35 +242,47 @@ def test_gptq_one_group_per_column_tp2(llama, tmp_path):
     assert tp == one
 
 
+GPU_CASES = {  # kind: (writer, config, dense(layer, block))
+    **{k: (w, qc, d) for k, (w, qc, _, d) in SKIPPED.items() if k in ("fbgemm", "gptq-in-block")},
+    "gptq-group-1": (lambda w: tq.write_gptq(w, group=w.shape[1], sym=False), {
+        "quant_method": "gptq", "bits": 4, "group_size": -1, "desc_act": False, "sym": False}, lambda i, b: False),
+    "gptq-v2": (write_gptq_v2, {**GPTQ, "sym": False, "format": "gptq_v2"}, lambda i, b: False),
+}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("kind", ["fbgemm", "gptq-in-block"])
-def test_gpu_layers_left_dense_run_on_the_gpu(llama, tmp_path, kind):
-    """The dense layers of a partly quantized checkpoint live on the GPU with the rest (they are
-    rebuilt after the model) and the model runs there: greedy tokens of the float32 GPU run equal
-    the CPU run's on most prompts, logits close."""
+@pytest.mark.parametrize("kind", GPU_CASES)
+def test_gpu_matches_cpu(llama, tmp_path, kind):
+    """These checkpoints on CUDA (float32, the Triton kernels): every weight on the GPU (dense
+    layers are rebuilt after the model), greedy tokens of most prompts and logits as on the CPU."""
     from test_deepseek import _device_logits
     from test_parity import model_logits
-    writer, qc, _, dense = SKIPPED[kind]
-    write_checkpoint(llama, tmp_path / "q", writer, qc, dense=lambda n: dense(int(n.split(".")[2]), n.split(".")[3]))
+    writer, qc, dense = GPU_CASES[kind]
+    write_checkpoint(llama, tmp_path / "q", writer, qc, dense=lambda n: dense(int(n.split(".")[2]), n.split(".")[3]),
+                     reference=False)
     gpu = LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=4, gpu_memory_utilization=0.3)
     assert {p.device.type for p in gpu.engine.executor.runner.model.parameters()} == {"cuda"}
     cpu = LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=4, device="cpu")
     same = [a == b for a, b in zip(tq.greedy(gpu), tq.greedy(cpu))]
-    errs = [float((_device_logits(gpu, p).cpu() - r).norm() / r.norm())
-            for p, r in ((p, model_logits(cpu, p)) for p in tq.PROMPTS)]
+    errs = [float((_device_logits(gpu, p).cpu() - model_logits(cpu, p)).norm() / model_logits(cpu, p).norm())
+            for p in tq.PROMPTS]
     assert sum(same) >= 2 and max(errs) < tq.LOGIT_TIE_TOL, (same, errs)
 
 
+@pytest.fixture(scope="module")
+def llama384(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("llama384"), "LlamaForCausalLM",
+                           **{**tq.SIZES, "intermediate_size": 384, "num_key_value_heads": 4})
+
+
 @pytest.mark.parametrize("fmt", ["fp8-block", "gptq-sym", "awq"])
-def test_tp_cut_through_a_block_or_group_names_the_tensor(tmp_path, fmt):
+def test_tp_cut_through_a_block_or_group_names_the_tensor(llama384, tmp_path, fmt):
     """intermediate 384 at TP 2: each rank's 192 input columns of down_proj end mid-way through a
     128 block / group. Loading rank 1 (no collectives needed) is an error naming the tensor."""
     from rankserve.models.loader import build_model, load_hf_config, load_weights
     from rankserve.models.parallel import ParallelInfo
-    src = make_checkpoint(tmp_path / "base", "LlamaForCausalLM", **{**tq.SIZES, "intermediate_size": 384,
-                                                                     "num_key_value_heads": 4})
-    tq.quantize_checkpoint(src, tmp_path / fmt, fmt)
+    write_checkpoint(llama384, tmp_path / fmt, *tq.FORMATS[fmt], reference=False)
     cfg = load_hf_config(str(tmp_path / fmt))
     model = build_model(cfg, ParallelInfo(tp_rank=1, tp_size=2), torch.float32, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.down_proj\.\w+: input shard \w+ \(192\) is not "
