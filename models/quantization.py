@@ -430,10 +430,10 @@ class CompressedTensorsConfig(QuantConfig):
         if fmt not in ("float-quantized", "naive-quantized"):
             raise ValueError(f"compressed-tensors format {fmt!r} is not supported for FP8 weights "
                              "(float-quantized, naive-quantized)")
+        sparsity = qc.get("sparsity_config") or {}  # "dense": weights stored whole
         for field, value in (("output_activations", g.get("output_activations")),
                              ("transform_config", qc.get("transform_config")),
-                             ("sparsity_config", (qc.get("sparsity_config") or {}).get("format", "dense") != "dense"
-                              and qc["sparsity_config"])):
+                             ("sparsity_config", sparsity if sparsity.get("format", "dense") != "dense" else None)):
             if value:
                 raise ValueError(f"compressed-tensors {field} {value} is not supported")
         self.block = w.get("block_structure") if strategy == "block" else None
