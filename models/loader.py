@@ -35,7 +35,30 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _BUILTIN_CONFIGS = {"DeepseekV3ForCausalLM": "DeepseekV3Config", "DeepseekV2ForCausalLM": "DeepseekV2Config"}
 
 
+# older AutoGPTQ / AutoAWQ checkpoints keep the scheme beside config.json (often without quant_method)
+_SIDE_QUANT_CONFIGS = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
+
+
+def _with_side_quant_config(config, model_dir: str):
+    if getattr(config, "quantization_config", None):
+        return config
+    for name, method in _SIDE_QUANT_CONFIGS.items():
+        path = os.path.join(model_dir, name)
+        if os.path.isfile(path):
+            import json
+            with open(path) as f:
+                config.quantization_config = {"quant_method": method, **json.load(f)}
+            break
+    return config
+
+
 def load_hf_config(model_dir: str, cache_dir: str | None = None):
+    """The checkpoint's transformers config (with `quantization_config` from a side file where
+    config.json has none)."""
+    return _with_side_quant_config(_load_hf_config(model_dir, cache_dir), model_dir)
+
+
+def _load_hf_config(model_dir: str, cache_dir: str | None = None):
     """The checkpoint's transformers config. With `cache_dir` (the engine's start path) it is
     read without importing transformers where that can be done: a shipped family through its
     own reader (models/config_readers.py: seconds of a cold start), another config read before
@@ -97,7 +120,7 @@ def build_model(hf_config, pi: ParallelInfo, dtype: torch.dtype, device: torch.d
     qconfig = quant_config_of(hf_config, quantization)
     with torch.device(device), building(qconfig):
         model = cls(hf_config, pi, dtype)
-    apply_ignored(model, qconfig)
+        apply_ignored(model, qconfig)  # rebuilds layers: on the model's device too
     model.quant_config = qconfig
     return model.eval()
 
@@ -121,8 +144,9 @@ def quant_summary(model) -> str:
         if method is not None:
             kinds[method.describe()] = kinds.get(method.describe(), 0) + 1
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    size = f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
     layers = ", ".join(f"{n} x {k}" for k, n in sorted(kinds.items()))
-    return f"weights {nbytes / 2**30:.2f} GiB on this rank; linear layers: {layers}"
+    return f"weights {size} on this rank; linear layers: {layers}"
 
 
 def checkpoint_files(model_dir: str) -> list[str]:
@@ -172,10 +196,13 @@ def load_weights(model, model_dir: str, progress: bool = True) -> int:
                         continue
                     src = get(name)
                     loader = getattr(param, "weight_loader", None)
-                    if loader is None:
-                        param.data.copy_(src[:])
-                    else:
-                        loader(param, src, shard)
+                    try:
+                        if loader is None:
+                            param.data.copy_(src[:])
+                        else:
+                            loader(param, src, shard)
+                    except ValueError as e:  # which tensor the checkpoint cannot load
+                        raise ValueError(f"{name}: {e}") from e
                     loaded.add(target)
     missing = [n for n in params if n not in loaded and not _tied_alias(model, n, loaded)]
     if missing and hasattr(model, "drop_missing"):  # optional parts the checkpoint lacks (MTP)

@@ -21,6 +21,7 @@ at what granularity (8 for packed nibbles, the block or group size for scales).
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import torch
 import torch.nn as nn
@@ -39,8 +40,9 @@ AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # nibble i of an AWQ word holds column 8c 
 
 def _div(a: int, b: int, what: str) -> int:
     if a % b:
-        raise ValueError(f"{what} ({a}) is not a multiple of {b}: this checkpoint cannot be "
-                         "sharded at this tensor-parallel size")
+        raise ValueError(f"{what} ({a}) is not a multiple of {b} (the checkpoint's packing, group "
+                         "or block size): this layer cannot be fused or sharded across "
+                         "tensor-parallel ranks there")
     return a // b
 
 
@@ -142,6 +144,9 @@ class LinearMethod:
 class Unquantized(LinearMethod):
     dense = True
 
+    def describe(self):
+        return "dense"
+
     def create(self, layer, in_features, out_features, dtype):
         self._param(layer, "weight", (out_features, in_features), dtype,
                     lambda p, src, s: load_2d(p, src, s, 0))
@@ -165,7 +170,7 @@ class Fp8Linear(LinearMethod):
 
     def create(self, layer, in_features, out_features, dtype):
         self._param(layer, "weight", (out_features, in_features), q.FP8,
-                    lambda p, src, s: load_2d(p, src, s, 0))
+                    lambda p, src, s: load_2d(p, _fp8_tensor(src), s, 0))
         if self.block:
             bn, bk = self.block
             shape = (-(-out_features // bn), -(-in_features // bk))
@@ -197,6 +202,22 @@ class Fp8Linear(LinearMethod):
 
     def silu_mul_apply(self, layer, gu, bias):
         return fp8_silu_mul_linear(gu, layer.weight, self.scale(layer), bias, self.block)
+
+
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F8_E4M3": "float8_e4m3fn",
+                      "F8_E5M2": "float8_e5m2"}
+
+
+def _fp8_tensor(src):
+    """`src`, checked to hold e4m3 values: a copy would silently cast anything else (a 16-bit
+    layer the config does not list as unquantized, a "dense" checkpoint)."""
+    dtype = str(src.dtype).removeprefix("torch.") if isinstance(src, torch.Tensor) else src.get_dtype()
+    dtype = _SAFETENSORS_DTYPES.get(dtype, dtype)
+    if dtype != "float8_e4m3fn":
+        raise ValueError(f"is {dtype} in the checkpoint where the quantization config expects "
+                         "float8_e4m3fn (a layer left unquantized must be listed in "
+                         "modules_to_not_convert / ignore)")
+    return src
 
 
 class Fp8Online(Fp8Linear):
@@ -241,15 +262,17 @@ class W4A16(LinearMethod):
                 f"{'symmetric' if self.sym else 'zero point'}{', act-order' if self.desc_act else ''})")
 
     def create(self, layer, in_features, out_features, dtype):
-        G = self.group_size if self.group_size > 0 else in_features
+        G = self.group_size if self.group_size > 0 else layer.full_in  # -1: one group, all of K
         layer.group_size_k = G
         sharded_in = in_features != layer.full_in
-        # act-order rows of any group can land on any rank: keep every group's scales
-        groups_kept = -(-layer.full_in // G) if (self.desc_act and sharded_in) else -(-in_features // G)
+        # act-order rows of any group can land on any rank, and group -1's one group spans all
+        # ranks: keep every group's scales
+        keep_all = sharded_in and (self.desc_act or self.group_size <= 0)
+        groups_kept = -(-layer.full_in // G) if keep_all else -(-in_features // G)
         if in_features % 8:
             raise ValueError(f"4-bit weights need an input size divisible by 8 per rank, got {in_features}")
-        gdiv = 1 if (self.desc_act and sharded_in) else G
-        gcols = (lambda s: dataclasses.replace(s, cols=(0, layer.full_in))) if gdiv == 1 else (lambda s: s)
+        gdiv = 1 if keep_all else G
+        gcols = (lambda s: dataclasses.replace(s, cols=(0, layer.full_in))) if keep_all else (lambda s: s)
         if self.fmt == "gptq":
             self._param(layer, "qweight", (in_features // 8, out_features), torch.int32,
                         lambda p, src, s: load_2d(p, src, s, 1, 1, 8))
@@ -286,9 +309,22 @@ class W4A16(LinearMethod):
 # schemes (checkpoint configs)
 # ------------------------------------------------------------------------------------------------
 
+# fused layers and the checkpoint modules they load (models/llama.py STACKED): configs list the latter
+FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _listed(name: str, m: str) -> bool:
+    """Whether module `name` is entry `m` of an ignore list: a name, a suffix, or "re:" a
+    pattern matched from the start (compressed-tensors, GPTQModel)."""
+    if m.startswith("re:"):
+        return re.match(m[3:], name) is not None
+    return name == m or name.startswith(m + ".") or name.endswith("." + m) or m in name.split(".")
+
+
 class QuantConfig:
     name = ""
     ignored: list[str] = []
+    only: list[str] | None = None  # when set, the modules (name suffixes) quantized; others dense
 
     def linear(self, prefix: str) -> LinearMethod:
         raise NotImplementedError
@@ -297,9 +333,24 @@ class QuantConfig:
         """How fused-MoE experts are stored; None: the scheme cannot run MoE experts."""
         return None
 
+    def _dense(self, name: str) -> bool:
+        return (any(_listed(name, m) for m in self.ignored)
+                or self.only is not None and not any(name.endswith("." + m) for m in self.only))
+
     def skips(self, prefix: str) -> bool:
-        return any(prefix == m or prefix.startswith(m + ".") or prefix.endswith("." + m)
-                   or m in prefix.split(".") for m in self.ignored)
+        """Whether the config leaves module `prefix` unquantized. A fused module is when all the
+        parts it loads are (Llama-3.1-405B-FP8 lists layer 0's q/k/v/gate/up_proj); some
+        but not all is an error, since one fused weight cannot mix dense and quantized parts."""
+        head, _, last = prefix.rpartition(".")
+        if last not in FUSED_PARTS or any(_listed(prefix, m) for m in self.ignored):
+            return self._dense(prefix)
+        parts = [f"{head}.{p}" for p in FUSED_PARTS[last]]
+        hit = [p for p in parts if self._dense(p)]
+        if 0 < len(hit) < len(parts):
+            raise ValueError(f"{prefix}: the {self.name} config leaves {', '.join(hit)} unquantized but "
+                             f"not {', '.join(p for p in parts if p not in hit)}; a fused layer's parts "
+                             "must all be quantized or all be dense")
+        return bool(hit)
 
 
 @dataclasses.dataclass
@@ -376,6 +427,15 @@ class CompressedTensorsConfig(QuantConfig):
         targets = g.get("targets") or ["Linear"]
         if targets != ["Linear"]:
             raise ValueError(f"compressed-tensors targets {targets} are not supported (only Linear)")
+        if fmt not in ("float-quantized", "naive-quantized"):
+            raise ValueError(f"compressed-tensors format {fmt!r} is not supported for FP8 weights "
+                             "(float-quantized, naive-quantized)")
+        sparsity = qc.get("sparsity_config") or {}  # "dense": weights stored whole
+        for field, value in (("output_activations", g.get("output_activations")),
+                             ("transform_config", qc.get("transform_config")),
+                             ("sparsity_config", sparsity if sparsity.get("format", "dense") != "dense" else None)):
+            if value:
+                raise ValueError(f"compressed-tensors {field} {value} is not supported")
         self.block = w.get("block_structure") if strategy == "block" else None
         act = g.get("input_activations") or {}
         self.static = bool(act) and not act.get("dynamic", True)
@@ -395,12 +455,33 @@ class GPTQConfig(QuantConfig):
     def __init__(self, qc: dict, online: bool = False):
         if qc.get("bits", 4) != 4:
             raise ValueError(f"gptq with {qc.get('bits')} bits is not supported (only 4)")
-        fmt = qc.get("checkpoint_format", "gptq")
+        # AutoGPTQ / transformers write checkpoint_format, GPTQModel format (v2: zeros as they are)
+        given = {k: qc[k] for k in ("checkpoint_format", "format") if qc.get(k)}
+        if len(set(given.values())) > 1:
+            raise ValueError(f"gptq checkpoint_format {given['checkpoint_format']!r} and format "
+                             f"{given['format']!r} disagree")
+        key, fmt = next(iter(given.items()), ("format", "gptq"))
         if fmt not in ("gptq", "gptq_v2"):
-            raise ValueError(f"gptq checkpoint_format {fmt!r} is not supported")
+            raise ValueError(f"gptq {key} {fmt!r} is not supported (gptq, gptq_v2)")
+        if qc.get("lm_head"):
+            raise ValueError("gptq lm_head: true (a quantized LM head) is not supported")
+        if qc.get("pack_dtype", "int32") != "int32":
+            raise ValueError(f"gptq pack_dtype {qc['pack_dtype']!r} is not supported (only int32)")
+        if qc.get("is_marlin_format"):
+            raise ValueError("gptq is_marlin_format: true (AutoGPTQ's Marlin layout) is not supported")
         self.method = W4A16("gptq", int(qc.get("group_size", 128)), bool(qc.get("sym", True)),
                             bool(qc.get("desc_act", False)), zero_plus_one=fmt == "gptq")
         self.ignored = _ignored(qc)
+        blocks = qc.get("modules_in_block_to_quantize")  # transformers / optimum: an allow list
+        if blocks:
+            self.only = [m for group in blocks for m in group]
+        # GPTQModel's per-module rules: "-:pattern" leaves modules dense; overrides are refused
+        for rule, override in (qc.get("dynamic") or {}).items():
+            if rule.startswith("-:"):
+                self.ignored.append("re:" + rule[2:])
+            elif any(qc.get(k) != v for k, v in override.items()):
+                raise ValueError(f"gptq dynamic override {rule!r} ({override}) is not supported: "
+                                 "every module must share the config's bits / group_size / sym / desc_act")
 
     def linear(self, prefix):
         return self.method
@@ -480,9 +561,9 @@ def current_moe_quant() -> MoEQuant | None:
 
 
 def apply_ignored(model: nn.Module, config: QuantConfig | None) -> None:
-    """Layers the checkpoint left unquantized (`modules_to_not_convert` / `ignore`) get dense
-    weights again; they were built with the scheme's method."""
-    if config is None or not config.ignored:
+    """Layers the checkpoint left unquantized (`modules_to_not_convert` / `ignore` /
+    `modules_in_block_to_quantize`) get dense weights again; they were built with the scheme's method."""
+    if config is None or not config.ignored and config.only is None:
         return
     for name, mod in model.named_modules():
         if hasattr(mod, "set_method") and not mod.quant.dense and config.skips(name):
