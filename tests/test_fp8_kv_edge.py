@@ -67,11 +67,12 @@ def test_online_fp8_weights_reload_in_place(checkpoint, tmp_path, arch):
     assert any(t.dtype == torch.float8_e4m3fn for _, t in before.values())
     llm.sleep(2)
     llm.wake_up()
+    woken = weights_of(llm)  # new storages (the graphs are captured again on wake-up)
     llm.engine.reload_weights()
     after = weights_of(llm)
     assert after.keys() == before.keys()
-    for n, (ptr, t) in before.items():
-        assert after[n][0] == ptr, f"{n} moved"
+    for n, (_, t) in before.items():
+        assert after[n][0] == woken[n][0], f"{n} moved"
         assert torch.equal(after[n][1].view(torch.uint8), t.view(torch.uint8)), n
     assert greedy(llm) == want
     other = with_tensors(src, tmp_path / "other", {}, perturb=0.05)
@@ -99,3 +100,70 @@ def test_update_weights_from_disk_takes_the_new_kv_scales(tmp_path):
     llm.update_weights_from_disk(a)
     assert scales_of(llm) == [(0.02, 0.02)] * n
     assert greedy(llm) == want_a
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoint k/v scales: naming schemes, families, values
+# ----------------------------------------------------------------------------------------------
+
+T = torch.tensor
+SCALE_NAMES = {  # family: (checkpoint tensors, the (k, v) scales of its attention layers)
+    "llama-modelopt": ("LlamaForCausalLM", {"model.layers.1.self_attn.k_proj.k_scale": T([0.5]),
+                                            "model.layers.1.self_attn.v_proj.v_scale": T([0.25])},
+                       [(1.0, 1.0), (0.5, 0.25)]),
+    "nemotron-h-output-scale": ("NemotronHForCausalLM",
+                                {"model.layers.1.mixer.k_proj.output_scale": T([0.5]),
+                                 "model.layers.1.mixer.v_proj.output_scale": T([0.25])}, [(0.5, 0.25)]),
+    "nemotron-h-kv-scale": ("NemotronHForCausalLM", {"backbone.layers.1.mixer.kv_scale": T(0.5)},
+                            [(0.5, 0.5)]),
+    # MLA: one latent cache, one scale; an older single kv_scale is that scale, a v_scale has
+    # nothing to scale (as in vLLM)
+    "deepseek-kv-scale": ("DeepseekV3ForCausalLM", {"model.layers.1.self_attn.kv_scale": T(0.5),
+                                                    "model.layers.2.self_attn.k_scale": T([[0.125]]),
+                                                    "model.layers.2.self_attn.v_scale": T(4.0)},
+                          [(1.0, 1.0), (0.5, 1.0), (0.125, 1.0)]),
+}
+
+
+@pytest.mark.parametrize("case", SCALE_NAMES)
+def test_kv_scale_names_of_every_family(checkpoint, tmp_path, case):
+    """Failed before: these schemes were silently left at 1.0 (Nemotron-H's `mixer.` attention
+    only took `k_scale` / `v_scale`, MLA dropped `kv_scale`, ModelOpt's names went nowhere)."""
+    arch, tensors, want = SCALE_NAMES[case]
+    path = with_tensors(checkpoint(arch), tmp_path / "ck", tensors)
+    llm = LLM(path, kv_cache_dtype="fp8", **SMALL)
+    assert scales_of(llm) == want
+    assert len(greedy(llm, PROMPTS[:1])[0]) == SP.max_tokens
+
+
+@pytest.mark.parametrize("tensors, match", [
+    ({"model.layers.1.self_attn.k_scale": T(0.0)}, "must be finite and > 0"),
+    ({"model.layers.1.self_attn.v_scale": T(-0.5)}, "must be finite and > 0"),
+    ({"model.layers.1.self_attn.kv_scale": T(float("nan"))}, "must be finite and > 0"),
+    ({"model.layers.1.self_attn.k_proj.output_scale": T([float("inf")])}, "must be finite and > 0"),
+    ({"model.layers.1.self_attn.k_scale": T([0.5, 0.25, 0.5, 0.25])}, "only per-tensor"),  # per head
+    ({"model.layers.1.self_attn.attn.k_scale": T(0.5)}, "not a KV-cache scale rankserve can use"),
+    ({"model.layers.1.self_attn.qkv_proj.v_scale": T(0.5)}, "not a KV-cache scale rankserve can use"),
+], ids=["zero", "negative", "nan", "inf", "per-head", "attn-prefix", "fused-qkv"])
+def test_unusable_kv_scales_are_refused(tmp_path, tensors, match):
+    """A scale of 0 / < 0 / NaN / inf turns the cache into NaN or garbage, and a scale under a
+    name no layer takes would be silently replaced by 1.0: each is a startup error naming the
+    tensor. Failed before: loaded as they were, or ignored."""
+    path = with_tensors(STORIES, tmp_path / "ck", tensors)
+    with pytest.raises(ValueError, match=match) as e:
+        LLM(path, kv_cache_dtype="fp8", **SMALL)
+    assert next(iter(tensors)) in str(e.value)
+    LLM(path, **SMALL)  # a 16-bit cache does not read them
+
+
+def test_draft_model_takes_its_own_kv_scales(tmp_path):
+    """A draft model's fp8 cache uses the draft checkpoint's scales. Failed before: 1.0."""
+    draft = with_tensors(STORIES, tmp_path / "draft",
+                         {f"model.layers.{i}.self_attn.k_scale": T(0.25) for i in range(5)})
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 2}
+    llm = LLM(STORIES, kv_cache_dtype="fp8", speculative_config=spec, **SMALL)
+    draft_layers = llm.engine.executor.runner.proposer.model.attention_layers()
+    assert [float(a.k_scale) for a in draft_layers] == [0.25] * 5
+    assert scales_of(llm) == [(1.0, 1.0)] * 5
+    plain = LLM(STORIES, kv_cache_dtype="fp8", **SMALL)
+    assert greedy(llm) == greedy(plain)
