@@ -357,6 +357,10 @@ class DeepseekV2ForCausalLM(MoECausalLM):
             name = f"mtp.{k}.{'block.' if rest.startswith(_BLOCK_PARTS) else ''}{rest}"
             if rest.startswith("eh_proj.") and rest != "eh_proj.weight":
                 raise ValueError(f"{name}: a quantized MTP eh_proj is not supported (16-bit only)")
+        if name.endswith(".self_attn.kv_scale"):  # MLA: one latent cache, one scale (k_scale)
+            return [(name.removesuffix("kv_scale") + "k_scale", None)]
+        if name.endswith(".self_attn.v_scale"):
+            return []  # no V cache to scale (as in vLLM)
         if ".self_attn." in name:  # MLA's projections keep their checkpoint names
             return [(name, None)]
         return super().map_weight(name)

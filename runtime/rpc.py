@@ -48,7 +48,10 @@ class RunnerRPC:
 
     # ---- weight updates ---------------------------------------------------------------------
     def rpc_load_weights_from_disk(self, model_path: str) -> int:
-        return load_from_disk(self.runner.model, model_path)
+        nbytes = load_from_disk(self.runner.model, model_path)
+        if self.runner.cfg.cache.fp8_kv:  # the fp8 cache's scales come with the weights
+            self.runner.load_kv_scales(model_path)
+        return nbytes
 
     def rpc_reload_weights(self) -> None:
         """The weights the engine started with: its checkpoint, or the same dummy weights."""
@@ -57,7 +60,7 @@ class RunnerRPC:
             from ..models.loader import init_dummy_weights
             init_dummy_weights(self.runner.model, cfg.model.seed, self.runner.hf_config)
         else:
-            load_from_disk(self.runner.model, cfg.model.model)
+            self.rpc_load_weights_from_disk(cfg.model.model)
 
     def rpc_init_weights_update_group(self, master_address: str, master_port: int,
                                       rank_offset: int, world_size: int, group_name: str,
