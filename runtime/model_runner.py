@@ -47,13 +47,10 @@ KV_SCALE_TARGET = re.compile(r"\.(self_attn|mixer)\.[kv]_scale$")  # the attenti
 def load_kv_scales(model, model_dir: str) -> tuple[int, int]:
     """Set the attention layers' k_scale / v_scale buffers (in place: CUDA graphs read them)
     from the checkpoint's tensors, 1.0 where it has none; (layers with scales, layers). A scale
-    that is not one finite positive number, or one that no layer takes, is an error: using 1.0
-    instead would silently corrupt the cache."""
+    that is not one finite positive number, or one that no layer takes, is an error (before any
+    buffer changes): using 1.0 instead would silently corrupt the cache."""
     from safetensors import safe_open
-    buffers = {n: b for n, b in model.named_buffers() if KV_SCALE_TARGET.search(n)}
-    for b in buffers.values():
-        b.fill_(1.0)
-    found = set()
+    scales = {}
     for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
@@ -70,10 +67,13 @@ def load_kv_scales(model, model_dir: str) -> tuple[int, int]:
                                      f"(shape {tuple(t.shape)})")
                 if not (torch.isfinite(t).all() and t.item() > 0):
                     raise ValueError(f"{name}: a KV-cache scale must be finite and > 0, got {t.item()}")
-                for target in targets:
-                    if target in buffers:  # else: another pipeline stage's layer
-                        buffers[target].copy_(t.reshape(()))
-                        found.add(target.rsplit(".", 1)[0])
+                scales.update((target, t.reshape(())) for target in targets)
+    found = set()
+    for n, b in model.named_buffers():
+        if KV_SCALE_TARGET.search(n):  # (another pipeline stage's layers are not here)
+            b.copy_(scales.get(n, torch.ones(())))
+            if n in scales:
+                found.add(n.rsplit(".", 1)[0])
     return len(found), len(model.attention_layers())
 
 

@@ -48,10 +48,9 @@ class RunnerRPC:
 
     # ---- weight updates ---------------------------------------------------------------------
     def rpc_load_weights_from_disk(self, model_path: str) -> int:
-        nbytes = load_from_disk(self.runner.model, model_path)
-        if self.runner.cfg.cache.fp8_kv:  # the fp8 cache's scales come with the weights
-            self.runner.load_kv_scales(model_path)
-        return nbytes
+        if self.runner.cfg.cache.fp8_kv:  # the fp8 cache's scales come with the weights (first:
+            self.runner.load_kv_scales(model_path)  # unusable ones refuse the checkpoint)
+        return load_from_disk(self.runner.model, model_path)
 
     def rpc_reload_weights(self) -> None:
         """The weights the engine started with: its checkpoint, or the same dummy weights."""
