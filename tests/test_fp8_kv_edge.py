@@ -112,6 +112,38 @@ def test_update_weights_from_disk_takes_the_new_kv_scales(tmp_path):
     assert greedy(llm) == want_a
 
 
+class TrainerStandIn:
+    """A weight-update group whose broadcasts deliver a checkpoint's tensors, in order."""
+    device = torch.device("cpu")
+
+    def __init__(self, tensors):
+        self.tensors = iter(tensors)
+
+    def broadcast(self, t, src=0):
+        t.copy_(next(self.tensors))
+
+
+def test_mla_fp8_kv_b_proj_follows_weights_from_a_trainer(checkpoint, tmp_path):
+    """DeepSeek with FP8 weights: MLA's absorbed attention runs on kv_b_proj dequantized once
+    after loading; weights received from a trainer must redo that (as loading from disk does).
+    Failed before: the old kv_b_proj stayed in use, so the tokens were neither model's."""
+    from safetensors.torch import load_file
+
+    from rankserve.runtime.weight_update import receive_weights
+    a = checkpoint("DeepseekV3ForCausalLM")
+    b = with_tensors(a, tmp_path / "b", {}, perturb=0.05)
+    kw = dict(quantization="fp8", **SMALL)
+    llm, want = LLM(a, **kw), greedy(LLM(b, **kw))
+    assert greedy(llm) != want
+    sd = {k: v for f in sorted(Path(b).glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    names = sorted(sd)
+    receive_weights(llm.engine.executor.runner.model, TrainerStandIn(sd[n] for n in names), names,
+                    [str(sd[n].dtype) for n in names], [list(sd[n].shape) for n in names],
+                    torch.device("cpu"))
+    llm.reset_prefix_cache()
+    assert greedy(llm) == want
+
+
 # ----------------------------------------------------------------------------------------------
 # checkpoint k/v scales: naming schemes, families, values
 # ----------------------------------------------------------------------------------------------
