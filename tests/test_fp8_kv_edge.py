@@ -216,18 +216,33 @@ def test_draft_model_takes_its_own_kv_scales(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_fp8_weight_and_scale_updates_reach_the_cuda_graphs(tmp_path):
-    """CUDA graphs captured at startup replay whatever the fp8 weights and k/v scales hold:
-    updates write both in place (no sleep, no recapture), so the tokens are a fresh engine's."""
+@pytest.mark.parametrize("arch", ["stories", "DeepseekV3ForCausalLM"])
+def test_gpu_fp8_weight_and_scale_updates_reach_the_cuda_graphs(checkpoint, tmp_path, arch):
+    """CUDA graphs captured at startup replay whatever the fp8 weights, the k/v scales and
+    MLA's dequantized kv_b_proj hold: updates from disk and from a trainer write all of them in
+    place (no sleep, no recapture), so the tokens are a fresh engine's."""
+    from safetensors.torch import load_file
+
+    from rankserve.runtime.weight_update import receive_weights
+    src = STORIES if arch == "stories" else checkpoint(arch)
+    n = 5 if arch == "stories" else 3
     kw = dict(quantization="fp8", kv_cache_dtype="fp8", **SMALL)
-    b = with_tensors(STORIES, tmp_path / "b", {f"model.layers.{i}.self_attn.k_scale": T(0.05)
-                                               for i in range(5)}, perturb=0.05)
-    llm = LLM(STORIES, **kw)
-    assert llm.engine.executor.runner.compiled_model.graphs, "no CUDA graphs captured"
-    want_a, want_b = greedy(llm), greedy(LLM(b, **kw))
-    assert want_a != want_b
+    b = with_tensors(src, tmp_path / "b", {f"model.layers.{i}.self_attn.k_scale": T(0.05)
+                                           for i in range(n)}, perturb=0.05)
+    c = with_tensors(src, tmp_path / "c", {}, perturb=0.05)
+    llm = LLM(src, **kw)
+    runner = llm.engine.executor.runner
+    assert runner.compiled_model.graphs, "no CUDA graphs captured"
+    want_a, want_b, want_c = greedy(llm), greedy(LLM(b, **kw)), greedy(LLM(c, **kw))
+    assert want_a != want_b and want_a != want_c
     llm.update_weights_from_disk(b)
-    assert scales_of(llm) == [(0.05, 1.0)] * 5
+    assert scales_of(llm) == [(0.05, 1.0)] * n
     assert greedy(llm) == want_b
-    llm.update_weights_from_disk(STORIES)
+    llm.update_weights_from_disk(src)
     assert greedy(llm) == want_a
+    sd = {k: v for f in sorted(Path(c).glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    names = sorted(sd)
+    receive_weights(runner.model, TrainerStandIn(sd[k] for k in names), names,
+                    [str(sd[k].dtype) for k in names], [list(sd[k].shape) for k in names], runner.device)
+    llm.reset_prefix_cache()
+    assert greedy(llm) == want_c
