@@ -166,8 +166,11 @@ class MLAAttention(nn.Module):
         if not proj.quant.dense:
             if not hasattr(proj.quant, "scale") or proj.weight.dtype != FP8:
                 raise ValueError(f"MLA needs kv_b_proj dense or FP8, not {proj.quant.describe()}")
-            w = dequant_fp8_weight(proj.weight, proj.quant.scale(proj), proj.quant.block)
-            self.w_kv_b = w.to(self.dtype)
+            w = dequant_fp8_weight(proj.weight, proj.quant.scale(proj), proj.quant.block).to(self.dtype)
+            if self.w_kv_b is not None and self.w_kv_b.shape == w.shape and self.w_kv_b.device == w.device:
+                self.w_kv_b.copy_(w)  # new weights: in place, where captured CUDA graphs read it
+            else:
+                self.w_kv_b = w
 
     def latent(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """What the cache keeps of each token: [normed c_kv | rotated k_pe], [T, L + R]."""
@@ -357,6 +360,10 @@ class DeepseekV2ForCausalLM(MoECausalLM):
             name = f"mtp.{k}.{'block.' if rest.startswith(_BLOCK_PARTS) else ''}{rest}"
             if rest.startswith("eh_proj.") and rest != "eh_proj.weight":
                 raise ValueError(f"{name}: a quantized MTP eh_proj is not supported (16-bit only)")
+        if name.endswith(".self_attn.kv_scale"):  # MLA: one latent cache, one scale (k_scale)
+            return [(name.removesuffix("kv_scale") + "k_scale", None)]
+        if name.endswith(".self_attn.v_scale"):
+            return []  # no V cache to scale (as in vLLM)
         if ".self_attn." in name:  # MLA's projections keep their checkpoint names
             return [(name, None)]
         return super().map_weight(name)

@@ -26,6 +26,7 @@ STACKED = [("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", 1), ("qkv_proj", "v
 # fp8 KV-cache scales in checkpoints (name after "self_attn.") → the Attention buffers they set
 KV_SCALES = {"k_scale": ("k_scale",), "v_scale": ("v_scale",),
              "k_proj.output_scale": ("k_scale",), "v_proj.output_scale": ("v_scale",),
+             "k_proj.k_scale": ("k_scale",), "v_proj.v_scale": ("v_scale",),  # ModelOpt
              "kv_scale": ("k_scale", "v_scale")}  # older checkpoints: one scale for both
 
 

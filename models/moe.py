@@ -42,6 +42,7 @@ class FusedExperts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(E, I2, H, dtype=wdt), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(E, H, inter, dtype=wdt), requires_grad=False)
         self.w13.weight_loader = self.w2.weight_loader = self.weight_loader
+        self.load_dtype = dtype  # what `--quantization fp8` quantizes from
         spec = self.quant.spec
         if spec is not None and not spec.online:
             if spec.block:
@@ -66,10 +67,13 @@ class FusedExperts(nn.Module):
         if not 0 <= e < self.num_local:
             return  # another rank's expert
         rows = self._rows()
-        if part == 2:
-            param.data[e].copy_(_read(src, (slice(None), rows)))
-        else:
-            param.data[e, part * self.inter:(part + 1) * self.inter].copy_(_read(src, rows))
+        ours = slice(None) if part == 2 else slice(part * self.inter, (part + 1) * self.inter)
+        block = _read(src, (slice(None), rows) if part == 2 else rows)
+        if param.dtype == FP8 and self.quant.spec.online:  # a reload of experts quantized at
+            # load time: per-channel, so each part's rows are quantized on their own, in place
+            block, scale = quant_fp8_weight(block.to(param.device, self.load_dtype))
+            (self.w2_scale if part == 2 else self.w13_scale).data[e, ours] = scale
+        param.data[e, ours].copy_(block)
 
     def scale_loader(self, param, src, shard: tuple[int, int]):
         expert, part = shard
@@ -122,6 +126,9 @@ class ExpertsQuant:
                 qs = [quant_fp8_weight(w[e]) for e in range(w.shape[0])]
                 setattr(mod, name, nn.Parameter(torch.stack([a for a, _ in qs]), requires_grad=False))
                 setattr(mod, name + "_scale", nn.Parameter(torch.stack([b for _, b in qs]), requires_grad=False))
+                # reloads bring 16-bit experts again: weight_loader quantizes them in place
+                getattr(mod, name).weight_loader = mod.weight_loader
+                getattr(mod, name + "_scale").written_by_weight = True  # not in the checkpoint
 
 
 class SparseMoE(nn.Module):

@@ -22,7 +22,7 @@ from ..kernels.mamba import mamba_conv1d, ssd_scan
 from .layers import (
     Attention, AttnMeta, ColumnParallelLinear, ParallelInfo, ParallelLMHead, RMSNorm,
     RowParallelLinear, VocabParallelEmbedding, building_on_meta, divide)
-from .llama import CausalLM, stage_layers
+from .llama import KV_SCALES, CausalLM, stage_layers
 from .loader import read_slice
 from .parallel import tp_all_reduce
 from .registry import MODELS
@@ -221,6 +221,9 @@ class NemotronHForCausalLM(CausalLM):
         name = name.replace("backbone.", "model.")  # original Nemotron-H checkpoints
         name = name.replace(".mixer.conv1d.weight", ".mixer.conv_weight")
         name = name.replace(".mixer.conv1d.bias", ".mixer.conv_bias")
+        layer, _, rest = name.partition(".mixer.")
+        if rest in KV_SCALES:  # the attention blocks' fp8 KV-cache scales (model runner)
+            return [(f"{layer}.mixer.{t}", None) for t in KV_SCALES[rest]]
         if ".mixer.in_proj." in name:  # [z | x | B | C | dt]: five shards (Mamba2InProj)
             return [(name, shard) for shard in range(5)]
         for part, shard in (("q_proj", 0), ("k_proj", 1), ("v_proj", 2)):

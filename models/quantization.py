@@ -234,9 +234,26 @@ class Fp8Online(Fp8Linear):
         Unquantized.create(self, layer, in_features, out_features, dtype)
 
     def after_loading(self, layer):
+        if layer.weight.dtype == q.FP8:  # a reload: its shards were quantized as they came
+            return
+        dtype = layer.weight.dtype
         wq, scale = q.quant_fp8_weight(layer.weight.data)
         layer.weight = nn.Parameter(wq, requires_grad=False)
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+        layer.weight_scale.written_by_weight = True  # not in the checkpoint
+        # later loads (reload after sleep level 2, weight updates) bring 16-bit shards again:
+        # per-channel scales make each shard's rows independent, so quantize them in place
+        # (same storage: CUDA graphs stay valid), exactly as the first load did
+        layer.weight.weight_loader = lambda p, src, shard_id=None: self._requantize(
+            layer, p, src, layer.slices(shard_id), dtype)
+
+    @staticmethod
+    def _requantize(layer, p, src, s, dtype):
+        def convert(block):
+            wq, scale = q.quant_fp8_weight(block.to(p.device, dtype))
+            layer.weight_scale.data[s.rows[0]:s.rows[0] + len(scale)] = scale
+            return wq
+        load_2d(p, src, s, 0, convert=convert)
 
 
 def _unpack_cols(packed: torch.Tensor, order=None) -> torch.Tensor:

@@ -12,6 +12,7 @@ import gc
 import glob
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -36,6 +37,44 @@ from .scheduler import SchedulerOutput
 from .spec_decode import ProposeContext
 
 log = logging.getLogger("rankserve.runner")
+
+# checkpoint names of KV-cache scales (their last parts); which layer buffer each goes to is the
+# model's map_weight
+KV_SCALE_NAME = re.compile(r"(^|\.)(k_scale|v_scale|kv_scale|[kv]_proj\.output_scale)$")
+KV_SCALE_TARGET = re.compile(r"\.(self_attn|mixer)\.[kv]_scale$")  # the attention layers' buffers
+
+
+def load_kv_scales(model, model_dir: str) -> tuple[int, int]:
+    """Set the attention layers' k_scale / v_scale buffers (in place: CUDA graphs read them)
+    from the checkpoint's tensors, 1.0 where it has none; (layers with scales, layers). A scale
+    that is not one finite positive number, or one that no layer takes, is an error (before any
+    buffer changes): using 1.0 instead would silently corrupt the cache."""
+    from safetensors import safe_open
+    scales = {}
+    for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if not KV_SCALE_NAME.search(name):
+                    continue
+                targets = [t for t, _ in model.map_weight(name)]
+                if any(not KV_SCALE_TARGET.search(t) for t in targets):
+                    raise ValueError(f"{name}: not a KV-cache scale rankserve can use (names: "
+                                     "self_attn.k_scale / v_scale, k_proj / v_proj.output_scale, "
+                                     "k_proj.k_scale / v_proj.v_scale, kv_scale)")
+                t = f.get_tensor(name).float()
+                if t.numel() != 1:
+                    raise ValueError(f"{name}: only per-tensor KV-cache scales are supported "
+                                     f"(shape {tuple(t.shape)})")
+                if not (torch.isfinite(t).all() and t.item() > 0):
+                    raise ValueError(f"{name}: a KV-cache scale must be finite and > 0, got {t.item()}")
+                scales.update((target, t.reshape(())) for target in targets)
+    found = set()
+    for n, b in model.named_buffers():
+        if KV_SCALE_TARGET.search(n):  # (another pipeline stage's layers are not here)
+            b.copy_(scales.get(n, torch.ones(())))
+            if n in scales:
+                found.add(n.rsplit(".", 1)[0])
+    return len(found), len(model.attention_layers())
 
 
 @dataclass
@@ -154,7 +193,7 @@ class ModelRunner:
                                   self.dtype, device)
         self.kv_dtype = self._kv_cache_dtype()
         if self.kv_dtype == torch.float8_e4m3fn and cfg.load.load_format != "dummy":
-            self._load_kv_scales()
+            self.load_kv_scales(cfg.model.model)
         self.timings = {"load": time.perf_counter() - t0}
         self.vocab_size = self.hf_config.vocab_size
         self.block_size = cfg.cache.block_size
@@ -192,26 +231,13 @@ class ModelRunner:
                              "support (compute capability 8.9 or newer: Ada, Hopper, Blackwell)")
         return torch.float8_e4m3fn
 
-    def _load_kv_scales(self) -> None:
-        """Per-layer k/v scales of the fp8 KV cache from the checkpoint (attention buffers, which
-        load_weights leaves alone); layers without them keep 1.0."""
-        from safetensors import safe_open
-        buffers = dict(self.model.named_buffers())
-        found = set()
-        for path in sorted(glob.glob(os.path.join(self.cfg.model.model, "*.safetensors"))):
-            with safe_open(path, framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    for target, _ in self.model.map_weight(name):
-                        if target in buffers and target.endswith(("k_scale", "v_scale")):
-                            t = f.get_tensor(name).float()
-                            if t.numel() != 1:
-                                raise ValueError(f"{name}: only per-tensor KV-cache scales are "
-                                                 f"supported (shape {tuple(t.shape)})")
-                            buffers[target].copy_(t.reshape(()))
-                            found.add(target)
+    def load_kv_scales(self, model_dir: str) -> None:
+        """The fp8 cache's per-layer k/v scales from checkpoint `model_dir` (at start and with
+        new weights from disk); layers it has none for use 1.0."""
+        found, total = load_kv_scales(self.model, model_dir)
         if found:
             log.info("fp8 KV cache: k/v scales of %d of %d layers from the checkpoint (others 1.0)",
-                     len({t.rsplit(".", 1)[0] for t in found}), len(self.model.attention_layers()))
+                     found, total)
         else:
             log.info("fp8 KV cache: the checkpoint has no k/v scales; using 1.0 (e4m3 holds +-448)")
 

@@ -48,6 +48,8 @@ class RunnerRPC:
 
     # ---- weight updates ---------------------------------------------------------------------
     def rpc_load_weights_from_disk(self, model_path: str) -> int:
+        if self.runner.cfg.cache.fp8_kv:  # the fp8 cache's scales come with the weights (first:
+            self.runner.load_kv_scales(model_path)  # unusable ones refuse the checkpoint)
         return load_from_disk(self.runner.model, model_path)
 
     def rpc_reload_weights(self) -> None:
@@ -57,7 +59,7 @@ class RunnerRPC:
             from ..models.loader import init_dummy_weights
             init_dummy_weights(self.runner.model, cfg.model.seed, self.runner.hf_config)
         else:
-            load_from_disk(self.runner.model, cfg.model.model)
+            self.rpc_load_weights_from_disk(cfg.model.model)
 
     def rpc_init_weights_update_group(self, master_address: str, master_port: int,
                                       rank_offset: int, world_size: int, group_name: str,

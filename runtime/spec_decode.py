@@ -420,6 +420,9 @@ class DraftModelProposer(Stateful, OwnModel, Proposer):
             init_dummy_weights(model, cfg.model.seed + 1, self.hf_config)
         else:
             load_weights(model, params.model, progress=False)
+            if cfg.cache.fp8_kv:  # its fp8 cache: the draft checkpoint's own scales
+                from .model_runner import load_kv_scales
+                load_kv_scales(model, params.model)
         self.own_model(model, None)
         self.compiled.verify_len = 1 + self.k  # the draft scores the target's verify batches too
         self.init_state()

@@ -142,6 +142,7 @@ def receive_weights(model, group: WeightsUpdateGroup, names: list[str], dtypes: 
                     shapes: list[list[int]], device: torch.device) -> list[str]:
     """Receive each tensor from the trainer and load it; returns the names no parameter of this
     rank took."""
+    from ..models.loader import finalize_weights
     params = dict(model.named_parameters(remove_duplicate=False))
     unused = []
     for name, dtype, shape in zip(names, dtypes, shapes):
@@ -149,6 +150,8 @@ def receive_weights(model, group: WeightsUpdateGroup, names: list[str], dtypes: 
         group.broadcast(t, src=0)
         if not load_tensor(model, params, name, t.to(device) if t.device != device else t):
             unused.append(name)
+    with torch.no_grad():  # what is derived from the weights once loaded (MLA's FP8 kv_b_proj)
+        finalize_weights(model)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return unused
