@@ -142,3 +142,26 @@ def test_error_bodies_are_unchanged(app, raw, status, message, param):
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["message"].startswith(message) and err["param"] == param, err
+
+
+def test_inter_token_latencies_observed_in_a_batch_as_one_by_one():
+    import prometheus_client as prom
+
+    from rankserve.runtime.serve.metrics import _LATENCY_BUCKETS, observe_many
+    values = [0.0, 0.001, 0.0010001, 0.004, 0.02, 0.5, 3.0, 1e4, 0.001, 7.5]
+    out = []
+    for batch in (False, True):
+        r = prom.CollectorRegistry()
+        h = prom.Histogram("itl", "x", ["e"], buckets=_LATENCY_BUCKETS, registry=r).labels("0")
+        if batch:
+            observe_many(h, values[:4])
+            observe_many(h, [])
+            observe_many(h, values[4:])
+        else:
+            for v in values:
+                h.observe(v)
+        out.append({(s.name, s.labels.get("le")): s.value for m in r.collect() for s in m.samples
+                    if not s.name.endswith("_created")})
+    assert out[0].keys() == out[1].keys()
+    for k, v in out[0].items():
+        assert out[1][k] == pytest.approx(v, rel=1e-12), k
