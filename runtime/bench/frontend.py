@@ -405,11 +405,13 @@ async def _intake(args, app, client, out) -> None:
             body["prompt"] = rng.integers(0, TEXT_VOCAB, i).tolist()
         bodies.append(json.dumps(body).encode())
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    handed = []
+    handed, all_in = [], asyncio.Event()
     generate = client.generate
 
     def counting(*a, **k):
-        handed.append(time.perf_counter())
+        handed.append(1)
+        if len(handed) == n:
+            all_in.set()
         return generate(*a, **k)
     client.generate = counting
 
@@ -426,16 +428,14 @@ async def _intake(args, app, client, out) -> None:
                 raise RuntimeError(f"intake: HTTP {message['status']}")
         await app(_scope(path, raw), receive, send)
     t0, c0 = time.perf_counter(), time.process_time()
-    tasks = [asyncio.create_task(request(b)) for b in bodies]
-    while len(handed) < n:
-        await asyncio.sleep(0)
-        for t in tasks:
-            if t.done() and t.exception():
-                raise t.exception()
+    requests = asyncio.gather(*(request(b) for b in bodies))  # they wait for tokens: never end
+    await asyncio.wait([asyncio.ensure_future(all_in.wait()), requests],
+                       return_when=asyncio.FIRST_COMPLETED)
     cpu, wall = time.process_time() - c0, time.perf_counter() - t0
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    if requests.done():
+        requests.result()  # a request failed: raise its error
+    requests.cancel()
+    await asyncio.gather(requests, return_exceptions=True)
     out["intake_requests"] = n
     out["intake_ms"] = wall * 1000  # the last request reaches the engine client
     out["intake_cpu_ms_per_request"] = cpu * 1000 / n
