@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -277,6 +278,8 @@ def run_stages(args) -> dict:
     from ..outputs import OutputProcessor
     from ..sampling_params import SamplingParams
     tokenizer = load_tokenizer(args.tokenizer)
+    gc.collect()
+    gc.freeze()  # as the API process does after its start-up (runtime/serve/app.py)
     n, steps = args.concurrency, args.steps
     rng = np.random.default_rng(args.seed)
     ids = [f"r{i}" for i in range(n)]
