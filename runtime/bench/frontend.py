@@ -17,12 +17,14 @@ process can carry, and what each stage costs per token.
 - `stages`: the same per-step messages through the API side's stages in one process, timed one
   by one: msgpack decode, output processor (detokenization), the client's hand-out (updates,
   metrics, queues), and the OpenAI handlers through the ASGI app (chunks, SSE framing), without
-  the HTTP server.
+  the HTTP server, in CPU µs per token; then `intake`: a burst of `--concurrency` requests
+  through the app until the last reaches the engine client (wall ms, CPU ms per request).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -276,6 +278,8 @@ def run_stages(args) -> dict:
     from ..outputs import OutputProcessor
     from ..sampling_params import SamplingParams
     tokenizer = load_tokenizer(args.tokenizer)
+    gc.collect()
+    gc.freeze()  # as the API process does after its start-up (runtime/serve/app.py)
     n, steps = args.concurrency, args.steps
     rng = np.random.default_rng(args.seed)
     ids = [f"r{i}" for i in range(n)]
@@ -289,10 +293,10 @@ def run_stages(args) -> dict:
     tokens = n * steps
     out = {"stage": "stages", "concurrency": n, "steps": steps}
 
-    def timed(name, fn):
-        t0 = time.perf_counter()
+    def timed(name, fn):  # CPU time: steadier than wall time on a shared machine
+        t0 = time.process_time()
         fn()
-        out[name + "_us_per_token"] = (time.perf_counter() - t0) / tokens * 1e6
+        out[name + "_us_per_token"] = (time.process_time() - t0) / tokens * 1e6
 
     decoded = []
     timed("decode", lambda: decoded.extend(outputs_decoder.decode(m) for m in msgs))
@@ -328,10 +332,10 @@ async def _asgi_stages(args, tokenizer, msgs, prompt, out, tokens) -> None:
     c = make_client()
     params = SamplingParams(max_tokens=len(msgs), ignore_eos=True)
     streams = [c.generate(prompt, params, request_id=f"r{i}") for i in range(n)]
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     for m in msgs:
         c._handle(outputs_decoder.decode(m))
-    out["handout_us_per_token"] = (time.perf_counter() - t0) / tokens * 1e6
+    out["handout_us_per_token"] = (time.process_time() - t0) / tokens * 1e6
     del streams
 
     # the whole app: n streamed requests through the ASGI app, one engine message per step
@@ -364,13 +368,7 @@ async def _asgi_stages(args, tokenizer, msgs, prompt, out, tokens) -> None:
                 sent[0] += message.get("body", b"").count(b"data: {")
                 if not message.get("more_body"):
                     done.set()
-        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
-                 "method": "POST", "path": endpoint, "raw_path": endpoint.encode(),
-                 "query_string": b"", "root_path": "", "scheme": "http",
-                 "headers": [(b"content-type", b"application/json"),
-                             (b"content-length", str(len(raw)).encode())],
-                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80), "state": {}}
-        await app(scope, receive, send)
+        await app(_scope(endpoint, raw), receive, send)
     orig_generate = c.generate
     rid_of = {}
 
@@ -384,13 +382,75 @@ async def _asgi_stages(args, tokenizer, msgs, prompt, out, tokens) -> None:
         await asyncio.sleep(0)
     for _ in range(50):
         await asyncio.sleep(0)
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     for m in msgs:
         c._handle(outputs_decoder.decode(m))
         await asyncio.sleep(0)  # each handler takes its update, as between two engine messages
     await asyncio.gather(*tasks)
-    out["app_total_us_per_token"] = (time.perf_counter() - t0) / tokens * 1e6
+    out["app_total_us_per_token"] = (time.process_time() - t0) / tokens * 1e6
     out["app_chunks_per_token"] = sent[0] / tokens
+    await _intake(args, app, c, out)
+
+
+async def _intake(args, app, client, out) -> None:
+    """A burst of `--concurrency` requests (W1's prompt lengths, token ids or a chat message)
+    through the app, timed until the last one is handed to the engine client: the API's share of
+    a burst's TTFT, and its CPU time per request (the tokenizer threads included)."""
+    rng = np.random.default_rng(args.seed)
+    chat, n = args.endpoint == "chat", args.concurrency
+    bodies = []
+    for i in _lengths(rng, n, *args.input_len):
+        body = {"model": "bench", "stream": True, "stream_options": {"include_usage": True},
+                "max_tokens": 16, "ignore_eos": True, "temperature": 0.0}
+        if chat:
+            body["messages"] = [{"role": "user", "content": "hi " * (i // 2)}]
+        else:
+            body["prompt"] = rng.integers(0, TEXT_VOCAB, i).tolist()
+        bodies.append(json.dumps(body).encode())
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    handed, all_in = [], asyncio.Event()
+    generate = client.generate
+
+    def counting(*a, **k):
+        handed.append(1)
+        if len(handed) == n:
+            all_in.set()
+        return generate(*a, **k)
+    client.generate = counting
+
+    async def request(raw: bytes):
+        msgs_in = [{"type": "http.request", "body": raw, "more_body": False}]
+
+        async def receive():
+            if msgs_in:
+                return msgs_in.pop()
+            await asyncio.Event().wait()  # never disconnects; cancelled at the end
+
+        async def send(message):
+            if message["type"] == "http.response.start" and message["status"] != 200:
+                raise RuntimeError(f"intake: HTTP {message['status']}")
+        await app(_scope(path, raw), receive, send)
+    t0, c0 = time.perf_counter(), time.process_time()
+    requests = asyncio.gather(*(request(b) for b in bodies))  # they wait for tokens: never end
+    await asyncio.wait([asyncio.ensure_future(all_in.wait()), requests],
+                       return_when=asyncio.FIRST_COMPLETED)
+    cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+    if requests.done():
+        requests.result()  # a request failed: raise its error
+    requests.cancel()
+    await asyncio.gather(requests, return_exceptions=True)
+    out["intake_requests"] = n
+    out["intake_ms"] = wall * 1000  # the last request reaches the engine client
+    out["intake_cpu_ms_per_request"] = cpu * 1000 / n
+
+
+def _scope(path: str, raw: bytes) -> dict:
+    return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+            "method": "POST", "path": path, "raw_path": path.encode(),
+            "query_string": b"", "root_path": "", "scheme": "http",
+            "headers": [(b"content-type", b"application/json"),
+                        (b"content-length", str(len(raw)).encode())],
+            "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80), "state": {}}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
 
 from ...models.registry import Registry
 
 RENDERERS: Registry[type["Renderer"]] = Registry("renderer")
+_TOKEN_IDS = list[Annotated[int, msgspec.Meta(ge=0)]]
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # names apply_chat_template itself takes; a chat_template_kwargs entry must not shadow them
@@ -61,6 +64,11 @@ class Renderer:
     def render_completion(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return self._encode_prompt(prompt)
+        try:  # plain non-negative ints (the usual token-id prompt), checked in one C pass
+            if prompt:
+                return msgspec.convert(prompt, _TOKEN_IDS)
+        except msgspec.ValidationError:
+            pass
         if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                                  for t in prompt):
             raise ValueError("prompt must be a string or a non-empty list of token ids")

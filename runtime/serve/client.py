@@ -30,7 +30,7 @@ from ..messages import (
 from ..outputs import OutputProcessor
 from ..sampling_params import SamplingParams
 from .load_balancer import LoadBalancer
-from .metrics import Metrics
+from .metrics import Metrics, observe_many
 
 log = logging.getLogger("rankserve.serve")
 
@@ -306,6 +306,7 @@ class EngineClient:
             self.metrics.record_stats(outs.stats, engine)
             self.balancer.record_stats(engine, outs.stats.num_waiting, outs.stats.kv_usage)
         now = time.monotonic()
+        itls: dict[int, list[float]] = {}  # engine → inter-token latencies, observed in a batch
         for o in outs.outputs:
             child = self.children.get(o.request_id)
             if child is None:
@@ -327,7 +328,7 @@ class EngineClient:
                     em.ttft.observe(now - stream.arrival)
                     child.first = now
                 else:
-                    em.itl.observe(now - child.last)
+                    itls.setdefault(child.engine, []).append(now - child.last)
                 child.last = now
             stream.put(Update(child.index, out.delta_text, list(out.delta_token_ids),
                                            out.delta_logprobs, out.finish_reason, out.stop_reason,
@@ -339,6 +340,8 @@ class EngineClient:
                 self.balancer.finished(child.engine)
                 em.record_finished(out.finish_reason, child.num_prompt, len(out.token_ids),
                                    now - stream.arrival)
+        for e, values in itls.items():
+            observe_many(self.metrics.engines[e].itl, values)
 
     # ---- engine death -----------------------------------------------------------------------
     async def _watch(self) -> None:

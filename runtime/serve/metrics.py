@@ -4,6 +4,8 @@ Engine-side numbers arrive as SchedulerStats with every EngineCoreOutputs; reque
 measured here, where the client sees them."""
 from __future__ import annotations
 
+import bisect
+import collections
 import time
 
 import prometheus_client as prom
@@ -14,6 +16,22 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
                   100000)
+
+
+def observe_many(hist, values: list[float]) -> None:
+    """`hist.observe(v)` for every v, with one locked add per bucket touched instead of two
+    locks and a walk over the buckets per value (an engine step brings an inter-token latency
+    per running request: 256 at W1)."""
+    try:
+        bounds, buckets, total = hist._upper_bounds, hist._buckets, hist._sum
+    except AttributeError:  # a prometheus_client without these internals: the public way
+        for v in values:
+            hist.observe(v)
+        return
+    for i, n in collections.Counter(bisect.bisect_left(bounds, v) for v in values).items():
+        buckets[i].inc(n)  # bounds[i] is the first with v <= bound, as observe() picks
+    if values:
+        total.inc(sum(values))
 
 
 class EngineMetrics:

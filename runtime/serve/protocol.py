@@ -2,13 +2,14 @@
 conversion of request fields to SamplingParams. Responses are built as plain dicts."""
 from __future__ import annotations
 
+import functools
 import json
 import secrets
 import time
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, WrapValidator, model_validator
 
 from ..sampling_params import INT64_MAX, INT64_MIN, SamplingParams, StructuredOutputsParams
 
@@ -71,6 +72,17 @@ def now() -> int:
     return int(time.time())
 
 
+def _utf8_clean(value: Any) -> bool:
+    """True when no string of a JSON-like value (keys included) holds a lone surrogate: it then
+    encodes to UTF-8 JSON, in one C pass. False (walk it with _check_text) on a surrogate, or a
+    value JSON cannot hold."""
+    try:
+        msgspec.json.encode(value)
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
 def _check_text(value: Any, where: str) -> None:
     """Lone surrogates (valid JSON escapes, invalid Unicode) anywhere in the body are a 400."""
     if isinstance(value, str):
@@ -89,6 +101,20 @@ def _check_text(value: Any, where: str) -> None:
                 _check_text(v, f"{where}[{i}]")
 
 
+_INT64_LIST = list[Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]]
+
+
+def _plain_token_ids(value: Any, handler):
+    """A list of plain 64-bit ints (a token-id prompt: hundreds of them) is taken in one C pass;
+    anything else gets pydantic's own validation, coercions and errors."""
+    if type(value) is list:
+        try:
+            return msgspec.convert(value, _INT64_LIST)
+        except msgspec.ValidationError:
+            pass
+    return handler(value)
+
+
 class Request(BaseModel):
     """Strict on purpose: an unknown field is a 400 naming it (a field the server would drop
     could change the output the client expects). Known fields the server does not implement
@@ -102,7 +128,8 @@ class Request(BaseModel):
     def _screen(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        _check_text(data, "")
+        if not _utf8_clean(data):
+            _check_text(data, "")
         for name in cls.UNSUPPORTED.keys() & data.keys():
             if data[name] not in NO_OP:
                 raise APIError(f"{name} is not supported by this server: "
@@ -331,7 +358,17 @@ def check_prompts(prompts: list[list[int]], info: dict, max_tokens: int | None, 
     return prompts
 
 
+@functools.lru_cache(maxsize=8)
+def _ids_below(vocab_size: int):
+    return list[Annotated[int, msgspec.Meta(ge=0, lt=vocab_size)]]
+
+
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    try:  # the usual case in one C pass; the walk below names the first bad id
+        msgspec.convert(ids, _ids_below(vocab_size))
+        return
+    except msgspec.ValidationError:
+        pass
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise APIError(f"{param}: token ids must be in [0, {vocab_size}), got {bad}", param=param)
@@ -366,7 +403,8 @@ def validation_param(errors: list[dict]) -> str | None:
 
 # ---- OpenAI -------------------------------------------------------------------------------------
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[Int64] | list[list[Int64]]
+    prompt: Annotated[str | list[str] | list[Int64] | list[list[Int64]],
+                      WrapValidator(_plain_token_ids)]
     max_tokens: Int64 | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: Bool = False
