@@ -252,7 +252,8 @@ def test_gpu_fp8_prologue_ops_bf16(M, block_size):
 def test_gpu_fp8_per_channel_sums_in_fp32(N, K):
     """Per-channel FP8 GEMMs on the tensor cores (skinny, one split; the tl.dot GEMM of larger M)
     against the fp32 product of the same fp8 operands, into an fp32 output: Hopper's FP8 MMA
-    accumulates in reduced precision, so a whole row in one accumulator was 1-2 % off."""
+    accumulates in reduced precision, so a whole row in one accumulator was 1-2 % off; summed in
+    fp32 per K step it stays well under that."""
     g = torch.Generator().manual_seed(K)
     w = (torch.randn(N, K, generator=g) * K ** -0.5).cuda()
     wq, ws = Q.quant_fp8_weight(w, None)
@@ -267,7 +268,9 @@ def test_gpu_fp8_per_channel_sums_in_fp32(N, K):
             outs.append(Q.fp8_linear_triton(xq.float() * xs, wq, ws, None, None).float())
         for out in outs:
             err = ((out - ref).norm() / ref.norm()).item()
-            assert err < 1e-4, (M, err)
+            # each K step's dot (<= 256 products) still accumulates in the MMA's reduced
+            # precision; one accumulator over the whole 4096-long row was 1.45e-2 off
+            assert err < 5e-3, (M, err)
 
 
 @gpu
