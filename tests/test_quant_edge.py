@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from rankserve import LLM, SamplingParams
 
 import test_quantization as tq
-from conftest import STORIES_EMBEDDED, make_checkpoint
+from conftest import make_checkpoint
 
 CT_CHANNEL = tq.FORMATS["ct-fp8"][1]
 
@@ -206,12 +206,7 @@ GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False,
     ({**CT, "transform_config": {"config_groups": {"u": {"type": "hadamard"}}}}, "transform_config"),
 ])
 def test_unsupported_fields_are_clear_errors(tmp_path, qc, words):
-    shutil.copytree(STORIES_EMBEDDED, tmp_path / "m")
-    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
-    cfg["quantization_config"] = qc
-    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=words):
-        LLM(str(tmp_path / "m"))
+    tq.assert_config_refused(tmp_path, qc, words)
 
 
 def test_a_16bit_tensor_where_fp8_is_expected_names_it(llama, tmp_path):

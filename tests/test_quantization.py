@@ -342,6 +342,11 @@ def test_bench_floor_counts_quantized_bytes(base, tmp_path):
      "4-bit int weights"),
 ])
 def test_unsupported_schemes_are_clear_errors(tmp_path, qc, words):
+    assert_config_refused(tmp_path, qc, words)
+
+
+def assert_config_refused(tmp_path, qc, words):
+    """stories260K with `qc` as its quantization_config: LLM refuses it, naming `words`."""
     shutil.copytree(STORIES_EMBEDDED, tmp_path / "m")
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
     cfg["quantization_config"] = qc
