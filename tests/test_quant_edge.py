@@ -44,13 +44,7 @@ def write_checkpoint(src: str, dst: Path, writer, qc: dict, dense=lambda name: F
             quantized.add(name)
         else:
             out[name] = deq[name] = t
-    save_file(out, str(dst / "model.safetensors"))
-    cfg = json.loads((Path(src) / "config.json").read_text())
-    cfg["quantization_config"] = qc
-    (dst / "config.json").write_text(json.dumps(cfg))
-    for f in Path(src).iterdir():
-        if f.name.startswith("tokenizer") or f.name == "generation_config.json":
-            shutil.copy(f, dst / f.name)
+    tq.write_quantized_dir(src, dst, out, qc)
     if not reference:
         return None, quantized
     ref_dir = dst.parent / (dst.name + "-dequantized")

@@ -166,6 +166,18 @@ FORMATS = {
 }
 
 
+def write_quantized_dir(src, dst, tensors, qc) -> None:
+    """dst: the quantized tensors, src's config with `qc` as its quantization_config, and src's
+    tokenizer and generation config."""
+    save_file(tensors, str(dst / "model.safetensors"))
+    cfg = json.loads((Path(src) / "config.json").read_text())
+    cfg["quantization_config"] = qc
+    (dst / "config.json").write_text(json.dumps(cfg))
+    for f in Path(src).iterdir():
+        if f.name.startswith("tokenizer") or f.name == "generation_config.json":
+            shutil.copy(f, dst / f.name)
+
+
 def quantize_checkpoint(src: str, dst: Path, fmt: str) -> torch.nn.Module:
     """Write `src` in format `fmt` to `dst`; returns the transformers model of the dequantized
     weights (the reference)."""
@@ -184,13 +196,7 @@ def quantize_checkpoint(src: str, dst: Path, fmt: str) -> torch.nn.Module:
         else:
             out[name] = t
             deq[name] = t
-    save_file(out, str(dst / "model.safetensors"))
-    cfg = json.loads((Path(src) / "config.json").read_text())
-    cfg["quantization_config"] = qc
-    (dst / "config.json").write_text(json.dumps(cfg))
-    for f in Path(src).iterdir():
-        if f.name.startswith("tokenizer") or f.name == "generation_config.json":
-            shutil.copy(f, dst / f.name)
+    write_quantized_dir(src, dst, out, qc)
     ref_dir = dst.parent / (dst.name + "-dequantized")
     shutil.copytree(src, ref_dir)
     save_file(deq, str(ref_dir / "model.safetensors"))
