@@ -1,3 +1,5 @@
+import rankserve  # noqa: F401  (first: it takes the checkout off sys.path, see launch/_root)
+
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor

@@ -52,11 +52,17 @@ class Forecast(pydantic.BaseModel):
     days: int = pydantic.Field(ge=1, le=9)
 
 
+def structured_server(qwen3_chat_dir) -> Server:
+    """The real Qwen3 chat template and tokenizer, served with the qwen3 reasoning parser and
+    hermes tool calls (model name "q")."""
+    return Server(str(qwen3_chat_dir), "--served-model-name", "q", "--max-model-len", "1024",
+                  "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes",
+                  "--enable-auto-tool-choice")
+
+
 @pytest.fixture(scope="module")
 def server(qwen3_chat_dir):
-    s = Server(str(qwen3_chat_dir), "--served-model-name", "q", "--max-model-len", "1024",
-               "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes",
-               "--enable-auto-tool-choice")
+    s = structured_server(qwen3_chat_dir)
     yield s
     s.stop()
 

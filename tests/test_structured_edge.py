@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from test_server import Server
+from test_structured_api import structured_server
 
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 MESSAGES = [{"role": "user", "content": "Answer as JSON."}]
@@ -17,9 +17,7 @@ MESSAGES = [{"role": "user", "content": "Answer as JSON."}]
 
 @pytest.fixture(scope="module")
 def server(qwen3_chat_dir):
-    s = Server(str(qwen3_chat_dir), "--served-model-name", "q", "--max-model-len", "1024",
-               "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes",
-               "--enable-auto-tool-choice")
+    s = structured_server(qwen3_chat_dir)
     yield s
     s.stop()
 
