@@ -55,6 +55,9 @@ KNOBS: dict[str, Knob] = {
                                       "(default: the CPUs the engine process may use less two, at most 16)"),
     "RANKSERVE_GRAMMAR_REUSE_MASKS": Knob(True, _flag, "0 fills every structured-output mask row each "
                                           "step (default: a row known unchanged inside a JSON string is copied)"),
+    "RANKSERVE_STEP_LOG": Knob(None, str, "path: the server's engine appends one CSV line per step "
+                               "(time, seconds since the previous step's outputs, prompt tokens, generated "
+                               "tokens, running, waiting): where inter-token-latency tails come from"),
     # test-suite knobs: how long the bounded fuzz and soak runs are (CI keeps the defaults)
     "RANKSERVE_FUZZ_EXAMPLES": Knob(12, int, "generated examples per route in tests/test_fuzz_api.py"),
     "RANKSERVE_SOAK_SECONDS": Knob(60.0, float, "duration of tests/test_soak.py"),

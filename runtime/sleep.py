@@ -158,7 +158,12 @@ class RunnerSleep:
 
 
 def _return_memory(device: torch.device) -> None:
+    frozen = gc.get_freeze_count()  # a serving process froze its start-up heap (freeze_gc_heap):
+    if frozen:  # cycles in it that held the released storage are collected only when thawed
+        gc.unfreeze()
     gc.collect()
+    if frozen:
+        gc.freeze()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()

@@ -12,6 +12,7 @@ import torch
 from ..models.parallel import ParallelInfo
 from . import envs
 from .config import EngineConfig
+from .engine_core import freeze_gc_heap
 from .model_runner import ModelRunner
 from .parallel import global_rank, recv_hidden, send_hidden
 from .model_runner import ModelRunnerOutput
@@ -93,6 +94,7 @@ def run_worker(cfg: EngineConfig, control, pi: ParallelInfo, device: torch.devic
     """Loop of ranks 1..N-1: wait (without spinning) for a command, run it, repeat."""
     worker = Worker(cfg, control, pi, device)
     worker.init_cache(None)
+    freeze_gc_heap()  # this rank serves this engine until shutdown
     fault, steps = _fault_step(global_rank(pi, pi.pp_rank)), 0  # the job-wide rank
     while True:
         kind, payload = control.bcast_idle(None)

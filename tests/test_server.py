@@ -32,10 +32,10 @@ def free_port() -> int:
 class Server:
     """`python -m rankserve.launch serve ARGS --port P`, ready once it printed its URL."""
 
-    def __init__(self, *args: str, timeout: float = 180):
+    def __init__(self, *args: str, timeout: float = 180, env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", **(env or {}))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "rankserve.launch", "serve", *args, "--port", str(self.port)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -85,8 +85,13 @@ def metric(text: str, name: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def server():
-    s = Server("--api-key", API_KEY, "--max-num-seqs", "256")
+def step_log(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("steps") / "steps.csv"
+
+
+@pytest.fixture(scope="module")
+def server(step_log):
+    s = Server("--api-key", API_KEY, "--max-num-seqs", "256", env={"RANKSERVE_STEP_LOG": str(step_log)})
     yield s
     assert s.stop() == 0  # SIGTERM shuts both processes down cleanly
     assert not s.children()
@@ -129,6 +134,27 @@ def test_greedy_completion_is_the_known_story(client):
     assert STORIES_TEXT.startswith(r.choices[0].text) and len(r.choices[0].text) > 60
     assert r.choices[0].finish_reason == "length"
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (5, 30, 35)
+
+
+def test_step_log_records_every_step(server, client, step_log):
+    """RANKSERVE_STEP_LOG: one CSV line per engine step (40 one-token requests at once, then
+    four of 200 tokens)."""
+    model = model_of(client)
+    r = client.completions.create(model=model, prompt=["Once upon a time"] * 40, max_tokens=1)
+    assert len(r.choices) == 40
+    for _ in range(4):
+        client.completions.create(model=model, prompt="Once", max_tokens=200, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert sum(int(row.split(",")[3]) for row in step_log.read_text().splitlines()) >= 40 + 800
+    rows = [line.split(",") for line in step_log.read_text().splitlines()]
+    assert rows and all(len(row) == 6 for row in rows)
+    gaps = [float(row[1]) for row in rows]
+    assert all(0 <= g < 60 for g in gaps)
+    assert sum(int(row[2]) for row in rows) >= 40 * 5  # the prompts' tokens
+    assert max(int(row[4]) for row in rows) >= 1
+    from rankserve.runtime.bench.steplog import load, summarise
+    text = summarise(load(str(step_log)))
+    assert "gap ms p50" in text and "[0, 1)" in text, text
 
 
 def test_streamed_completion_matches_with_usage(client):

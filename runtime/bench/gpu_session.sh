@@ -96,7 +96,7 @@ W1_SERVE="--random-vocab-size 151936 --random-input-len 562 --random-output-len 
 serve_w1() { local name=$1; shift; local d; d=$(mktemp -d); cp runtime/bench/configs/qwen3-0.6b.json "$d/config.json"
   cp "${QWEN3_TOKENIZER:?set QWEN3_TOKENIZER to a Qwen3 tokenizer directory}"/* "$d/"
   local port=$((20000 + RANDOM % 10000)) t0; t0=$(date +%s)
-  "$@" "$(command -v python3)" -m rankserve.launch serve "$d" --load-format dummy --max-num-seqs 256 --max-model-len 4096 \
+  RANKSERVE_STEP_LOG="$OUT/$name-steps.csv" "$@" "$(command -v python3)" -m rankserve.launch serve "$d" --load-format dummy --max-num-seqs 256 --max-model-len 4096 \
     --cache-dir "$CACHE" --port $port ${SERVE_EXTRA:-} > "$OUT/$name-server.log" 2>&1 &
   local srv=$!
   until python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health', timeout=5)" 2> /dev/null; do
@@ -110,7 +110,8 @@ serve_w1() { local name=$1; shift; local d; d=$(mktemp -d); cp runtime/bench/con
       $W1_SERVE $flags --result-filename "$name-$rname.json" --plot "$OUT/$name-$rname.png" --metadata gpus=$GPUS
   done
   kill -INT $srv; ( sleep 60; kill -9 $srv 2> /dev/null ) & local killer=$!
-  wait $srv; kill $killer 2> /dev/null; }
+  wait $srv; kill $killer 2> /dev/null
+  python3 -m rankserve.runtime.bench.steplog "$OUT/$name-steps.csv" | tee "$OUT/$name-steps.txt"; }
 for stage in "$@"; do case $stage in
   w2) run w2 150 python3 -m rankserve.launch bench latency llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 \
         --num-iters 3 --max-num-seqs 8 --cache-dir "$CACHE" --output-json "$OUT/w2.json" \

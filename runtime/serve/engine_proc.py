@@ -28,8 +28,9 @@ import uuid
 import msgspec
 import zmq
 
+from .. import envs
 from ..config import EngineConfig
-from ..engine_core import EngineBusyError, EngineCore, EngineSleepingError
+from ..engine_core import EngineBusyError, EngineCore, EngineSleepingError, freeze_gc_heap
 from ..messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -138,6 +139,10 @@ class EngineServer:
         self.peer: bytes | None = None
         self.stop_requested = False
         self.ready_url: str | None = None
+        path = envs.get("RANKSERVE_STEP_LOG")
+        self.step_log = open(path, "a", buffering=1) if path else None  # line by line: readable live
+        self.last_out = time.monotonic()
+        freeze_gc_heap()  # this process serves this engine until it exits
 
     def send(self, outs: EngineCoreOutputs) -> None:
         if self.peer is not None:
@@ -253,10 +258,17 @@ class EngineServer:
             outs = self.core.step()
             if outs.outputs or outs.stats is not None:  # (a PP submit returns neither)
                 self.send(outs)
+                if self.step_log is not None and outs.stats is not None:
+                    now, s = time.monotonic(), outs.stats
+                    self.step_log.write(f"{now:.6f},{now - self.last_out:.6f},{s.num_prompt_tokens},"
+                                        f"{s.num_generation_tokens},{s.num_running},{s.num_waiting}\n")
+                    self.last_out = now
         elif changed:  # e.g. an abort freed blocks: let the metrics see it
             self.send(EngineCoreOutputs(stats=self.core.scheduler.stats(), timestamp=time.time()))
 
     def close(self) -> None:
+        if self.step_log is not None:
+            self.step_log.close()
         self.sock.close(0)
         self.ctx.term()
 
