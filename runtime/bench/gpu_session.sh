@@ -150,6 +150,8 @@ for stage in "$@"; do case $stage in
   tctests) run tctests 200 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_quant_tc.py ;;
   w2warm) run w2warm 80 python3 -m rankserve.launch bench latency llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 \
         --num-iters 3 --max-num-seqs 8 --cache-dir "$CACHE" --output-json "$OUT/w2warm.json" ;;
+  w1b*) run $stage 170 python3 -m rankserve.launch bench throughput qwen3-0.6b --workload w1 --max-num-seqs 256 \
+        --max-num-batched-tokens ${stage#w1b} --cache-dir "$CACHE" --output-json "$OUT/$stage.json" ;;
   w1) run w1 170 python3 -m rankserve.launch bench throughput qwen3-0.6b --workload w1 --max-num-seqs 256 \
         --cache-dir "$CACHE" --output-json "$OUT/w1.json" ${PROFILE_DIR:+--profile-dir "$PROFILE_DIR"} ;;
   w2hf) run w2hf 200 python3 -m rankserve.launch bench latency llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 \
@@ -181,6 +183,9 @@ for stage in "$@"; do case $stage in
         serve_w1 servew1 ;;
   servew1b2k) GPUS=1 SERVE_RUNS=${SERVE_RUNS:-"c256:--num-prompts 256 --max-concurrency 256;r40:--num-prompts 400 --request-rate 40"} \
         SERVE_EXTRA="--max-num-batched-tokens 2048" serve_w1 servew1b2k ;;
+  servew1b*) # servew1's concurrency-256 run with --max-num-batched-tokens N (stage servew1bN)
+        GPUS=1 SERVE_RUNS=${SERVE_RUNS:-"c256:--num-prompts 256 --max-concurrency 256"} \
+        SERVE_EXTRA="--max-num-batched-tokens ${stage#servew1b}" serve_w1 $stage ;;
   frontend) run frontend 240 python3 -m rankserve.runtime.bench.frontend --tokenizer "${QWEN3_TOKENIZER:?}" \
         --num-requests 1024 --output-json "$OUT/frontend.json"
         run frontendbs 200 python3 -m rankserve.runtime.bench.frontend --tokenizer "$QWEN3_TOKENIZER" --mode e2e \
