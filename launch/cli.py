@@ -203,6 +203,9 @@ def _bench_outputs(func):
         click.option("--profile-dir", type=click.Path(file_okay=False),
                      help="after the timed run, run again under torch.profiler: print the busiest "
                           "kernels of a window of steady-state steps and write its trace here"),
+        click.option("--profile-steps", type=(click.IntRange(min=1), click.IntRange(min=1)), default=None,
+                     metavar="START COUNT", help="with --profile-dir: the window of engine steps to "
+                     "record (e.g. 1 20: the prefill ramp) [default: 40 steps from a quarter of the way]"),
     ]):
         func = deco(func)
     return func
@@ -234,7 +237,7 @@ def _run_bench(module, cfg, args) -> None:
                    "--max-lora-rank (needs --enable-lora --max-loras)")
 @_bench_outputs
 def bench_throughput(workload, num_prompts, input_len, output_len, structured_output, num_loras,
-                     backends, hf_compile, output_json, plot, profile_dir, **kwargs):
+                     backends, hf_compile, output_json, plot, profile_dir, profile_steps, **kwargs):
     """Offline throughput: all requests at once; req/s, tok/s and the physical floor.
 
     MODEL is a checkpoint directory or a shipped config (qwen3-0.6b, llama-3.1-8b, llama-3.1-70b,
@@ -250,7 +253,7 @@ def bench_throughput(workload, num_prompts, input_len, output_len, structured_ou
         num_prompts=num_prompts or preset["num_prompts"], input_len=input_len or preset["input_len"],
         output_len=output_len or preset["output_len"], seed=cfg.model.seed,
         backends=tuple(dict.fromkeys(backends)), output_json=output_json, plot=plot,
-        profile_dir=profile_dir,
+        profile_dir=profile_dir, profile_steps=profile_steps,
         hf_compile=hf_compile, model_name=name, structured_output=structured_output,
         num_loras=num_loras)
     if structured_output != "none" and "hf" in args.backends:
@@ -274,7 +277,8 @@ def bench_throughput(workload, num_prompts, input_len, output_len, structured_ou
               help="sampling temperature of every request (0: greedy; rankserve backend only)")
 @_bench_outputs
 def bench_latency(batch_size, input_len, output_len, num_iters, num_iters_warmup, prompt_kind,
-                  temperature, backends, hf_compile, output_json, plot, profile_dir, **kwargs):
+                  temperature, backends, hf_compile, output_json, plot, profile_dir, profile_steps,
+                  **kwargs):
     """One batch end to end: latency, TTFT (prefill alone), decode tok/s; medians and the floor."""
     from ..runtime.bench import latency
     cfg, name = _bench_config(kwargs)
@@ -282,7 +286,7 @@ def bench_latency(batch_size, input_len, output_len, num_iters, num_iters_warmup
                                num_iters=num_iters, num_iters_warmup=num_iters_warmup,
                                seed=cfg.model.seed, backends=tuple(dict.fromkeys(backends)),
                                output_json=output_json, plot=plot, hf_compile=hf_compile,
-                               profile_dir=profile_dir,
+                               profile_dir=profile_dir, profile_steps=profile_steps,
                                model_name=name, prompt_kind=prompt_kind, temperature=temperature)
     if temperature and "hf" in args.backends:
         raise click.UsageError("--temperature > 0 runs on the rankserve backend only (hf is greedy)")

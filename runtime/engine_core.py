@@ -111,6 +111,7 @@ class EngineCore:
         self.in_flight: collections.deque = collections.deque()  # (plan, executor handle)
         # observers of every plan that runs a forward, called before it is submitted (benchmarks)
         self.step_hooks: list[Callable[[SchedulerOutput], None]] = []
+        self.last_phases = (0.0, 0.0, 0.0, 0.0)  # step(): schedule, submit, collect, update (s)
         bs = cfg.cache.block_size
         # blocks one decoding request of max_model_len holds (a window: its live blocks only)
         per_req = -(-self.max_model_len // bs)
@@ -193,19 +194,28 @@ class EngineCore:
         """Schedule and submit a step; with pipeline parallelism keep up to `pp` steps in
         flight (so no stage idles) and return the outputs of the oldest once the queue is full
         or nothing more can be scheduled."""
+        t0 = t1 = t2 = time.perf_counter()
         if len(self.in_flight) < self.depth:
             plan = self.scheduler.schedule()
+            t1 = t2 = time.perf_counter()
             if not plan.is_empty:
                 for hook in self.step_hooks:
                     hook(plan)
                 self.in_flight.append((plan, self.executor.submit(plan)))
+                t2 = time.perf_counter()
                 if len(self.in_flight) < self.depth:
                     return EngineCoreOutputs(timestamp=time.time())
         if not self.in_flight:
             return EngineCoreOutputs(outputs=self.scheduler.take_error_outputs(),
                                      stats=self.scheduler.stats(), timestamp=time.time())
         plan, handle = self.in_flight.popleft()
-        return self.scheduler.update(plan, self.executor.collect(handle))
+        result = self.executor.collect(handle)
+        t3 = time.perf_counter()
+        outs = self.scheduler.update(plan, result)
+        # host seconds of this call: schedule, submit (inputs + launch), wait for the oldest
+        # step's results, update (RANKSERVE_STEP_LOG writes them)
+        self.last_phases = (t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
+        return outs
 
     # ---- sleep mode and weight updates (runtime/sleep.py, runtime/weight_update.py) ----------
     def _check_idle(self, what: str) -> None:

@@ -127,6 +127,15 @@ def test_latency_cli_rankserve_and_hf(tmp_path):
     assert "static" in rec["results"]["hf"]["mode"]
 
 
+def test_profile_steps_picks_the_window(tmp_path):
+    out_json = tmp_path / "l.json"
+    invoke_cli("latency", STORIES, "--input-len", "12", "--output-len", "8", "--num-iters", "1",
+               "--num-iters-warmup", "0", "--output-json", str(out_json),
+               "--profile-dir", str(tmp_path / "prof"), "--profile-steps", "2", "3")
+    prof = json.loads(out_json.read_text())["results"]["rankserve"]["profile"]
+    assert prof["first_step"] == 2 and prof["steps"] == 3
+
+
 def tiny_stats(**kw):
     base = dict(num_params=18, body_params=10, expert_params=0, num_experts=0, top_k=0,
                 vocab_size=4, hidden_size=2, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=3)

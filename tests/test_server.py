@@ -147,14 +147,14 @@ def test_step_log_records_every_step(server, client, step_log):
                                   extra_body={"ignore_eos": True})
     assert sum(int(row.split(",")[3]) for row in step_log.read_text().splitlines()) >= 40 + 800
     rows = [line.split(",") for line in step_log.read_text().splitlines()]
-    assert rows and all(len(row) == 6 for row in rows)
+    assert rows and all(len(row) == 12 for row in rows)
     gaps = [float(row[1]) for row in rows]
     assert all(0 <= g < 60 for g in gaps)
     assert sum(int(row[2]) for row in rows) >= 40 * 5  # the prompts' tokens
     assert max(int(row[4]) for row in rows) >= 1
     from rankserve.runtime.bench.steplog import load, summarise
     text = summarise(load(str(step_log)))
-    assert "gap ms p50" in text and "[0, 1)" in text, text
+    assert "gap ms p50" in text and "[0, 1)" in text and "host, decode-only steps" in text, text
 
 
 def test_streamed_completion_matches_with_usage(client):

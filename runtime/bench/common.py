@@ -458,13 +458,15 @@ def save(record: dict, json_path: str | None, plot_path: str | None, metric: str
 
 
 # ---- profiling ------------------------------------------------------------------------------
-def profile_steps(llm, run, total_steps: int, out_dir: str, label: str, row_limit: int = 25) -> dict:
-    """Run `run()` again under torch.profiler, recording a window of engine steps in the steady
-    state (from a quarter of the way in, up to 40 steps); print the busiest kernels and how busy
-    the device was, and write a Chrome/Perfetto trace to OUT_DIR/trace-LABEL.json.gz."""
+def profile_steps(llm, run, total_steps: int, out_dir: str, label: str, row_limit: int = 25,
+                  window: tuple[int, int] | None = None) -> dict:
+    """Run `run()` again under torch.profiler, recording a window of engine steps: `window` =
+    (first step, count), by default the steady state (from a quarter of the way in, up to 40
+    steps); print the busiest kernels and how busy the device was, and write a Chrome/Perfetto
+    trace to OUT_DIR/trace-LABEL.json.gz."""
     from torch.profiler import ProfilerActivity, profile, schedule
     cuda = torch.cuda.is_available()
-    start, active = max(1, total_steps // 4), max(1, min(40, total_steps // 2))
+    start, active = window or (max(1, total_steps // 4), max(1, min(40, total_steps // 2)))
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     prof = profile(activities=acts, schedule=schedule(wait=start - 1, warmup=1, active=active, repeat=1))
     marks: list[float] = []

@@ -281,6 +281,10 @@ for stage in "$@"; do case $stage in
           --output-len 256 --num-iters 3 --max-num-seqs 8 --cache-dir "$CACHE" --output-json "$OUT/w2pdl.json" ;;
   w1pdl) RANKSERVE_PDL=1 run w1pdl 170 python3 -m rankserve.launch bench throughput qwen3-0.6b --workload w1 \
           --max-num-seqs 256 --cache-dir "$CACHE" --output-json "$OUT/w1pdl.json" ;;
+  w1ramp) # the prefill ramp of W1 (steps 2..17: mixed prefill + decode steps) under the profiler; prefix
+        # caching off, or the profiled second run would find every prompt cached
+        run w1ramp 200 python3 -m rankserve.launch bench throughput qwen3-0.6b --workload w1 --max-num-seqs 256 \
+          --no-enable-prefix-caching --cache-dir "$CACHE" --profile-dir "$OUT/prof-w1ramp" --profile-steps 2 16 ;;
   w1prof|w2prof) # a window of steady-state steps under the profiler: the kernel table (where the time goes)
         if [ $stage = w1prof ]; then B="throughput qwen3-0.6b --workload w1 --max-num-seqs 256"
         else B="latency llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --num-iters 2 --max-num-seqs 8"; fi

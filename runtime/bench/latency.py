@@ -33,6 +33,7 @@ class LatencyArgs:
     output_json: str | None = None
     plot: str | None = None
     profile_dir: str | None = None
+    profile_steps: tuple[int, int] | None = None  # (first step, count) of the profiled window
     hf_compile: bool = False
     model_name: str | None = None
     prompt_kind: str = "random"  # "repeat": prompts tile a 16-token segment (n-gram speculation)
@@ -90,7 +91,8 @@ def rankserve_latency(llm, args: LatencyArgs, stats, ceilings) -> dict:
     if args.profile_dir:
         wl = next(b for _, b in _batches(args, vocab, args.output_len, 0))
         extra["profile"] = common.profile_steps(llm, lambda: run_engine(llm, wl, temperature=args.temperature),
-                                                len(results["e2e"][1]), args.profile_dir, "latency")
+                                                len(results["e2e"][1]), args.profile_dir, "latency",
+                                                window=args.profile_steps)
     return dict(summarize(args, results["e2e"][0], results["ttft"][0], f["e2e"], f["ttft"],
                           dict(llm.engine.timings)),
                 **({"spec_decode": spec} if llm.config.spec else {}), num_steps=len(results["e2e"][1]),

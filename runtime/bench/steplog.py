@@ -1,5 +1,7 @@
 """Summarise a RANKSERVE_STEP_LOG file (one CSV line per engine step of a server:
-time, gap_s, prompt_tokens, generated_tokens, running, waiting): the distribution of the gaps
+time, gap_s, prompt_tokens, generated_tokens, running, waiting, then the host seconds of the turn
+that sent the outputs: drain (taking the API's messages), schedule, submit (inputs + launch),
+collect (waiting for the step's results), update, send): the distribution of the gaps
 between consecutive steps' outputs (what a stream sees as its inter-token latency, before the API
 process and the network add theirs), and the gaps by how many prompt tokens the step prefilled, so
 that an ITL tail can be told apart: long mixed prefill steps, or stalls with no prefill at all
@@ -11,13 +13,23 @@ import sys
 BUCKETS = (0, 1, 512, 2048, 4096, 8192)
 
 
-def load(path: str) -> list[tuple[float, float, int, int, int, int]]:
+PHASES = ("drain", "schedule", "submit", "collect", "update", "send")
+
+
+def load(path: str) -> list[tuple]:
     rows = []
     with open(path) as f:
         for line in f:
-            t, gap, p, g, r, w = line.strip().split(",")
-            rows.append((float(t), float(gap), int(p), int(g), int(r), int(w)))
+            t, gap, p, g, r, w, *phases = line.strip().split(",")
+            rows.append((float(t), float(gap), int(p), int(g), int(r), int(w), *map(float, phases)))
     return rows
+
+
+def phase_line(label: str, rows) -> str:
+    if not rows or len(rows[0]) < 6 + len(PHASES):
+        return ""
+    return f"{label:>26}: " + "  ".join(
+        f"{name} {pct([r[6 + i] * 1e3 for r in rows], 50):.2f}" for i, name in enumerate(PHASES)) + " (ms, median)"
 
 
 def pct(values: list[float], q: float) -> float:
@@ -53,6 +65,8 @@ def summarise(rows) -> str:
     lines.append(f"per output token: gap p99 {p99:.2f} ms; steps at or above it: {len(slow)}, "
                  f"{sum(1 for r in slow if r[2] == 0)} with no prompt tokens, median prompt tokens "
                  f"{pct([r[2] for r in slow], 50):.0f}, median running {pct([r[4] for r in slow], 50):.0f}")
+    lines += [x for x in (phase_line("host, decode-only steps", [r for r in steps if r[2] == 0]),
+                          phase_line("host, steps with prompts", [r for r in steps if r[2] > 0])) if x]
     return "\n".join(lines)
 
 

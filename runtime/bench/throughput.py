@@ -28,6 +28,7 @@ class ThroughputArgs:
     output_json: str | None = None
     plot: str | None = None
     profile_dir: str | None = None
+    profile_steps: tuple[int, int] | None = None  # (first step, count) of the profiled window
     hf_compile: bool = False
     model_name: str | None = None  # the shipped config name, when one was given
     structured_output: str = "none"  # json: each request under one of SCHEMAS
@@ -99,6 +100,7 @@ def metrics(elapsed: float, prompt_lens: list[int], output_lens: list[int], floo
 
 def rankserve_throughput(llm, wl: common.Workload, warm: common.Workload,
                          stats: common.ModelStats, ceilings: dict, profile_dir: str | None = None,
+                         profile_steps: tuple[int, int] | None = None,
                          structured: bool = False, loras: list | None = None) -> dict:
     runner = engine_runner(llm)
     log = observe_steps(llm)
@@ -127,7 +129,7 @@ def rankserve_throughput(llm, wl: common.Workload, warm: common.Workload,
     if profile_dir:
         extra["profile"] = common.profile_steps(llm, lambda: run_engine(llm, wl, structured=structured),
                                                 len(log.tokens),
-                                                profile_dir, "throughput")
+                                                profile_dir, "throughput", window=profile_steps)
     return dict(metrics(elapsed, wl.prompt_lens, out_lens, floor, timings),
                 dtype=str(runner.dtype).replace("torch.", ""), num_kv_blocks=llm.engine.num_blocks,
                 num_devices=n_dev, bytes_per_weight=widths["linear"], kv_bytes=widths["kv"],
@@ -191,7 +193,7 @@ def run(cfg, args: ThroughputArgs, on_ranks, multi_process: bool) -> int:
         loras = bench_adapters(cfg, hf_config, args.num_loras)
 
     def engine_bench(llm, ceilings):
-        return rankserve_throughput(llm, wl, warm, stats, ceilings, args.profile_dir,
+        return rankserve_throughput(llm, wl, warm, stats, ceilings, args.profile_dir, args.profile_steps,
                                     args.structured_output == "json", loras)
 
     rc, results, ceilings = common.drive(cfg, hf_config, args.backends, on_ranks, multi_process,

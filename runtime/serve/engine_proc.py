@@ -253,15 +253,20 @@ class EngineServer:
         """Wait for input while idle, take what arrived, run a step if there is work."""
         if not self.core.has_work:
             self.sock.poll(IDLE_POLL_MS)  # block: no busy-spinning while idle
+        t0 = time.monotonic()
         changed = self.drain()
         if self.core.has_work:
+            t1 = time.monotonic()
             outs = self.core.step()
             if outs.outputs or outs.stats is not None:  # (a PP submit returns neither)
+                t2 = time.monotonic()
                 self.send(outs)
                 if self.step_log is not None and outs.stats is not None:
                     now, s = time.monotonic(), outs.stats
+                    phases = ",".join(f"{x:.6f}" for x in (t1 - t0, *self.core.last_phases, now - t2))
                     self.step_log.write(f"{now:.6f},{now - self.last_out:.6f},{s.num_prompt_tokens},"
-                                        f"{s.num_generation_tokens},{s.num_running},{s.num_waiting}\n")
+                                        f"{s.num_generation_tokens},{s.num_running},{s.num_waiting},"
+                                        f"{phases}\n")
                     self.last_out = now
         elif changed:  # e.g. an abort freed blocks: let the metrics see it
             self.send(EngineCoreOutputs(stats=self.core.scheduler.stats(), timestamp=time.time()))
