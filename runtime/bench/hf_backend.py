@@ -90,8 +90,11 @@ class HFBackend:
             return self._continuous(wl, progress)
         return self._padded(wl)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def _continuous(self, wl: Workload, progress: bool):
+        # no_grad, not inference_mode: the manager's warm-up (CUDA-graph capture) would make its
+        # static buffers inference tensors, which its own generation thread (outside inference
+        # mode) then may not update in place: every request failed on the H200 (transformers 5.17)
         from transformers import ContinuousBatchingConfig
         cb = None
         if self.device.type != "cuda":
