@@ -31,7 +31,9 @@
 #                     lengths at concurrency 256 and Poisson 10/20/40 req/s; servew1dp2 the same
 #                     against `mpiexec -n 2 ... --data-parallel-size 2` (2 GPUs)
 #   servew1b2k        servew1's concurrency-256 and 40 req/s runs with --max-num-batched-tokens 2048
-#                     (shorter mixed prefill+decode steps: ITL p99 against TTFT)
+#                     (shorter mixed prefill+decode steps: ITL p99 against TTFT); servew1bN the
+#                     concurrency-256 run at N (servew1b4096); w1bN offline W1 at N; every server
+#                     writes RANKSERVE_STEP_LOG (NAME-steps.csv, summarised in NAME-steps.txt)
 #   frontend          CPU only: the API process against a fake engine (256 streams, a token each every
 #                     5 ms; runtime/bench/frontend.py), with the raw client and with bench serve's
 #   dsw2, dsw1        W2 / W1 on deepseek-v3-small (V3 layers and MLA widths, 8 layers, 64 experts,
@@ -64,7 +66,8 @@
 #   w2specstories     the speed-up on a trained model: stories260K, prompts that tile a 16-token segment,
 #                     plain (w2s) / n-gram k=4 (w2sngram)
 #   pdl, w1pdl        RANKSERVE_PDL=1 (programmatic dependent launch): pdltests, then w2pdl; w1pdl W1 with it
-#   w1prof, w2prof    W1 / W2 with --profile-dir (kernel table in the log, trace beside it)
+#   w1prof, w2prof    W1 / W2 with --profile-dir (kernel table in the log, trace beside it); w1ramp:
+#                     W1's prefill ramp (steps 2..17, prefix caching off)
 #   w2startprof       cProfile of one W2 run: where start-up time goes (top functions by cumulative time)
 #   w2importtime      one W2 run under `python -X importtime`: its start-up account line, the top 30
 #                     imports by cumulative time, the cost per package (runtime/bench/importtime.py)
