@@ -30,14 +30,28 @@ class CompiledModel:
         # speculative decoding: batches where every request has 1 + k query tokens (verify)
         self.verify_len = 0
         self.verify_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # --cudagraph-mode full: steps with prompt tokens, per token bucket (None: capture failed)
+        self.mixed_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor] | None] = {}
+        self.mixed = False  # set by compile() for the model runner's target model
+        self.pool = None  # the graphs' shared memory pool
         self.compiled = False
 
-    def compile(self) -> dict[str, float]:
+    def compile(self, mixed: bool = False) -> dict[str, float]:
         """Level 2: torch.compile each decoder layer; level ≥ 1 on CUDA: capture decode CUDA
-        graphs. Compilation happens in `warmup`, before the capture. Returns phase timings."""
+        graphs. Compilation happens in `warmup`, before the capture. Returns phase timings.
+        `mixed`: this is the engine's model, which --cudagraph-mode full applies to."""
         timings = {}
         level = self.cfg.compilation.level(self.device.type)
         self.compiled = level >= 2
+        if mixed and self.cfg.compilation.cudagraph_mode == "full":
+            from .config import ConfigError
+            if level < 1 or self.device.type != "cuda":
+                raise ConfigError("--cudagraph-mode full needs CUDA graphs: a CUDA device, "
+                                  "--compilation-level 1 or 2 and no --enforce-eager")
+            if list(getattr(self.model, "mamba_layers", lambda: [])()):
+                raise ConfigError("--cudagraph-mode full does not work with recurrent (Mamba2) "
+                                  "layers: their prefill is not captured; drop it")
+            self.mixed = True
         if level >= 2:
             # --cache-dir wins over the environment: Inductor and Triton take their cache
             # directories only from these variables (Inductor itself writes its own back)
@@ -77,6 +91,8 @@ class CompiledModel:
         steps = [profile_step, self.warmup]
         steps += [lambda bs=bs: self.forward(*self.graph_inputs(bs)) for bs in sizes]
         steps += [lambda bs=bs: self.forward(*self.verify_inputs(bs)) for bs in self.verify_sizes(sizes)]
+        if level >= 1 and self.cfg.compilation.cudagraph_mode == "full":  # (the engine's model)
+            steps += [lambda t=t: self.forward(*self.mixed_inputs(t)) for t in self.mixed_sizes()]
         failed = None
         with pre.compile_only(self.device) as pool:
             for step in steps:
@@ -139,6 +155,9 @@ class CompiledModel:
         hidden = self._run_graph(input_ids.shape[0], attn, hidden_in)
         if hidden is not None:
             return hidden
+        hidden = self._run_mixed_graph(input_ids.shape[0], attn, hidden_in)
+        if hidden is not None:
+            return hidden
         if self.compiled:
             return self._run_compiled(input_ids, positions, attn, hidden_in)
         return self.forward(input_ids, positions, attn, hidden_in)
@@ -174,7 +193,7 @@ class CompiledModel:
         """One graph per padded decode batch size; padding requests have no query and no
         context, padding tokens write to slot -1 (nowhere)."""
         from tqdm import tqdm
-        pool = torch.cuda.graph_pool_handle()
+        pool = self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         sizes = sorted(self.capture_sizes(), reverse=True)
         for bs in tqdm(sizes, desc="Capturing CUDA graphs", disable=not self.show_progress):
@@ -258,3 +277,68 @@ class CompiledModel:
         graph, out = self.graphs[bs]
         graph.replay()
         return out[:B]
+
+    # ---- --cudagraph-mode full: steps with prompt tokens -------------------------------------
+    def mixed_sizes(self) -> list[int]:
+        """Token buckets of the mixed-step graphs: 64, 128, 256, then multiples of 512 up to
+        the step budget (at most 511 padding tokens: their GEMM rows are the waste)."""
+        top = self.batch.ids.shape[0] - 1  # max(max_num_batched_tokens, max_num_seqs)
+        sizes = [s for s in (64, 128, 256) if s < top] + list(range(512, top, 512))
+        return sizes + [top]
+
+    def mixed_inputs(self, T2: int) -> tuple:
+        """The forward's arguments for a mixed graph of T2 tokens: every request slot
+        (max_num_seqs) present, those past the step's requests padding (no query, no context)."""
+        b, B2 = self.batch, self.cfg.scheduler.max_num_seqs
+        return (b.ids[:T2], b.pos[:T2], b.attn(T2, B2, is_decode=False),
+                None if b.hidden is None else b.hidden[:T2])
+
+    def _run_mixed_graph(self, T: int, attn: AttnMeta, hidden_in: torch.Tensor | None
+                         ) -> torch.Tensor | None:
+        """Replay (capturing it first, the first time) the graph of the smallest token bucket
+        that fits a step with prompt tokens; None where no graph serves (eager)."""
+        if not self.mixed or attn.is_decode:
+            return None
+        T2 = next((s for s in self.mixed_sizes() if s >= T), None)
+        if T2 is None or self.mixed_graphs.get(T2, ()) is None:
+            return None
+        b = self.batch
+        b.pad(T, T2, attn.seq_lens.shape[0], self.cfg.scheduler.max_num_seqs)
+        if hidden_in is not None:
+            b.hidden[:T].copy_(hidden_in)
+        if T2 not in self.mixed_graphs:
+            self.mixed_graphs[T2] = self._capture_mixed(T2)
+            if self.mixed_graphs[T2] is None:
+                return None
+        graph, out = self.mixed_graphs[T2]
+        graph.replay()
+        return out[:T]
+
+    @torch.inference_mode()
+    def _capture_mixed(self, T2: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
+        """Capture the mixed graph of T2 tokens over this step's own (padded) inputs. The warm-up
+        forward before it writes this step's KV entries, the same values the replay then writes
+        again; no other state changes (recurrent layers are refused). A capture that fails (an
+        op that syncs or reads device values on the host) leaves that bucket eager."""
+        args = self.mixed_inputs(T2)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        t0 = time.perf_counter()
+        try:
+            with torch.cuda.stream(stream):
+                self.forward(*args)  # compiles what is new for this shape, outside the capture
+            torch.cuda.current_stream().wait_stream(stream)
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream,
+                                  capture_error_mode="thread_local"):
+                out = self.forward(*args)
+        except Exception as e:  # noqa: BLE001  (that bucket stays eager; the step goes on)
+            torch.cuda.current_stream().wait_stream(stream)
+            log.warning("--cudagraph-mode full: no graph for steps of %d tokens (%s: %s); they "
+                        "run eagerly", T2, type(e).__name__, e)
+            return None
+        log.info("captured the CUDA graph of steps with prompt tokens up to %d tokens in %.2f s",
+                 T2, time.perf_counter() - t0)
+        return graph, out

@@ -372,7 +372,7 @@ class ModelRunner:
 
     def compile(self) -> None:
         """torch.compile and CUDA-graph capture as the config says (runtime/compilation.py)."""
-        self.timings.update(self.compiled_model.compile())
+        self.timings.update(self.compiled_model.compile(mixed=True))
         if self.proposer is not None:
             self.timings.update(self.proposer.compile())
 

@@ -1,0 +1,98 @@
+"""--cudagraph-mode full: CUDA graphs for steps with prompt tokens, one per token bucket, over
+inputs padded to the bucket (padding tokens write no KV, padding requests have no query).
+
+On CPU the padding is checked with a stand-in for the graph (its replay runs the forward over
+the same padded buffers a graph would read); the CUDA test compares real graphs with eager."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from rankserve import LLM, SamplingParams
+from rankserve.runtime.config import ConfigError
+
+from conftest import STORIES_EMBEDDED
+
+
+class ReplayForward:
+    """What a captured graph does on replay: the forward over the buffers it was captured on."""
+
+    def __init__(self, forward, args, log):
+        self.forward, self.args, self.log = forward, args, log
+        self.out = forward(*args)
+
+    def replay(self):
+        self.log.append(self.args[0].shape[0])
+        self.out.copy_(self.forward(*self.args))
+
+
+def mixed_prompts(seed=0):
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(3, 500) for _ in range(rng.randint(5, 90))]}
+            for _ in range(12)]
+
+
+def test_padded_buckets_give_the_eager_tokens(checkpoint):
+    path = checkpoint("Qwen3ForCausalLM")
+    # a small budget: prompts are chunked beside running decodes (mixed steps of many sizes)
+    common = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=160)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    eager = LLM(path, **common).generate(mixed_prompts(), sp)
+    llm = LLM(path, **common)
+    cm = llm.engine.executor.runner.compiled_model
+    replays = []
+    cm.mixed = True  # as compile() sets it on CUDA with --cudagraph-mode full
+    cm._capture_mixed = lambda T2: (lambda g: (g, g.out))(ReplayForward(cm.forward, cm.mixed_inputs(T2), replays))
+    padded = llm.generate(mixed_prompts(), sp)
+    assert replays and set(replays) <= set(cm.mixed_sizes())
+    assert len(cm.mixed_graphs) >= 2  # several buckets were used
+    for a, b in zip(eager, padded):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.token_ids == lb.token_ids
+            assert la.logprobs == pytest.approx(lb.logprobs, abs=1e-4)
+
+
+def test_buckets_cover_the_budget(checkpoint):
+    llm = LLM(str(STORIES_EMBEDDED), max_num_batched_tokens=3000, max_num_seqs=4)
+    sizes = llm.engine.executor.runner.compiled_model.mixed_sizes()
+    assert sizes[:3] == [64, 128, 256] and sizes[-1] == 3000 and sorted(sizes) == sizes
+    assert all(b - a <= 512 for a, b in zip(sizes, sizes[1:]))
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(cudagraph_mode="full", device="cpu"), "needs CUDA graphs"),
+    (dict(cudagraph_mode="full", enforce_eager=True), "needs CUDA graphs"),
+    (dict(cudagraph_mode="full", compilation_level=0), "needs CUDA graphs"),
+    (dict(cudagraph_mode="piecewise"), "--cudagraph-mode must be one of decode, full"),
+])
+def test_refused_where_it_cannot_run(kw, msg):
+    with pytest.raises((ConfigError, ValueError), match=msg):
+        LLM(str(STORIES_EMBEDDED), **kw)
+
+
+def test_cli_refuses_it_with_tensor_parallelism():
+    from click.testing import CliRunner
+    from rankserve.launch.cli import main
+    r = CliRunner().invoke(main, ["serve", str(STORIES_EMBEDDED), "--cudagraph-mode", "full",
+                                  "--tensor-parallel-size", "2"])
+    assert r.exit_code != 0 and "single-rank" in r.output, r.output
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("model", ["Qwen3ForCausalLM", "Qwen3MoeForCausalLM"])
+@pytest.mark.parametrize("level", [1, 2])
+def test_gpu_mixed_graphs_match_eager(checkpoint, model, level):
+    path = checkpoint(model)
+    common = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=160,
+                  gpu_memory_utilization=0.3)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    eager = LLM(path, enforce_eager=True, **common).generate(mixed_prompts(), sp)
+    llm = LLM(path, compilation_level=level, cudagraph_mode="full", **common)
+    out = llm.generate(mixed_prompts(), sp)
+    graphs = llm.engine.executor.runner.compiled_model.mixed_graphs
+    assert graphs and all(g is not None for g in graphs.values()), graphs
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in eager]
