@@ -66,6 +66,8 @@
 #   w2specstories     the speed-up on a trained model: stories260K, prompts that tile a 16-token segment,
 #                     plain (w2s) / n-gram k=4 (w2sngram)
 #   pdl, w1pdl        RANKSERVE_PDL=1 (programmatic dependent launch): pdltests, then w2pdl; w1pdl W1 with it
+#   mixedtests        --cudagraph-mode full: its GPU tests (graphs vs eager tokens); w1full / servew1full
+#                     W1 offline / online (concurrency 256) with it
 #   w1prof, w2prof    W1 / W2 with --profile-dir (kernel table in the log, trace beside it); w1ramp:
 #                     W1's prefill ramp (steps 2..17, prefix caching off)
 #   w2startprof       cProfile of one W2 run: where start-up time goes (top functions by cumulative time)
@@ -153,6 +155,9 @@ for stage in "$@"; do case $stage in
   tctests) run tctests 200 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_quant_tc.py ;;
   w2warm) run w2warm 80 python3 -m rankserve.launch bench latency llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 \
         --num-iters 3 --max-num-seqs 8 --cache-dir "$CACHE" --output-json "$OUT/w2warm.json" ;;
+  w1full) run w1full 170 python3 -m rankserve.launch bench throughput qwen3-0.6b --workload w1 --max-num-seqs 256 \
+        --cudagraph-mode full --cache-dir "$CACHE" --output-json "$OUT/w1full.json" ;;
+  mixedtests) run mixedtests 200 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_mixed_graphs.py ;;
   w1b*) run $stage 170 python3 -m rankserve.launch bench throughput qwen3-0.6b --workload w1 --max-num-seqs 256 \
         --max-num-batched-tokens ${stage#w1b} --cache-dir "$CACHE" --output-json "$OUT/$stage.json" ;;
   w1) run w1 170 python3 -m rankserve.launch bench throughput qwen3-0.6b --workload w1 --max-num-seqs 256 \
@@ -186,6 +191,9 @@ for stage in "$@"; do case $stage in
         serve_w1 servew1 ;;
   servew1b2k) GPUS=1 SERVE_RUNS=${SERVE_RUNS:-"c256:--num-prompts 256 --max-concurrency 256;r40:--num-prompts 400 --request-rate 40"} \
         SERVE_EXTRA="--max-num-batched-tokens 2048" serve_w1 servew1b2k ;;
+  servew1full) # servew1's concurrency-256 run with --cudagraph-mode full (graphs for the mixed steps)
+        GPUS=1 SERVE_RUNS=${SERVE_RUNS:-"c256:--num-prompts 256 --max-concurrency 256"} \
+        SERVE_EXTRA="--cudagraph-mode full" serve_w1 servew1full ;;
   servew1b*) # servew1's concurrency-256 run with --max-num-batched-tokens N (stage servew1bN)
         GPUS=1 SERVE_RUNS=${SERVE_RUNS:-"c256:--num-prompts 256 --max-concurrency 256"} \
         SERVE_EXTRA="--max-num-batched-tokens ${stage#servew1b}" serve_w1 $stage ;;
