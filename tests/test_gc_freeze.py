@@ -44,3 +44,19 @@ def test_sleep_collects_cycles_in_a_frozen_heap():
         assert gc.get_freeze_count() > 0  # frozen again afterwards
     finally:
         gc.unfreeze()
+
+
+def test_step_log_that_cannot_be_written_is_a_clear_error(monkeypatch, tmp_path):
+    import pytest
+
+    from rankserve.runtime.config import ConfigError
+    monkeypatch.setenv("RANKSERVE_STEP_LOG", str(tmp_path / "missing" / "steps.csv"))
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    try:
+        with pytest.raises(ConfigError, match="RANKSERVE_STEP_LOG=.*cannot write it"):
+            EngineServer(core=None, cfg=None, bound=(ctx, sock))
+    finally:
+        gc.unfreeze()
+        sock.close(0)
+        ctx.term()

@@ -29,7 +29,7 @@ import msgspec
 import zmq
 
 from .. import envs
-from ..config import EngineConfig
+from ..config import ConfigError, EngineConfig
 from ..engine_core import EngineBusyError, EngineCore, EngineSleepingError, freeze_gc_heap
 from ..messages import (
     EngineCoreOutput,
@@ -140,7 +140,10 @@ class EngineServer:
         self.stop_requested = False
         self.ready_url: str | None = None
         path = envs.get("RANKSERVE_STEP_LOG")
-        self.step_log = open(path, "a", buffering=1) if path else None  # line by line: readable live
+        try:
+            self.step_log = open(path, "a", buffering=1) if path else None  # line by line: live
+        except OSError as e:
+            raise ConfigError(f"RANKSERVE_STEP_LOG={path}: cannot write it ({e.strerror})") from None
         self.last_out = time.monotonic()
         freeze_gc_heap()  # this process serves this engine until it exits
 
