@@ -514,8 +514,9 @@ class AWQConfig(QuantConfig):
         version = str(qc.get("version", "gemm")).lower()
         if version != "gemm":
             raise ValueError(f"awq version {version!r} is not supported (only the GEMM layout)")
-        self.method = W4A16("awq", int(qc.get("group_size", qc.get("q_group_size", 128))),
-                            not qc.get("zero_point", True))
+        # the GEMM layout always stores `qzeros` (AutoAWQ's packer needs them): read them even
+        # where `zero_point` is false, as vLLM does; a fixed zero of 8 would be silently wrong
+        self.method = W4A16("awq", int(qc.get("group_size", qc.get("q_group_size", 128))), sym=False)
         self.ignored = _ignored(qc)
 
     def linear(self, prefix):
