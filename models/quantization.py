@@ -453,8 +453,14 @@ class CompressedTensorsConfig(QuantConfig):
                              ("sparsity_config", sparsity if sparsity.get("format", "dense") != "dense" else None)):
             if value:
                 raise ValueError(f"compressed-tensors {field} {value} is not supported")
+        if w.get("symmetric", True) is False:  # its `weight_zero_point` tensors would be dropped
+            raise ValueError("compressed-tensors FP8 weights with symmetric: false (zero points) are "
+                             "not supported")
         self.block = w.get("block_structure") if strategy == "block" else None
         act = g.get("input_activations") or {}
+        if act and not (act.get("type", "float") == "float" and act.get("num_bits", 8) == 8):
+            raise ValueError(f"compressed-tensors input_activations of {act.get('num_bits')}-bit "
+                             f"{act.get('type')} are not supported (activations run as dynamic e4m3)")
         self.static = bool(act) and not act.get("dynamic", True)
         self.ignored = _ignored(qc)
 

@@ -9,7 +9,7 @@ from rankserve import LLM
 
 import test_quantization as tq
 from conftest import make_checkpoint
-from test_quant_edge import assert_matches, write_checkpoint
+from test_quant_edge import CT, assert_matches, write_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -23,3 +23,20 @@ def test_awq_zero_point_false_reads_the_stored_zero_points(llama, tmp_path):
     qc = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": False, "version": "gemm"}
     ref, quantized = write_checkpoint(llama, tmp_path / "q", tq.write_awq, qc)
     assert_matches(LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=4), ref, quantized, False)
+
+
+def _ct(weights=None, acts=None):
+    g = CT["config_groups"]["group_0"]
+    return {**CT, "config_groups": {"group_0": {**g, "weights": {**g["weights"], **(weights or {})},
+                                                "input_activations": {**g["input_activations"], **(acts or {})}}}}
+
+
+@pytest.mark.parametrize("qc, words", [
+    # asymmetric FP8 stores `weight_zero_point`: dropping it would be silently wrong
+    (_ct(weights={"symmetric": False}), "compressed-tensors FP8 weights with symmetric: false"),
+    # W8A8 int8 / 4-bit activations: running them as e4m3 would ignore the scheme
+    (_ct(acts={"type": "int"}), "compressed-tensors input_activations of 8-bit int"),
+    (_ct(acts={"num_bits": 4}), "compressed-tensors input_activations of 4-bit float"),
+])
+def test_compressed_tensors_fields_not_run_are_refused(tmp_path, qc, words):
+    tq.assert_config_refused(tmp_path, qc, words)
