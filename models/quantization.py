@@ -160,13 +160,16 @@ class Fp8Linear(LinearMethod):
     rows), or block scales [ceil(N/bn), ceil(K/bk)] (`weight_scale_inv`)."""
 
     def __init__(self, block_size: list[int] | None, scale_name: str = "weight_scale",
-                 input_scale: bool = False):
+                 input_scale: bool = False, per_tensor: bool = False):
         self.block = list(block_size) if block_size else None
         self.scale_name = scale_name
         self.input_scale = input_scale
+        self.per_tensor = per_tensor  # the checkpoint's scales (expanded to rows here): for the log
 
     def describe(self):
-        return f"fp8 e4m3 ({'block %dx%d' % tuple(self.block) if self.block else 'per-channel'})"
+        kind = ('block %dx%d' % tuple(self.block) if self.block
+                else 'per-tensor' if self.per_tensor else 'per-channel')
+        return f"fp8 e4m3 ({kind})"
 
     def create(self, layer, in_features, out_features, dtype):
         self._param(layer, "weight", (out_features, in_features), q.FP8,
@@ -275,7 +278,7 @@ class W4A16(LinearMethod):
         self.zero_plus_one = zero_plus_one  # GPTQ v1 stores (zero - 1) mod 16
 
     def describe(self):
-        return (f"{self.fmt} 4-bit (group {self.group_size}, "
+        return (f"{self.fmt} 4-bit ({'group %d' % self.group_size if self.group_size > 0 else 'per-channel'}, "
                 f"{'symmetric' if self.sym else 'zero point'}{', act-order' if self.desc_act else ''})")
 
     def create(self, layer, in_features, out_features, dtype):
@@ -402,7 +405,7 @@ class Fp8Config(QuantConfig):
             return Fp8Online()
         if self.block:
             return Fp8Linear(self.block, "weight_scale_inv")
-        return Fp8Linear(None, "weight_scale", input_scale=self.static)
+        return Fp8Linear(None, "weight_scale", input_scale=self.static, per_tensor=True)
 
     def moe(self):
         return MoEQuant(None, online=True) if self.online else MoEQuant(self.block)
@@ -457,6 +460,7 @@ class CompressedTensorsConfig(QuantConfig):
             raise ValueError("compressed-tensors FP8 weights with symmetric: false (zero points) are "
                              "not supported")
         self.block = w.get("block_structure") if strategy == "block" else None
+        self.strategy = strategy
         act = g.get("input_activations") or {}
         if act and not (act.get("type", "float") == "float" and act.get("num_bits", 8) == 8):
             raise ValueError(f"compressed-tensors input_activations of {act.get('num_bits')}-bit "
@@ -465,7 +469,8 @@ class CompressedTensorsConfig(QuantConfig):
         self.ignored = _ignored(qc)
 
     def linear(self, prefix):
-        return Fp8Linear(self.block, "weight_scale", input_scale=self.static)
+        return Fp8Linear(self.block, "weight_scale", input_scale=self.static,
+                         per_tensor=self.strategy == "tensor")
 
     def moe(self):
         return MoEQuant(self.block)
