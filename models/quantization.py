@@ -433,6 +433,13 @@ class CompressedTensorsConfig(QuantConfig):
 
     def __init__(self, qc: dict, online: bool = False):
         groups = qc.get("config_groups") or {}
+        kv = qc.get("kv_cache_scheme")
+        if kv:  # its k/v scales go to the fp8 KV cache (runtime/model_runner.py) as e4m3 scales
+            self._check_kv_scheme(kv)
+        self.ignored = _ignored(qc)
+        self.weights_dense = not groups and bool(kv)  # a KV-cache-only checkpoint: 16-bit weights
+        if self.weights_dense:
+            return
         if len(groups) != 1:
             raise ValueError(f"compressed-tensors: {len(groups)} config groups; one is supported")
         g = next(iter(groups.values()))
@@ -466,14 +473,27 @@ class CompressedTensorsConfig(QuantConfig):
             raise ValueError(f"compressed-tensors input_activations of {act.get('num_bits')}-bit "
                              f"{act.get('type')} are not supported (activations run as dynamic e4m3)")
         self.static = bool(act) and not act.get("dynamic", True)
-        self.ignored = _ignored(qc)
+
+    @staticmethod
+    def _check_kv_scheme(kv: dict) -> None:
+        if not (kv.get("type", "float") == "float" and kv.get("num_bits", 8) == 8):
+            raise ValueError(f"compressed-tensors kv_cache_scheme of {kv.get('num_bits')}-bit "
+                             f"{kv.get('type')} is not supported (only 8-bit float: an e4m3 KV cache)")
+        if kv.get("symmetric", True) is False:
+            raise ValueError("compressed-tensors kv_cache_scheme with symmetric: false (zero points) "
+                             "is not supported")
+        if kv.get("strategy", "tensor") != "tensor":
+            raise ValueError(f"compressed-tensors kv_cache_scheme strategy {kv['strategy']!r} is not "
+                             "supported (only tensor: one k and one v scale per layer)")
 
     def linear(self, prefix):
+        if self.weights_dense:
+            return Unquantized()
         return Fp8Linear(self.block, "weight_scale", input_scale=self.static,
                          per_tensor=self.strategy == "tensor")
 
     def moe(self):
-        return MoEQuant(self.block)
+        return None if self.weights_dense else MoEQuant(self.block)
 
 
 @QUANT_METHODS.register("gptq")
@@ -584,7 +604,7 @@ def current_moe_quant() -> MoEQuant | None:
     if cfg is None:
         return None
     m = cfg.moe()
-    if m is None:
+    if m is None and not getattr(cfg, "weights_dense", False):
         raise ValueError(f"{cfg.name} quantization does not support MoE experts")
     return m
 

@@ -63,3 +63,42 @@ def test_startup_log_names_the_scale_granularity(llama, tmp_path, caplog, writer
     with caplog.at_level("INFO", logger="rankserve.runner"):
         LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=2)
     assert f"linear layers: 8 x {kind}" in caplog.text, caplog.text[-2000:]
+
+
+KV_FP8 = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+
+
+@pytest.mark.parametrize("kv, words", [
+    # int8 KV scales used as e4m3 scales would silently corrupt the cache
+    ({**KV_FP8, "type": "int"}, "kv_cache_scheme of 8-bit int"),
+    ({**KV_FP8, "num_bits": 4}, "kv_cache_scheme of 4-bit float"),
+    ({**KV_FP8, "symmetric": False}, "kv_cache_scheme with symmetric: false"),
+    ({**KV_FP8, "strategy": "attn_head"}, "kv_cache_scheme strategy 'attn_head'"),
+])
+def test_kv_cache_schemes_not_run_are_refused(tmp_path, kv, words):
+    tq.assert_config_refused(tmp_path, {**CT, "kv_cache_scheme": kv}, words)
+
+
+def test_kv_cache_only_compressed_tensors_checkpoint(tmp_path):
+    """llm-compressor's KV-cache-only scheme (no config_groups, 16-bit weights, k/v scales): the
+    weights stay dense and an fp8 cache takes the scales (it was refused as "0 config groups")."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    from conftest import STORIES_EMBEDDED
+    shutil.copytree(STORIES_EMBEDDED, tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "dense",
+                                  "config_groups": {}, "kv_cache_scheme": KV_FP8, "ignore": ["lm_head"]}
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    save_file({"model.layers.0.self_attn.k_scale": torch.tensor(0.5),
+               "model.layers.0.self_attn.v_scale": torch.tensor(0.25)}, str(tmp_path / "m" / "kv.safetensors"))
+    llm = LLM(str(tmp_path / "m"), kv_cache_dtype="fp8")
+    m = llm.engine.executor.runner.model
+    assert all(mod.quant.dense for mod in m.modules() if hasattr(mod, "set_method"))
+    a = m.attention_layers()[0]
+    assert (float(a.k_scale), float(a.v_scale)) == (0.5, 0.25)
+    assert llm.generate("Once upon a time", tq.SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
