@@ -309,12 +309,18 @@ class W4A16(LinearMethod):
             self._param(layer, "qzeros", (groups_kept, out_features), torch.uint8,
                         lambda p, src, s: load_2d(p, src, gcols(s), 1, 8, gdiv, zconv, unpacks=True))
         if self.fmt == "gptq":
-            self._param(layer, "g_idx", (in_features,), torch.int32, self._load_g_idx)
+            self._param(layer, "g_idx", (in_features,), torch.int32,
+                        lambda p, src, s: self._load_g_idx(p, src, s, G))
 
-    @staticmethod
-    def _load_g_idx(p, src, s: Slices):
+    def _load_g_idx(self, p, src, s: Slices, G: int):
         c0, nc = s.cols
         p.data.copy_(_read(src, slice(c0, c0 + nc)).to(torch.int32))
+        # without desc_act the index is dropped (rows in order: group k // G); an act-order
+        # index there would put rows in the wrong groups
+        if not self.desc_act and not torch.equal(
+                p.data.cpu(), torch.arange(c0, c0 + nc, dtype=torch.int32) // G):
+            raise ValueError("is an act-order index (rows not in group order) but the config has "
+                             "desc_act false; set desc_act true")
 
     def after_loading(self, layer):
         if not self.desc_act and hasattr(layer, "g_idx"):

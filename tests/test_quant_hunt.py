@@ -102,3 +102,13 @@ def test_kv_cache_only_compressed_tensors_checkpoint(tmp_path):
     a = m.attention_layers()[0]
     assert (float(a.k_scale), float(a.v_scale)) == (0.5, 0.25)
     assert llm.generate("Once upon a time", tq.SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+
+
+def test_gptq_act_order_g_idx_under_desc_act_false_is_refused(llama, tmp_path):
+    """A checkpoint whose g_idx is an act-order permutation while its config says desc_act false:
+    rows in order would be the wrong groups (silently wrong weights); the error names the tensor."""
+    qc = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": False}
+    write_checkpoint(llama, tmp_path / "q", lambda w: tq.write_gptq(w, sym=False, desc_act=True), qc,
+                     reference=False)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.\w+\.\w+\.g_idx: .*desc_act"):
+        LLM(str(tmp_path / "q"), dtype="float32")
