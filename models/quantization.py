@@ -169,7 +169,8 @@ class Fp8Linear(LinearMethod):
     def describe(self):
         kind = ('block %dx%d' % tuple(self.block) if self.block
                 else 'per-tensor' if self.per_tensor else 'per-channel')
-        return f"fp8 e4m3 ({kind})"
+        # a static activation scale is not silently dropped: the log says what runs instead
+        return f"fp8 e4m3 ({kind}{'; static input_scale unused, activations dynamic' if self.input_scale else ''})"
 
     def create(self, layer, in_features, out_features, dtype):
         self._param(layer, "weight", (out_features, in_features), q.FP8,

@@ -49,7 +49,8 @@ def _per_tensor_ct(w):
 
 
 @pytest.mark.parametrize("writer, qc, kind", [
-    (tq.write_fp8_tensor, tq.FORMATS["fp8-tensor"][1], "fp8 e4m3 (per-tensor)"),
+    (tq.write_fp8_tensor, tq.FORMATS["fp8-tensor"][1],  # activation_scheme static
+     "fp8 e4m3 (per-tensor; static input_scale unused, activations dynamic)"),
     (_per_tensor_ct, _ct(weights={"strategy": "tensor"}), "fp8 e4m3 (per-tensor)"),
     (tq.write_fp8_channel, tq.FORMATS["fbgemm_fp8"][1], "fp8 e4m3 (per-channel)"),
     (lambda w: tq.write_gptq(w, group=w.shape[1], sym=False),
@@ -57,8 +58,9 @@ def _per_tensor_ct(w):
      "gptq 4-bit (per-channel, zero point)"),
 ])
 def test_startup_log_names_the_scale_granularity(llama, tmp_path, caplog, writer, qc, kind):
-    """The startup log says what the checkpoint holds: per-tensor scales are not per-channel, and
-    GPTQ's group_size -1 is one group per output channel (not a group of -1)."""
+    """The startup log says what the checkpoint holds: per-tensor scales are not per-channel, a
+    static activation scale is not used, and GPTQ's group_size -1 is one group per output channel
+    (not a group of -1)."""
     write_checkpoint(llama, tmp_path / "q", writer, qc, reference=False)
     with caplog.at_level("INFO", logger="rankserve.runner"):
         LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=2)
