@@ -114,3 +114,50 @@ def test_gptq_act_order_g_idx_under_desc_act_false_is_refused(llama, tmp_path):
                      reference=False)
     with pytest.raises(ValueError, match=r"model\.layers\.0\.\w+\.\w+\.g_idx: .*desc_act"):
         LLM(str(tmp_path / "q"), dtype="float32")
+
+
+TP_CASES = {  # fmt: (writer, config, FP8 activation group or False)
+    "gptq-sym": (*tq.FORMATS["gptq-sym"], False),
+    "gptq-zp-actorder": (*tq.FORMATS["gptq-zp-actorder"], False),
+    "awq": (*tq.FORMATS["awq"], False),
+    "fp8-block": (*tq.FORMATS["fp8-block"], 128),
+}
+
+
+@pytest.fixture(scope="module")
+def llama_kv4(tmp_path_factory):  # 4 kv heads: each rank's k and v (2 x 64 rows) are whole 128-row blocks
+    return make_checkpoint(tmp_path_factory.mktemp("llama_kv4"), "LlamaForCausalLM",
+                           **{**tq.SIZES, "num_key_value_heads": 4})
+
+
+@pytest.mark.parametrize("fmt", TP_CASES)
+def test_tp2_shards_of_each_rank_add_up_to_the_dequantized_layer(llama_kv4, tmp_path, fmt):
+    """The loader's sharding without mpiexec: both ranks of --tp 2 built and loaded in one
+    process; for the row-parallel down_proj (input columns cut, act-order rows on any rank) the
+    ranks' partial products add up to the dequantized weight's, and each rank's column-parallel
+    gate_up (gate and up each cut) is its rows of the dequantized weights."""
+    import torch
+    from safetensors.torch import load_file
+
+    from rankserve.models.loader import build_model, load_hf_config, load_weights
+    from rankserve.models.parallel import ParallelInfo
+    llama, (writer, qc, group) = llama_kv4, TP_CASES[fmt]
+    write_checkpoint(llama, tmp_path / "q", writer, qc, reference=False)
+    deq = {n: writer(t.float())[1] for n, t in load_file(f"{llama}/model.safetensors").items()
+           if n.startswith("model.layers.1.mlp.") and tq.is_linear(n)}
+    cfg = load_hf_config(str(tmp_path / "q"))
+    ranks = []
+    for r in range(2):
+        model = build_model(cfg, ParallelInfo(tp_rank=r, tp_size=2), torch.float32, torch.device("cpu"))
+        load_weights(model, str(tmp_path / "q"), progress=False)
+        ranks.append(model.model.layers["1"].mlp)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(0))
+    q = (lambda t: tq.fake_quant_rows(t, group)) if group else (lambda t: t)
+    down = deq["model.layers.1.mlp.down_proj.weight"]
+    got = sum(m.down_proj.linear(x[:, 256 * r:256 * (r + 1)]) for r, m in enumerate(ranks))
+    torch.testing.assert_close(got, q(x) @ down.T, rtol=1e-4, atol=1e-4)
+    h = torch.randn(3, 256, generator=torch.Generator().manual_seed(1))
+    for r, m in enumerate(ranks):
+        rows = slice(256 * r, 256 * (r + 1))
+        want = torch.cat([q(h) @ deq[f"model.layers.1.mlp.{p}_proj.weight"][rows].T for p in ("gate", "up")], 1)
+        torch.testing.assert_close(m.gate_up_proj.linear(h), want, rtol=1e-4, atol=1e-4)
