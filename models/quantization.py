@@ -404,6 +404,9 @@ class Fp8Config(QuantConfig):
         if self.block is not None and len(self.block) != 2:
             raise ValueError(f"weight_block_size must be [bn, bk], got {self.block}")
         self.static = qc.get("activation_scheme", "dynamic") == "static"
+        if self.block is not None and self.static:  # its input_scale tensors would be dropped
+            raise ValueError(f"fp8 weight_block_size {self.block} with activation_scheme 'static' is not "
+                             "supported (block scales quantize activations per group, dynamically)")
         self.online = online
         self.ignored = _ignored(qc)
 

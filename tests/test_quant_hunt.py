@@ -161,3 +161,10 @@ def test_tp2_shards_of_each_rank_add_up_to_the_dequantized_layer(llama_kv4, tmp_
         rows = slice(256 * r, 256 * (r + 1))
         want = torch.cat([q(h) @ deq[f"model.layers.1.mlp.{p}_proj.weight"][rows].T for p in ("gate", "up")], 1)
         torch.testing.assert_close(m.gate_up_proj.linear(h), want, rtol=1e-4, atol=1e-4)
+
+
+def test_block_fp8_with_static_activations_is_refused(tmp_path):
+    """Block scales quantize activations per 1 x 128 group; a static per-tensor input_scale cannot
+    be honoured there (vLLM refuses it too) and was dropped without a word."""
+    tq.assert_config_refused(tmp_path, {**tq.FORMATS["fp8-block"][1], "activation_scheme": "static"},
+                             "weight_block_size .* activation_scheme 'static'")
