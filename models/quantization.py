@@ -477,6 +477,9 @@ class CompressedTensorsConfig(QuantConfig):
             raise ValueError("compressed-tensors FP8 weights with symmetric: false (zero points) are "
                              "not supported")
         self.block = w.get("block_structure") if strategy == "block" else None
+        if strategy == "block" and not (isinstance(self.block, list) and len(self.block) == 2):
+            raise ValueError(f"compressed-tensors FP8 block strategy needs block_structure [bn, bk], "
+                             f"got {self.block!r}")
         self.strategy = strategy
         act = g.get("input_activations") or {}
         if act and not (act.get("type", "float") == "float" and act.get("num_bits", 8) == 8):

@@ -168,3 +168,9 @@ def test_block_fp8_with_static_activations_is_refused(tmp_path):
     be honoured there (vLLM refuses it too) and was dropped without a word."""
     tq.assert_config_refused(tmp_path, {**tq.FORMATS["fp8-block"][1], "activation_scheme": "static"},
                              "weight_block_size .* activation_scheme 'static'")
+
+
+def test_compressed_tensors_block_strategy_needs_its_block_structure(tmp_path):
+    """strategy block without block_structure was run as per channel, its [N/bn, K/bk] scales read
+    as [N] (silently wrong)."""
+    tq.assert_config_refused(tmp_path, _ct(weights={"strategy": "block"}), "block_structure")
