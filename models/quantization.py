@@ -310,8 +310,9 @@ class W4A16(LinearMethod):
             self._param(layer, "qzeros", (groups_kept, out_features), torch.uint8,
                         lambda p, src, s: load_2d(p, src, gcols(s), 1, 8, gdiv, zconv, unpacks=True))
         if self.fmt == "gptq":
-            self._param(layer, "g_idx", (in_features,), torch.int32,
-                        lambda p, src, s: self._load_g_idx(p, src, s, G))
+            g_idx = self._param(layer, "g_idx", (in_features,), torch.int32,
+                                lambda p, src, s: self._load_g_idx(p, src, s, G))
+            g_idx.optional = not self.desc_act  # dropped after loading: some exporters leave it out
 
     def _load_g_idx(self, p, src, s: Slices, G: int):
         c0, nc = s.cols

@@ -174,3 +174,19 @@ def test_compressed_tensors_block_strategy_needs_its_block_structure(tmp_path):
     """strategy block without block_structure was run as per channel, its [N/bn, K/bk] scales read
     as [N] (silently wrong)."""
     tq.assert_config_refused(tmp_path, _ct(weights={"strategy": "block"}), "block_structure")
+
+
+def test_gptq_without_g_idx_when_rows_are_in_order(llama, tmp_path):
+    """Without desc_act the index is not needed (rows in group order) and some exporters leave it
+    out: the checkpoint loads (it was "lacks weights for ... g_idx"). With desc_act it is needed:
+    the error names it."""
+    def no_g_idx(w, **kw):
+        t, d = tq.write_gptq(w, sym=False, **kw)
+        del t["g_idx"]
+        return t, d
+    qc = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": False}
+    ref, quantized = write_checkpoint(llama, tmp_path / "q", no_g_idx, qc)
+    assert_matches(LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=4), ref, quantized, False)
+    write_checkpoint(llama, tmp_path / "a", no_g_idx, {**qc, "desc_act": True}, reference=False)
+    with pytest.raises(ValueError, match=r"lacks weights for: \['model\.layers\.0\.self_attn\.qkv_proj\.g_idx'"):
+        LLM(str(tmp_path / "a"), dtype="float32")
