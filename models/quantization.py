@@ -387,6 +387,7 @@ class MoEQuant:
     quantized per channel at load time: `online`)."""
     block: list[int] | None
     online: bool = False
+    per_tensor: bool = False  # the checkpoint's scales (expanded per channel): for the log
 
 
 def _ignored(qc: dict) -> list[str]:
@@ -419,7 +420,7 @@ class Fp8Config(QuantConfig):
         return Fp8Linear(None, "weight_scale", input_scale=self.static, per_tensor=True)
 
     def moe(self):
-        return MoEQuant(None, online=True) if self.online else MoEQuant(self.block)
+        return MoEQuant(None, online=True) if self.online else MoEQuant(self.block, per_tensor=not self.block)
 
 
 @QUANT_METHODS.register("fbgemm_fp8")
@@ -507,7 +508,7 @@ class CompressedTensorsConfig(QuantConfig):
                          per_tensor=self.strategy == "tensor")
 
     def moe(self):
-        return None if self.weights_dense else MoEQuant(self.block)
+        return None if self.weights_dense else MoEQuant(self.block, per_tensor=self.strategy == "tensor")
 
 
 @QUANT_METHODS.register("gptq")

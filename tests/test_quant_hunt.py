@@ -190,3 +190,12 @@ def test_gptq_without_g_idx_when_rows_are_in_order(llama, tmp_path):
     write_checkpoint(llama, tmp_path / "a", no_g_idx, {**qc, "desc_act": True}, reference=False)
     with pytest.raises(ValueError, match=r"lacks weights for: \['model\.layers\.0\.self_attn\.qkv_proj\.g_idx'"):
         LLM(str(tmp_path / "a"), dtype="float32")
+
+
+def test_startup_log_of_per_tensor_fp8_experts(tmp_path_factory, tmp_path, caplog):
+    moe = make_checkpoint(tmp_path_factory.mktemp("moe"), "Qwen3MoeForCausalLM", **tq.SIZES,
+                          moe_intermediate_size=256)
+    write_checkpoint(moe, tmp_path / "q", *tq.FORMATS["fp8-tensor"], reference=False)
+    with caplog.at_level("INFO", logger="rankserve.runner"):
+        LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=2)
+    assert "2 x experts fp8 e4m3 (per-tensor)" in caplog.text, caplog.text[-2000:]
