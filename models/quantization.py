@@ -342,11 +342,13 @@ FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gat
 
 
 def _listed(name: str, m: str) -> bool:
-    """Whether module `name` is entry `m` of an ignore list: a name, a suffix, or "re:" a
-    pattern matched from the start (compressed-tensors, GPTQModel)."""
+    """Whether module `name` is entry `m` of an ignore list: a run of whole name parts (the
+    name, a prefix, a suffix, or a middle part such as "layers.0.mlp", as vLLM matches entries;
+    "layers.1" is not layers.10), or "re:" a pattern matched from the start (compressed-tensors,
+    GPTQModel)."""
     if m.startswith("re:"):
         return re.match(m[3:], name) is not None
-    return name == m or name.startswith(m + ".") or name.endswith("." + m) or m in name.split(".")
+    return f".{m}." in f".{name}."
 
 
 class QuantConfig:

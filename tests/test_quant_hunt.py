@@ -199,3 +199,18 @@ def test_startup_log_of_per_tensor_fp8_experts(tmp_path_factory, tmp_path, caplo
     with caplog.at_level("INFO", logger="rankserve.runner"):
         LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=2)
     assert "2 x experts fp8 e4m3 (per-tensor)" in caplog.text, caplog.text[-2000:]
+
+
+def test_ignore_entries_that_are_a_middle_part_of_the_name(llama, tmp_path):
+    """`modules_to_not_convert` entries such as "layers.0.mlp" (a run of whole name parts, as
+    vLLM matches them) leave those layers dense; "layers.0" must not match layers.0x."""
+    qc = {"quant_method": "fbgemm_fp8", "modules_to_not_convert": ["layers.0.self_attn", "layers.0.mlp", "lm_head"]}
+    dense = lambda n: n.startswith("model.layers.0.")  # noqa: E731
+    write_checkpoint(llama, tmp_path / "q", tq.write_fp8_channel, qc, dense=dense, reference=False)
+    llm = LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=2)
+    m = llm.engine.executor.runner.model
+    assert {n: mod.quant.dense for n, mod in m.named_modules() if hasattr(mod, "set_method")} == {
+        f"model.layers.{i}.{s}": i == 0 for i in (0, 1)
+        for s in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")}
+    from rankserve.models.quantization import _listed
+    assert not _listed("model.layers.10.mlp.down_proj", "layers.1")
