@@ -205,7 +205,8 @@ def load_weights(model, model_dir: str, progress: bool = True) -> int:
                         raise ValueError(f"{name}: {e}") from e
                     loaded.add(target)
     missing = [n for n in params if n not in loaded and not _tied_alias(model, n, loaded)
-               and not getattr(params[n], "written_by_weight", False)]  # scales of --quantization fp8
+               and not getattr(params[n], "written_by_weight", False)  # scales of --quantization fp8
+               and not getattr(params[n], "optional", False)]  # e.g. GPTQ's g_idx without desc_act
     if missing and hasattr(model, "drop_missing"):  # optional parts the checkpoint lacks (MTP)
         missing = model.drop_missing(missing, loaded)
     if missing:

@@ -116,7 +116,8 @@ class ExpertsQuant:
         s = self.spec
         if s is None:
             return "experts (dense)"
-        return "experts fp8 e4m3 (" + ("block %dx%d" % tuple(s.block) if s.block else "per-channel") + \
+        return "experts fp8 e4m3 (" + ("block %dx%d" % tuple(s.block) if s.block else
+                                       "per-tensor" if s.per_tensor else "per-channel") + \
             (", quantized at load time)" if s.online else ")")
 
     def after_loading(self, mod: FusedExperts) -> None:

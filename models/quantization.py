@@ -160,13 +160,17 @@ class Fp8Linear(LinearMethod):
     rows), or block scales [ceil(N/bn), ceil(K/bk)] (`weight_scale_inv`)."""
 
     def __init__(self, block_size: list[int] | None, scale_name: str = "weight_scale",
-                 input_scale: bool = False):
+                 input_scale: bool = False, per_tensor: bool = False):
         self.block = list(block_size) if block_size else None
         self.scale_name = scale_name
         self.input_scale = input_scale
+        self.per_tensor = per_tensor  # the checkpoint's scales (expanded to rows here): for the log
 
     def describe(self):
-        return f"fp8 e4m3 ({'block %dx%d' % tuple(self.block) if self.block else 'per-channel'})"
+        kind = ('block %dx%d' % tuple(self.block) if self.block
+                else 'per-tensor' if self.per_tensor else 'per-channel')
+        # a static activation scale is not silently dropped: the log says what runs instead
+        return f"fp8 e4m3 ({kind}{'; static input_scale unused, activations dynamic' if self.input_scale else ''})"
 
     def create(self, layer, in_features, out_features, dtype):
         self._param(layer, "weight", (out_features, in_features), q.FP8,
@@ -275,7 +279,7 @@ class W4A16(LinearMethod):
         self.zero_plus_one = zero_plus_one  # GPTQ v1 stores (zero - 1) mod 16
 
     def describe(self):
-        return (f"{self.fmt} 4-bit (group {self.group_size}, "
+        return (f"{self.fmt} 4-bit ({'group %d' % self.group_size if self.group_size > 0 else 'per-channel'}, "
                 f"{'symmetric' if self.sym else 'zero point'}{', act-order' if self.desc_act else ''})")
 
     def create(self, layer, in_features, out_features, dtype):
@@ -306,12 +310,19 @@ class W4A16(LinearMethod):
             self._param(layer, "qzeros", (groups_kept, out_features), torch.uint8,
                         lambda p, src, s: load_2d(p, src, gcols(s), 1, 8, gdiv, zconv, unpacks=True))
         if self.fmt == "gptq":
-            self._param(layer, "g_idx", (in_features,), torch.int32, self._load_g_idx)
+            g_idx = self._param(layer, "g_idx", (in_features,), torch.int32,
+                                lambda p, src, s: self._load_g_idx(p, src, s, G))
+            g_idx.optional = not self.desc_act  # dropped after loading: some exporters leave it out
 
-    @staticmethod
-    def _load_g_idx(p, src, s: Slices):
+    def _load_g_idx(self, p, src, s: Slices, G: int):
         c0, nc = s.cols
         p.data.copy_(_read(src, slice(c0, c0 + nc)).to(torch.int32))
+        # without desc_act the index is dropped (rows in order: group k // G); an act-order
+        # index there would put rows in the wrong groups
+        if not self.desc_act and not torch.equal(
+                p.data.cpu(), torch.arange(c0, c0 + nc, dtype=torch.int32) // G):
+            raise ValueError("is an act-order index (rows not in group order) but the config has "
+                             "desc_act false; set desc_act true")
 
     def after_loading(self, layer):
         if not self.desc_act and hasattr(layer, "g_idx"):
@@ -331,11 +342,13 @@ FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gat
 
 
 def _listed(name: str, m: str) -> bool:
-    """Whether module `name` is entry `m` of an ignore list: a name, a suffix, or "re:" a
-    pattern matched from the start (compressed-tensors, GPTQModel)."""
+    """Whether module `name` is entry `m` of an ignore list: a run of whole name parts (the
+    name, a prefix, a suffix, or a middle part such as "layers.0.mlp", as vLLM matches entries;
+    "layers.1" is not layers.10), or "re:" a pattern matched from the start (compressed-tensors,
+    GPTQModel)."""
     if m.startswith("re:"):
         return re.match(m[3:], name) is not None
-    return name == m or name.startswith(m + ".") or name.endswith("." + m) or m in name.split(".")
+    return f".{m}." in f".{name}."
 
 
 class QuantConfig:
@@ -376,6 +389,7 @@ class MoEQuant:
     quantized per channel at load time: `online`)."""
     block: list[int] | None
     online: bool = False
+    per_tensor: bool = False  # the checkpoint's scales (expanded per channel): for the log
 
 
 def _ignored(qc: dict) -> list[str]:
@@ -394,6 +408,9 @@ class Fp8Config(QuantConfig):
         if self.block is not None and len(self.block) != 2:
             raise ValueError(f"weight_block_size must be [bn, bk], got {self.block}")
         self.static = qc.get("activation_scheme", "dynamic") == "static"
+        if self.block is not None and self.static:  # its input_scale tensors would be dropped
+            raise ValueError(f"fp8 weight_block_size {self.block} with activation_scheme 'static' is not "
+                             "supported (block scales quantize activations per group, dynamically)")
         self.online = online
         self.ignored = _ignored(qc)
 
@@ -402,10 +419,10 @@ class Fp8Config(QuantConfig):
             return Fp8Online()
         if self.block:
             return Fp8Linear(self.block, "weight_scale_inv")
-        return Fp8Linear(None, "weight_scale", input_scale=self.static)
+        return Fp8Linear(None, "weight_scale", input_scale=self.static, per_tensor=True)
 
     def moe(self):
-        return MoEQuant(None, online=True) if self.online else MoEQuant(self.block)
+        return MoEQuant(None, online=True) if self.online else MoEQuant(self.block, per_tensor=not self.block)
 
 
 @QUANT_METHODS.register("fbgemm_fp8")
@@ -430,6 +447,13 @@ class CompressedTensorsConfig(QuantConfig):
 
     def __init__(self, qc: dict, online: bool = False):
         groups = qc.get("config_groups") or {}
+        kv = qc.get("kv_cache_scheme")
+        if kv:  # its k/v scales go to the fp8 KV cache (runtime/model_runner.py) as e4m3 scales
+            self._check_kv_scheme(kv)
+        self.ignored = _ignored(qc)
+        self.weights_dense = not groups and bool(kv)  # a KV-cache-only checkpoint: 16-bit weights
+        if self.weights_dense:
+            return
         if len(groups) != 1:
             raise ValueError(f"compressed-tensors: {len(groups)} config groups; one is supported")
         g = next(iter(groups.values()))
@@ -453,16 +477,40 @@ class CompressedTensorsConfig(QuantConfig):
                              ("sparsity_config", sparsity if sparsity.get("format", "dense") != "dense" else None)):
             if value:
                 raise ValueError(f"compressed-tensors {field} {value} is not supported")
+        if w.get("symmetric", True) is False:  # its `weight_zero_point` tensors would be dropped
+            raise ValueError("compressed-tensors FP8 weights with symmetric: false (zero points) are "
+                             "not supported")
         self.block = w.get("block_structure") if strategy == "block" else None
+        if strategy == "block" and not (isinstance(self.block, list) and len(self.block) == 2):
+            raise ValueError(f"compressed-tensors FP8 block strategy needs block_structure [bn, bk], "
+                             f"got {self.block!r}")
+        self.strategy = strategy
         act = g.get("input_activations") or {}
+        if act and not (act.get("type", "float") == "float" and act.get("num_bits", 8) == 8):
+            raise ValueError(f"compressed-tensors input_activations of {act.get('num_bits')}-bit "
+                             f"{act.get('type')} are not supported (activations run as dynamic e4m3)")
         self.static = bool(act) and not act.get("dynamic", True)
-        self.ignored = _ignored(qc)
+
+    @staticmethod
+    def _check_kv_scheme(kv: dict) -> None:
+        if not (kv.get("type", "float") == "float" and kv.get("num_bits", 8) == 8):
+            raise ValueError(f"compressed-tensors kv_cache_scheme of {kv.get('num_bits')}-bit "
+                             f"{kv.get('type')} is not supported (only 8-bit float: an e4m3 KV cache)")
+        if kv.get("symmetric", True) is False:
+            raise ValueError("compressed-tensors kv_cache_scheme with symmetric: false (zero points) "
+                             "is not supported")
+        if kv.get("strategy", "tensor") != "tensor":
+            raise ValueError(f"compressed-tensors kv_cache_scheme strategy {kv['strategy']!r} is not "
+                             "supported (only tensor: one k and one v scale per layer)")
 
     def linear(self, prefix):
-        return Fp8Linear(self.block, "weight_scale", input_scale=self.static)
+        if self.weights_dense:
+            return Unquantized()
+        return Fp8Linear(self.block, "weight_scale", input_scale=self.static,
+                         per_tensor=self.strategy == "tensor")
 
     def moe(self):
-        return MoEQuant(self.block)
+        return None if self.weights_dense else MoEQuant(self.block, per_tensor=self.strategy == "tensor")
 
 
 @QUANT_METHODS.register("gptq")
@@ -514,8 +562,9 @@ class AWQConfig(QuantConfig):
         version = str(qc.get("version", "gemm")).lower()
         if version != "gemm":
             raise ValueError(f"awq version {version!r} is not supported (only the GEMM layout)")
-        self.method = W4A16("awq", int(qc.get("group_size", qc.get("q_group_size", 128))),
-                            not qc.get("zero_point", True))
+        # the GEMM layout always stores `qzeros` (AutoAWQ's packer needs them): read them even
+        # where `zero_point` is false, as vLLM does; a fixed zero of 8 would be silently wrong
+        self.method = W4A16("awq", int(qc.get("group_size", qc.get("q_group_size", 128))), sym=False)
         self.ignored = _ignored(qc)
 
     def linear(self, prefix):
@@ -572,7 +621,7 @@ def current_moe_quant() -> MoEQuant | None:
     if cfg is None:
         return None
     m = cfg.moe()
-    if m is None:
+    if m is None and not getattr(cfg, "weights_dense", False):
         raise ValueError(f"{cfg.name} quantization does not support MoE experts")
     return m
 
