@@ -467,6 +467,14 @@ def profile_steps(llm, run, total_steps: int, out_dir: str, label: str, row_limi
     from torch.profiler import ProfilerActivity, profile, schedule
     cuda = torch.cuda.is_available()
     start, active = window or (max(1, total_steps // 4), max(1, min(40, total_steps // 2)))
+    if window and start + active > total_steps:
+        # a window past the end would record nothing (torch.profiler then has no trace to give):
+        # keep it inside the run and say so, rather than losing the timed results to a traceback.
+        # (A step is timed up to the next one's start: the last step of the run is not.)
+        start = max(1, min(start, total_steps - 1))
+        active = max(1, min(active, total_steps - start))
+        print(f"--profile-steps {window[0]} {window[1]}: the run has {total_steps} engine steps; "
+              f"profiling steps {start}..{start + active - 1}", flush=True)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     prof = profile(activities=acts, schedule=schedule(wait=start - 1, warmup=1, active=active, repeat=1))
     marks: list[float] = []
@@ -480,6 +488,10 @@ def profile_steps(llm, run, total_steps: int, out_dir: str, label: str, row_limi
             run()
     finally:
         llm.engine.step_hooks.remove(hook)
+    if len(marks) < start:  # (a run of fewer steps than the timed one): nothing was recorded
+        print(f"profile: the run took {len(marks)} engine steps, none from step {start}; no trace",
+              flush=True)
+        return dict(first_step=start, steps=0, wall_s=0.0, device_busy_s=0.0, device_busy_fraction=None)
     # active steps start..start+active-1 run from step() call #start to #start+active, and call
     # #k happens at marks[k - 1]
     last = min(start + active, len(marks)) - 1
