@@ -89,6 +89,7 @@ def test_profile_steps_past_the_run_are_cut_to_fit(tmp_path):
     (("--burstiness", "nan"), "--burstiness"),
     (("--burstiness", "inf"), "--burstiness"),
     (("--goodput", "ttft:nan"), "--goodput"),
+    (("--endpoint", "v1/completions"), "--endpoint"),  # was glued to the port: every request failed
 ])
 def test_bench_serve_bad_numbers_name_the_flag(flags, needle):
     # checked before any connection: no server on port 1

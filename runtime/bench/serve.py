@@ -84,6 +84,8 @@ class ServeBenchArgs:
         return "chat" in self.endpoint
 
     def validate(self) -> ServeBenchArgs:
+        if not self.endpoint.startswith("/"):  # it is appended to --base-url as it is
+            raise ValueError(f"--endpoint must be a path such as /v1/completions, got {self.endpoint!r}")
         if self.dataset_name not in DATASETS:
             raise ValueError(f"--dataset-name must be one of {', '.join(DATASETS)}; got {self.dataset_name!r}")
         if not self.request_rate > 0:  # (nan too: the gaps would be nan, a crash mid-run)
