@@ -133,3 +133,16 @@ def test_budget_below_max_model_len_without_chunked_prefill_is_a_cli_error():
                                   "--no-enable-chunked-prefill"])
     assert r.exit_code == 1, r.output
     assert "--max-num-batched-tokens (8) is smaller than --max-model-len (256)" in r.output
+
+
+@pytest.mark.parametrize("args, needle", [
+    # throughput generated fewer tokens than asked (cut at max_model_len) and reported the rate
+    (("throughput", "--max-model-len", "64", "--input-len", "50", "60", "--output-len", "20", "30",
+      "--num-prompts", "2"), "--input-len 60 + --output-len 30 = 90 tokens, more than the context of 64"),
+    # latency raised a RuntimeError traceback after its timed run
+    (("latency", "--input-len", "500", "--output-len", "30", "--num-iters", "1"),
+     "530 tokens, more than the context of 512 (--max-model-len, from the model config)"),
+])
+def test_requests_longer_than_the_context_are_refused_before_the_run(args, needle):
+    r = CliRunner().invoke(main, ["bench", args[0], STORIES, *SMALL, *args[1:]])
+    assert r.exit_code == 1 and needle in r.output, r.output[-2000:] + repr(r.exception)

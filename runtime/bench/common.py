@@ -457,6 +457,18 @@ def save(record: dict, json_path: str | None, plot_path: str | None, metric: str
             print("--plot: matplotlib is not installed (pip install matplotlib); no plot written")
 
 
+def check_context(cfg, hf_config, input_len: int, output_len: int) -> None:
+    """The longest request must fit the context: the engine would end it early at max_model_len
+    (ignore_eos asks for every token), which throughput counted as a shorter request and latency
+    found only after the timed run."""
+    pos = getattr(hf_config, "max_position_embeddings", None)
+    limit = min(x for x in (cfg.model.max_model_len, pos) if x) if cfg.model.max_model_len or pos else None
+    if limit and input_len + output_len > limit:
+        raise ValueError(f"--input-len {input_len} + --output-len {output_len} = {input_len + output_len} "
+                         f"tokens, more than the context of {limit} (--max-model-len"
+                         f"{'' if cfg.model.max_model_len else ', from the model config'})")
+
+
 # ---- profiling ------------------------------------------------------------------------------
 def profile_steps(llm, run, total_steps: int, out_dir: str, label: str, row_limit: int = 25,
                   window: tuple[int, int] | None = None) -> dict:
