@@ -205,14 +205,25 @@ def _bench_outputs(func):
                           "kernels of a window of steady-state steps and write its trace here"),
         click.option("--profile-steps", type=(click.IntRange(min=1), click.IntRange(min=1)), default=None,
                      metavar="START COUNT", help="with --profile-dir: the window of engine steps to "
-                     "record (e.g. 1 20: the prefill ramp) [default: 40 steps from a quarter of the way]"),
+                     "record (e.g. 1 20: the prefill ramp; a window past the run's end is cut to fit) "
+                     "[default: 40 steps from a quarter of the way]"),
     ]):
         func = deco(func)
     return func
 
 
+def _check_profile(args) -> None:
+    """--profile-steps picks the window of --profile-dir's run, which profiles the rankserve
+    backend: either alone would be silently ignored."""
+    if args.profile_steps and not args.profile_dir:
+        raise click.UsageError("--profile-steps picks the window of a profiled run: add --profile-dir DIR")
+    if args.profile_dir and "rankserve" not in args.backends:
+        raise click.UsageError("--profile-dir profiles the rankserve backend: add --backend rankserve")
+
+
 def _run_bench(module, cfg, args) -> None:
     from .startup import run_on_ranks
+    _check_profile(args)
     try:
         sys.exit(module.run(cfg, args, run_on_ranks, _multi_process()))
     except (ValueError, ConfigError) as e:
@@ -407,7 +418,7 @@ def bench_serve(goodput, percentile_metrics, metric_percentiles, metadata, host,
         args = serve.ServeBenchArgs(
             **kwargs, goodput=serve.parse_goodput(goodput), metadata=meta,
             percentile_metrics=tuple(m.strip() for m in percentile_metrics.split(",") if m.strip()),
-            metric_percentiles=tuple(float(p) for p in metric_percentiles.split(",") if p.strip()),
+            metric_percentiles=serve.parse_percentiles(metric_percentiles),
             api_key=os.environ.get("OPENAI_API_KEY"))
         sys.exit(serve.run(args))
     except ValueError as e:

@@ -206,6 +206,7 @@ class EngineCore:
                 if len(self.in_flight) < self.depth:
                     return EngineCoreOutputs(timestamp=time.time())
         if not self.in_flight:
+            self.last_phases = (t1 - t0, t2 - t1, 0.0, 0.0)  # (not the last step's: nothing ran)
             return EngineCoreOutputs(outputs=self.scheduler.take_error_outputs(),
                                      stats=self.scheduler.stats(), timestamp=time.time())
         plan, handle = self.in_flight.popleft()

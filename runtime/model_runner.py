@@ -177,6 +177,13 @@ class ModelRunner:
         if cfg.model.max_model_len and cfg.model.max_model_len > self.hf_config.max_position_embeddings:
             raise ValueError(f"--max-model-len {cfg.model.max_model_len} exceeds the model's "
                              f"max_position_embeddings ({self.hf_config.max_position_embeddings})")
+        sched = cfg.scheduler
+        if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < self.max_model_len:
+            # (as vLLM) every prompt must fit one step: a smaller budget would cap the context
+            # below --max-model-len and refuse the longer prompts one by one after start-up
+            raise ValueError(f"--max-num-batched-tokens ({sched.max_num_batched_tokens}) is smaller than "
+                             f"--max-model-len ({self.max_model_len}) with --no-enable-chunked-prefill: "
+                             "raise --max-num-batched-tokens, lower --max-model-len or enable chunked prefill")
         torch.manual_seed(cfg.model.seed)
         self.model = build_model(self.hf_config, pi, self.dtype, device, cfg.model.quantization)
         if cfg.load.load_format == "dummy":

@@ -457,6 +457,18 @@ def save(record: dict, json_path: str | None, plot_path: str | None, metric: str
             print("--plot: matplotlib is not installed (pip install matplotlib); no plot written")
 
 
+def check_context(cfg, hf_config, input_len: int, output_len: int) -> None:
+    """The longest request must fit the context: the engine would end it early at max_model_len
+    (ignore_eos asks for every token), which throughput counted as a shorter request and latency
+    found only after the timed run."""
+    pos = getattr(hf_config, "max_position_embeddings", None)
+    limit = min(x for x in (cfg.model.max_model_len, pos) if x) if cfg.model.max_model_len or pos else None
+    if limit and input_len + output_len > limit:
+        raise ValueError(f"--input-len {input_len} + --output-len {output_len} = {input_len + output_len} "
+                         f"tokens, more than the context of {limit} (--max-model-len"
+                         f"{'' if cfg.model.max_model_len else ', from the model config'})")
+
+
 # ---- profiling ------------------------------------------------------------------------------
 def profile_steps(llm, run, total_steps: int, out_dir: str, label: str, row_limit: int = 25,
                   window: tuple[int, int] | None = None) -> dict:
@@ -467,6 +479,14 @@ def profile_steps(llm, run, total_steps: int, out_dir: str, label: str, row_limi
     from torch.profiler import ProfilerActivity, profile, schedule
     cuda = torch.cuda.is_available()
     start, active = window or (max(1, total_steps // 4), max(1, min(40, total_steps // 2)))
+    if window and start + active > total_steps:
+        # a window past the end would record nothing (torch.profiler then has no trace to give):
+        # keep it inside the run and say so, rather than losing the timed results to a traceback.
+        # (A step is timed up to the next one's start: the last step of the run is not.)
+        start = max(1, min(start, total_steps - 1))
+        active = max(1, min(active, total_steps - start))
+        print(f"--profile-steps {window[0]} {window[1]}: the run has {total_steps} engine steps; "
+              f"profiling steps {start}..{start + active - 1}", flush=True)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     prof = profile(activities=acts, schedule=schedule(wait=start - 1, warmup=1, active=active, repeat=1))
     marks: list[float] = []
@@ -480,6 +500,10 @@ def profile_steps(llm, run, total_steps: int, out_dir: str, label: str, row_limi
             run()
     finally:
         llm.engine.step_hooks.remove(hook)
+    if len(marks) < start:  # (a run of fewer steps than the timed one): nothing was recorded
+        print(f"profile: the run took {len(marks)} engine steps, none from step {start}; no trace",
+              flush=True)
+        return dict(first_step=start, steps=0, wall_s=0.0, device_busy_s=0.0, device_busy_fraction=None)
     # active steps start..start+active-1 run from step() call #start to #start+active, and call
     # #k happens at marks[k - 1]
     last = min(start + active, len(marks)) - 1

@@ -144,6 +144,7 @@ def run(cfg, args: LatencyArgs, on_ranks, multi_process: bool) -> int:
     from ..startup_clock import mark
     mark("imports")  # process start → here: interpreter, imports, CLI
     hf_config = load_hf_config(cfg.model.model, cfg.compilation.cache_dir)
+    common.check_context(cfg, hf_config, args.input_len, args.output_len)
     stats = common.model_stats(hf_config)
 
     def hf_bench(device, dtype, ceilings):

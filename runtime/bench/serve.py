@@ -84,12 +84,14 @@ class ServeBenchArgs:
         return "chat" in self.endpoint
 
     def validate(self) -> ServeBenchArgs:
+        if not self.endpoint.startswith("/"):  # it is appended to --base-url as it is
+            raise ValueError(f"--endpoint must be a path such as /v1/completions, got {self.endpoint!r}")
         if self.dataset_name not in DATASETS:
             raise ValueError(f"--dataset-name must be one of {', '.join(DATASETS)}; got {self.dataset_name!r}")
-        if self.request_rate <= 0:
+        if not self.request_rate > 0:  # (nan too: the gaps would be nan, a crash mid-run)
             raise ValueError(f"--request-rate must be > 0 (or inf), got {self.request_rate}")
-        if self.burstiness <= 0:
-            raise ValueError(f"--burstiness must be > 0, got {self.burstiness}")
+        if not 0 < self.burstiness < float("inf"):
+            raise ValueError(f"--burstiness must be > 0 (and finite), got {self.burstiness}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
         if not 0 <= self.random_range_ratio < 1:
@@ -105,6 +107,14 @@ class ServeBenchArgs:
         return self
 
 
+def parse_percentiles(text: str) -> tuple[float, ...]:
+    """`50,90,99` → (50.0, 90.0, 99.0); errors name the flag."""
+    try:
+        return tuple(float(p) for p in text.split(",") if p.strip())
+    except ValueError:
+        raise ValueError(f"--metric-percentiles takes comma-separated numbers in (0, 100], got {text!r}") from None
+
+
 def parse_goodput(items) -> dict[str, float]:
     """`ttft:500 tpot:50` (vLLM's form, milliseconds) → {"ttft": 500.0, "tpot": 50.0}."""
     out = {}
@@ -115,7 +125,7 @@ def parse_goodput(items) -> dict[str, float]:
                 out[name] = float(value)
             except ValueError:
                 raise ValueError(f"--goodput: {part!r} is not METRIC:MILLISECONDS") from None
-            if not sep or out[name] < 0:
+            if not sep or not out[name] >= 0:  # (nan: no request could meet it)
                 raise ValueError(f"--goodput: {part!r} is not METRIC:MILLISECONDS")
     return out
 
@@ -184,7 +194,25 @@ def _sharegpt_rows(path: str) -> list:
         data = json.loads(text)
         return data if isinstance(data, list) else [data]
     except json.JSONDecodeError:
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
+        pass
+    rows = []
+    for i, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--dataset-path {path} is neither JSON nor JSONL (line {i}: {e})") from None
+    return rows
+
+
+def _pair(row) -> tuple[str, str] | None:
+    """(first human turn, first reply) of a ShareGPT row; None for a row without them (as
+    vLLM, such rows are left out rather than stopping the run)."""
+    conv = (row.get("conversations") or row.get("conversation")) if isinstance(row, dict) else None
+    if not isinstance(conv, list) or len(conv) < 2:
+        return None
+    turns = [t.get("value") if isinstance(t, dict) else None for t in conv[:2]]
+    return tuple(turns) if all(isinstance(t, str) for t in turns) else None
 
 
 def sharegpt_dataset(args: ServeBenchArgs, rng, tokenizer) -> list[SampleRequest]:
@@ -199,9 +227,8 @@ def sharegpt_dataset(args: ServeBenchArgs, rng, tokenizer) -> list[SampleRequest
                          "replies) or --sharegpt-output-len N")
     pairs = []
     for row in _sharegpt_rows(args.dataset_path):
-        conv = row.get("conversations") or row.get("conversation") or []
-        if len(conv) >= 2:
-            pairs.append((conv[0]["value"], conv[1]["value"]))
+        if (pair := _pair(row)) is not None:
+            pairs.append(pair)
     order = rng.permutation(len(pairs)).tolist()
     out = []
     for i in order:

@@ -17,16 +17,26 @@ PHASES = ("drain", "schedule", "submit", "collect", "update", "send")
 
 
 def load(path: str) -> list[tuple]:
-    rows = []
+    """The rows of the log; lines that are not one (blank, cut off by a server killed mid-write)
+    are skipped and counted in `load.skipped`. Rows of older servers have no phase columns: the
+    server appends, so one file may mix both."""
+    rows, load.skipped = [], 0
     with open(path) as f:
         for line in f:
-            t, gap, p, g, r, w, *phases = line.strip().split(",")
-            rows.append((float(t), float(gap), int(p), int(g), int(r), int(w), *map(float, phases)))
+            fields = line.strip().split(",")
+            try:
+                if len(fields) not in (6, 6 + len(PHASES)):
+                    raise ValueError(line)
+                t, gap, p, g, r, w, *phases = fields
+                rows.append((float(t), float(gap), int(p), int(g), int(r), int(w), *map(float, phases)))
+            except ValueError:
+                load.skipped += 1
     return rows
 
 
 def phase_line(label: str, rows) -> str:
-    if not rows or len(rows[0]) < 6 + len(PHASES):
+    rows = [r for r in rows if len(r) == 6 + len(PHASES)]  # (older rows have no phases)
+    if not rows:
         return ""
     return f"{label:>26}: " + "  ".join(
         f"{name} {pct([r[6 + i] * 1e3 for r in rows], 50):.2f}" for i, name in enumerate(PHASES)) + " (ms, median)"
@@ -71,7 +81,15 @@ def summarise(rows) -> str:
 
 
 def main() -> None:
-    print(summarise(load(sys.argv[1])))
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m rankserve.runtime.bench.steplog FILE (a RANKSERVE_STEP_LOG file)")
+    try:
+        rows = load(sys.argv[1])
+    except OSError as e:
+        sys.exit(f"steplog: cannot read {sys.argv[1]}: {e.strerror or e}")
+    if load.skipped:
+        print(f"skipped {load.skipped} line(s) that are not step rows", file=sys.stderr)
+    print(summarise(rows))
 
 
 if __name__ == "__main__":

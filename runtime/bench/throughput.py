@@ -176,6 +176,7 @@ def run(cfg, args: ThroughputArgs, on_ranks, multi_process: bool) -> int:
     from ..startup_clock import mark
     mark("imports")  # process start → here: interpreter, imports, CLI
     hf_config = load_hf_config(cfg.model.model, cfg.compilation.cache_dir)
+    common.check_context(cfg, hf_config, args.input_len[1], args.output_len[1])
     stats = common.model_stats(hf_config)
     wl = common.make_workload(args.num_prompts, args.input_len, args.output_len,
                               hf_config.vocab_size, args.seed)
