@@ -60,7 +60,7 @@ KNOBS: dict[str, Knob] = {
                                "tokens, running, waiting): where inter-token-latency tails come from"),
     # test-suite knobs: how long the bounded fuzz and soak runs are (CI keeps the defaults)
     "RANKSERVE_FUZZ_EXAMPLES": Knob(12, int, "generated examples per route in tests/test_fuzz_api.py"),
-    "RANKSERVE_SOAK_SECONDS": Knob(60.0, float, "duration of tests/test_soak.py"),
+    "RANKSERVE_SOAK_SECONDS": Knob(40.0, float, "duration of tests/test_soak.py"),
 }
 
 

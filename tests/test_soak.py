@@ -1,5 +1,5 @@
 """A short soak of a LIVE server (stories260K on loopback): clients mix every kind of route,
-streamed and not, some hanging up mid-stream or mid-request, for RANKSERVE_SOAK_SECONDS (60 in
+streamed and not, some hanging up mid-stream or mid-request, for RANKSERVE_SOAK_SECONDS (40 in
 CI; set it higher for a real soak). Nothing is lost (each request completes, or gets an error in
 the route's format, or was dropped by its own client on purpose), no KV block leaks, and the API
 process's memory stays flat."""

@@ -34,6 +34,8 @@
 #                     (shorter mixed prefill+decode steps: ITL p99 against TTFT); servew1bN the
 #                     concurrency-256 run at N (servew1b4096); w1bN offline W1 at N; every server
 #                     writes RANKSERVE_STEP_LOG (NAME-steps.csv, summarised in NAME-steps.txt)
+#   servew1full       servew1's concurrency-256 run with --cudagraph-mode full; servew1fullbN the same
+#                     at --max-num-batched-tokens N; w1full / w1fullbN offline W1 likewise
 #   frontend          CPU only: the API process against a fake engine (256 streams, a token each every
 #                     5 ms; runtime/bench/frontend.py), with the raw client and with bench serve's
 #   dsw2, dsw1        W2 / W1 on deepseek-v3-small (V3 layers and MLA widths, 8 layers, 64 experts,
@@ -194,6 +196,11 @@ for stage in "$@"; do case $stage in
   servew1full) # servew1's concurrency-256 run with --cudagraph-mode full (graphs for the mixed steps)
         GPUS=1 SERVE_RUNS=${SERVE_RUNS:-"c256:--num-prompts 256 --max-concurrency 256"} \
         SERVE_EXTRA="--cudagraph-mode full" serve_w1 servew1full ;;
+  servew1fullb*) # servew1full at --max-num-batched-tokens N (stage servew1fullbN): shorter mixed steps
+        GPUS=1 SERVE_RUNS=${SERVE_RUNS:-"c256:--num-prompts 256 --max-concurrency 256"} \
+        SERVE_EXTRA="--cudagraph-mode full --max-num-batched-tokens ${stage#servew1fullb}" serve_w1 $stage ;;
+  w1fullb*) run $stage 170 python3 -m rankserve.launch bench throughput qwen3-0.6b --workload w1 --max-num-seqs 256 \
+        --cudagraph-mode full --max-num-batched-tokens ${stage#w1fullb} --cache-dir "$CACHE" --output-json "$OUT/$stage.json" ;;
   servew1b*) # servew1's concurrency-256 run with --max-num-batched-tokens N (stage servew1bN)
         GPUS=1 SERVE_RUNS=${SERVE_RUNS:-"c256:--num-prompts 256 --max-concurrency 256"} \
         SERVE_EXTRA="--max-num-batched-tokens ${stage#servew1b}" serve_w1 $stage ;;
