@@ -31,6 +31,11 @@ from . import pdl
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64
+# split-KV decode tiles: keys per step, pipeline stages, and the programs per SM that the split
+# count aims for (module constants, so benchmarks/ sweeps can set them)
+DECODE_BLOCK_N = 64
+DECODE_STAGES = 2
+DECODE_PROGRAMS_PER_SM = 8
 
 
 # ----------------------------------------------------------------------------------------------
@@ -481,11 +486,12 @@ def _unified_config(num_tokens: int, num_seqs: int, head_dim: int, group: int, o
 
 def _num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int,
                 device: torch.device) -> int:
-    """Segments per sequence for split-KV decode: about 8 programs per SM (shape-only; more
-    programs in flight hide the latency of the paged gathers), at least BLOCK_N keys each."""
+    """Segments per sequence for split-KV decode: about DECODE_PROGRAMS_PER_SM programs per SM
+    (shape-only; more programs in flight hide the latency of the paged gathers), at least
+    BLOCK_N keys each."""
     sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 4  # interpreter: few programs
-    splits = triton.cdiv(8 * sms, batch * num_kv_heads)
+    splits = triton.cdiv(DECODE_PROGRAMS_PER_SM * sms, batch * num_kv_heads)
     return max(1, min(splits, _MAX_SPLITS, triton.cdiv(max_context, block_n)))
 
 
@@ -523,7 +529,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if is_decode:
         assert T == B, f"decode attention needs one query row per request (T={T}, B={B})"
         use_pdl = pdl.launch(q)
-        block_n = 64 if on_gpu else 16
+        block_n = DECODE_BLOCK_N if on_gpu else 16
         max_context = min(block_table.shape[1] * block_size, win)
         splits = _num_splits(B, KH, max_context, block_n, q.device)
         part_out = part_lse = out  # unused with one split
@@ -535,7 +541,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             seq_lens, block_table, scale_log2e, B, win, cap[0], q.stride(0), q.stride(1), out.stride(0),
             out.stride(1), *common, NUM_HEADS=H, HEAD_DIM=D, GROUP=group, BLOCK_SIZE=block_size,
             BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-            NUM_SPLITS=splits, KV_FP8=fp8, SOFTCAP=cap[1], IEEE=ieee, num_warps=4, num_stages=2,
+            NUM_SPLITS=splits, KV_FP8=fp8, SOFTCAP=cap[1], IEEE=ieee, num_warps=4,
+            num_stages=DECODE_STAGES,
             **use_pdl)
         if splits == 1:
             return out
