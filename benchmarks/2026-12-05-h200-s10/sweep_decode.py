@@ -1,10 +1,13 @@
 """Split-KV decode attention tiles on W1 (the decode steps are mostly attention): for each
 (DECODE_BLOCK_N, DECODE_STAGES, DECODE_PROGRAMS_PER_SM) of kernels/triton_attention.py, one
 `rankserve bench throughput qwen3-0.6b --workload w1` in its own process; a table at the end.
+`--w2`: W2 instead (`bench latency llama-3.1-8b`, batch 1, 128 in / 256 out: split-KV decode of
+one request, the reduce kernel's case).
 
-    python benchmarks/2026-12-05-h200-s10/sweep_decode.py [--cache-dir DIR] [CONFIG ...]
+    python benchmarks/2026-12-05-h200-s10/sweep_decode.py [--w2] [--cache-dir DIR] [CONFIG ...]
 
-CONFIG is BLOCK_N,STAGES,PPSM (default: the current constants first, then a few neighbours)."""
+CONFIG is BLOCK_N,STAGES,PPSM (default: the current constants first, then a few neighbours);
+a config may repeat (run-to-run noise)."""
 from __future__ import annotations
 
 import re
@@ -12,14 +15,18 @@ import subprocess
 import sys
 
 W1 = ["bench", "throughput", "qwen3-0.6b", "--workload", "w1", "--max-num-seqs", "256"]
+W2 = ["bench", "latency", "llama-3.1-8b", "--batch-size", "1", "--input-len", "128", "--output-len",
+      "256", "--num-iters", "3", "--max-num-seqs", "8"]
 DEFAULT = ["64,2,8", "64,2,16", "64,2,32", "64,3,8", "128,2,8", "32,2,16"]
 
 
 def one(cfg: str, rest: list[str]) -> None:
+    workload = W2 if "--w2" in rest else W1
+    rest = [a for a in rest if a != "--w2"]
     from rankserve.kernels import triton_attention as ta
     ta.DECODE_BLOCK_N, ta.DECODE_STAGES, ta.DECODE_PROGRAMS_PER_SM = map(int, cfg.split(","))
     from rankserve.launch.cli import main
-    sys.argv = ["rankserve", *W1, *rest]
+    sys.argv = ["rankserve", *workload, *rest]
     main()
 
 
@@ -28,13 +35,13 @@ def sweep(cfgs: list[str], rest: list[str]) -> None:
     for cfg in cfgs:
         p = subprocess.run([sys.executable, __file__, "--one", cfg, *rest], capture_output=True,
                            text=True, timeout=300)
-        m = re.search(r"([\d.]+) output tok/s", p.stdout)
+        m = re.search(r"([\d.]+) (?:output tok/s|tok/s \(median)", p.stdout)
         f = re.search(r"achieved ([\d.]+)% of the floor", p.stdout)
         rows.append((cfg, m.group(1) if m else f"failed rc={p.returncode}", f.group(1) if f else "-"))
         if not m:
             print(p.stdout[-1500:], p.stderr[-1500:])
-        print(f"{cfg:>10}  {rows[-1][1]:>10} output tok/s  {rows[-1][2]:>5}% of floor", flush=True)
-    print("BLOCK_N,STAGES,PPSM  output tok/s  % of floor")
+        print(f"{cfg:>10}  {rows[-1][1]:>10} tok/s  {rows[-1][2]:>5}% of floor", flush=True)
+    print("BLOCK_N,STAGES,PPSM  tok/s (W1 output / W2 decode)  % of floor")
     for r in rows:
         print(f"{r[0]:>19}  {r[1]:>12}  {r[2]:>10}")
 

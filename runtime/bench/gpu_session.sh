@@ -34,7 +34,8 @@
 #                     (shorter mixed prefill+decode steps: ITL p99 against TTFT); servew1bN the
 #                     concurrency-256 run at N (servew1b4096); w1bN offline W1 at N; every server
 #                     writes RANKSERVE_STEP_LOG (NAME-steps.csv, summarised in NAME-steps.txt)
-#   sweepdecode       W1 over split-KV decode tiles (benchmarks/2026-12-05-h200-s10/sweep_decode.py)
+#   sweepdecode       W1 over split-KV decode tiles (benchmarks/2026-12-05-h200-s10/sweep_decode.py;
+#                     SWEEP="64,2,8 128,2,8" picks the configs); sweepdecodew2 the same on W2
 #   servew1full       servew1's concurrency-256 run with --cudagraph-mode full; servew1fullbN the same
 #                     at --max-num-batched-tokens N; w1full / w1fullbN offline W1 likewise
 #   frontend          CPU only: the API process against a fake engine (256 streams, a token each every
@@ -163,7 +164,8 @@ for stage in "$@"; do case $stage in
   mixedtests) run mixedtests 200 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_mixed_graphs.py ;;
   w1b*) run $stage 170 python3 -m rankserve.launch bench throughput qwen3-0.6b --workload w1 --max-num-seqs 256 \
         --max-num-batched-tokens ${stage#w1b} --cache-dir "$CACHE" --output-json "$OUT/$stage.json" ;;
-  sweepdecode) run sweepdecode 400 python3 benchmarks/2026-12-05-h200-s10/sweep_decode.py --cache-dir "$CACHE" ;;
+  sweepdecode) run sweepdecode 400 python3 benchmarks/2026-12-05-h200-s10/sweep_decode.py --cache-dir "$CACHE" ${SWEEP:-} ;;
+  sweepdecodew2) run sweepdecodew2 400 python3 benchmarks/2026-12-05-h200-s10/sweep_decode.py --w2 --cache-dir "$CACHE" ${SWEEP:-} ;;
   w1) run w1 170 python3 -m rankserve.launch bench throughput qwen3-0.6b --workload w1 --max-num-seqs 256 \
         --cache-dir "$CACHE" --output-json "$OUT/w1.json" ${PROFILE_DIR:+--profile-dir "$PROFILE_DIR"} ;;
   w2hf) run w2hf 200 python3 -m rankserve.launch bench latency llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 \
