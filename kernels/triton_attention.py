@@ -32,8 +32,10 @@ from . import pdl
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64
 # split-KV decode tiles: keys per step, pipeline stages, and the programs per SM that the split
-# count aims for (module constants, so benchmarks/ sweeps can set them)
-DECODE_BLOCK_N = 64
+# count aims for (module constants, so benchmarks/ sweeps can set them). 128 keys: W1 +1.3 % over
+# 64 on three H200s (each pair back to back), W2 the same within noise; more programs per SM
+# (16, 32) lost 2-5 % (benchmarks/2026-12-05-h200-s10/sweep_decode.py)
+DECODE_BLOCK_N = 128
 DECODE_STAGES = 2
 DECODE_PROGRAMS_PER_SM = 8
 
