@@ -166,6 +166,26 @@ def test_decode_split_kv(interp, group, head_dim):
     interp(decode_split_case, group, head_dim)
 
 
+def decode_split_reduce_case(fuse):
+    # the partials summed by each (request, kv head)'s last program (counters back at 0 after)
+    # or by the reduce kernel: both equal the reference, segments past a context never read
+    old = ta.FUSE_DECODE_REDUCE
+    ta.FUSE_DECODE_REDUCE = fuse
+    ta._COUNTERS.clear()
+    try:
+        decode_split_case(4, 16)
+        counters = list(ta._COUNTERS.values())
+        assert bool(counters) == fuse and all(int(c.abs().sum()) == 0 for c in counters)
+    finally:
+        ta.FUSE_DECODE_REDUCE = old
+        ta._COUNTERS.clear()
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_decode_split_reduce_fused_or_not(interp, fuse):
+    interp(decode_split_reduce_case, fuse)
+
+
 def decode_one_split_case():
     # a batch large enough for one split per sequence: the split kernel writes out directly
     seq_lens = [1 + 23 * i for i in range(14)] + [0, 0]
