@@ -40,6 +40,10 @@ DECODE_BLOCK_N = 128
 DECODE_STAGES = 2
 DECODE_PROGRAMS_PER_SM = 8
 FUSE_DECODE_REDUCE = True  # split-KV partials summed by each (request, kv head)'s last program
+# a mixed step's one-token requests (the running decodes) through the split-KV kernel, whose
+# 16-row tiles read each context once per kv head, instead of the unified kernel's tall prefill
+# tiles (BLOCK_M rows for one token x GROUP heads)
+MIXED_DECODE_SPLIT = True
 _COUNTERS: dict = {}  # device -> int32 zeros, one per (request, kv head) of a split-KV decode
 MAX_COUNTERS = 1 << 16
 
@@ -245,7 +249,8 @@ def _unified_attention_kernel(
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
+        BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+        SKIP_DECODE: tl.constexpr):
     # Program (pid, kvh) owns BLOCK_Q query tokens x the GROUP query heads of kv head kvh, as
     # BLOCK_M = BLOCK_Q * GROUP (padded) rows, so every K/V tile is loaded once per kv head.
     # Request i owns the tiles [S_i, S_{i+1}) with S_i = qsl[i] // BLOCK_Q + i, which is at least
@@ -283,6 +288,9 @@ def _unified_attention_kernel(
     q_len = tl.load(qsl_ptr + req + 1) - q_start
     if local * BLOCK_Q >= q_len:  # spare tile of this request (or an empty request)
         return
+    if SKIP_DECODE:  # one-token requests went to the split-KV kernel (MIXED_DECODE_SPLIT)
+        if q_len == 1:
+            return
     seq_len = tl.load(seq_lens_ptr + req)
     ctx_len = seq_len - q_len
     q_local = local * BLOCK_Q + tok_in_tile
@@ -342,7 +350,7 @@ def _decode_split_kernel(
         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-        FUSE_REDUCE: tl.constexpr, KV_FP8: tl.constexpr,
+        FUSE_REDUCE: tl.constexpr, ONLY_DECODE: tl.constexpr, KV_FP8: tl.constexpr,
         SOFTCAP: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr):
     pdl.wait_and_release(USE_PDL)
     # Program (req, kvh, split): the GROUP heads of kv head kvh over one segment of the context.
@@ -354,6 +362,9 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     q_start = tl.load(qsl_ptr + req)
     q_len = tl.load(qsl_ptr + req + 1) - q_start
+    if ONLY_DECODE:  # a mixed step's one-token requests only (the unified kernel does the rest)
+        if q_len != 1:
+            return
     seq_len = tl.where(q_len > 0, tl.load(seq_lens_ptr + req), 0)  # q_len 0: nothing to do
     base = tl.maximum(seq_len - window, 0)  # the window's first key (0: full attention)
     seg = tl.cdiv(tl.cdiv(seq_len - base, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -397,11 +408,12 @@ def _decode_split_kernel(
         o_ptrs = out_ptr + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs + q_start.to(tl.int64) * stride_ot, out.to(out_ptr.dtype.element_ty),
                  mask=q_rows[:, None] & d_mask[None, :])
-        # T == B, so row `req` is a padding row exactly when req >= qsl[B]: zero it
-        is_pad = req >= tl.load(qsl_ptr + num_seqs)
-        tl.store(o_ptrs + req.to(tl.int64) * stride_ot,
-                 tl.zeros([BLOCK_H, BLOCK_D], out_ptr.dtype.element_ty),
-                 mask=(hs < tl.where(is_pad, GROUP, 0))[:, None] & d_mask[None, :])
+        if not ONLY_DECODE:
+            # T == B, so row `req` is a padding row exactly when req >= qsl[B]: zero it
+            is_pad = req >= tl.load(qsl_ptr + num_seqs)
+            tl.store(o_ptrs + req.to(tl.int64) * stride_ot,
+                     tl.zeros([BLOCK_H, BLOCK_D], out_ptr.dtype.element_ty),
+                     mask=(hs < tl.where(is_pad, GROUP, 0))[:, None] & d_mask[None, :])
         return
     lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
     row = (req * NUM_HEADS + head).to(tl.int64) * NUM_SPLITS + split
@@ -606,8 +618,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             out.stride(1), *common, NUM_HEADS=H, HEAD_DIM=D, GROUP=group, BLOCK_SIZE=block_size,
             BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
             NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), FUSE_REDUCE=fuse,
-            KV_FP8=fp8, SOFTCAP=cap[1], IEEE=ieee, num_warps=4, num_stages=DECODE_STAGES,
-            **use_pdl)
+            ONLY_DECODE=False, KV_FP8=fp8, SOFTCAP=cap[1], IEEE=ieee, num_warps=4,
+            num_stages=DECODE_STAGES, **use_pdl)
         if splits == 1 or fuse:
             return out
         _decode_reduce_kernel[(B, H)](
@@ -617,6 +629,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             num_warps=1 if D <= 64 else 2, **use_pdl)
         return out
 
+    split_decodes = MIXED_DECODE_SPLIT and B > 1
+    if split_decodes:  # one program per (request, kv head); those with q_len != 1 return
+        _decode_split_kernel[(B, KH, 1)](
+            q, k_cache, v_cache, k_scale, v_scale, out, out, out, out, query_start_loc,
+            seq_lens, block_table, scale_log2e, B, win, cap[0], q.stride(0), q.stride(1),
+            out.stride(0), out.stride(1), *common, NUM_HEADS=H, HEAD_DIM=D, GROUP=group,
+            BLOCK_SIZE=block_size, BLOCK_H=max(16, triton.next_power_of_2(group)),
+            BLOCK_N=DECODE_BLOCK_N if on_gpu else 16, BLOCK_D=block_d, NUM_SPLITS=1, BLOCK_S=1,
+            FUSE_REDUCE=False, ONLY_DECODE=True, KV_FP8=fp8, SOFTCAP=cap[1], IEEE=ieee,
+            num_warps=4, num_stages=DECODE_STAGES, USE_PDL=False)
     block_m, block_n, warps, stages = _unified_config(T, B, D, group, on_gpu)
     block_q = block_m // group
     grid = (T // block_q + B + 1, KH)
@@ -625,5 +647,5 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         scale_log2e, B, T, win, cap[0], q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common,
         HEAD_DIM=D, GROUP=group, BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_D=block_d, KV_FP8=fp8, SOFTCAP=cap[1], IEEE=ieee, num_warps=warps,
-        num_stages=stages)
+        num_stages=stages, SKIP_DECODE=split_decodes)
     return out

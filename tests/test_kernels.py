@@ -186,6 +186,23 @@ def test_decode_split_reduce_fused_or_not(interp, fuse):
     interp(decode_split_reduce_case, fuse)
 
 
+def mixed_decode_rows_case(split):
+    # a mixed step's one-token requests through the split-KV kernel or the unified one: both
+    # equal the reference (padding rows past the last request zero either way)
+    old = ta.MIXED_DECODE_SPLIT
+    ta.MIXED_DECODE_SPLIT = split
+    try:
+        check_attention(make_batch(MIXED_Q, MIXED_S, kv_heads=2, group=2, head_dim=16,
+                                   block_size=8, pad_tokens=3, seed=5), 1e-5, 1e-5)
+    finally:
+        ta.MIXED_DECODE_SPLIT = old
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_mixed_step_decode_rows_either_kernel(interp, split):
+    interp(mixed_decode_rows_case, split)
+
+
 def decode_one_split_case():
     # a batch large enough for one split per sequence: the split kernel writes out directly
     seq_lens = [1 + 23 * i for i in range(14)] + [0, 0]
