@@ -4,8 +4,8 @@
   into their cache slots (slot -1 = padding, skipped), in one launch.
 - `paged_attention`: one unified kernel for any mix of prefill, chunked prefill, prefix extension
   and decode; decode-only batches (`is_decode`, decided by the caller) take a split-KV
-  (flash-decoding) path instead, so that small batches with long contexts fill the GPU; the
-  last program of each (request, kv head) sums the segments' partials (no reduce launch).
+  (flash-decoding) path instead, so that small batches with long contexts fill the GPU. A
+  mixed step's one-token requests take that kernel too (MIXED_DECODE_SPLIT).
 
 FP8 caches (torch.float8_e4m3fn, see kernels/attention.py) take a constexpr branch (`KV_FP8`), so
 16-bit caches compile to the same code as before: the store divides by the layer's scale and
@@ -39,13 +39,11 @@ _MAX_SPLITS = 64
 DECODE_BLOCK_N = 128
 DECODE_STAGES = 2
 DECODE_PROGRAMS_PER_SM = 8
-FUSE_DECODE_REDUCE = True  # split-KV partials summed by each (request, kv head)'s last program
 # a mixed step's one-token requests (the running decodes) through the split-KV kernel, whose
 # 16-row tiles read each context once per kv head, instead of the unified kernel's tall prefill
-# tiles (BLOCK_M rows for one token x GROUP heads)
+# tiles (BLOCK_M rows for one token x GROUP heads): W1's prefill ramp, attention 241 us a layer
+# (unified 152 + split 89) against 257 us (session 9's profile, another H200)
 MIXED_DECODE_SPLIT = True
-_COUNTERS: dict = {}  # device -> int32 zeros, one per (request, kv head) of a split-KV decode
-MAX_COUNTERS = 1 << 16
 
 
 # ----------------------------------------------------------------------------------------------
@@ -344,19 +342,19 @@ def _unified_attention_kernel(
 @triton.jit(do_not_specialize=["num_seqs", "window"])
 def _decode_split_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, part_out_ptr, part_lse_ptr,
-        out_ptr, cnt_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, scale_log2e, num_seqs, window, softcap_log2e,
+        out_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, scale_log2e, num_seqs, window, softcap_log2e,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-        FUSE_REDUCE: tl.constexpr, ONLY_DECODE: tl.constexpr, KV_FP8: tl.constexpr,
+        BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, ONLY_DECODE: tl.constexpr,
+        KV_FP8: tl.constexpr,
         SOFTCAP: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr):
     pdl.wait_and_release(USE_PDL)
     # Program (req, kvh, split): the GROUP heads of kv head kvh over one segment of the context.
-    # Partial results are normalised; lse (log2 domain) lets the reduce reweight them: the last
-    # program of (req, kvh) to finish (FUSE_REDUCE: a counter each, acq_rel atomics) or the
-    # reduce kernel. With one split (large batches) the result is final: written straight to out.
+    # Partial results are normalised; lse (log2 domain) lets the reduce kernel reweight them (a
+    # fused reduce by each (req, kvh)'s last program, on atomic counters, was 3 % slower on W2).
+    # With one split (large batches) the result is final: written straight to out, no reduce.
     req = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -420,53 +418,6 @@ def _decode_split_kernel(
     tl.store(part_lse_ptr + row, lse, mask=h_mask)
     tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out,
              mask=h_mask[:, None] & d_mask[None, :])
-    if FUSE_REDUCE:
-        # every thread's stores before the one thread's release (cumulative through the barrier)
-        tl.debug_barrier()
-        cnt = cnt_ptr + req * tl.num_programs(1) + kvh
-        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-            tl.debug_barrier()  # the acquire before any thread's loads
-            # segments past the context are empty (lse -inf, output 0): not read
-            used = tl.cdiv(seq_len - base, tl.maximum(seg, 1))
-            is_pad = req >= tl.load(qsl_ptr + num_seqs)
-            for hh in tl.static_range(GROUP):
-                _reduce_head(part_out_ptr, part_lse_ptr, out_ptr, req, kvh * GROUP + hh, q_start,
-                             q_len, is_pad, used, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM,
-                             NUM_SPLITS, BLOCK_S, BLOCK_D, True)
-            tl.atomic_xchg(cnt, 0)
-
-
-@triton.jit
-def _reduce_head(part_out_ptr, part_lse_ptr, out_ptr, req, head, q_start, q_len, is_pad, used,
-                 stride_ot, stride_oh, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                 UNCACHED: tl.constexpr):
-    """out row (q_start, head) = the lse-weighted sum of the head's first `used` segments; the
-    padding row `req` (is_pad) zeroed. UNCACHED: the partials were just written by other
-    programs of this grid (read past L1)."""
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < tl.minimum(used, NUM_SPLITS)
-    d_mask = offs_d < HEAD_DIM
-    row = (req * NUM_HEADS + head).to(tl.int64) * NUM_SPLITS + offs_s
-    if UNCACHED:
-        lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
-        parts = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-                        mask=s_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
-    else:
-        lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
-        parts = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-                        mask=s_mask[:, None] & d_mask[None, :], other=0.0)
-    m = tl.max(lse, 0)
-    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # 0 for empty segments
-    w_sum = tl.sum(w, 0)
-    out = tl.sum(parts * w[:, None], 0) / tl.where(w_sum == 0.0, 1.0, w_sum)
-    o_ptrs = out_ptr + head * stride_oh + offs_d
-    tl.store(o_ptrs + q_start.to(tl.int64) * stride_ot, out.to(out_ptr.dtype.element_ty),
-             mask=offs_d < tl.where(q_len > 0, HEAD_DIM, 0))
-    # T == B here, so row `req` is a padding row exactly when req >= qsl[B]: zero it
-    tl.store(o_ptrs + req.to(tl.int64) * stride_ot, tl.zeros([BLOCK_D], out_ptr.dtype.element_ty),
-             mask=offs_d < tl.where(is_pad, HEAD_DIM, 0))
 
 
 @triton.jit(do_not_specialize=["num_seqs"])
@@ -477,11 +428,29 @@ def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, qsl_ptr, num_seqs
                           BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
     pdl.wait_and_release(USE_PDL)
     req = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < HEAD_DIM
+    row = (req * NUM_HEADS + head).to(tl.int64) * NUM_SPLITS + offs_s
+    lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # 0 for empty segments
+    parts = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    w_sum = tl.sum(w, 0)
+    out = tl.sum(parts * w[:, None], 0) / tl.where(w_sum == 0.0, 1.0, w_sum)
+
     q_start = tl.load(qsl_ptr + req)
-    _reduce_head(part_out_ptr, part_lse_ptr, out_ptr, req, tl.program_id(1), q_start,
-                 tl.load(qsl_ptr + req + 1) - q_start, req >= tl.load(qsl_ptr + num_seqs),
-                 NUM_SPLITS, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, NUM_SPLITS, BLOCK_S,
-                 BLOCK_D, False)
+    q_len = tl.load(qsl_ptr + req + 1) - q_start
+    o_ptrs = out_ptr + head * stride_oh + offs_d
+    tl.store(o_ptrs + q_start.to(tl.int64) * stride_ot, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < tl.where(q_len > 0, HEAD_DIM, 0))
+    # T == B here, so row `req` is a padding row exactly when req >= qsl[B]: zero it
+    is_pad = req >= tl.load(qsl_ptr + num_seqs)
+    tl.store(o_ptrs + req.to(tl.int64) * stride_ot, tl.zeros([BLOCK_D], out_ptr.dtype.element_ty),
+             mask=offs_d < tl.where(is_pad, HEAD_DIM, 0))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -544,28 +513,6 @@ def _num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int,
     return max(1, min(splits, _MAX_SPLITS, triton.cdiv(max_context, block_n)))
 
 
-def _counters(device: torch.device) -> torch.Tensor | None:
-    """The fused reduce's counters of a device: allocated once, outside CUDA-graph capture (every
-    launch leaves them at 0); None while capturing before that (the reduce kernel serves then).
-    Kernels on one stream run one after another; decode attention on two concurrent streams of
-    a device would share them (none does)."""
-    c = _COUNTERS.get(device)
-    if c is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        c = _COUNTERS[device] = torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=device)
-    return c
-
-
-def reserve(device: torch.device) -> None:
-    """Allocate the device's counters now (the runtime calls it at start-up, before any CUDA
-    graph is captured)."""
-    d = torch.device(device)
-    if d.type == "cuda" and d.index is None:
-        d = torch.device("cuda", torch.cuda.current_device())
-    _counters(d)
-
-
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     block_table: torch.Tensor, scale: float, *, is_decode: bool,
@@ -604,23 +551,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         max_context = min(block_table.shape[1] * block_size, win)
         splits = _num_splits(B, KH, max_context, block_n, q.device)
         part_out = part_lse = out  # unused with one split
-        counters = None
         if splits > 1:
             part_out = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
             part_lse = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
-            if FUSE_DECODE_REDUCE and B * KH <= MAX_COUNTERS:
-                counters = _counters(q.device)
-        fuse = counters is not None
         _decode_split_kernel[(B, KH, splits)](
-            q, k_cache, v_cache, k_scale, v_scale, part_out, part_lse, out,
-            counters if fuse else out, query_start_loc,
+            q, k_cache, v_cache, k_scale, v_scale, part_out, part_lse, out, query_start_loc,
             seq_lens, block_table, scale_log2e, B, win, cap[0], q.stride(0), q.stride(1), out.stride(0),
             out.stride(1), *common, NUM_HEADS=H, HEAD_DIM=D, GROUP=group, BLOCK_SIZE=block_size,
             BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-            NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), FUSE_REDUCE=fuse,
-            ONLY_DECODE=False, KV_FP8=fp8, SOFTCAP=cap[1], IEEE=ieee, num_warps=4,
-            num_stages=DECODE_STAGES, **use_pdl)
-        if splits == 1 or fuse:
+            NUM_SPLITS=splits, ONLY_DECODE=False, KV_FP8=fp8, SOFTCAP=cap[1], IEEE=ieee,
+            num_warps=4, num_stages=DECODE_STAGES, **use_pdl)
+        if splits == 1:
             return out
         _decode_reduce_kernel[(B, H)](
             part_out, part_lse, out, query_start_loc, B, out.stride(0), out.stride(1),
@@ -632,12 +573,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     split_decodes = MIXED_DECODE_SPLIT and B > 1
     if split_decodes:  # one program per (request, kv head); those with q_len != 1 return
         _decode_split_kernel[(B, KH, 1)](
-            q, k_cache, v_cache, k_scale, v_scale, out, out, out, out, query_start_loc,
+            q, k_cache, v_cache, k_scale, v_scale, out, out, out, query_start_loc,
             seq_lens, block_table, scale_log2e, B, win, cap[0], q.stride(0), q.stride(1),
             out.stride(0), out.stride(1), *common, NUM_HEADS=H, HEAD_DIM=D, GROUP=group,
             BLOCK_SIZE=block_size, BLOCK_H=max(16, triton.next_power_of_2(group)),
-            BLOCK_N=DECODE_BLOCK_N if on_gpu else 16, BLOCK_D=block_d, NUM_SPLITS=1, BLOCK_S=1,
-            FUSE_REDUCE=False, ONLY_DECODE=True, KV_FP8=fp8, SOFTCAP=cap[1], IEEE=ieee,
+            BLOCK_N=DECODE_BLOCK_N if on_gpu else 16, BLOCK_D=block_d, NUM_SPLITS=1,
+            ONLY_DECODE=True, KV_FP8=fp8, SOFTCAP=cap[1], IEEE=ieee,
             num_warps=4, num_stages=DECODE_STAGES, USE_PDL=False)
     block_m, block_n, warps, stages = _unified_config(T, B, D, group, on_gpu)
     block_q = block_m // group

@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..kernels import gemv, pdl, quant, quant_tc, triton_attention
+from ..kernels import gemv, pdl, quant, quant_tc
 from ..models.deepseek import without_mtp
 from ..models.layers import AttnMeta
 from ..models.parallel import ParallelInfo
@@ -160,8 +160,6 @@ class ModelRunner:
         quant.TC_MAX_M = tc if tc is not None else 16 if device.type == "cuda" else 0
         if quant.TC_MAX_M and device.type == "cuda":
             quant_tc.reserve(device)  # split-K counters, before any CUDA graph is captured
-        if device.type == "cuda":
-            triton_attention.reserve(device)  # the split-KV decode's reduce counters, likewise
         self.cfg = cfg
         self.pi = pi
         self.device = device

@@ -196,6 +196,10 @@ def test_workload_is_seeded_and_in_range():
     ("llama-3.1-8b", 8.03, "LlamaForCausalLM"),
     ("llama-3.1-70b", 70.55, "LlamaForCausalLM"),
     ("qwen3-30b-a3b", 30.53, "Qwen3MoeForCausalLM"),
+    # quantized: the floor counts logical weights (times the measured bytes per weight), not the
+    # packed int32 / scale tensors (a 4-bit model's floor was 8x too low)
+    ("llama-3.1-8b-gptq", 8.03, "LlamaForCausalLM"),
+    ("llama-3.1-8b-fp8block", 8.03, "LlamaForCausalLM"),
 ])
 def test_shipped_configs_build_on_meta(name, billions, arch):
     from transformers import AutoConfig

@@ -166,26 +166,6 @@ def test_decode_split_kv(interp, group, head_dim):
     interp(decode_split_case, group, head_dim)
 
 
-def decode_split_reduce_case(fuse):
-    # the partials summed by each (request, kv head)'s last program (counters back at 0 after)
-    # or by the reduce kernel: both equal the reference, segments past a context never read
-    old = ta.FUSE_DECODE_REDUCE
-    ta.FUSE_DECODE_REDUCE = fuse
-    ta._COUNTERS.clear()
-    try:
-        decode_split_case(4, 16)
-        counters = list(ta._COUNTERS.values())
-        assert bool(counters) == fuse and all(int(c.abs().sum()) == 0 for c in counters)
-    finally:
-        ta.FUSE_DECODE_REDUCE = old
-        ta._COUNTERS.clear()
-
-
-@pytest.mark.parametrize("fuse", [True, False])
-def test_decode_split_reduce_fused_or_not(interp, fuse):
-    interp(decode_split_reduce_case, fuse)
-
-
 def mixed_decode_rows_case(split):
     # a mixed step's one-token requests through the split-KV kernel or the unified one: both
     # equal the reference (padding rows past the last request zero either way)

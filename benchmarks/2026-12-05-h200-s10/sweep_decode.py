@@ -6,7 +6,7 @@ one request, the reduce kernel's case).
 
     python benchmarks/2026-12-05-h200-s10/sweep_decode.py [--w2] [--cache-dir DIR] [CONFIG ...]
 
-CONFIG is BLOCK_N,STAGES,PPSM[,FUSE] (FUSE 0: the separate reduce kernel; default: the current constants first, then a few neighbours);
+CONFIG is BLOCK_N,STAGES,PPSM (default: the current constants first, then a few neighbours);
 a config may repeat (run-to-run noise)."""
 from __future__ import annotations
 
@@ -24,9 +24,7 @@ def one(cfg: str, rest: list[str]) -> None:
     workload = W2 if "--w2" in rest else W1
     rest = [a for a in rest if a != "--w2"]
     from rankserve.kernels import triton_attention as ta
-    v = list(map(int, cfg.split(",")))
-    ta.DECODE_BLOCK_N, ta.DECODE_STAGES, ta.DECODE_PROGRAMS_PER_SM = v[:3]
-    ta.FUSE_DECODE_REDUCE = bool(v[3]) if len(v) > 3 else ta.FUSE_DECODE_REDUCE
+    ta.DECODE_BLOCK_N, ta.DECODE_STAGES, ta.DECODE_PROGRAMS_PER_SM = map(int, cfg.split(","))
     from rankserve.launch.cli import main
     sys.argv = ["rankserve", *workload, *rest]
     main()
@@ -53,6 +51,6 @@ if __name__ == "__main__":
     if args[:1] == ["--one"]:
         one(args[1], args[2:])
     else:
-        cfgs = [a for a in args if re.fullmatch(r"\d+,\d+,\d+(,[01])?", a)]
+        cfgs = [a for a in args if re.fullmatch(r"\d+,\d+,\d+", a)]
         rest = [a for a in args if a not in cfgs]
         sweep(cfgs or DEFAULT, rest)

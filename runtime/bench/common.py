@@ -137,11 +137,20 @@ class ModelStats:
 
 
 def model_stats(hf_config) -> ModelStats:
-    """Count parameters by building the rankserve model on the meta device (no memory)."""
+    """Count parameters by building the rankserve model on the meta device (no memory). A
+    quantized checkpoint's model is built dense: its logical weights are counted (the floor
+    multiplies them by the bytes per weight that `byte_widths` measures), not its packed
+    tensors (4-bit: eight weights per int32)."""
+    import copy
+
     from ...models.parallel import ParallelInfo
     from ...models.loader import build_model
     from ...models.deepseek import without_mtp  # the floor of the main model (MTP: a proposer)
-    model = build_model(without_mtp(hf_config), ParallelInfo(), torch.bfloat16, torch.device("meta"))
+    cfg = without_mtp(hf_config)
+    if getattr(cfg, "quantization_config", None):
+        cfg = copy.deepcopy(cfg)
+        cfg.quantization_config = None
+    model = build_model(cfg, ParallelInfo(), torch.bfloat16, torch.device("meta"))
     total = body = experts = 0
     for name, p in model.named_parameters():  # tied weights appear once
         total += p.numel()
