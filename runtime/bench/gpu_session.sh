@@ -307,9 +307,10 @@ for stage in "$@"; do case $stage in
         # caching off, or the profiled second run would find every prompt cached
         run w1ramp 200 python3 -m rankserve.launch bench throughput qwen3-0.6b --workload w1 --max-num-seqs 256 \
           --no-enable-prefix-caching --cache-dir "$CACHE" --profile-dir "$OUT/prof-w1ramp" --profile-steps 2 16 ;;
-  w1prof|w2prof) # a window of steady-state steps under the profiler: the kernel table (where the time goes)
+  w1prof|w2prof|w2gptqprof) # a window of steady-state steps under the profiler: the kernel table (where the time goes)
         if [ $stage = w1prof ]; then B="throughput qwen3-0.6b --workload w1 --max-num-seqs 256"
-        else B="latency llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --num-iters 2 --max-num-seqs 8"; fi
+        else m=llama-3.1-8b; [ $stage = w2gptqprof ] && m=llama-3.1-8b-gptq
+          B="latency $m --batch-size 1 --input-len 128 --output-len 256 --num-iters 2 --max-num-seqs 8"; fi
         run $stage 200 python3 -m rankserve.launch bench $B --cache-dir "$CACHE" --profile-dir "$OUT/prof-$stage" ;;
   spectests) run spectests 300 python3 -m pytest -q -x -m gpu tests/test_spec_decode.py tests/test_spec_decode_pause.py tests/test_spec_decode_edge.py ;;
   *) echo "unknown stage $stage" ;;
