@@ -96,6 +96,8 @@ def main():
     """rankserve: LLM serving for HPC clusters (launch with mpirun or srun for several ranks)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
+    from ..runtime import envs
+    envs.check()  # a bad RANKSERVE_* value is a start-up error naming it, not a late failure
 
 
 @main.command()

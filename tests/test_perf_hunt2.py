@@ -1,0 +1,126 @@
+"""Serving performance features and their tooling as users drive them (#21, round 2): /metrics as a
+vLLM user reads it (token counters equal what the client got: stop strings, aborts, n > 1), bad
+`RANKSERVE_*` values as start-up errors naming the knob, ..."""
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+import pytest
+from click.testing import CliRunner
+
+from test_server import Server
+
+from rankserve.launch.cli import main
+from rankserve.runtime import envs
+
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--max-num-seqs", "8", "--kv-cache-memory-gb", "0.05")
+    yield s
+    assert s.stop() == 0
+
+
+def samples(url: str) -> dict[str, float]:
+    """Every sample of /metrics by series name (labels other than model_name / engine kept)."""
+    out = {}
+    for m in re.finditer(r"^(rankserve:\w+)(\{[^}]*\})? (\S+)$", httpx.get(url + "/metrics").text, re.M):
+        kept = [kv for kv in re.findall(r'\w+="[^"]*"', m.group(2) or "")
+                if not kv.startswith(("model_name=", "engine="))]
+        labels = "{" + ",".join(kept) + "}" if kept else ""
+        out[m.group(1) + labels] = out.get(m.group(1) + labels, 0.0) + float(m.group(3))
+    return out
+
+
+def grew(before: dict, after: dict) -> dict[str, float]:
+    """The counters' increase; none may go backwards."""
+    back = {k: (before[k], v) for k, v in after.items()
+            if k.endswith(("_total", "_count", "_sum")) and v < before.get(k, 0.0)}
+    assert not back, f"counters went backwards: {back}"
+    return {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+
+def settle(url: str, key: str, value: float, timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        s = samples(url)
+        if s.get(key, 0.0) >= value or time.monotonic() > deadline:
+            return s
+        time.sleep(0.05)
+
+
+# ---- /metrics: generation_tokens_total counts the tokens the client got ---------------------------
+@pytest.mark.parametrize("body", [
+    dict(max_tokens=40, stop=[" the"]),  # the engine runs on until the API's abort reaches it
+    dict(max_tokens=40, stop=[" was"], n=3, temperature=1.0, seed=3),
+])
+def test_generation_tokens_equal_delivered_with_stop_strings(server, body):
+    for _ in range(3):  # (the engine's extra tokens are a race: a few tries make it certain)
+        before = samples(server.url)
+        r = httpx.post(server.url + "/v1/completions", json=dict(model=server_model(server), prompt=PROMPT,
+                                                                 **{"temperature": 0, **body}))
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        assert any(c["finish_reason"] == "stop" for c in r.json()["choices"])
+        time.sleep(0.3)  # the engine's last steps for the cut requests
+        d = grew(before, samples(server.url))
+        assert d["rankserve:generation_tokens_total"] == usage["completion_tokens"]
+        assert d["rankserve:request_generation_tokens_sum"] == usage["completion_tokens"]
+        assert d["rankserve:prompt_tokens_total"] == usage["prompt_tokens"] * body.get("n", 1)
+
+
+def test_generation_tokens_of_an_aborted_stream(server):
+    before = samples(server.url)
+    chunks = 0
+    with httpx.stream("POST", server.url + "/v1/completions", json=dict(
+            model=server_model(server), prompt=PROMPT, max_tokens=200, ignore_eos=True, stream=True)) as r:
+        for line in r.iter_lines():
+            chunks += line.startswith("data: {")
+            if chunks == 5:
+                break
+    key = 'rankserve:request_success_total{finished_reason="abort"}'
+    settle(server.url, key, before.get(key, 0.0) + 1)
+    time.sleep(0.3)
+    after = samples(server.url)
+    d = grew(before, after)
+    assert d[key] == 1
+    assert d["rankserve:generation_tokens_total"] == d["rankserve:request_generation_tokens_sum"] >= 5
+    assert after["rankserve:num_requests_running"] == after["rankserve:kv_cache_blocks_used"] == 0
+
+
+def server_model(server) -> str:
+    return httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+
+
+# ---- RANKSERVE_* knobs: a bad value is a start-up error naming it ---------------------------------
+@pytest.mark.parametrize("name, value", [
+    ("RANKSERVE_HEARTBEAT_TIMEOUT", "abc"),  # read only by multi-rank jobs: was ignored
+    ("RANKSERVE_HEARTBEAT_TIMEOUT", "-1"),
+    ("RANKSERVE_HEARTBEAT", "maybe"),  # anything but 0/false/no/off meant on
+    ("RANKSERVE_PRECOMPILE", "of"),
+    ("RANKSERVE_GRAMMAR_THREADS", "two"),  # read at the first structured-output request
+    ("RANKSERVE_GRAMMAR_THREADS", "-3"),
+    ("RANKSERVE_PEAK_TFLOPS", "0"),  # a cost model dividing by it
+    ("RANKSERVE_HOST_LINK_GBPS", "nan"),
+    ("RANKSERVE_INJECT_FAULT", "zz"),
+    ("RANKSERVE_SKINNY_MAX_M", "-1"),
+    ("RANKSERVE_COMM_LIB", "Torch"),  # anything but `torch` silently meant deepspeed
+])
+def test_bad_knob_values_are_start_up_errors(name, value):
+    r = CliRunner().invoke(main, ["serve", "--help"], env={name: value})
+    assert r.exit_code == 1 and name in r.output and "Traceback" not in r.output, r.output
+    with pytest.raises(ValueError, match=name):
+        envs.check({name: value})
+
+
+def test_good_knob_values_pass():
+    envs.check({"RANKSERVE_HEARTBEAT": "OFF", "RANKSERVE_PRECOMPILE": "true", "RANKSERVE_INJECT_FAULT": "1:5",
+                "RANKSERVE_GRAMMAR_THREADS": "4", "RANKSERVE_PEAK_TFLOPS": "0.5", "RANKSERVE_LAUNCHER": "single",
+                "RANKSERVE_SKINNY_MAX_M": "0", "RANKSERVE_STEP_LOG": ""})
+    assert envs.get("RANKSERVE_HEARTBEAT", {"RANKSERVE_HEARTBEAT": "OFF"}) is False
+    r = CliRunner().invoke(main, ["serve", "--help"], env={"RANKSERVE_HEARTBEAT": "0"})
+    assert r.exit_code == 0, r.output
