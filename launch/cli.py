@@ -69,7 +69,10 @@ def build_config(kwargs: dict) -> EngineConfig:
         cfg = EngineConfig.from_kwargs(**given)
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
-    return usable_caches(cfg, given_cache_dir="cache_dir" in given)
+    try:
+        return usable_caches(cfg, given_cache_dir="cache_dir" in given)
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from None
 
 
 class _Group(click.Group):

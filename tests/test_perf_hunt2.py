@@ -10,12 +10,14 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
+from conftest import STORIES_EMBEDDED
 from test_server import Server
 
 from rankserve.launch.cli import main
 from rankserve.runtime import envs
 
 PROMPT = "Once upon a time"
+STORIES = str(STORIES_EMBEDDED)
 
 
 @pytest.fixture(scope="module")
@@ -124,3 +126,21 @@ def test_good_knob_values_pass():
     assert envs.get("RANKSERVE_HEARTBEAT", {"RANKSERVE_HEARTBEAT": "OFF"}) is False
     r = CliRunner().invoke(main, ["serve", "--help"], env={"RANKSERVE_HEARTBEAT": "0"})
     assert r.exit_code == 0, r.output
+
+
+# ---- --cache-dir ------------------------------------------------------------------------------------
+def test_unwritable_cache_dir_with_torch_compile_is_a_flag_error(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    r = CliRunner().invoke(main, ["bench", "latency", STORIES, "--cache-dir", str(blocker / "sub"),
+                                  "--compilation-level", "2", "--device", "cpu", "--output-len", "2"])
+    assert r.exit_code == 2 and "--cache-dir" in r.output and "Traceback" not in r.output, r.output
+
+
+def test_relative_cache_dir_is_made_absolute(tmp_path, monkeypatch):
+    from rankserve.launch.caches import usable_caches
+    from rankserve.runtime.config import EngineConfig
+    monkeypatch.chdir(tmp_path)
+    cfg = usable_caches(EngineConfig.from_kwargs(cache_dir="cache"), given_cache_dir=True,
+                        env={"TRITON_CACHE_DIR": str(tmp_path)})
+    assert cfg.compilation.cache_dir == str(tmp_path / "cache")
