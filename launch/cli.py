@@ -196,6 +196,17 @@ def _multi_process() -> bool:
     return discover().world_size > 1
 
 
+def _writable(ctx, param, value):
+    """Output paths are checked before the run (one that cannot be written lost the run)."""
+    if value is not None:
+        from ..runtime.bench.common import check_writable
+        try:
+            check_writable(value, param.opts[0], directory=param.name.endswith("_dir"))
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
+    return value
+
+
 def _bench_outputs(func):
     for deco in reversed([
         click.option("--backend", "backends", type=click.Choice(["rankserve", "hf"]), multiple=True,
@@ -203,9 +214,11 @@ def _bench_outputs(func):
                      help="engine(s) to run, repeatable: --backend rankserve --backend hf"),
         click.option("--hf-compile", is_flag=True,
                      help="let transformers torch.compile generate()'s decode step (static cache, CUDA)"),
-        click.option("--output-json", type=click.Path(dir_okay=False), help="write metrics + environment"),
-        click.option("--plot", type=click.Path(dir_okay=False), help="bar chart PNG (needs matplotlib)"),
-        click.option("--profile-dir", type=click.Path(file_okay=False),
+        click.option("--output-json", type=click.Path(dir_okay=False), callback=_writable,
+                     help="write metrics + environment"),
+        click.option("--plot", type=click.Path(dir_okay=False), callback=_writable,
+                     help="bar chart PNG (needs matplotlib)"),
+        click.option("--profile-dir", type=click.Path(file_okay=False), callback=_writable,
                      help="after the timed run, run again under torch.profiler: print the busiest "
                           "kernels of a window of steady-state steps and write its trace here"),
         click.option("--profile-steps", type=(click.IntRange(min=1), click.IntRange(min=1)), default=None,
@@ -314,7 +327,8 @@ def bench_latency(batch_size, input_len, output_len, num_iters, num_iters_warmup
 @click.option("--num-prompts", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--input-len", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--output-len", type=click.IntRange(min=1), default=32, show_default=True)
-@click.option("--output-json", type=click.Path(dir_okay=False), help="write the numbers + environment")
+@click.option("--output-json", type=click.Path(dir_okay=False), callback=_writable,
+              help="write the numbers + environment")
 def bench_sleep(num_prompts, input_len, output_len, output_json, **kwargs):
     """Sleep mode: device memory before / after sleep level 1 and 2, time to sleep and to wake
     up, and the same greedy tokens after waking (sleep mode is switched on)."""
@@ -339,7 +353,8 @@ def bench_sleep(num_prompts, input_len, output_len, output_json, **kwargs):
 @click.option("--output-len", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--concurrency", type=click.IntRange(min=1), default=4, show_default=True,
               help="conversations in flight at a time")
-@click.option("--output-json", type=click.Path(dir_okay=False), help="write the numbers + environment")
+@click.option("--output-json", type=click.Path(dir_okay=False), callback=_writable,
+              help="write the numbers + environment")
 def bench_multiturn(num_conversations, prefix_len, turns, turn_len, output_len, concurrency,
                     output_json, **kwargs):
     """Multi-turn conversations with long prefixes of their own, more than the device KV cache

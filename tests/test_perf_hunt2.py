@@ -144,3 +144,30 @@ def test_relative_cache_dir_is_made_absolute(tmp_path, monkeypatch):
     cfg = usable_caches(EngineConfig.from_kwargs(cache_dir="cache"), given_cache_dir=True,
                         env={"TRITON_CACHE_DIR": str(tmp_path)})
     assert cfg.compilation.cache_dir == str(tmp_path / "cache")
+
+
+# ---- bench output paths are checked before the run --------------------------------------------------
+@pytest.mark.parametrize("cmd", [["bench", "latency", STORIES], ["bench", "throughput", STORIES],
+                                 ["bench", "sleep", STORIES]])
+@pytest.mark.parametrize("flag", ["--output-json", "--plot"])
+def test_unwritable_bench_outputs_are_flag_errors(tmp_path, cmd, flag):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    if flag == "--plot" and cmd[1] == "sleep":
+        flag = "--output-json"
+    r = CliRunner().invoke(main, [*cmd, flag, str(blocker / "out.json"), "--device", "cpu"])
+    assert r.exit_code == 2 and flag in r.output and "Traceback" not in r.output, r.output
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (("--save-result", "--result-dir", "{blocker}/d"), "--result-dir"),
+    (("--result-filename", "{blocker}/r.json"), "--result-filename"),
+    (("--plot", "{blocker}/p.png"), "--plot"),
+])
+def test_bench_serve_unwritable_results_fail_before_the_run(tmp_path, flags, needle):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    r = CliRunner().invoke(main, ["bench", "serve", "--port", "1", "--random-vocab-size", "100", "--model", "m",
+                                  "--num-prompts", "2", "--random-input-len", "4", "--random-output-len", "2",
+                                  "--disable-tqdm", *(f.format(blocker=blocker) for f in flags)])
+    assert r.exit_code == 1 and needle in r.output and "requests (random)" not in r.output, r.output

@@ -403,6 +403,22 @@ def environment() -> dict:
                 argv=list(sys.argv))
 
 
+def check_writable(path: str, flag: str, directory: bool = False) -> None:
+    """Before a run: `path` (a file, or with `directory` a folder) can be written, its folders
+    made; else ValueError naming `flag` (a run that cannot save its results is lost)."""
+    folder = path if directory else os.path.dirname(os.path.abspath(path))
+    try:
+        if not directory and os.path.isdir(path):
+            raise IsADirectoryError(21, "a directory")
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder):
+            pass
+        if not directory and os.path.exists(path) and not os.access(path, os.W_OK):
+            raise PermissionError(13, "not writable")
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
+
+
 def write_json(path: str, data: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:

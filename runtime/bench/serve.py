@@ -541,6 +541,16 @@ def _environment() -> dict:
 def run(args: ServeBenchArgs) -> int:
     """Run the benchmark, print the summary, save JSON / plot; 0, or 1 when requests failed."""
     args.validate()
+    # where the results go, before the run that makes them
+    if args.save_result or args.result_dir or args.result_filename:
+        from .common import check_writable
+        if args.result_filename:
+            check_writable(os.path.join(args.result_dir or ".", args.result_filename), "--result-filename")
+        else:
+            check_writable(args.result_dir or ".", "--result-dir", directory=True)
+    if args.plot:
+        from .common import check_writable
+        check_writable(args.plot, "--plot")
     tokenizer = None
     if args.tokenizer:
         from transformers import AutoTokenizer
