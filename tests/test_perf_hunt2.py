@@ -171,3 +171,16 @@ def test_bench_serve_unwritable_results_fail_before_the_run(tmp_path, flags, nee
                                   "--num-prompts", "2", "--random-input-len", "4", "--random-output-len", "2",
                                   "--disable-tqdm", *(f.format(blocker=blocker) for f in flags)])
     assert r.exit_code == 1 and needle in r.output and "requests (random)" not in r.output, r.output
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (("--dataset-path", "{sharegpt}"), "--dataset-path"),  # random prompts would be sent instead
+    (("--sharegpt-output-len", "4"), "--sharegpt-output-len"),
+    (("--dataset-name", "prefix_repetition", "--dataset-path", "{sharegpt}"), "--dataset-path"),
+])
+def test_bench_serve_sharegpt_flags_without_sharegpt_are_refused(tmp_path, flags, needle):
+    sharegpt = tmp_path / "sg.json"
+    sharegpt.write_text('[{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}]')
+    r = CliRunner().invoke(main, ["bench", "serve", "--port", "1", "--random-vocab-size", "100", "--model", "m",
+                                  "--disable-tqdm", *(f.format(sharegpt=sharegpt) for f in flags)])
+    assert r.exit_code == 1 and needle in r.output and "requests (" not in r.output, r.output

@@ -88,6 +88,11 @@ class ServeBenchArgs:
             raise ValueError(f"--endpoint must be a path such as /v1/completions, got {self.endpoint!r}")
         if self.dataset_name not in DATASETS:
             raise ValueError(f"--dataset-name must be one of {', '.join(DATASETS)}; got {self.dataset_name!r}")
+        # ShareGPT's flags with another dataset would be ignored: the run would not be the one asked
+        for flag, value in (("--dataset-path", self.dataset_path),
+                            ("--sharegpt-output-len", self.sharegpt_output_len)):
+            if value is not None and self.dataset_name != "sharegpt":
+                raise ValueError(f"{flag} goes with --dataset-name sharegpt (not {self.dataset_name})")
         if not self.request_rate > 0:  # (nan too: the gaps would be nan, a crash mid-run)
             raise ValueError(f"--request-rate must be > 0 (or inf), got {self.request_rate}")
         if not 0 < self.burstiness < float("inf"):
