@@ -404,19 +404,26 @@ def environment() -> dict:
 
 
 def check_writable(path: str, flag: str, directory: bool = False) -> None:
-    """Before a run: `path` (a file, or with `directory` a folder) can be written, its folders
-    made; else ValueError naming `flag` (a run that cannot save its results is lost)."""
-    folder = path if directory else os.path.dirname(os.path.abspath(path))
-    try:
-        if not directory and os.path.isdir(path):
-            raise IsADirectoryError(21, "a directory")
-        os.makedirs(folder, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder):
-            pass
-        if not directory and os.path.exists(path) and not os.access(path, os.W_OK):
-            raise PermissionError(13, "not writable")
-    except OSError as e:
-        raise ValueError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
+    """Before a run: `path` (a file, or with `directory` a folder) could be written, its missing
+    folders made (nothing is created here); else ValueError naming `flag` (a run that cannot save
+    its results is lost)."""
+    path = os.path.abspath(path)
+    why = None
+    if os.path.exists(path):
+        if os.path.isdir(path) != directory:
+            why = "a directory" if not directory else "not a directory"
+        elif not os.access(path, os.W_OK):
+            why = "not writable"
+    else:
+        parent = os.path.dirname(path)
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            why = f"{parent} is not a directory"
+        elif not os.access(parent, os.W_OK | os.X_OK):
+            why = f"{parent} is not writable"
+    if why:
+        raise ValueError(f"{flag} {path}: cannot write there ({why})")
 
 
 def write_json(path: str, data: dict) -> None:
