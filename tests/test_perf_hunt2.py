@@ -177,8 +177,13 @@ def test_bench_serve_unwritable_results_fail_before_the_run(tmp_path, flags, nee
     (("--dataset-path", "{sharegpt}"), "--dataset-path"),  # random prompts would be sent instead
     (("--sharegpt-output-len", "4"), "--sharegpt-output-len"),
     (("--dataset-name", "prefix_repetition", "--dataset-path", "{sharegpt}"), "--dataset-path"),
+    (("--dataset-name", "sharegpt", "--dataset-path", "{sharegpt}", "--random-input-len", "64"),
+     "--random-input-len"),
+    (("--dataset-name", "prefix_repetition", "--random-range-ratio", "0.5"), "--random-range-ratio"),
+    (("--prefix-repetition-num-prefixes", "3"), "--prefix-repetition-num-prefixes"),
+    (("--burstiness", "0.5"), "--request-rate"),  # gaps of an infinite rate: none
 ])
-def test_bench_serve_sharegpt_flags_without_sharegpt_are_refused(tmp_path, flags, needle):
+def test_bench_serve_flags_of_another_dataset_are_refused(tmp_path, flags, needle):
     sharegpt = tmp_path / "sg.json"
     sharegpt.write_text('[{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}]')
     r = CliRunner().invoke(main, ["bench", "serve", "--port", "1", "--random-vocab-size", "100", "--model", "m",
