@@ -189,3 +189,10 @@ def test_bench_serve_flags_of_another_dataset_are_refused(tmp_path, flags, needl
     r = CliRunner().invoke(main, ["bench", "serve", "--port", "1", "--random-vocab-size", "100", "--model", "m",
                                   "--disable-tqdm", *(f.format(sharegpt=sharegpt) for f in flags)])
     assert r.exit_code == 1 and needle in r.output and "requests (" not in r.output, r.output
+
+
+def test_bad_knob_value_fails_the_offline_engine_at_start(monkeypatch):
+    from rankserve.runtime.llm import LLM
+    monkeypatch.setenv("RANKSERVE_GRAMMAR_THREADS", "0")  # read at the first structured request
+    with pytest.raises(ValueError, match="RANKSERVE_GRAMMAR_THREADS"):
+        LLM(STORIES, kv_cache_memory_gb=0.01)
