@@ -120,9 +120,27 @@ def get(name: str, env: Mapping[str, str] | None = None):
         raise ValueError(f"{name}={raw!r} is not valid ({e}): {knob.doc}") from None
 
 
-def check(env: Mapping[str, str] | None = None) -> None:
+# read by the sbatch templates and the GPU session script, not by rankserve itself
+SCRIPT_VARIABLES = ("RANKSERVE_PORT", "RANKSERVE_HEALTH_TIMEOUT", "RANKSERVE_SRUN_MPI",
+                    "RANKSERVE_CACHE_DIR")
+
+
+def check(env: Mapping[str, str] | None = None) -> list[str]:
     """Parse every knob that is set, at start-up: most are read only where they are used (a
     multi-rank job, a structured-output request, a preemption), so a bad value would otherwise
-    go unnoticed, or fail a request or a rank long after the start. Raises ValueError naming it."""
+    go unnoticed, or fail a request or a rank long after the start. Raises ValueError naming it.
+    Returns a warning per `RANKSERVE_*` variable that is no knob (a typo would be ignored), and
+    logs it."""
+    env = os.environ if env is None else env
     for name in KNOBS:
         get(name, env)
+    import difflib
+    import logging
+    warnings = []
+    for name in sorted(k for k in env if k.startswith("RANKSERVE_")):
+        if name not in KNOBS and name not in SCRIPT_VARIABLES:
+            near = difflib.get_close_matches(name, KNOBS, n=1)
+            warnings.append(f"{name} is not a rankserve environment variable (ignored)"
+                            + (f"; did you mean {near[0]}?" if near else ""))
+            logging.getLogger("rankserve.envs").warning("%s", warnings[-1])
+    return warnings

@@ -196,3 +196,9 @@ def test_bad_knob_value_fails_the_offline_engine_at_start(monkeypatch):
     monkeypatch.setenv("RANKSERVE_GRAMMAR_THREADS", "0")  # read at the first structured request
     with pytest.raises(ValueError, match="RANKSERVE_GRAMMAR_THREADS"):
         LLM(STORIES, kv_cache_memory_gb=0.01)
+
+
+def test_a_misspelt_knob_is_warned_about():
+    warnings = envs.check({"RANKSERVE_PRECOMPIL": "0", "RANKSERVE_PORT": "8000", "RANKSERVE_HEARTBEAT": "1"})
+    assert warnings == ["RANKSERVE_PRECOMPIL is not a rankserve environment variable (ignored); "
+                        "did you mean RANKSERVE_PRECOMPILE?"]
