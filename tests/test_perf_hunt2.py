@@ -202,3 +202,10 @@ def test_a_misspelt_knob_is_warned_about():
     warnings = envs.check({"RANKSERVE_PRECOMPIL": "0", "RANKSERVE_PORT": "8000", "RANKSERVE_HEARTBEAT": "1"})
     assert warnings == ["RANKSERVE_PRECOMPIL is not a rankserve environment variable (ignored); "
                         "did you mean RANKSERVE_PRECOMPILE?"]
+
+
+# ---- bench latency: one batch --------------------------------------------------------------------------
+def test_latency_batch_larger_than_max_num_seqs_is_refused():
+    r = CliRunner().invoke(main, ["bench", "latency", STORIES, "--max-num-seqs", "2", "--batch-size", "3",
+                                  "--input-len", "4", "--output-len", "2", "--kv-cache-memory-gb", "0.01"])
+    assert r.exit_code == 1 and "--max-num-seqs" in r.output and "latency 0" not in r.output, r.output
