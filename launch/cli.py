@@ -100,7 +100,16 @@ def main():
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     from ..runtime import envs
-    envs.check()  # a bad RANKSERVE_* value is a start-up error naming it, not a late failure
+    try:
+        envs.check()  # a bad RANKSERVE_* value is a start-up error naming it, not a late failure
+    except ValueError as e:
+        from .discovery import detect_launcher
+        if detect_launcher(os.environ) != "single":  # every rank sees it: one line, from rank 0
+            from .preflight import LaunchError
+            rank = next((os.environ[k] for k in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK",
+                                                 "SLURM_PROCID", "RANK") if k in os.environ), "0")
+            raise LaunchError(str(e), report=rank == "0") from None
+        raise
 
 
 @main.command()

@@ -209,3 +209,12 @@ def test_latency_batch_larger_than_max_num_seqs_is_refused():
     r = CliRunner().invoke(main, ["bench", "latency", STORIES, "--max-num-seqs", "2", "--batch-size", "3",
                                   "--input-len", "4", "--output-len", "2", "--kv-cache-memory-gb", "0.01"])
     assert r.exit_code == 1 and "--max-num-seqs" in r.output and "latency 0" not in r.output, r.output
+
+
+@pytest.mark.parametrize("rank, printed", [("0", True), ("1", False)])
+def test_bad_knob_under_mpirun_is_one_line_from_rank_0(capfd, rank, printed):
+    env = {"OMPI_COMM_WORLD_RANK": rank, "OMPI_COMM_WORLD_SIZE": "2", "RANKSERVE_HEARTBEAT_TIMEOUT": "0"}
+    r = CliRunner().invoke(main, ["serve", "--help"], env=env)
+    err = capfd.readouterr().err
+    assert r.exit_code == 2 and "Traceback" not in r.output + err, r.output
+    assert ("RANKSERVE_HEARTBEAT_TIMEOUT" in err) == printed, err
