@@ -298,6 +298,10 @@ def bench_throughput(workload, num_prompts, input_len, output_len, structured_ou
         raise click.UsageError("--structured-output runs on the rankserve backend only")
     if num_loras and "hf" in args.backends:
         raise click.UsageError("--num-loras runs on the rankserve backend only")
+    from .caches import writable
+    if num_loras and not writable(cfg.compilation.cache_dir):
+        raise click.UsageError(f"--num-loras writes its random adapters under --cache-dir "
+                               f"{cfg.compilation.cache_dir}, which cannot be written")
     _run_bench(throughput, cfg, args)
 
 

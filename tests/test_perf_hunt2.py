@@ -218,3 +218,12 @@ def test_bad_knob_under_mpirun_is_one_line_from_rank_0(capfd, rank, printed):
     err = capfd.readouterr().err
     assert r.exit_code == 2 and "Traceback" not in r.output + err, r.output
     assert ("RANKSERVE_HEARTBEAT_TIMEOUT" in err) == printed, err
+
+
+def test_num_loras_with_an_unwritable_cache_dir_is_a_flag_error(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    r = CliRunner().invoke(main, ["bench", "throughput", STORIES, "--num-prompts", "2", "--input-len", "4", "4",
+                                  "--output-len", "2", "2", "--enable-lora", "--num-loras", "1",
+                                  "--max-lora-rank", "8", "--cache-dir", str(blocker / "c")])
+    assert r.exit_code == 2 and "--cache-dir" in r.output and "--num-loras" in r.output, r.output
