@@ -227,3 +227,11 @@ def test_num_loras_with_an_unwritable_cache_dir_is_a_flag_error(tmp_path):
                                   "--output-len", "2", "2", "--enable-lora", "--num-loras", "1",
                                   "--max-lora-rank", "8", "--cache-dir", str(blocker / "c")])
     assert r.exit_code == 2 and "--cache-dir" in r.output and "--num-loras" in r.output, r.output
+
+
+@pytest.mark.parametrize("where", ["/nonexistent/tokenizer", "EMPTY"])
+def test_bench_serve_tokenizer_that_cannot_load_names_the_flag(tmp_path, where):
+    where = str(tmp_path) if where == "EMPTY" else where
+    r = CliRunner().invoke(main, ["bench", "serve", "--port", "1", "--model", "m", "--tokenizer", where,
+                                  "--num-prompts", "2", "--disable-tqdm"])
+    assert r.exit_code == 1 and "--tokenizer" in r.output, (r.output, r.exception)

@@ -572,7 +572,11 @@ def run(args: ServeBenchArgs) -> int:
     tokenizer = None
     if args.tokenizer:
         from transformers import AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        except (OSError, ValueError) as e:  # (a path that is not there reads as a hub repo id)
+            raise ValueError(f"--tokenizer {args.tokenizer}: cannot load a tokenizer from it "
+                             f"({str(e).splitlines()[0]})") from None
     rng = np.random.default_rng(args.seed)
     requests = DATASETS[args.dataset_name](args, rng, tokenizer)[:args.num_prompts]
     model = args.model or _server_model(args)
