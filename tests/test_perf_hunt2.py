@@ -235,3 +235,9 @@ def test_bench_serve_tokenizer_that_cannot_load_names_the_flag(tmp_path, where):
     r = CliRunner().invoke(main, ["bench", "serve", "--port", "1", "--model", "m", "--tokenizer", where,
                                   "--num-prompts", "2", "--disable-tqdm"])
     assert r.exit_code == 1 and "--tokenizer" in r.output, (r.output, r.exception)
+
+
+@pytest.mark.parametrize("cmd", [["serve"], ["bench", "latency"]])
+def test_engine_tokenizer_that_is_not_a_directory_is_a_flag_error(cmd):
+    r = CliRunner().invoke(main, [*cmd, STORIES, "--tokenizer", "/nonexistent/tokenizer"])
+    assert r.exit_code == 2 and "--tokenizer" in r.output, (r.output, r.exception)
