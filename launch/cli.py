@@ -495,7 +495,8 @@ def _parse_size(text: str) -> int:
               "[default: all three with --sizes; else the ones MODEL's layers send]")
 @click.option("--iters", type=click.IntRange(min=1), default=20, show_default=True)
 @click.option("--warmup", type=click.IntRange(min=0), default=5, show_default=True)
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write results (rank 0)")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), callback=_writable,
+              help="write results (rank 0)")
 def bench_comm(sizes, ops, iters, warmup, json_path, **kwargs):
     """Collective bandwidth across the ranks of an mpirun/srun job (nccl-tests conventions).
 
