@@ -212,7 +212,7 @@ def _writable(ctx, param, value):
         try:
             check_writable(value, param.opts[0], directory=param.name.endswith("_dir"))
         except ValueError as e:
-            raise click.BadParameter(str(e)) from None
+            raise click.BadParameter(str(e).removeprefix(param.opts[0] + " ")) from None
     return value
 
 
