@@ -1,6 +1,8 @@
 """Serving performance features and their tooling as users drive them (#21, round 2): /metrics as a
 vLLM user reads it (token counters equal what the client got: stop strings, aborts, n > 1), bad
-`RANKSERVE_*` values as start-up errors naming the knob, ..."""
+`RANKSERVE_*` values as start-up errors naming the knob (misspelt ones warned about), --cache-dir
+and --tokenizer paths, bench output paths checked before the run, bench serve flags of another
+dataset refused, bench latency's one batch."""
 from __future__ import annotations
 
 import re
