@@ -4,7 +4,8 @@
 kernels in ~/.triton; on a node whose HOME is read-only (or absent) the first compiled kernel
 would fail. When a default cannot be written, it moves to a per-user directory under the node's
 temporary directory (`$TMPDIR`, else /tmp), with one notice. A --cache-dir given explicitly, or
-a TRITON_CACHE_DIR set by the user, is never changed.
+a TRITON_CACHE_DIR set by the user, is never moved (an unwritable --cache-dir is a start-up error
+where torch.compile would write to it, else a warning; a relative one is made absolute).
 """
 from __future__ import annotations
 
@@ -34,7 +35,19 @@ def usable_caches(cfg, given_cache_dir: bool, env=None):
     writable (Triton reads only that variable). Returns the (possibly new) config."""
     env = os.environ if env is None else env
     comp = cfg.compilation
-    if not given_cache_dir and not writable(comp.cache_dir):
+    if given_cache_dir:
+        # absolute: Inductor and Triton get it through the environment, where a relative path
+        # would mean another directory to a process started elsewhere
+        path = os.path.abspath(os.path.expanduser(comp.cache_dir))
+        if not writable(path):
+            if comp.compilation_level >= 2 and not comp.enforce_eager:
+                from ..runtime.config import ConfigError
+                raise ConfigError(f"--cache-dir {comp.cache_dir} is not a writable directory: "
+                                  "--compilation-level 2 keeps its compiled kernels there")
+            log.warning("--cache-dir %s is not writable: model-config snapshots are read from it "
+                        "but none is saved", comp.cache_dir)
+        cfg = dataclasses.replace(cfg, compilation=dataclasses.replace(comp, cache_dir=path))
+    elif not writable(comp.cache_dir):
         new = os.path.join(fallback_root(), "rankserve")
         log.warning("cache directory %s is not writable (read-only HOME?); using %s",
                     comp.cache_dir, new)

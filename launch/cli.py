@@ -69,7 +69,10 @@ def build_config(kwargs: dict) -> EngineConfig:
         cfg = EngineConfig.from_kwargs(**given)
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
-    return usable_caches(cfg, given_cache_dir="cache_dir" in given)
+    try:
+        return usable_caches(cfg, given_cache_dir="cache_dir" in given)
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from None
 
 
 class _Group(click.Group):
@@ -96,6 +99,17 @@ def main():
     """rankserve: LLM serving for HPC clusters (launch with mpirun or srun for several ranks)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
+    from ..runtime import envs
+    try:
+        envs.check()  # a bad RANKSERVE_* value is a start-up error naming it, not a late failure
+    except ValueError as e:
+        from .discovery import detect_launcher
+        if detect_launcher(os.environ) != "single":  # every rank sees it: one line, from rank 0
+            from .preflight import LaunchError
+            rank = next((os.environ[k] for k in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK",
+                                                 "SLURM_PROCID", "RANK") if k in os.environ), "0")
+            raise LaunchError(str(e), report=rank == "0") from None
+        raise
 
 
 @main.command()
@@ -191,6 +205,17 @@ def _multi_process() -> bool:
     return discover().world_size > 1
 
 
+def _writable(ctx, param, value):
+    """Output paths are checked before the run (one that cannot be written lost the run)."""
+    if value is not None:
+        from ..runtime.bench.common import check_writable
+        try:
+            check_writable(value, param.opts[0], directory=param.name.endswith("_dir"))
+        except ValueError as e:
+            raise click.BadParameter(str(e).removeprefix(param.opts[0] + " ")) from None
+    return value
+
+
 def _bench_outputs(func):
     for deco in reversed([
         click.option("--backend", "backends", type=click.Choice(["rankserve", "hf"]), multiple=True,
@@ -198,9 +223,11 @@ def _bench_outputs(func):
                      help="engine(s) to run, repeatable: --backend rankserve --backend hf"),
         click.option("--hf-compile", is_flag=True,
                      help="let transformers torch.compile generate()'s decode step (static cache, CUDA)"),
-        click.option("--output-json", type=click.Path(dir_okay=False), help="write metrics + environment"),
-        click.option("--plot", type=click.Path(dir_okay=False), help="bar chart PNG (needs matplotlib)"),
-        click.option("--profile-dir", type=click.Path(file_okay=False),
+        click.option("--output-json", type=click.Path(dir_okay=False), callback=_writable,
+                     help="write metrics + environment"),
+        click.option("--plot", type=click.Path(dir_okay=False), callback=_writable,
+                     help="bar chart PNG (needs matplotlib)"),
+        click.option("--profile-dir", type=click.Path(file_okay=False), callback=_writable,
                      help="after the timed run, run again under torch.profiler: print the busiest "
                           "kernels of a window of steady-state steps and write its trace here"),
         click.option("--profile-steps", type=(click.IntRange(min=1), click.IntRange(min=1)), default=None,
@@ -271,6 +298,10 @@ def bench_throughput(workload, num_prompts, input_len, output_len, structured_ou
         raise click.UsageError("--structured-output runs on the rankserve backend only")
     if num_loras and "hf" in args.backends:
         raise click.UsageError("--num-loras runs on the rankserve backend only")
+    from .caches import writable
+    if num_loras and not writable(cfg.compilation.cache_dir):
+        raise click.UsageError(f"--num-loras writes its random adapters under --cache-dir "
+                               f"{cfg.compilation.cache_dir}, which cannot be written")
     _run_bench(throughput, cfg, args)
 
 
@@ -309,7 +340,8 @@ def bench_latency(batch_size, input_len, output_len, num_iters, num_iters_warmup
 @click.option("--num-prompts", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--input-len", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--output-len", type=click.IntRange(min=1), default=32, show_default=True)
-@click.option("--output-json", type=click.Path(dir_okay=False), help="write the numbers + environment")
+@click.option("--output-json", type=click.Path(dir_okay=False), callback=_writable,
+              help="write the numbers + environment")
 def bench_sleep(num_prompts, input_len, output_len, output_json, **kwargs):
     """Sleep mode: device memory before / after sleep level 1 and 2, time to sleep and to wake
     up, and the same greedy tokens after waking (sleep mode is switched on)."""
@@ -334,7 +366,8 @@ def bench_sleep(num_prompts, input_len, output_len, output_json, **kwargs):
 @click.option("--output-len", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--concurrency", type=click.IntRange(min=1), default=4, show_default=True,
               help="conversations in flight at a time")
-@click.option("--output-json", type=click.Path(dir_okay=False), help="write the numbers + environment")
+@click.option("--output-json", type=click.Path(dir_okay=False), callback=_writable,
+              help="write the numbers + environment")
 def bench_multiturn(num_conversations, prefix_len, turns, turn_len, output_len, concurrency,
                     output_json, **kwargs):
     """Multi-turn conversations with long prefixes of their own, more than the device KV cache
@@ -462,7 +495,8 @@ def _parse_size(text: str) -> int:
               "[default: all three with --sizes; else the ones MODEL's layers send]")
 @click.option("--iters", type=click.IntRange(min=1), default=20, show_default=True)
 @click.option("--warmup", type=click.IntRange(min=0), default=5, show_default=True)
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write results (rank 0)")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), callback=_writable,
+              help="write results (rank 0)")
 def bench_comm(sizes, ops, iters, warmup, json_path, **kwargs):
     """Collective bandwidth across the ranks of an mpirun/srun job (nccl-tests conventions).
 

@@ -57,6 +57,10 @@ class ModelConfig:
         if not os.path.isfile(os.path.join(self.model, "config.json")):
             raise ConfigError(f"MODEL {self.model!r} is not a model directory (no config.json); "
                               "pass a Hugging Face checkpoint directory")
+        if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
+            # (transformers would take it for a hub repo id: a traceback after the model loaded)
+            raise ConfigError(f"--tokenizer {self.tokenizer!r} is not a directory; pass the "
+                              "tokenizer's directory")
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import itertools
 
 from tqdm import tqdm
 
-from . import startup_clock
+from . import envs, startup_clock
 from .config import DEFAULT_MODEL, EngineConfig
 from .engine_core import EngineCore
 from .inputs import TOKENIZER_FILES, engine_request, eos_token_ids_of, load_tokenizer  # noqa: F401
@@ -20,6 +20,7 @@ class LLM:
     def __init__(self, model: str | None = None, *, config: EngineConfig | None = None,
                  executor=None, **kwargs):
         startup_clock.mark("imports")  # process start → here: interpreter, imports, CLI
+        envs.check()  # a bad RANKSERVE_* value fails here, not at the first request that reads it
         self.config = config or EngineConfig.from_kwargs(model=model or DEFAULT_MODEL, **kwargs)
         m = self.config.model
         self.tokenizer = load_tokenizer(m.tokenizer or m.model)

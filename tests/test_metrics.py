@@ -26,7 +26,9 @@ def test_engine_stats_become_gauges_and_counters():
         "rankserve:kv_cache_usage_perc": 0.125, "rankserve:kv_cache_blocks_used": 2,
         "rankserve:kv_cache_blocks_total": 16, "rankserve:prefix_cache_queries_total": 50,
         "rankserve:prefix_cache_hits_total": 20, "rankserve:num_preemptions_total": 1,
-        "rankserve:prompt_tokens_total": 50, "rankserve:generation_tokens_total": 4,
+        # generated tokens are counted as the client gets them (client.py), not from the engine's
+        # count, which has those made after a stop string matched or the client left
+        "rankserve:prompt_tokens_total": 50, "rankserve:generation_tokens_total": 0,
         "rankserve:request_success_total": 2, "rankserve:e2e_request_latency_seconds_count": 2,
         "rankserve:e2e_request_latency_seconds_sum": 2.0,
         "rankserve:request_generation_tokens_sum": 20,
@@ -61,16 +63,16 @@ def test_host_tier_counters_and_sleep_gauge():
 def test_per_engine_series_and_total():
     """Data parallelism: one series per replica (label engine); the total is their sum."""
     m = Metrics("tiny", num_engines=2)
-    m.record_stats(SchedulerStats(num_running=3, num_generation_tokens=3, prefix_hits=8), engine=0)
-    m.record_stats(SchedulerStats(num_running=2, num_generation_tokens=2, prefix_hits=4), engine=1)
-    m.record_stats(SchedulerStats(num_running=1, num_generation_tokens=1, prefix_hits=12), engine=1)
+    m.record_stats(SchedulerStats(num_running=3, num_prompt_tokens=3, prefix_hits=8), engine=0)
+    m.record_stats(SchedulerStats(num_running=2, num_prompt_tokens=2, prefix_hits=4), engine=1)
+    m.record_stats(SchedulerStats(num_running=1, num_prompt_tokens=1, prefix_hits=12), engine=1)
     m.record_finished("length", 5, 4, 0.1, engine=1)
     text = m.exposition().decode()
     assert 'rankserve:num_requests_running{engine="0",model_name="tiny"} 3.0' in text
     assert 'rankserve:num_requests_running{engine="1",model_name="tiny"} 1.0' in text
-    assert 'rankserve:generation_tokens_total{engine="1",model_name="tiny"} 3.0' in text
+    assert 'rankserve:prompt_tokens_total{engine="1",model_name="tiny"} 3.0' in text
     assert 'rankserve:prefix_cache_hits_total{engine="1",model_name="tiny"} 12.0' in text
-    assert metric(text, "rankserve:generation_tokens_total") == 6
+    assert metric(text, "rankserve:prompt_tokens_total") == 6
     assert metric(text, "rankserve:prefix_cache_hits_total") == 20
     assert 'rankserve:request_success_total{engine="1",finished_reason="length",model_name="tiny"} 1.0' in text
 

@@ -412,6 +412,29 @@ def environment() -> dict:
                 argv=list(sys.argv))
 
 
+def check_writable(path: str, flag: str, directory: bool = False) -> None:
+    """Before a run: `path` (a file, or with `directory` a folder) could be written, its missing
+    folders made (nothing is created here); else ValueError naming `flag` (a run that cannot save
+    its results is lost)."""
+    path = os.path.abspath(path)
+    why = None
+    if os.path.exists(path):
+        if os.path.isdir(path) != directory:
+            why = "a directory" if not directory else "not a directory"
+        elif not os.access(path, os.W_OK):
+            why = "not writable"
+    else:
+        parent = os.path.dirname(path)
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            why = f"{parent} is not a directory"
+        elif not os.access(parent, os.W_OK | os.X_OK):
+            why = f"{parent} is not writable"
+    if why:
+        raise ValueError(f"{flag} {path}: cannot write there ({why})")
+
+
 def write_json(path: str, data: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:

@@ -145,6 +145,10 @@ def run(cfg, args: LatencyArgs, on_ranks, multi_process: bool) -> int:
     mark("imports")  # process start → here: interpreter, imports, CLI
     hf_config = load_hf_config(cfg.model.model, cfg.compilation.cache_dir)
     common.check_context(cfg, hf_config, args.input_len, args.output_len)
+    if "rankserve" in args.backends and args.batch_size > cfg.scheduler.max_num_seqs:
+        # the batch would run in waves: its latency and TTFT would not be one batch's
+        raise ValueError(f"--batch-size {args.batch_size} is more than --max-num-seqs "
+                         f"{cfg.scheduler.max_num_seqs}: raise --max-num-seqs to run it as one batch")
     stats = common.model_stats(hf_config)
 
     def hf_bench(device, dtype, ceilings):

@@ -33,12 +33,21 @@ import platform
 import shlex
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Callable
 
 import numpy as np
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
+# the flags each dataset reads (another dataset's are refused, not ignored)
+DATASET_FLAGS = {
+    **dict.fromkeys(("random_input_len", "random_output_len", "random_range_ratio", "random_prefix_len"),
+                    ("random",)),
+    **dict.fromkeys(("random_vocab_size", "random_prompt_format"), ("random", "prefix_repetition")),
+    **dict.fromkeys(("dataset_path", "sharegpt_output_len"), ("sharegpt",)),
+    **dict.fromkeys(("prefix_repetition_prefix_len", "prefix_repetition_suffix_len",
+                     "prefix_repetition_num_prefixes", "prefix_repetition_output_len"), ("prefix_repetition",)),
+}
 
 
 @dataclass
@@ -88,6 +97,15 @@ class ServeBenchArgs:
             raise ValueError(f"--endpoint must be a path such as /v1/completions, got {self.endpoint!r}")
         if self.dataset_name not in DATASETS:
             raise ValueError(f"--dataset-name must be one of {', '.join(DATASETS)}; got {self.dataset_name!r}")
+        # another dataset's flags would be ignored: the run would not be the one asked for
+        defaults = {f.name: f.default for f in fields(self)}
+        for name, datasets in DATASET_FLAGS.items():
+            if getattr(self, name) != defaults[name] and self.dataset_name not in datasets:
+                raise ValueError(f"--{name.replace('_', '-')} goes with --dataset-name "
+                                 f"{' or '.join(datasets)}, not {self.dataset_name}")
+        if self.burstiness != 1.0 and self.request_rate == float("inf"):
+            raise ValueError("--burstiness shapes the gaps between arrivals: it needs a finite "
+                             "--request-rate (inf sends every request at once)")
         if not self.request_rate > 0:  # (nan too: the gaps would be nan, a crash mid-run)
             raise ValueError(f"--request-rate must be > 0 (or inf), got {self.request_rate}")
         if not 0 < self.burstiness < float("inf"):
@@ -541,10 +559,24 @@ def _environment() -> dict:
 def run(args: ServeBenchArgs) -> int:
     """Run the benchmark, print the summary, save JSON / plot; 0, or 1 when requests failed."""
     args.validate()
+    # where the results go, before the run that makes them
+    if args.save_result or args.result_dir or args.result_filename:
+        from .common import check_writable
+        if args.result_filename:
+            check_writable(os.path.join(args.result_dir or ".", args.result_filename), "--result-filename")
+        else:
+            check_writable(args.result_dir or ".", "--result-dir", directory=True)
+    if args.plot:
+        from .common import check_writable
+        check_writable(args.plot, "--plot")
     tokenizer = None
     if args.tokenizer:
         from transformers import AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        except (OSError, ValueError) as e:  # (a path that is not there reads as a hub repo id)
+            raise ValueError(f"--tokenizer {args.tokenizer}: cannot load a tokenizer from it "
+                             f"({str(e).splitlines()[0]})") from None
     rng = np.random.default_rng(args.seed)
     requests = DATASETS[args.dataset_name](args, rng, tokenizer)[:args.num_prompts]
     model = args.model or _server_model(args)

@@ -323,6 +323,7 @@ class EngineClient:
                 continue
             out = ro.outputs[child.index]
             em = self.metrics.engines[child.engine]
+            em.generation_tokens.inc(len(out.delta_token_ids))  # those past a stop string cut
             if o.new_token_ids:
                 if child.first is None:
                     em.ttft.observe(now - stream.arrival)

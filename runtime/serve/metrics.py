@@ -58,7 +58,8 @@ class EngineMetrics:
         self.host_blocks_used.set(s.host_blocks_used)
         self.host_blocks_total.set(s.host_blocks_total)
         self.prompt_tokens.inc(s.num_prompt_tokens)
-        self.generation_tokens.inc(s.num_generation_tokens)
+        # generation_tokens counts what reaches the client (client.py), as vLLM's: the engine's
+        # own count has the tokens it made after a stop string matched here or the client left
         for counter, field in ((self.preemptions, "num_preemptions"),
                                (self.prefix_queries, "prefix_queries"),
                                (self.prefix_hits, "prefix_hits"),
@@ -119,7 +120,8 @@ class Metrics:
         counter("prefix_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         counter("prefix_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache")
         counter("prompt_tokens", "prompt_tokens", "Prompt tokens computed (prefill)")
-        counter("generation_tokens", "generation_tokens", "Tokens generated")
+        counter("generation_tokens", "generation_tokens", "Tokens generated and sent to clients "
+                "(none past a stop string or after an abort)")
         counter("grammar_compile", "grammar_compile_seconds", "Seconds compiling structured-output "
                 "grammars (worker threads, off the step loop)")
         counter("grammar_wait", "grammar_wait_seconds", "Seconds the step loop waited for a "
