@@ -47,8 +47,19 @@ class FusedExperts(nn.Module):
         if spec is not None and not spec.online:
             if spec.block:
                 bn, bk = spec.block
-                for n in (inter, H):
-                    divide(n, bn, f"expert size vs weight_block_size {bn}")
+                # a rank's rows of gate/up and columns of down must be whole blocks: a block's
+                # scale read for part of it would be another rank's too (wrong, not just slow)
+                if inter % bn or inter % bk:
+                    split = (f" split over {pi.tp_size} tensor-parallel ranks ({inter} per rank)"
+                             if pi.tp_size > 1 and not pi.enable_expert_parallel else "")
+                    raise ValueError(
+                        f"MoE experts (mlp.experts): intermediate size {intermediate}{split} is not "
+                        f"a multiple of the checkpoint's weight_block_size {list(spec.block)}"
+                        + ("; use --enable-expert-parallel (whole experts per rank) or a smaller "
+                           "--tp" if split else ""))
+                if H % bn:
+                    raise ValueError(f"MoE experts (mlp.experts): hidden size {H} is not a multiple "
+                                     f"of the checkpoint's weight_block_size {list(spec.block)}")
                 shapes = (E, I2 // bn, -(-H // bk)), (E, H // bn, -(-inter // bk))
             else:
                 shapes = (E, I2), (E, H)

@@ -1,0 +1,103 @@
+"""Bug hunt, round 2 (issue #14): quantized MoE checkpoints, parallel loading and the FP8 KV
+cache. Writers and the reference come from tests/test_quantization.py (formats as published
+checkpoints store them; transformers on the dequantized weights)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rankserve import LLM
+
+import test_quantization as tq
+from conftest import make_checkpoint
+
+MOE = dict(tq.SIZES, moe_intermediate_size=256, head_dim=64)
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("moe"), "Qwen3MoeForCausalLM", **MOE)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("llama"), "LlamaForCausalLM", **tq.SIZES)
+
+
+def write(src: str, dst: Path, fmt: str, quantized=tq.is_linear, qc_extra: dict | None = None) -> str:
+    """`src` in format `fmt`, quantizing the tensors `quantized(name)` picks (no reference)."""
+    writer, qc = tq.FORMATS[fmt]
+    dst.mkdir(parents=True)
+    out = {}
+    for name, t in load_file(str(Path(src) / "model.safetensors")).items():
+        if quantized(name):
+            tensors, _ = writer(t.float())
+            out.update({name[:-len("weight")] + k: v.contiguous() for k, v in tensors.items()})
+        else:
+            out[name] = t
+    tq.write_quantized_dir(src, dst, out, {**qc, **(qc_extra or {})})
+    return str(dst)
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block", "ct-fp8"])
+def test_a_quantized_router_is_refused_naming_it(moe, tmp_path, fmt):
+    """A checkpoint that quantized the MoE router (`mlp.gate`, a config without it in its ignore
+    list) loaded: the router runs dense, so its e4m3 values were cast without their scale and its
+    `weight_scale(_inv)` dropped: wrong routing, wrong tokens, no error."""
+    path = write(moe, tmp_path / "q", fmt, lambda n: tq.is_linear(n) or n.endswith(".mlp.gate.weight"))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate\.weight: is stored as fp8"):
+        LLM(path, dtype="float32", max_num_seqs=2)
+
+
+def test_a_layer_listed_as_not_converted_but_stored_fp8_is_refused(llama, tmp_path):
+    """modules_to_not_convert lists layer 0's MLP, but the checkpoint quantized it anyway: the
+    dense layer took the e4m3 weight without its scale (silently wrong); now an error naming it.
+    The scale alone (a checkpoint whose weight came in 16 bits elsewhere) is refused too."""
+    path = write(llama, tmp_path / "q", "fbgemm_fp8", qc_extra={"modules_to_not_convert": ["layers.0.mlp", "lm_head"]})
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.(gate|up|down)_proj\.weight: is stored as fp8"):
+        LLM(path, dtype="float32", max_num_seqs=2)
+    from rankserve.models.loader import _check_unused
+    with pytest.raises(ValueError, match=r"mlp\.down_proj\.weight_scale: the checkpoint quantizes "
+                                         r"model\.layers\.0\.mlp\.down_proj"):
+        _check_unused("model.layers.0.mlp.down_proj.weight_scale", "model.layers.0.mlp.down_proj.weight_scale",
+                      {"model.layers.0.mlp.down_proj.weight": None})
+
+
+def test_tp_split_through_expert_blocks_names_the_experts():
+    """Qwen3-30B-A3B-FP8 (moe_intermediate_size 768, 128 x 128 blocks) at --tp 4 leaves 192 rows
+    of each expert per rank: the error said "expert size vs weight_block_size 128 (192) is not
+    divisible by the tensor-parallel size (128)". Now it names the experts, the sizes and the
+    way out (expert parallelism keeps experts whole, and loads)."""
+    from rankserve.models.moe import FusedExperts
+    from rankserve.models.parallel import ParallelInfo
+    from rankserve.models.quantization import Fp8Config, building
+    qc = Fp8Config(tq.FORMATS["fp8-block"][1])
+    with building(qc), pytest.raises(ValueError, match=r"MoE experts \(mlp\.experts\): intermediate size "
+                                                       r"768 split over 4 tensor-parallel ranks \(192 per "
+                                                       r"rank\) is not a multiple of the checkpoint's "
+                                                       r"weight_block_size \[128, 128\]; use --enable-expert-parallel"):
+        FusedExperts(8, 256, 768, ParallelInfo(tp_size=4), torch.float32)
+    with building(qc):
+        ex = FusedExperts(8, 256, 768, ParallelInfo(tp_size=4, enable_expert_parallel=True), torch.float32)
+    assert ex.w13_scale.shape == (2, 12, 2) and ex.w2_scale.shape == (2, 2, 6)
+
+
+def test_online_fp8_moe_matches_the_dequantized_reference(moe, tmp_path):
+    """`--quantization fp8` on a 16-bit MoE checkpoint quantizes experts per channel at load time:
+    the same tokens as transformers on those per-channel dequantized weights (fbgemm_fp8's
+    writer: amax / 448 per row) with per-token activation quantization."""
+    from test_parity import model_logits
+    ref = tq.quantize_checkpoint(moe, tmp_path / "ref", "fbgemm_fp8")
+    llm = LLM(moe, dtype="float32", quantization="fp8", max_num_seqs=4)
+    ex = llm.engine.executor.runner.model.model.layers["0"].mlp.experts
+    assert ex.w13.dtype == tq.FP8 and ex.w13_scale.shape == (8, 512)
+    ours = tq.greedy(llm)
+    with tq.fake_quant_activations(ref, None):
+        theirs = [tq.hf_greedy(ref, p) for p in tq.PROMPTS]
+        with torch.no_grad():
+            refs = [ref(torch.tensor([p])).logits[0, -1] for p in tq.PROMPTS]
+    errs = [float((model_logits(llm, p) - r).norm() / r.norm()) for p, r in zip(tq.PROMPTS, refs)]
+    assert ours == theirs and sorted(errs)[1] < tq.LOGIT_TOL and max(errs) < tq.LOGIT_TIE_TOL, errs
