@@ -19,7 +19,7 @@ from ..kernels.quant import FP8, quant_fp8_weight
 from .layers import GatedMLP, divide
 from .loader import read_slice as _read
 from .parallel import ParallelInfo, tp_all_reduce
-from .quantization import MoEQuant, current_moe_quant
+from .quantization import MoEQuant, _fp8_tensor, current_moe_quant
 from .llama import CausalLM
 from .registry import MODELS
 
@@ -79,6 +79,8 @@ class FusedExperts(nn.Module):
             return  # another rank's expert
         rows = self._rows()
         ours = slice(None) if part == 2 else slice(part * self.inter, (part + 1) * self.inter)
+        if param.dtype == FP8 and not self.quant.spec.online:
+            _fp8_tensor(src)  # a copy would cast 16-bit experts to e4m3 without a scale
         block = _read(src, (slice(None), rows) if part == 2 else rows)
         if param.dtype == FP8 and self.quant.spec.online:  # a reload of experts quantized at
             # load time: per-channel, so each part's rows are quantized on their own, in place
