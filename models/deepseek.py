@@ -172,6 +172,9 @@ class MLAAttention(nn.Module):
             else:
                 self.w_kv_b = w
 
+    def derived_weights(self) -> list[torch.Tensor]:
+        return [] if self.w_kv_b is None else [self.w_kv_b]
+
     def latent(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """What the cache keeps of each token: [normed c_kv | rotated k_pe], [T, L + R]."""
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.L, self.R], dim=-1)

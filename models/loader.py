@@ -143,10 +143,17 @@ def quant_summary(model) -> str:
         method = getattr(mod, "quant", None)
         if method is not None:
             kinds[method.describe()] = kinds.get(method.describe(), 0) + 1
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    size = f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
+    # weights derived at load time and kept beside the checkpoint's (MLA's dequantized FP8
+    # kv_b_proj, which the absorbed attention reads): memory of this rank's weights too
+    derived = sum(t.numel() * t.element_size() for mod in model.modules()
+                  for t in getattr(mod, "derived_weights", list)())
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters()) + derived
+
+    def size(n):
+        return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
     layers = ", ".join(f"{n} x {k}" for k, n in sorted(kinds.items()))
-    return f"weights {size} on this rank; linear layers: {layers}"
+    extra = f" ({size(derived)} of them dequantized at load time)" if derived else ""
+    return f"weights {size(nbytes)} on this rank{extra}; linear layers: {layers}"
 
 
 def checkpoint_files(model_dir: str) -> list[str]:

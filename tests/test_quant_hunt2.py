@@ -140,3 +140,18 @@ def test_new_weights_quantized_differently_are_refused_before_any_copy(moe, tmp_
     with pytest.raises(ValueError, match=r"quantization_config \{'quant_method': 'fp8'.*running: none: 16-bit"):
         check_checkpoint(moe, q)
     check_checkpoint(q, q)  # the same scheme: fine
+
+
+def test_startup_log_counts_mlas_dequantized_kv_b_proj(checkpoint, tmp_path, caplog):
+    """DeepSeek-V3's block FP8: the absorbed attention keeps a dequantized 16-bit copy of each
+    FP8 kv_b_proj (V3: 32 MiB a layer, 2 GiB in all): the log's weight bytes left it out."""
+    from test_deepseek import _quantize_block_fp8
+    fp8, _ = _quantize_block_fp8(checkpoint("DeepseekV3ForCausalLM"), tmp_path)
+    with caplog.at_level("INFO", logger="rankserve.runner"):
+        llm = LLM(fp8, dtype="float32", max_num_seqs=2)
+    m = llm.engine.executor.runner.model
+    derived = sum(a.w_kv_b.numel() * 4 for a in m.attention_layers())
+    total = sum(p.numel() * p.element_size() for p in m.parameters()) + derived
+    assert (f"quantization fp8: weights {total / 2**20:.2f} MiB on this rank ({derived / 2**20:.2f} MiB "
+            "of them dequantized at load time); linear layers: 2 x experts fp8 e4m3 (block 16x16), "
+            "21 x fp8 e4m3 (block 16x16)") in caplog.text, caplog.text[-2000:]
