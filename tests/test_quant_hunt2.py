@@ -155,3 +155,24 @@ def test_startup_log_counts_mlas_dequantized_kv_b_proj(checkpoint, tmp_path, cap
     assert (f"quantization fp8: weights {total / 2**20:.2f} MiB on this rank ({derived / 2**20:.2f} MiB "
             "of them dequantized at load time); linear layers: 2 x experts fp8 e4m3 (block 16x16), "
             "21 x fp8 e4m3 (block 16x16)") in caplog.text, caplog.text[-2000:]
+
+
+def test_kv_scales_of_a_bin_checkpoint_are_loaded(tmp_path):
+    """Weights load from pytorch_model*.bin where a checkpoint has no safetensors, but the fp8
+    cache's k/v scales were looked for in *.safetensors only: 1.0 silently took their place."""
+    import shutil
+    from conftest import STORIES_EMBEDDED
+    path = tmp_path / "bin"
+    path.mkdir()
+    for f in STORIES_EMBEDDED.iterdir():
+        if not f.name.endswith(".safetensors"):
+            shutil.copy(f, path / f.name)
+    state = {}
+    for f in STORIES_EMBEDDED.glob("*.safetensors"):
+        state.update(load_file(str(f)))
+    state.update({"model.layers.0.self_attn.k_scale": torch.tensor(0.5),
+                  "model.layers.1.self_attn.v_scale": torch.tensor(0.25)})
+    torch.save(state, path / "pytorch_model.bin")
+    llm = LLM(str(path), kv_cache_dtype="fp8", max_num_seqs=2, kv_cache_memory_gb=0.01)
+    got = [(float(a.k_scale), float(a.v_scale)) for a in llm.engine.executor.runner.model.attention_layers()]
+    assert got[:3] == [(0.5, 1.0), (1.0, 0.25), (1.0, 1.0)]
