@@ -183,6 +183,11 @@ class ModelRunner:
                              f"--max-model-len ({self.max_model_len}) with --no-enable-chunked-prefill: "
                              "raise --max-num-batched-tokens, lower --max-model-len or enable chunked prefill")
         torch.manual_seed(cfg.model.seed)
+        if cfg.parallel.enable_expert_parallel and not any(
+                getattr(self.hf_config, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
+            # the flag would change nothing (a draft model may be dense: only the target is checked)
+            raise ValueError(f"--enable-expert-parallel: {self.hf_config.architectures[0]} has no MoE "
+                             "experts to shard (a dense model: drop the flag)")
         self.model = build_model(self.hf_config, pi, self.dtype, device, cfg.model.quantization)
         if cfg.load.load_format == "dummy":
             init_dummy_weights(self.model, cfg.model.seed, self.hf_config)

@@ -176,3 +176,9 @@ def test_kv_scales_of_a_bin_checkpoint_are_loaded(tmp_path):
     llm = LLM(str(path), kv_cache_dtype="fp8", max_num_seqs=2, kv_cache_memory_gb=0.01)
     got = [(float(a.k_scale), float(a.v_scale)) for a in llm.engine.executor.runner.model.attention_layers()]
     assert got[:3] == [(0.5, 1.0), (1.0, 0.25), (1.0, 1.0)]
+
+
+def test_expert_parallelism_on_a_dense_model_is_refused(llama):
+    """--enable-expert-parallel on a model without MoE experts changed nothing, silently."""
+    with pytest.raises(ValueError, match=r"--enable-expert-parallel: LlamaForCausalLM has no MoE experts"):
+        LLM(llama, dtype="float32", enable_expert_parallel=True, max_num_seqs=2)
