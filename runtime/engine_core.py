@@ -27,6 +27,17 @@ from .structured_output import StructuredOutputManager
 log = logging.getLogger("rankserve.engine")
 
 
+def _quantized_in_checkpoint(hf_config) -> str | None:
+    """The quant_method of a checkpoint that stores quantized weights (not one quantized at
+    load time, nor compressed-tensors with a KV-cache scheme only)."""
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is not None and not isinstance(qc, dict):
+        qc = qc.to_dict()
+    if not qc or qc.get("quant_method") == "compressed-tensors" and not qc.get("config_groups"):
+        return None
+    return str(qc.get("quant_method"))
+
+
 class EngineSleepingError(RuntimeError):
     """A request arrived while the engine sleeps: refused, not queued (the server answers 503)."""
 
@@ -51,6 +62,7 @@ class EngineCore:
         self.executor = executor
         log.info("%s", cfg.summary())
         hf_config = load_hf_config(cfg.model.model, cfg.compilation.cache_dir)
+        self._quantized_in_checkpoint = _quantized_in_checkpoint(hf_config)
         recurrent = has_recurrent_state(hf_config)
         if recurrent:  # refused before the KV cache, host tier and CUDA graphs are made
             if cfg.offload.kv_offload_size:
@@ -330,6 +342,16 @@ class EngineCore:
                              f"{len(dtypes)}, {len(shapes)})")
         for d in dtypes:
             parse_dtype(d)
+        if self._quantized_in_checkpoint:
+            # a trainer sends 16-bit tensors: the checkpoint's fp8 / 4-bit layers cannot take
+            # them (an error part way would leave the model half updated and the trainer
+            # broadcasting to no one); refused before the first broadcast
+            raise ValueError(f"update_weights_from_distributed: the running model's weights are "
+                             f"quantized in its checkpoint ({self._quantized_in_checkpoint}), which a "
+                             "trainer's 16-bit tensors cannot replace; start from the 16-bit "
+                             "checkpoint with --quantization fp8 (updates are quantized as they "
+                             "arrive), or use update_weights_from_disk with a checkpoint in the "
+                             "running format")
         for s in shapes:
             if not isinstance(s, (list, tuple)) or not all(isinstance(x, int) and x >= 0 for x in s):
                 raise ValueError(f"a shape must be a list of sizes >= 0, got {s!r}")

@@ -182,3 +182,13 @@ def test_expert_parallelism_on_a_dense_model_is_refused(llama):
     """--enable-expert-parallel on a model without MoE experts changed nothing, silently."""
     with pytest.raises(ValueError, match=r"--enable-expert-parallel: LlamaForCausalLM has no MoE experts"):
         LLM(llama, dtype="float32", enable_expert_parallel=True, max_num_seqs=2)
+
+
+def test_weights_from_a_trainer_into_a_checkpoint_quantized_model_are_refused_up_front(llama, tmp_path):
+    """A trainer's (16-bit) tensors into a model whose checkpoint is FP8: the first quantized
+    layer failed part way through the broadcasts, leaving the model half updated and the trainer
+    broadcasting to no one. Refused before any broadcast now (a model quantized at load time
+    takes them: tests/test_fp8_kv_edge.py)."""
+    llm = LLM(write(llama, tmp_path / "q", "fp8-block"), dtype="float32", max_num_seqs=2)
+    with pytest.raises(ValueError, match=r"quantized in its checkpoint \(fp8\), which a trainer's 16-bit"):
+        llm.update_weights_from_distributed(["model.embed_tokens.weight"], ["float32"], [[512, 256]])
