@@ -3,6 +3,9 @@ cache. Writers and the reference come from tests/test_quantization.py (formats a
 checkpoints store them; transformers on the dequantized weights)."""
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -160,7 +163,6 @@ def test_startup_log_counts_mlas_dequantized_kv_b_proj(checkpoint, tmp_path, cap
 def test_kv_scales_of_a_bin_checkpoint_are_loaded(tmp_path):
     """Weights load from pytorch_model*.bin where a checkpoint has no safetensors, but the fp8
     cache's k/v scales were looked for in *.safetensors only: 1.0 silently took their place."""
-    import shutil
     from conftest import STORIES_EMBEDDED
     path = tmp_path / "bin"
     path.mkdir()
@@ -192,3 +194,20 @@ def test_weights_from_a_trainer_into_a_checkpoint_quantized_model_are_refused_up
     llm = LLM(write(llama, tmp_path / "q", "fp8-block"), dtype="float32", max_num_seqs=2)
     with pytest.raises(ValueError, match=r"quantized in its checkpoint \(fp8\), which a trainer's 16-bit"):
         llm.update_weights_from_distributed(["model.embed_tokens.weight"], ["float32"], [[512, 256]])
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not on PATH")
+def test_tp2_cut_through_expert_blocks_is_a_clear_error_under_mpiexec(tmp_path_factory, tmp_path):
+    """The real launch: 128-row experts of a 128 x 128 block-FP8 checkpoint at --tp 2 stop with
+    the experts' message (each rank 64 rows), not a garbled divisibility error."""
+    src = make_checkpoint(tmp_path_factory.mktemp("moe128"), "Qwen3MoeForCausalLM",
+                          **{**MOE, "moe_intermediate_size": 128})
+    path = write(src, tmp_path / "q", "fp8-block")
+    r = subprocess.run(["mpiexec", "-n", "2", sys.executable, "-m", "rankserve.launch", "generate", path,
+                        "--tp", "2", "--dtype", "float32", "--max-tokens", "2", "--prompt", "Once"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    want = ("intermediate size 128 split over 2 tensor-parallel ranks (64 per rank) is not a multiple "
+            "of the checkpoint's weight_block_size [128, 128]; use --enable-expert-parallel")
+    assert want in r.stderr, r.stderr[-3000:]
