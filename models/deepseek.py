@@ -246,11 +246,12 @@ class Router(nn.Module):
 
 
 class DeepseekMoE(nn.Module):
-    def __init__(self, cfg, pi: ParallelInfo, dtype, v3: bool):
+    def __init__(self, cfg, pi: ParallelInfo, dtype, v3: bool, prefix: str = ""):
         super().__init__()
         self.pi = pi
         self.gate = Router(cfg, v3)
-        self.experts = FusedExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, pi, dtype)
+        self.experts = FusedExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, pi, dtype,
+                                    prefix + ".experts")
         self.shared_experts = None
         if cfg.n_shared_experts:
             self.shared_experts = GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
@@ -276,7 +277,7 @@ class DeepseekDecoderLayer(FusedResidualLayer, nn.Module):
         nn.Module.__init__(self)
         self.self_attn = MLAAttention(cfg, pi, dtype)
         if layer_id >= cfg.first_k_dense_replace and cfg.n_routed_experts:
-            self.mlp = DeepseekMoE(cfg, pi, dtype, v3)
+            self.mlp = DeepseekMoE(cfg, pi, dtype, v3, f"model.layers.{layer_id}.mlp")
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, pi, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)

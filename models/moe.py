@@ -25,7 +25,8 @@ from .registry import MODELS
 
 
 class FusedExperts(nn.Module):
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, pi: ParallelInfo, dtype):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, pi: ParallelInfo, dtype,
+                 prefix: str = ""):
         super().__init__()
         self.pi = pi
         if pi.enable_expert_parallel:
@@ -36,7 +37,7 @@ class FusedExperts(nn.Module):
             self.num_local, self.first_expert = num_experts, 0
             self.inter = divide(intermediate, pi.tp_size, "moe_intermediate_size")
         # FP8 experts (models/quantization.py) or the model dtype
-        self.quant = ExpertsQuant(current_moe_quant())
+        self.quant = ExpertsQuant(current_moe_quant(prefix))  # prefix: the checkpoint's module
         E, I2, H, inter = self.num_local, 2 * self.inter, hidden, self.inter
         wdt = dtype if self.quant.spec is None or self.quant.spec.online else FP8
         self.w13 = nn.Parameter(torch.empty(E, I2, H, dtype=wdt), requires_grad=False)
@@ -147,12 +148,12 @@ class ExpertsQuant:
 
 class SparseMoE(nn.Module):
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
-                 renormalize: bool, pi: ParallelInfo, dtype):
+                 renormalize: bool, pi: ParallelInfo, dtype, prefix: str = ""):
         super().__init__()
         self.pi, self.top_k, self.renormalize = pi, top_k, renormalize
         self.gate = nn.Linear(hidden, num_experts, bias=False, dtype=dtype)  # router, replicated
         self.gate.weight.requires_grad_(False)
-        self.experts = FusedExperts(num_experts, hidden, intermediate, pi, dtype)
+        self.experts = FusedExperts(num_experts, hidden, intermediate, pi, dtype, prefix + ".experts")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = F.softmax(self.gate(x).float(), dim=-1)
@@ -193,11 +194,11 @@ class Qwen3MoeForCausalLM(MoECausalLM):
         if not sparse:
             return GatedMLP(cfg.hidden_size, cfg.intermediate_size, pi, dtype)
         return SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
-                         cfg.num_experts_per_tok, cfg.norm_topk_prob, pi, dtype)
+                         cfg.num_experts_per_tok, cfg.norm_topk_prob, pi, dtype, f"model.layers.{layer_id}.mlp")
 
 
 @MODELS.register("MixtralForCausalLM")
 class MixtralForCausalLM(MoECausalLM):
     def make_mlp(self, cfg, layer_id, pi, dtype):
         return SparseMoE(cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts,
-                         cfg.num_experts_per_tok, True, pi, dtype)
+                         cfg.num_experts_per_tok, True, pi, dtype, f"model.layers.{layer_id}.block_sparse_moe")

@@ -616,14 +616,24 @@ def current_linear_method() -> LinearMethod:
     return Unquantized() if cfg is None else cfg.linear("")
 
 
-def current_moe_quant() -> MoEQuant | None:
+def current_moe_quant(prefix: str = "") -> MoEQuant | None:
+    """How the experts of checkpoint module `prefix` (`model.layers.N.mlp.experts`) are stored:
+    dense (None) where the config's ignore list names them, or their first expert's parts (as
+    vLLM skips such a layer; a checkpoint quantizing some experts but not others then fails on
+    the first e4m3 tensor it stores for them, by name)."""
     cfg = _CURRENT.config
     if cfg is None:
+        return None
+    if prefix and any(_listed(n, m) for m in cfg.ignored
+                      for n in [prefix] + [f"{prefix}.0.{p}" for p in _EXPERT_PARTS]):
         return None
     m = cfg.moe()
     if m is None and not getattr(cfg, "weights_dense", False):
         raise ValueError(f"{cfg.name} quantization does not support MoE experts")
     return m
+
+
+_EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj", "w1", "w3", "w2")  # Qwen3-MoE / DeepSeek, Mixtral
 
 
 def apply_ignored(model: nn.Module, config: QuantConfig | None) -> None:

@@ -211,3 +211,19 @@ def test_tp2_cut_through_expert_blocks_is_a_clear_error_under_mpiexec(tmp_path_f
     want = ("intermediate size 128 split over 2 tensor-parallel ranks (64 per rank) is not a multiple "
             "of the checkpoint's weight_block_size [128, 128]; use --enable-expert-parallel")
     assert want in r.stderr, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("fmt, entry", [("fp8-block", "re:.*mlp[.]experts[.].*"), ("gptq-sym", "mlp.experts")])
+def test_experts_the_config_leaves_unquantized_run_dense(moe, tmp_path, fmt, entry):
+    """A checkpoint that quantized attention but kept the experts 16-bit, its ignore list naming
+    them (as vLLM skips such a layer): the experts were built quantized whatever the list said
+    (FP8: "lacks weights for ...w13_scale"; GPTQ / AWQ: "does not support MoE experts"). Now
+    they run dense, with the dequantized reference's tokens."""
+    import test_quant_edge as te
+    writer, qc = tq.FORMATS[fmt]
+    qc = {**qc, "modules_to_not_convert": ["lm_head", entry]}
+    ref, quantized = te.write_checkpoint(moe, tmp_path / "q", writer, qc, dense=lambda n: ".experts." in n)
+    llm = LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=4)
+    ex = llm.engine.executor.runner.model.model.layers["0"].mlp.experts
+    assert ex.w13.dtype == torch.float32 and ex.quant.describe() == "experts (dense)"
+    te.assert_matches(llm, ref, quantized, 128 if fmt == "fp8-block" else False)
