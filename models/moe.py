@@ -54,12 +54,12 @@ class FusedExperts(nn.Module):
                     split = (f" split over {pi.tp_size} tensor-parallel ranks ({inter} per rank)"
                              if pi.tp_size > 1 and not pi.enable_expert_parallel else "")
                     raise ValueError(
-                        f"MoE experts (mlp.experts): intermediate size {intermediate}{split} is not "
+                        f"MoE experts ({prefix or 'mlp.experts'}): intermediate size {intermediate}{split} is not "
                         f"a multiple of the checkpoint's weight_block_size {list(spec.block)}"
                         + ("; use --enable-expert-parallel (whole experts per rank) or a smaller "
                            "--tp" if split else ""))
                 if H % bn:
-                    raise ValueError(f"MoE experts (mlp.experts): hidden size {H} is not a multiple "
+                    raise ValueError(f"MoE experts ({prefix or 'mlp.experts'}): hidden size {H} is not a multiple "
                                      f"of the checkpoint's weight_block_size {list(spec.block)}")
                 shapes = (E, I2 // bn, -(-H // bk)), (E, H // bn, -(-inter // bk))
             else:
