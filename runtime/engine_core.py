@@ -23,19 +23,9 @@ from .preemption import build_cost_model
 from .spec_decode import lookahead_slots
 from .startup_clock import account, format_account
 from .structured_output import StructuredOutputManager
+from .weight_update import quant_layout
 
 log = logging.getLogger("rankserve.engine")
-
-
-def _quantized_in_checkpoint(hf_config) -> str | None:
-    """The quant_method of a checkpoint that stores quantized weights (not one quantized at
-    load time, nor compressed-tensors with a KV-cache scheme only)."""
-    qc = getattr(hf_config, "quantization_config", None)
-    if qc is not None and not isinstance(qc, dict):
-        qc = qc.to_dict()
-    if not qc or qc.get("quant_method") == "compressed-tensors" and not qc.get("config_groups"):
-        return None
-    return str(qc.get("quant_method"))
 
 
 class EngineSleepingError(RuntimeError):
@@ -62,7 +52,9 @@ class EngineCore:
         self.executor = executor
         log.info("%s", cfg.summary())
         hf_config = load_hf_config(cfg.model.model, cfg.compilation.cache_dir)
-        self._quantized_in_checkpoint = _quantized_in_checkpoint(hf_config)
+        # the quant_method of a checkpoint that stores quantized weights (not one quantized at
+        # load time): weight updates from a trainer cannot replace them
+        self._quantized_in_checkpoint = quant_layout(hf_config).get("quant_method")
         recurrent = has_recurrent_state(hf_config)
         if recurrent:  # refused before the KV cache, host tier and CUDA graphs are made
             if cfg.offload.kv_offload_size:

@@ -57,7 +57,7 @@ def check_checkpoint(current_model_dir: str, model_path: str) -> None:
     # the weights' storage must be the running model's too: checked before any tensor is copied,
     # since a load that fails part way (a 16-bit tensor where e4m3 is expected) leaves the
     # model half updated, and one that does not fail casts values without their scales
-    x, y = _quant_layout(old), _quant_layout(new)
+    x, y = quant_layout(old), quant_layout(new)
     if x != y:
         raise ValueError(f"model_path {model_path!r} is quantized differently from the running model "
                          f"(quantization_config {y or 'none: 16-bit'}; running: {x or 'none: 16-bit'})")
@@ -72,7 +72,7 @@ QUANT_LAYOUT_KEYS = ("quant_method", "fmt", "weight_block_size", "activation_sch
                      "modules_in_block_to_quantize")
 
 
-def _quant_layout(config) -> dict:
+def quant_layout(config) -> dict:
     qc = getattr(config, "quantization_config", None)
     if qc is not None and not isinstance(qc, dict):
         qc = qc.to_dict()
