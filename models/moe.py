@@ -132,7 +132,8 @@ class ExpertsQuant:
             return "experts (dense)"
         return "experts fp8 e4m3 (" + ("block %dx%d" % tuple(s.block) if s.block else
                                        "per-tensor" if s.per_tensor else "per-channel") + \
-            (", quantized at load time)" if s.online else ")")
+            (", quantized at load time)" if s.online else
+             "; static input_scale unused, activations dynamic)" if s.static else ")")
 
     def after_loading(self, mod: FusedExperts) -> None:
         if self.spec is not None and self.spec.online and mod.w13.dtype != FP8:

@@ -390,6 +390,7 @@ class MoEQuant:
     block: list[int] | None
     online: bool = False
     per_tensor: bool = False  # the checkpoint's scales (expanded per channel): for the log
+    static: bool = False  # the checkpoint's static input_scale (dropped: activations dynamic): for the log
 
 
 def _ignored(qc: dict) -> list[str]:
@@ -422,7 +423,8 @@ class Fp8Config(QuantConfig):
         return Fp8Linear(None, "weight_scale", input_scale=self.static, per_tensor=True)
 
     def moe(self):
-        return MoEQuant(None, online=True) if self.online else MoEQuant(self.block, per_tensor=not self.block)
+        return MoEQuant(None, online=True) if self.online else MoEQuant(self.block, per_tensor=not self.block,
+                                                                        static=self.static)
 
 
 @QUANT_METHODS.register("fbgemm_fp8")
@@ -510,7 +512,8 @@ class CompressedTensorsConfig(QuantConfig):
                          per_tensor=self.strategy == "tensor")
 
     def moe(self):
-        return None if self.weights_dense else MoEQuant(self.block, per_tensor=self.strategy == "tensor")
+        return None if self.weights_dense else MoEQuant(self.block, per_tensor=self.strategy == "tensor",
+                                                        static=self.static)
 
 
 @QUANT_METHODS.register("gptq")
