@@ -621,14 +621,15 @@ def current_linear_method() -> LinearMethod:
 
 def current_moe_quant(prefix: str = "") -> MoEQuant | None:
     """How the experts of checkpoint module `prefix` (`model.layers.N.mlp.experts`) are stored:
-    dense (None) where the config's ignore list names them, or their first expert's parts (as
+    dense (None) where the config leaves them unquantized (its ignore list names the module, or
+    every part of its first expert; or `modules_in_block_to_quantize` lists none of them), as
     vLLM skips such a layer; a checkpoint quantizing some experts but not others then fails on
-    the first e4m3 tensor it stores for them, by name)."""
+    the first quantized tensor it stores for them, by name."""
     cfg = _CURRENT.config
     if cfg is None:
         return None
-    if prefix and any(_listed(n, m) for m in cfg.ignored
-                      for n in [prefix] + [f"{prefix}.0.{p}" for p in _EXPERT_PARTS]):
+    if prefix and (any(_listed(prefix, m) for m in cfg.ignored) or any(
+            all(cfg._dense(f"{prefix}.0.{p}") for p in parts) for parts in _EXPERT_PARTS)):
         return None
     m = cfg.moe()
     if m is None and not getattr(cfg, "weights_dense", False):
@@ -636,7 +637,7 @@ def current_moe_quant(prefix: str = "") -> MoEQuant | None:
     return m
 
 
-_EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj", "w1", "w3", "w2")  # Qwen3-MoE / DeepSeek, Mixtral
+_EXPERT_PARTS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))  # Qwen3-MoE / DeepSeek, Mixtral
 
 
 def apply_ignored(model: nn.Module, config: QuantConfig | None) -> None:

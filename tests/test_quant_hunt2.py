@@ -227,3 +227,16 @@ def test_experts_the_config_leaves_unquantized_run_dense(moe, tmp_path, fmt, ent
     ex = llm.engine.executor.runner.model.model.layers["0"].mlp.experts
     assert ex.w13.dtype == torch.float32 and ex.quant.describe() == "experts (dense)"
     te.assert_matches(llm, ref, quantized, 128 if fmt == "fp8-block" else False)
+
+
+def test_gptq_modules_in_block_to_quantize_without_experts_keeps_them_dense(moe, tmp_path):
+    """optimum's allow list naming attention only: the experts are not quantized (dense in the
+    checkpoint), which the GPTQ config refused as "does not support MoE experts"."""
+    writer, qc = tq.FORMATS["gptq-sym"]
+    qc = {**qc, "modules_in_block_to_quantize": [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+                                                 ["self_attn.o_proj"]]}
+    import test_quant_edge as te
+    te.write_checkpoint(moe, tmp_path / "q", writer, qc, dense=lambda n: ".self_attn." not in n, reference=False)
+    llm = LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=2)
+    layer = llm.engine.executor.runner.model.model.layers["0"]
+    assert layer.mlp.experts.quant.describe() == "experts (dense)" and not layer.self_attn.qkv_proj.quant.dense
