@@ -35,6 +35,31 @@ def few_tokens(llm):
     return out[0].outputs[0].token_ids
 
 
+def assert_matches_reference(llm, ref, quantized: set[str] | None, fp8_group: int | None | bool):
+    """test_quant_edge.assert_matches on two prompts and 6 tokens (this file's time budget):
+    `quantized` the reference's parameters whose F.linear quantizes its input (None: every
+    linear and expert weight), fp8_group False for 4-bit (exact weights, logits within 1e-5)."""
+    import contextlib
+
+    from test_parity import model_logits
+    prompts, n = tq.PROMPTS[:2], 6
+    fq = contextlib.nullcontext()
+    if fp8_group is not False:
+        fq = tq.fake_quant_activations(ref, fp8_group)
+        if quantized is not None:
+            params = dict(ref.named_parameters())
+            fq.storages = {params[k].untyped_storage().data_ptr() for k in quantized}
+    with fq, torch.no_grad():
+        theirs = [ref.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                               max_new_tokens=n, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+        refs = [ref(torch.tensor([p])).logits[0, -1] for p in prompts]
+    ours = [o.outputs[0].token_ids for o in llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))]
+    errs = [float((model_logits(llm, p) - r).norm() / r.norm()) for p, r in zip(prompts, refs)]
+    assert ours == theirs and max(errs) < (1e-5 if fp8_group is False else tq.LOGIT_TOL), (errs, ours, theirs)
+
+
 def write(src: str, dst: Path, fmt: str, quantized=tq.is_linear, qc_extra: dict | None = None) -> str:
     """`src` in format `fmt`, quantizing the tensors `quantized(name)` picks (no reference)."""
     writer, qc = tq.FORMATS[fmt]
@@ -97,20 +122,11 @@ def test_online_fp8_moe_matches_the_dequantized_reference(moe, tmp_path):
     """`--quantization fp8` on a 16-bit MoE checkpoint quantizes experts per channel at load time:
     the same tokens as transformers on those per-channel dequantized weights (fbgemm_fp8's
     writer: amax / 448 per row) with per-token activation quantization."""
-    from test_parity import model_logits
     ref = tq.quantize_checkpoint(moe, tmp_path / "ref", "fbgemm_fp8")
     llm = LLM(moe, dtype="float32", quantization="fp8", max_num_seqs=4)
     ex = llm.engine.executor.runner.model.model.layers["0"].mlp.experts
     assert ex.w13.dtype == tq.FP8 and ex.w13_scale.shape == (8, 512)
-    prompts = tq.PROMPTS[:2]
-    ours = [o.outputs[0].token_ids for o in llm.generate(
-        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=tq.NEW, ignore_eos=True))]
-    with tq.fake_quant_activations(ref, None):
-        theirs = [tq.hf_greedy(ref, p) for p in prompts]
-        with torch.no_grad():
-            refs = [ref(torch.tensor([p])).logits[0, -1] for p in prompts]
-    errs = [float((model_logits(llm, p) - r).norm() / r.norm()) for p, r in zip(prompts, refs)]
-    assert ours == theirs and max(errs) < tq.LOGIT_TOL, errs  # measured 5e-7
+    assert_matches_reference(llm, ref, None, None)  # logits measured within 5e-7
 
 
 def test_a_16bit_expert_where_fp8_is_expected_names_it(moe, tmp_path):
@@ -213,12 +229,12 @@ def test_tp2_cut_through_expert_blocks_is_a_clear_error_under_mpiexec(tmp_path_f
     assert want in r.stderr, r.stderr[-3000:]
 
 
-@pytest.mark.parametrize("fmt, entry", [("fp8-block", "re:.*mlp[.]experts[.].*"), ("gptq-sym", "mlp.experts")])
+@pytest.mark.parametrize("fmt, entry", [("fp8-block", "re:.*mlp[.]experts[.].*"), ("fbgemm_fp8", "mlp.experts")])
 def test_experts_the_config_leaves_unquantized_run_dense(moe, tmp_path, fmt, entry):
     """A checkpoint that quantized attention but kept the experts 16-bit, its ignore list naming
     them (as vLLM skips such a layer): the experts were built quantized whatever the list said
-    (FP8: "lacks weights for ...w13_scale"; GPTQ / AWQ: "does not support MoE experts"). Now
-    they run dense, with the dequantized reference's tokens."""
+    (FP8: "lacks weights for ...w13_scale"; GPTQ / AWQ: "does not support MoE experts", as in
+    the next test). Now they run dense, with the dequantized reference's tokens."""
     import test_quant_edge as te
     writer, qc = tq.FORMATS[fmt]
     qc = {**qc, "modules_to_not_convert": ["lm_head", entry]}
@@ -226,7 +242,7 @@ def test_experts_the_config_leaves_unquantized_run_dense(moe, tmp_path, fmt, ent
     llm = LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=4)
     ex = llm.engine.executor.runner.model.model.layers["0"].mlp.experts
     assert ex.w13.dtype == torch.float32 and ex.quant.describe() == "experts (dense)"
-    te.assert_matches(llm, ref, quantized, 128 if fmt == "fp8-block" else False)
+    assert_matches_reference(llm, ref, quantized, 128 if fmt == "fp8-block" else None)
 
 
 def test_gptq_modules_in_block_to_quantize_without_experts_keeps_them_dense(moe, tmp_path):
@@ -236,7 +252,8 @@ def test_gptq_modules_in_block_to_quantize_without_experts_keeps_them_dense(moe,
     qc = {**qc, "modules_in_block_to_quantize": [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
                                                  ["self_attn.o_proj"]]}
     import test_quant_edge as te
-    te.write_checkpoint(moe, tmp_path / "q", writer, qc, dense=lambda n: ".self_attn." not in n, reference=False)
+    ref, _ = te.write_checkpoint(moe, tmp_path / "q", writer, qc, dense=lambda n: ".self_attn." not in n)
     llm = LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=2)
     layer = llm.engine.executor.runner.model.model.layers["0"]
     assert layer.mlp.experts.quant.describe() == "experts (dense)" and not layer.self_attn.qkv_proj.quant.dense
+    assert_matches_reference(llm, ref, None, False)  # 4-bit attention: exact weights
