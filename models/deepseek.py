@@ -172,6 +172,9 @@ class MLAAttention(nn.Module):
             else:
                 self.w_kv_b = w
 
+    def derived_weights(self) -> list[torch.Tensor]:
+        return [] if self.w_kv_b is None else [self.w_kv_b]
+
     def latent(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """What the cache keeps of each token: [normed c_kv | rotated k_pe], [T, L + R]."""
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.L, self.R], dim=-1)
@@ -243,11 +246,12 @@ class Router(nn.Module):
 
 
 class DeepseekMoE(nn.Module):
-    def __init__(self, cfg, pi: ParallelInfo, dtype, v3: bool):
+    def __init__(self, cfg, pi: ParallelInfo, dtype, v3: bool, prefix: str = ""):
         super().__init__()
         self.pi = pi
         self.gate = Router(cfg, v3)
-        self.experts = FusedExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, pi, dtype)
+        self.experts = FusedExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, pi, dtype,
+                                    prefix + ".experts")
         self.shared_experts = None
         if cfg.n_shared_experts:
             self.shared_experts = GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
@@ -273,7 +277,7 @@ class DeepseekDecoderLayer(FusedResidualLayer, nn.Module):
         nn.Module.__init__(self)
         self.self_attn = MLAAttention(cfg, pi, dtype)
         if layer_id >= cfg.first_k_dense_replace and cfg.n_routed_experts:
-            self.mlp = DeepseekMoE(cfg, pi, dtype, v3)
+            self.mlp = DeepseekMoE(cfg, pi, dtype, v3, f"model.layers.{layer_id}.mlp")
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, pi, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)

@@ -143,10 +143,17 @@ def quant_summary(model) -> str:
         method = getattr(mod, "quant", None)
         if method is not None:
             kinds[method.describe()] = kinds.get(method.describe(), 0) + 1
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    size = f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
+    # weights derived at load time and kept beside the checkpoint's (MLA's dequantized FP8
+    # kv_b_proj, which the absorbed attention reads): memory of this rank's weights too
+    derived = sum(t.numel() * t.element_size() for mod in model.modules()
+                  for t in getattr(mod, "derived_weights", list)())
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters()) + derived
+
+    def size(n):
+        return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
     layers = ", ".join(f"{n} x {k}" for k, n in sorted(kinds.items()))
-    return f"weights {size} on this rank; linear layers: {layers}"
+    extra = f" ({size(derived)} of them dequantized at load time)" if derived else ""
+    return f"weights {size(nbytes)} on this rank{extra}; linear layers: {layers}"
 
 
 def checkpoint_files(model_dir: str) -> list[str]:
@@ -193,10 +200,17 @@ def load_weights(model, model_dir: str, progress: bool = True) -> int:
                 for target, shard in model.map_weight(name):
                     param = params.get(target)
                     if param is None:  # another pipeline stage's layer, or unused
+                        _check_unused(name, target, params)
                         continue
                     src = get(name)
                     loader = getattr(param, "weight_loader", None)
                     try:
+                        if _stored_fp8(src) and param.dtype not in _FP8:
+                            # a copy would cast the e4m3 values without their scale: wrong tokens
+                            raise ValueError(f"is stored as fp8 but {target} is {str(param.dtype)[6:]}: "
+                                             "this module runs unquantized here (routers, "
+                                             "embeddings, norms and layers the config lists as "
+                                             "not converted take 16-bit weights only)")
                         if loader is None:
                             param.data.copy_(src[:])
                         else:
@@ -214,6 +228,25 @@ def load_weights(model, model_dir: str, progress: bool = True) -> int:
                          f"{' ...' if len(missing) > 5 else ''}")
     finalize_weights(model)
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+# tensors that exist only beside a quantized weight: one whose module this rank runs dense
+# (its `.weight` a parameter, no such tensor) would be dropped, and the weight read without it
+_QUANT_SUFFIXES = ("weight_scale", "weight_scale_inv", "qweight", "qzeros", "scales", "g_idx")
+
+
+def _stored_fp8(src) -> bool:
+    dtype = src.dtype if isinstance(src, torch.Tensor) else src.get_dtype()
+    return str(dtype).removeprefix("torch.") in ("float8_e4m3fn", "float8_e5m2", "F8_E4M3", "F8_E5M2")
+
+
+def _check_unused(name: str, target: str, params: dict) -> None:
+    module, _, suffix = target.rpartition(".")
+    if suffix in _QUANT_SUFFIXES and f"{module}.weight" in params:
+        raise ValueError(f"{name}: the checkpoint quantizes {module}, which runs unquantized here "
+                         "(a router, or a layer the quantization config lists as not converted); "
+                         "such a checkpoint is not supported")
 
 
 def _tied_alias(model, name: str, loaded: set[str]) -> bool:

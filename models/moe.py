@@ -19,13 +19,14 @@ from ..kernels.quant import FP8, quant_fp8_weight
 from .layers import GatedMLP, divide
 from .loader import read_slice as _read
 from .parallel import ParallelInfo, tp_all_reduce
-from .quantization import MoEQuant, current_moe_quant
+from .quantization import MoEQuant, _fp8_tensor, current_moe_quant
 from .llama import CausalLM
 from .registry import MODELS
 
 
 class FusedExperts(nn.Module):
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, pi: ParallelInfo, dtype):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, pi: ParallelInfo, dtype,
+                 prefix: str = ""):
         super().__init__()
         self.pi = pi
         if pi.enable_expert_parallel:
@@ -36,7 +37,7 @@ class FusedExperts(nn.Module):
             self.num_local, self.first_expert = num_experts, 0
             self.inter = divide(intermediate, pi.tp_size, "moe_intermediate_size")
         # FP8 experts (models/quantization.py) or the model dtype
-        self.quant = ExpertsQuant(current_moe_quant())
+        self.quant = ExpertsQuant(current_moe_quant(prefix))  # prefix: the checkpoint's module
         E, I2, H, inter = self.num_local, 2 * self.inter, hidden, self.inter
         wdt = dtype if self.quant.spec is None or self.quant.spec.online else FP8
         self.w13 = nn.Parameter(torch.empty(E, I2, H, dtype=wdt), requires_grad=False)
@@ -47,8 +48,19 @@ class FusedExperts(nn.Module):
         if spec is not None and not spec.online:
             if spec.block:
                 bn, bk = spec.block
-                for n in (inter, H):
-                    divide(n, bn, f"expert size vs weight_block_size {bn}")
+                # a rank's rows of gate/up and columns of down must be whole blocks: a block's
+                # scale read for part of it would be another rank's too (wrong, not just slow)
+                if inter % bn or inter % bk:
+                    split = (f" split over {pi.tp_size} tensor-parallel ranks ({inter} per rank)"
+                             if pi.tp_size > 1 and not pi.enable_expert_parallel else "")
+                    raise ValueError(
+                        f"MoE experts ({prefix or 'mlp.experts'}): intermediate size {intermediate}{split} is not "
+                        f"a multiple of the checkpoint's weight_block_size {list(spec.block)}"
+                        + ("; use --enable-expert-parallel (whole experts per rank) or a smaller "
+                           "--tp" if split else ""))
+                if H % bn:
+                    raise ValueError(f"MoE experts ({prefix or 'mlp.experts'}): hidden size {H} is not a multiple "
+                                     f"of the checkpoint's weight_block_size {list(spec.block)}")
                 shapes = (E, I2 // bn, -(-H // bk)), (E, H // bn, -(-inter // bk))
             else:
                 shapes = (E, I2), (E, H)
@@ -68,6 +80,8 @@ class FusedExperts(nn.Module):
             return  # another rank's expert
         rows = self._rows()
         ours = slice(None) if part == 2 else slice(part * self.inter, (part + 1) * self.inter)
+        if param.dtype == FP8 and not self.quant.spec.online:
+            _fp8_tensor(src)  # a copy would cast 16-bit experts to e4m3 without a scale
         block = _read(src, (slice(None), rows) if part == 2 else rows)
         if param.dtype == FP8 and self.quant.spec.online:  # a reload of experts quantized at
             # load time: per-channel, so each part's rows are quantized on their own, in place
@@ -118,7 +132,8 @@ class ExpertsQuant:
             return "experts (dense)"
         return "experts fp8 e4m3 (" + ("block %dx%d" % tuple(s.block) if s.block else
                                        "per-tensor" if s.per_tensor else "per-channel") + \
-            (", quantized at load time)" if s.online else ")")
+            (", quantized at load time)" if s.online else
+             "; static input_scale unused, activations dynamic)" if s.static else ")")
 
     def after_loading(self, mod: FusedExperts) -> None:
         if self.spec is not None and self.spec.online and mod.w13.dtype != FP8:
@@ -134,12 +149,12 @@ class ExpertsQuant:
 
 class SparseMoE(nn.Module):
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
-                 renormalize: bool, pi: ParallelInfo, dtype):
+                 renormalize: bool, pi: ParallelInfo, dtype, prefix: str = ""):
         super().__init__()
         self.pi, self.top_k, self.renormalize = pi, top_k, renormalize
         self.gate = nn.Linear(hidden, num_experts, bias=False, dtype=dtype)  # router, replicated
         self.gate.weight.requires_grad_(False)
-        self.experts = FusedExperts(num_experts, hidden, intermediate, pi, dtype)
+        self.experts = FusedExperts(num_experts, hidden, intermediate, pi, dtype, prefix + ".experts")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = F.softmax(self.gate(x).float(), dim=-1)
@@ -180,11 +195,11 @@ class Qwen3MoeForCausalLM(MoECausalLM):
         if not sparse:
             return GatedMLP(cfg.hidden_size, cfg.intermediate_size, pi, dtype)
         return SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
-                         cfg.num_experts_per_tok, cfg.norm_topk_prob, pi, dtype)
+                         cfg.num_experts_per_tok, cfg.norm_topk_prob, pi, dtype, f"model.layers.{layer_id}.mlp")
 
 
 @MODELS.register("MixtralForCausalLM")
 class MixtralForCausalLM(MoECausalLM):
     def make_mlp(self, cfg, layer_id, pi, dtype):
         return SparseMoE(cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts,
-                         cfg.num_experts_per_tok, True, pi, dtype)
+                         cfg.num_experts_per_tok, True, pi, dtype, f"model.layers.{layer_id}.block_sparse_moe")

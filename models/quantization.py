@@ -390,6 +390,7 @@ class MoEQuant:
     block: list[int] | None
     online: bool = False
     per_tensor: bool = False  # the checkpoint's scales (expanded per channel): for the log
+    static: bool = False  # the checkpoint's static input_scale (dropped: activations dynamic): for the log
 
 
 def _ignored(qc: dict) -> list[str]:
@@ -422,7 +423,8 @@ class Fp8Config(QuantConfig):
         return Fp8Linear(None, "weight_scale", input_scale=self.static, per_tensor=True)
 
     def moe(self):
-        return MoEQuant(None, online=True) if self.online else MoEQuant(self.block, per_tensor=not self.block)
+        return MoEQuant(None, online=True) if self.online else MoEQuant(self.block, per_tensor=not self.block,
+                                                                        static=self.static)
 
 
 @QUANT_METHODS.register("fbgemm_fp8")
@@ -510,7 +512,8 @@ class CompressedTensorsConfig(QuantConfig):
                          per_tensor=self.strategy == "tensor")
 
     def moe(self):
-        return None if self.weights_dense else MoEQuant(self.block, per_tensor=self.strategy == "tensor")
+        return None if self.weights_dense else MoEQuant(self.block, per_tensor=self.strategy == "tensor",
+                                                        static=self.static)
 
 
 @QUANT_METHODS.register("gptq")
@@ -616,14 +619,25 @@ def current_linear_method() -> LinearMethod:
     return Unquantized() if cfg is None else cfg.linear("")
 
 
-def current_moe_quant() -> MoEQuant | None:
+def current_moe_quant(prefix: str = "") -> MoEQuant | None:
+    """How the experts of checkpoint module `prefix` (`model.layers.N.mlp.experts`) are stored:
+    dense (None) where the config leaves them unquantized (its ignore list names the module, or
+    every part of its first expert; or `modules_in_block_to_quantize` lists none of them), as
+    vLLM skips such a layer; a checkpoint quantizing some experts but not others then fails on
+    the first quantized tensor it stores for them, by name."""
     cfg = _CURRENT.config
     if cfg is None:
+        return None
+    if prefix and (any(_listed(prefix, m) for m in cfg.ignored) or any(
+            all(cfg._dense(f"{prefix}.0.{p}") for p in parts) for parts in _EXPERT_PARTS)):
         return None
     m = cfg.moe()
     if m is None and not getattr(cfg, "weights_dense", False):
         raise ValueError(f"{cfg.name} quantization does not support MoE experts")
     return m
+
+
+_EXPERT_PARTS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))  # Qwen3-MoE / DeepSeek, Mixtral
 
 
 def apply_ignored(model: nn.Module, config: QuantConfig | None) -> None:

@@ -23,6 +23,7 @@ from .preemption import build_cost_model
 from .spec_decode import lookahead_slots
 from .startup_clock import account, format_account
 from .structured_output import StructuredOutputManager
+from .weight_update import quant_layout
 
 log = logging.getLogger("rankserve.engine")
 
@@ -51,6 +52,9 @@ class EngineCore:
         self.executor = executor
         log.info("%s", cfg.summary())
         hf_config = load_hf_config(cfg.model.model, cfg.compilation.cache_dir)
+        # the quant_method of a checkpoint that stores quantized weights (not one quantized at
+        # load time): weight updates from a trainer cannot replace them
+        self._quantized_in_checkpoint = quant_layout(hf_config).get("quant_method")
         recurrent = has_recurrent_state(hf_config)
         if recurrent:  # refused before the KV cache, host tier and CUDA graphs are made
             if cfg.offload.kv_offload_size:
@@ -330,6 +334,16 @@ class EngineCore:
                              f"{len(dtypes)}, {len(shapes)})")
         for d in dtypes:
             parse_dtype(d)
+        if self._quantized_in_checkpoint:
+            # a trainer sends 16-bit tensors: the checkpoint's fp8 / 4-bit layers cannot take
+            # them (an error part way would leave the model half updated and the trainer
+            # broadcasting to no one); refused before the first broadcast
+            raise ValueError(f"update_weights_from_distributed: the running model's weights are "
+                             f"quantized in its checkpoint ({self._quantized_in_checkpoint}), which a "
+                             "trainer's 16-bit tensors cannot replace; start from the 16-bit "
+                             "checkpoint with --quantization fp8 (updates are quantized as they "
+                             "arrive), or use update_weights_from_disk with a checkpoint in the "
+                             "running format")
         for s in shapes:
             if not isinstance(s, (list, tuple)) or not all(isinstance(x, int) and x >= 0 for x in s):
                 raise ValueError(f"a shape must be a list of sizes >= 0, got {s!r}")

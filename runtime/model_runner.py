@@ -9,9 +9,7 @@ compiled and CUDA-graphed (runtime/compilation.py); the sampling metadata
 from __future__ import annotations
 
 import gc
-import glob
 import logging
-import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -49,11 +47,11 @@ def load_kv_scales(model, model_dir: str) -> tuple[int, int]:
     from the checkpoint's tensors, 1.0 where it has none; (layers with scales, layers). A scale
     that is not one finite positive number, or one that no layer takes, is an error (before any
     buffer changes): using 1.0 instead would silently corrupt the cache."""
-    from safetensors import safe_open
+    from ..models.loader import checkpoint_files, open_weights, read_slice
     scales = {}
-    for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
+    for path in checkpoint_files(model_dir):  # the weight files: *.safetensors, else *.bin
+        with open_weights(path) as (names, get):
+            for name in names:
                 if not KV_SCALE_NAME.search(name):
                     continue
                 targets = [t for t, _ in model.map_weight(name)]
@@ -61,7 +59,7 @@ def load_kv_scales(model, model_dir: str) -> tuple[int, int]:
                     raise ValueError(f"{name}: not a KV-cache scale rankserve can use (names: "
                                      "self_attn.k_scale / v_scale, k_proj / v_proj.output_scale, "
                                      "k_proj.k_scale / v_proj.v_scale, kv_scale)")
-                t = f.get_tensor(name).float()
+                t = read_slice(get(name)).float()
                 if t.numel() != 1:
                     raise ValueError(f"{name}: only per-tensor KV-cache scales are supported "
                                      f"(shape {tuple(t.shape)})")
@@ -185,6 +183,11 @@ class ModelRunner:
                              f"--max-model-len ({self.max_model_len}) with --no-enable-chunked-prefill: "
                              "raise --max-num-batched-tokens, lower --max-model-len or enable chunked prefill")
         torch.manual_seed(cfg.model.seed)
+        if cfg.parallel.enable_expert_parallel and not any(
+                getattr(self.hf_config, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
+            # the flag would change nothing (a draft model may be dense: only the target is checked)
+            raise ValueError(f"--enable-expert-parallel: {self.hf_config.architectures[0]} has no MoE "
+                             "experts to shard (a dense model: drop the flag)")
         self.model = build_model(self.hf_config, pi, self.dtype, device, cfg.model.quantization)
         if cfg.load.load_format == "dummy":
             init_dummy_weights(self.model, cfg.model.seed, self.hf_config)

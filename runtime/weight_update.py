@@ -54,6 +54,31 @@ def check_checkpoint(current_model_dir: str, model_path: str) -> None:
         x, y = getattr(old, key, None), getattr(new, key, None)
         if x != y:
             raise ValueError(f"model_path {model_path!r}: {key} is {y}, the running model has {x}")
+    # the weights' storage must be the running model's too: checked before any tensor is copied,
+    # since a load that fails part way (a 16-bit tensor where e4m3 is expected) leaves the
+    # model half updated, and one that does not fail casts values without their scales
+    x, y = quant_layout(old), quant_layout(new)
+    if x != y:
+        raise ValueError(f"model_path {model_path!r} is quantized differently from the running model "
+                         f"(quantization_config {y or 'none: 16-bit'}; running: {x or 'none: 16-bit'})")
+
+
+# the quantization_config fields that decide which tensors a checkpoint holds and how (not the
+# quantizer's provenance: damp_percent, model_name_or_path, ...)
+QUANT_LAYOUT_KEYS = ("quant_method", "fmt", "weight_block_size", "activation_scheme", "bits", "w_bit",
+                     "group_size", "q_group_size", "sym", "desc_act", "zero_point", "version",
+                     "checkpoint_format", "format", "config_groups",
+                     "modules_to_not_convert", "ignored_layers", "ignore", "dynamic",
+                     "modules_in_block_to_quantize")
+
+
+def quant_layout(config) -> dict:
+    qc = getattr(config, "quantization_config", None)
+    if qc is not None and not isinstance(qc, dict):
+        qc = qc.to_dict()
+    if not qc or qc.get("quant_method") == "compressed-tensors" and not qc.get("config_groups"):
+        return {}  # 16-bit weights (a KV-cache-only scheme: its k/v scales load with any update)
+    return {k: qc[k] for k in QUANT_LAYOUT_KEYS if qc.get(k) is not None}
 
 
 def load_from_disk(model, model_path: str) -> int:
