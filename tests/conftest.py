@@ -169,6 +169,16 @@ def interp():
     pool.shutdown()
 
 
+@pytest.fixture(scope="session")
+def structured_qwen3_server(qwen3_chat_dir):
+    """The server of test_structured_api.structured_server, started once for the modules that
+    use it with the same arguments (test_structured_api, test_structured_edge)."""
+    from test_structured_api import structured_server
+    s = structured_server(qwen3_chat_dir)
+    yield s
+    s.stop()
+
+
 # clients of the module's `server` fixture (each server test module starts its own server)
 @pytest.fixture(scope="module")
 def client(server):
