@@ -225,6 +225,39 @@ class RequestGrammar:
         return self.active and self.matcher.is_terminated()
 
 
+# Building a compiler (tokenizer load, xgrammar's vocabulary tables, the per-token tables of
+# grammar_state) takes seconds with a 150k vocabulary; an engine made again in the same process
+# (tests, notebooks, `LLM` re-created) reuses the last few. They are read-only once built, and
+# xgrammar's GrammarCompiler is thread-safe (the pool threads of one manager share it already).
+_COMPILERS: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
+_COMPILERS_LOCK = threading.Lock()
+
+
+def _compiler_state(tokenizer_path: str, model_dir: str, vocab_size: int) -> tuple:
+    """(tokenizer_info, stop ids, plain tokens, token byte lengths, GrammarCompiler)."""
+    key = (os.path.realpath(tokenizer_path), os.path.realpath(model_dir), vocab_size)
+    with _COMPILERS_LOCK:
+        if key in _COMPILERS:
+            _COMPILERS.move_to_end(key)
+            return _COMPILERS[key]
+        import xgrammar as xgr
+        from .inputs import eos_token_ids_of, load_tokenizer
+        tok = load_tokenizer(tokenizer_path)
+        if tok is None:
+            raise ValueError("structured outputs need a tokenizer; this model has none")
+        stop = eos_token_ids_of(tok, model_dir)
+        info = tokenizer_info(tok, vocab_size, stop or None)
+        stop_ids = set(info.stop_token_ids)
+        vocab = info.decoded_vocab
+        plain = plain_tokens(vocab, stop_ids | set(info.special_token_ids), vocab_size).tolist()
+        token_bytes = token_lengths(vocab, vocab_size).tolist()
+        state = _COMPILERS[key] = (info, stop_ids, plain, token_bytes,
+                                   xgr.GrammarCompiler(info, max_threads=2))
+        if len(_COMPILERS) > 4:
+            _COMPILERS.popitem(last=False)
+        return state
+
+
 class StructuredOutputManager:
     def __init__(self, tokenizer_path: str, model_dir: str, vocab_size: int, max_workers: int = 2):
         self.tokenizer_path = tokenizer_path
@@ -261,20 +294,8 @@ class StructuredOutputManager:
     def _get_compiler(self):
         with self._lock:  # first use builds it (a tokenizer load: ~1 s), in a pool thread
             if self._compiler is None:
-                import xgrammar as xgr
-                from .inputs import eos_token_ids_of, load_tokenizer
-                tok = load_tokenizer(self.tokenizer_path)
-                if tok is None:
-                    raise ValueError("structured outputs need a tokenizer; this model has none")
-                stop = eos_token_ids_of(tok, self.model_dir)
-                info = tokenizer_info(tok, self.vocab_size, stop or None)
-                self._stop_ids = set(info.stop_token_ids)
-                self.tokenizer_info = info
-                vocab = info.decoded_vocab
-                self._plain = plain_tokens(vocab, self._stop_ids | set(info.special_token_ids),
-                                           self.vocab_size).tolist()
-                self._token_bytes = token_lengths(vocab, self.vocab_size).tolist()
-                self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+                (self.tokenizer_info, self._stop_ids, self._plain, self._token_bytes,
+                 self._compiler) = _compiler_state(self.tokenizer_path, self.model_dir, self.vocab_size)
             return self._compiler
 
     def _compile(self, so: StructuredOutputsParams):

@@ -16,7 +16,10 @@ STORIES_TEXT = (", there was a little girl named Lily. She loved to play outside
                 "One day, she saw a big, red ball.")
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(2)
+# one intra-op thread: the test models are tiny, and on CI's 2 cores a second OpenMP thread only
+# spins at every barrier against the engine's own threads (grammar fills, async scheduling) and
+# the servers and ranks the tests start: constrained generation ran 6x slower with two
+torch.set_num_threads(1)
 
 
 def make_checkpoint(path: Path, arch: str, **overrides) -> str:
@@ -164,6 +167,16 @@ def interp():
             os.environ["TRITON_INTERPRET"] = old
     yield lambda fn, *args: pool.submit(fn, *args).result()
     pool.shutdown()
+
+
+@pytest.fixture(scope="session")
+def structured_qwen3_server(qwen3_chat_dir):
+    """The server of test_structured_api.structured_server, started once for the modules that
+    use it with the same arguments (test_structured_api, test_structured_edge)."""
+    from test_structured_api import structured_server
+    s = structured_server(qwen3_chat_dir)
+    yield s
+    s.stop()
 
 
 # clients of the module's `server` fixture (each server test module starts its own server)

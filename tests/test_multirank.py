@@ -1,4 +1,5 @@
 """TP / PP / EP on CPU with gloo: real `mpiexec` subprocesses give the single-rank greedy tokens."""
+import functools
 import json
 import os
 import shutil
@@ -29,6 +30,7 @@ def mpi_generate(n: int, model: str, *flags: str) -> list[list[int]]:
     return [x["token_ids"] for x in lines]
 
 
+@functools.lru_cache  # one reference per checkpoint: several layouts compare against it
 def single(model: str) -> list[list[int]]:
     llm = LLM(model)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))

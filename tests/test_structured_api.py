@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
 import httpx
@@ -61,10 +62,15 @@ def structured_server(qwen3_chat_dir) -> Server:
 
 
 @pytest.fixture(scope="module")
-def server(qwen3_chat_dir):
-    s = structured_server(qwen3_chat_dir)
-    yield s
-    s.stop()
+def server(structured_qwen3_server):  # one server for this module and its sibling (conftest)
+    return structured_qwen3_server
+
+
+def each(fn, seeds=SEEDS) -> list:
+    """fn(seed) for every seed, at once: the server batches the requests (far faster than one
+    after another); each request's checks are fn's own, and the first failure is raised."""
+    with ThreadPoolExecutor(len(seeds)) as pool:
+        return list(pool.map(fn, seeds))
 
 
 def chat(client, **kw):
@@ -73,16 +79,17 @@ def chat(client, **kw):
 
 
 def test_parse_with_a_pydantic_model(client):
-    for seed in SEEDS:
+    def one(seed):
         r = client.chat.completions.parse(model="q", messages=MESSAGES, response_format=Forecast,
                                           max_tokens=120, temperature=1.0, seed=seed,
                                           extra_body=NO_THINK)
         assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
         assert isinstance(r.choices[0].message.parsed, Forecast)
+    each(one)
 
 
 def test_json_schema_json_object_and_streaming(client):
-    for seed in SEEDS:
+    def one(seed):
         r = chat(client, seed=seed, response_format={"type": "json_schema", "json_schema": {
             "name": "f", "schema": SCHEMA}})
         valid(r.choices[0].message.content, SCHEMA)
@@ -93,6 +100,7 @@ def test_json_schema_json_object_and_streaming(client):
             assert isinstance(json.loads(text), dict), text
         else:
             assert text.lstrip().startswith("{"), text
+    each(one)
     text = "".join(c.choices[0].delta.content or "" for c in chat(
         client, seed=1, stream=True, response_format={"type": "json_schema", "json_schema": {
             "name": "f", "schema": SCHEMA}}) if c.choices)
@@ -116,7 +124,8 @@ def test_constraint_starts_after_the_reasoning(client):
 def test_completions_structured_outputs_and_guided_aliases(server):
     url = server.url + "/v1/completions"
     base = {"prompt": "Answer:", "max_tokens": 300, "temperature": 1.0}
-    for seed in SEEDS:
+
+    def one(seed):
         for body, check in (
                 ({"structured_outputs": {"choice": ["yes", "no", "maybe"]}},
                  lambda t: t in ("yes", "no", "maybe")),
@@ -134,10 +143,11 @@ def test_completions_structured_outputs_and_guided_aliases(server):
             assert r.status_code == 200, r.text
             c = r.json()["choices"][0]
             assert c["finish_reason"] == "stop" and check(c["text"]), (body, c)
+    each(one)
 
 
 def test_tool_choice_required_and_named(client):
-    for seed in SEEDS:
+    def one(seed):
         # any number of calls: random weights may write them until max_tokens (then none is
         # returned: an unfinished call is dropped); when the array closes, every call is valid
         r = chat(client, seed=seed, tools=TOOLS, tool_choice="required")
@@ -153,6 +163,7 @@ def test_tool_choice_required_and_named(client):
         [c] = r.choices[0].message.tool_calls
         assert c.function.name == "get_time"
         valid(c.function.arguments, SCHEMAS["get_time"])
+    each(one)
     deltas = [c.choices[0].delta for c in chat(client, seed=2, tools=TOOLS, tool_choice="required",
                                                parallel_tool_calls=False, stream=True) if c.choices]
     calls = [tc for d in deltas for tc in (d.tool_calls or [])]
@@ -237,11 +248,12 @@ def test_strict_tools_under_auto(client):
     """Free text, but a call, once the model begins one, follows its function's schema (a bias
     makes the random model open calls; the last one may be cut by max_tokens and is dropped)."""
     strict = [{**t, "function": {**t["function"], "strict": True}} for t in TOOLS]
-    seen = 0
-    for seed in SEEDS:
+
+    def one(seed):
         r = chat(client, seed=seed, tools=strict, tool_choice="auto",
                  logit_bias={"151657": 30})  # <tool_call>
         for c in r.choices[0].message.tool_calls or []:
             valid(c.function.arguments, SCHEMAS[c.function.name])
-            seen += 1
+        return len(r.choices[0].message.tool_calls or [])
+    seen = sum(each(one))
     assert seen

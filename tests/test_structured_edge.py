@@ -9,17 +9,14 @@ import json
 import httpx
 import pytest
 
-from test_structured_api import structured_server
 
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 MESSAGES = [{"role": "user", "content": "Answer as JSON."}]
 
 
 @pytest.fixture(scope="module")
-def server(qwen3_chat_dir):
-    s = structured_server(qwen3_chat_dir)
-    yield s
-    s.stop()
+def server(structured_qwen3_server):  # one server for this module and its sibling (conftest)
+    return structured_qwen3_server
 
 
 def completion(server, **body):
