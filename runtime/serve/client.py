@@ -307,6 +307,7 @@ class EngineClient:
             self.balancer.record_stats(engine, outs.stats.num_waiting, outs.stats.kv_usage)
         now = time.monotonic()
         itls: dict[int, list[float]] = {}  # engine → inter-token latencies, observed in a batch
+        delivered: dict[int, int] = {}  # engine → tokens handed to clients (one counter inc each)
         for o in outs.outputs:
             child = self.children.get(o.request_id)
             if child is None:
@@ -323,7 +324,8 @@ class EngineClient:
                 continue
             out = ro.outputs[child.index]
             em = self.metrics.engines[child.engine]
-            em.generation_tokens.inc(len(out.delta_token_ids))  # those past a stop string cut
+            # the tokens clients get: none past a stop string (the engine's count has them)
+            delivered[child.engine] = delivered.get(child.engine, 0) + len(out.delta_token_ids)
             if o.new_token_ids:
                 if child.first is None:
                     em.ttft.observe(now - stream.arrival)
@@ -343,6 +345,8 @@ class EngineClient:
                                    now - stream.arrival)
         for e, values in itls.items():
             observe_many(self.metrics.engines[e].itl, values)
+        for e, n in delivered.items():
+            self.metrics.engines[e].generation_tokens.inc(n)
 
     # ---- engine death -----------------------------------------------------------------------
     async def _watch(self) -> None:
