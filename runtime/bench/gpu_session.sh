@@ -72,7 +72,8 @@
 #   pdl, w1pdl        RANKSERVE_PDL=1 (programmatic dependent launch): pdltests, then w2pdl; w1pdl W1 with it
 #   mixedtests        --cudagraph-mode full: its GPU tests (graphs vs eager tokens); w1full / servew1full
 #                     W1 offline / online (concurrency 256) with it
-#   w1prof, w2prof    W1 / W2 with --profile-dir (kernel table in the log, trace beside it); w1ramp:
+#   w1prof, w2prof    W1 / W2 with --profile-dir (kernel table in the log, trace beside it; w2fp8prof,
+#                     w2gptqprof the quantized W2s); fp8layer: the FP8 decode GEMMs one launch vs two; w1ramp:
 #                     W1's prefill ramp (steps 2..17, prefix caching off)
 #   w2startprof       cProfile of one W2 run: where start-up time goes (top functions by cumulative time)
 #   w2importtime      one W2 run under `python -X importtime`: its start-up account line, the top 30
@@ -155,6 +156,7 @@ for stage in "$@"; do case $stage in
         tc=0; [ "${stage%tc}" != "$stage" ] && tc=16
         RANKSERVE_QUANT_TC_MAX_M=$tc run $stage 120 python3 -m rankserve.launch bench latency $m $q --batch-size 1 \
         --input-len 128 --output-len 256 --num-iters 3 --max-num-seqs 8 --cache-dir "$CACHE" --output-json "$OUT/$stage.json" ;;
+  fp8layer) run fp8layer 240 python3 benchmarks/2026-12-04-h200-s11/fp8_layer.py ;;
   ktc) run ktc 240 python3 benchmarks/2026-12-03-h200-s3/tune.py tc ;;
   tctests) run tctests 200 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_quant_tc.py ;;
   w2warm) run w2warm 80 python3 -m rankserve.launch bench latency llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 \
@@ -307,9 +309,9 @@ for stage in "$@"; do case $stage in
         # caching off, or the profiled second run would find every prompt cached
         run w1ramp 200 python3 -m rankserve.launch bench throughput qwen3-0.6b --workload w1 --max-num-seqs 256 \
           --no-enable-prefix-caching --cache-dir "$CACHE" --profile-dir "$OUT/prof-w1ramp" --profile-steps 2 16 ;;
-  w1prof|w2prof|w2gptqprof) # a window of steady-state steps under the profiler: the kernel table (where the time goes)
+  w1prof|w2prof|w2gptqprof|w2fp8prof) # a window of steady-state steps under the profiler: the kernel table (where the time goes)
         if [ $stage = w1prof ]; then B="throughput qwen3-0.6b --workload w1 --max-num-seqs 256"
-        else m=llama-3.1-8b; [ $stage = w2gptqprof ] && m=llama-3.1-8b-gptq
+        else m=llama-3.1-8b; [ $stage = w2gptqprof ] && m=llama-3.1-8b-gptq; [ $stage = w2fp8prof ] && m="$m --quantization fp8"
           B="latency $m --batch-size 1 --input-len 128 --output-len 256 --num-iters 2 --max-num-seqs 8"; fi
         run $stage 200 python3 -m rankserve.launch bench $B --cache-dir "$CACHE" --profile-dir "$OUT/prof-$stage" ;;
   spectests) run spectests 300 python3 -m pytest -q -x -m gpu tests/test_spec_decode.py tests/test_spec_decode_pause.py tests/test_spec_decode_edge.py ;;
