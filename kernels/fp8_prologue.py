@@ -5,15 +5,13 @@
   fp8_silu_mul_linear(gu, w, w_scale, bias, block_size)
         -> fp8_linear(silu(gu[:, :I]) * gu[:, I:], w, ...)                        (down)
 
-the FP8 counterparts of kernels/gemv.py's add_rms_norm_linear / silu_mul_linear.
-M <= quant_tc.FUSE_QUANT_M rows (decode): one launch, the tensor-core GEMM (kernels/quant_tc.py)
-computes the prologue chunk by chunk and quantizes it per 1 x 128 group (quant_tc.fp8_tc_ref).
-Up to quant.TC_MAX_M rows: one prologue kernel (a program per row, the row in registers) computes
-the layer's input exactly as the model code rounds it (gemv.py's helpers) and quantizes it to e4m3
+the FP8 counterparts of kernels/gemv.py's add_rms_norm_linear / silu_mul_linear. At M <=
+quant.TC_MAX_M rows: one prologue kernel (a program per row, the row in registers) computes the
+layer's input exactly as the model code rounds it (gemv.py's helpers) and quantizes it to e4m3
 (per token, or per 1 x bk group for block weights) in the same pass, then the tensor-core GEMM
-reads the fp8 activations: two launches. Larger M, or a group the kernels cannot split (bk not a
-power of 2 or K not a multiple of it): the 16-bit prologue kernel, then fp8_linear (which
-quantizes itself).
+(kernels/quant_tc.py) reads the fp8 activations: two launches for add + norm + quant + GEMM.
+Larger M, or a group the kernel cannot split (bk not a power of 2 or K not a multiple of it):
+the 16-bit prologue kernel, then fp8_linear (which quantizes itself).
 """
 from __future__ import annotations
 
@@ -21,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import quant as Q, quant_tc as T
+from . import quant as Q
 from .attention import rms_norm
 from .gemv import (ADD_RMS_NORM, SILU_MUL, _add, _rms_scale, _silu_mul, add_rms_norm_triton,
                    silu_mul_ref, silu_mul_triton)
@@ -89,29 +87,15 @@ def prologue_fp8(prologue: int, a, K: int, block_size, b=None, norm_w=None, eps=
 
 
 def _tc_gemm(q, s, w, w_scale, bias, block_size, dtype):
+    from .quant_tc import fp8_tc
     out = torch.empty(q.shape[0], w.shape[0], dtype=dtype, device=q.device)
-    return T.fp8_tc(q, w.contiguous(), w_scale.float().contiguous(), bias, block_size, out, prequant=s)
-
-
-def _one_launch(M: int, K: int, block_size) -> bool:
-    """The tc GEMM builds and quantizes the layer input itself."""
-    return 0 < M <= min(Q.TC_MAX_M, T.FUSE_QUANT_M) and T.fusable(K, block_size)
-
-
-def _fused_gemm(prologue, a, K, w, w_scale, bias, block_size, **kw):
-    out = torch.empty(a.shape[0], w.shape[0], dtype=a.dtype, device=a.device)
-    return T.fp8_tc(a, w.contiguous(), w_scale.float().contiguous(), bias, block_size, out,
-                    prologue=prologue, **kw)
+    return fp8_tc(q, w.contiguous(), w_scale.float().contiguous(), bias, block_size, out, prequant=s)
 
 
 def fp8_add_rms_norm_linear_triton(h, delta, norm_w, eps, w, w_scale, bias=None,
                                    block_size=None):
     h, delta = h.contiguous(), delta.contiguous()
     M, K = h.shape
-    if _one_launch(M, K, block_size):
-        h_new = torch.empty_like(h)
-        return _fused_gemm(ADD_RMS_NORM, h, K, w, w_scale, bias, block_size, delta=delta,
-                           norm_w=norm_w, eps=eps, h_out=h_new), h_new
     if not _fused_ok(M, K, block_size):
         x, h_new = add_rms_norm_triton(h, delta, norm_w, eps)
         return Q.fp8_linear_triton(x, w, w_scale, bias, block_size), h_new
@@ -122,8 +106,6 @@ def fp8_add_rms_norm_linear_triton(h, delta, norm_w, eps, w, w_scale, bias=None,
 def fp8_silu_mul_linear_triton(gu, w, w_scale, bias=None, block_size=None):
     gu = gu.contiguous()
     M, K = gu.shape[0], gu.shape[1] // 2
-    if _one_launch(M, K, block_size):
-        return _fused_gemm(SILU_MUL, gu, K, w, w_scale, bias, block_size)
     if not _fused_ok(M, K, block_size):
         return Q.fp8_linear_triton(silu_mul_triton(gu), w, w_scale, bias, block_size)
     q, s, _ = prologue_fp8(SILU_MUL, gu, K, block_size)

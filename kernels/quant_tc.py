@@ -10,15 +10,12 @@ few activation rows padded to the MMA minimum of 16. So the FP8 weight bytes go 
 cores as they are (fp8 x fp8, fp32 accumulation): no per-element fp8 -> fp32 conversion on the
 CUDA cores, which is what bounds the CUDA-core skinny kernel (benchmarks/2026-12-03-h200-s3).
 
-FP8: at M <= FUSE_QUANT_M rows the kernel builds and quantizes the activations itself, per
-1 x group (the weight's bk for block weights, ACT_GROUP = 128 columns otherwise: finer than per
-token, never less accurate), each group's amax from the loaded chunk: nothing reads the whole
-row before the first weight tile. The decode layer's cheap op in front of the GEMM runs in the
-same loop (kernels/fp8_prologue.py): add + RMSNorm (h * norm_w quantized, the per-row rstd on the
-result), SiLU * up. One launch per linear layer. Larger M: per-token / per-group quantization by
-a separate kernel (the prologue kernel or kernels/quant.py) into fp8 first. Scales: per-channel
-weight (x per-token activation) in the epilogue; per group, per K step: the dot's fp32 result
-times the rows' group scales (and the block's weight scale).
+FP8: the activations are quantized in the kernel's prologue from x (M <= FUSE_QUANT_M rows):
+per token, a pre-pass over the row (from L2) gives the amax; per 1 x bk group (block weights,
+BLOCK_K = bk) the group's amax comes from the loaded chunk itself. Larger M: one quant kernel
+(kernels/quant.py) first. Scales: per-channel weight x per-token activation in the epilogue;
+block-wise, per K block (BLOCK_K divides bk): the dot's fp32 result times the block's weight
+scale (per row of the tile) and the rows' group scales.
 w4a16: the int4 tile [BLOCK_K, BLOCK_N] is unpacked in registers (the 2^23 exponent trick, no
 int -> float conversion) to (q - zero) in x's dtype (exact), the tl.dot result times the group
 scale when the K block lies in one group, else a fully dequantized tile (g_idx, small groups).
@@ -38,12 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv import ADD_RMS_NORM, LINEAR, SILU_MUL, _add, _silu_mul, silu_mul_ref
-from .quant import (_INTERPRET, _act_scale, _num_sms, _to_fp8, dequant_fp8_weight,
-                    quant_fp8_per_group_ref, quant_fp8_triton)
+from .quant import _INTERPRET, _act_scale, _num_sms, _to_fp8, quant_fp8_triton
 
-FUSE_QUANT_M = 4  # rows up to which fp8_tc quantizes the activations itself (per group)
-ACT_GROUP = 128  # its activation groups for per-channel / per-tensor weights (block: the weight's bk)
+FUSE_QUANT_M = 4  # rows up to which fp8_tc quantizes the activations in its own prologue
 SPLITK_IN_KERNEL = True  # split-K partials summed by each tile's last program (else one more kernel)
 
 
@@ -81,20 +75,15 @@ def _epilogue(acc, bias_ptr, y_ptr, out_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_
 
 
 @triton.jit(do_not_specialize=["M"])  # one compile for every decode batch size
-def _fp8_tc_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, d_ptr, nw_ptr, h_out_ptr, bias_ptr, y_ptr, out_ptr,
-                   cnt_ptr, M, N, K, k_per_split, stride_xm, stride_xsm, stride_wsn, eps,
-                   stride_ym, stride_ys, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
-                   QUANT_X: tl.constexpr, PROLOGUE: tl.constexpr, SS_IN_LOOP: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, REDUCE: tl.constexpr, BLOCK_M: tl.constexpr,
+def _fp8_tc_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, out_ptr, cnt_ptr, M, N, K,
+                   k_per_split,
+                   stride_xm, stride_xsm, stride_wsn, stride_ym, stride_ys, GROUP_N: tl.constexpr,
+                   GROUP_K: tl.constexpr, QUANT_X: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   REDUCE: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-                   EMULATE: tl.constexpr):
-    # GROUP_K 0: per-channel weight scales ws [N]; else block scales ws [N/GROUP_N, K/GROUP_K].
-    # QUANT_X: x is 16-bit, built by the PROLOGUE from its chunk (ADD_RMS_NORM: x = h, d = delta,
-    # nw the norm weight, h + delta stored by the first column tile; SILU_MUL: x = gu [M, 2K])
-    # and quantized here per 1 x BLOCK_K group, so no pass over the whole row comes before the
-    # first weight tile. The norm's rstd is a per-row scalar: the group quantizes h * nw, rstd
-    # multiplies the result (summed in the loop at one split, else a pass over the row at the
-    # end). Else x is fp8 with scales xs [M, 1] (per token) or [M, K / GROUP_K].
+                   PRE_BLOCK: tl.constexpr, EMULATE: tl.constexpr):
+    # QUANT_X: x is the 16-bit activation, quantized here (GROUP_K 0: per token, else
+    # BLOCK_K == GROUP_K, one group a step); else x is fp8 with scales xs [M, 1 or K/GROUP_K].
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -102,58 +91,41 @@ def _fp8_tc_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, d_ptr, nw_ptr, h_out_ptr, bias_
     offs_k = tl.arange(0, BLOCK_K)
     n_mask, m_mask = offs_n < N, offs_m < M
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]        # [BN, BK]
-    x_off = offs_m.to(tl.int64)[None, :] * stride_xm + offs_k[:, None]          # [BK, BM]
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + offs_k[:, None]  # [BK, BM]
+    if QUANT_X and GROUP_K == 0:  # per-token amax of the whole row (L2-resident), each row in
+        offs_p = tl.arange(0, PRE_BLOCK)  # few wide loads (a chain of small ones is latency)
+        amax = tl.zeros([BLOCK_M], tl.float32)
+        for m in range(0, M):
+            am = tl.zeros([PRE_BLOCK], tl.float32)
+            for k0 in range(0, K, PRE_BLOCK):
+                xr = tl.load(x_ptr + m * stride_xm + k0 + offs_p, mask=offs_p < K - k0, other=0.0)
+                am = tl.maximum(am, tl.abs(xr.to(tl.float32)))
+            amax = tl.where(offs_m == m, tl.max(am, 0), amax)
+        xs, x_inv = _act_scale(amax)  # [BM]
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    ss = tl.zeros([BLOCK_M], tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
         k_mask = offs_k < K - k0
-        xk_mask = k_mask[:, None] & m_mask[None, :]
         w = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        xa = tl.load(x_ptr + x_off + k0, mask=xk_mask, other=0.0)
+        xa = tl.load(x_ptrs + k0, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
         if QUANT_X:
-            if PROLOGUE == 1:  # ADD_RMS_NORM
-                hn = _add(xa, tl.load(d_ptr + x_off + k0, mask=xk_mask, other=0.0))
-                if pid_n == 0:
-                    tl.store(h_out_ptr + x_off + k0, hn, mask=xk_mask)
-                hf = hn.to(tl.float32)
-                if SS_IN_LOOP:
-                    ss += tl.sum(hf * hf, 0)
-                nw = tl.load(nw_ptr + k0 + offs_k, mask=k_mask, other=0.0)
-                xf = hf * nw.to(tl.float32)[:, None]
-            elif PROLOGUE == 2:  # SILU_MUL: gate at k, up at K + k
-                xf = _silu_mul(xa, tl.load(x_ptr + x_off + K + k0, mask=xk_mask, other=0.0)
-                               ).to(tl.float32)
-            else:
-                xf = xa.to(tl.float32)
-            xs, x_inv = _act_scale(tl.max(tl.abs(xf), 0))
+            xf = xa.to(tl.float32)
+            if GROUP_K != 0:
+                xs, x_inv = _act_scale(tl.max(tl.abs(xf), 0))
             xa = _to_fp8(xf * x_inv[None, :], EMULATE)
-        elif GROUP_K != 0:
-            xs = tl.load(xs_ptr + offs_m * stride_xsm + k0 // GROUP_K, mask=m_mask, other=0.0)
-        # a dot per K step, summed in fp32: Hopper's FP8 MMA accumulates in reduced precision,
-        # over a whole row 1-2 % off (as DeepSeek-V3 notes)
-        if GROUP_K != 0:
-            sw = tl.load(ws_ptr + (offs_n // GROUP_N) * stride_wsn + k0 // GROUP_K, mask=n_mask,
-                         other=0.0)
-            acc += tl.dot(w, xa) * sw[:, None] * xs[None, :]
-        elif QUANT_X:
-            acc += tl.dot(w, xa) * xs[None, :]
+        if GROUP_K == 0:  # a dot per K step, summed in fp32: Hopper's FP8 MMA accumulates in
+            acc += tl.dot(w, xa)  # reduced precision, over a whole row 1-2 % off (as DeepSeek-V3 notes)
         else:
-            acc += tl.dot(w, xa)
+            g = k0 // GROUP_K
+            if not QUANT_X:
+                xs = tl.load(xs_ptr + offs_m * stride_xsm + g, mask=m_mask, other=0.0)
+            sw = tl.load(ws_ptr + (offs_n // GROUP_N) * stride_wsn + g, mask=n_mask, other=0.0)
+            acc += tl.dot(w, xa) * sw[:, None] * xs[None, :]
     if GROUP_K == 0:
-        scale = tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
-        if not QUANT_X:  # per-token activation scales
-            scale = scale * tl.load(xs_ptr + offs_m * stride_xsm, mask=m_mask, other=0.0)[None, :]
-        acc *= scale
-    if PROLOGUE == 1:
-        if not SS_IN_LOOP:  # this split saw part of the row
-            for k0 in range(0, K, BLOCK_K):
-                xk_mask = (offs_k[:, None] < K - k0) & m_mask[None, :]
-                hf = _add(tl.load(x_ptr + x_off + k0, mask=xk_mask, other=0.0),
-                          tl.load(d_ptr + x_off + k0, mask=xk_mask, other=0.0)).to(tl.float32)
-                ss += tl.sum(hf * hf, 0)
-        acc *= tl.math.rsqrt(ss / K + eps)[None, :]
+        if not QUANT_X:
+            xs = tl.load(xs_ptr + offs_m * stride_xsm, mask=m_mask, other=0.0)
+        acc *= tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0)[:, None] * xs[None, :]
     _epilogue(acc, bias_ptr, y_ptr, out_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, pid_n,
               pid_k, stride_ym, stride_ys, HAS_BIAS, REDUCE)
 
@@ -303,9 +275,8 @@ def reserve(device: torch.device) -> None:
 def _run(kernel, args, M, N, K, out, bias, cfg, split, **consts):
     """Launches a split-K-capable tc kernel into out [M, N]: args are the kernel's arguments
     before bias_ptr; after y_ptr, out_ptr, cnt_ptr come M, N, K, k_per_split, `consts['after']`
-    and the y strides; a callable constexpr gets the split. Split-K: fp32 partials in a
-    workspace, summed by the kernel's last program of each column tile (SPLITK_IN_KERNEL) or by
-    one more small kernel."""
+    and the y strides. Split-K: fp32 partials in a workspace, summed by the kernel's last program
+    of each column tile (SPLITK_IN_KERNEL) or by one more small kernel."""
     cfg = dict(cfg)
     table_split = cfg.pop("SPLIT")  # never a kernel argument
     split = table_split if split is None else split
@@ -313,7 +284,6 @@ def _run(kernel, args, M, N, K, out, bias, cfg, split, **consts):
     k_per_split = triton.cdiv(triton.cdiv(K, bk), split) * bk
     split = triton.cdiv(K, k_per_split)
     after = consts.pop("after")
-    consts = {k: v(split) if callable(v) else v for k, v in consts.items()}
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), split)
     assert out.is_contiguous()
     if split == 1:
@@ -337,82 +307,34 @@ def _run(kernel, args, M, N, K, out, bias, cfg, split, **consts):
 
 def fp8_tc(x2: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
            block_size: list[int] | None, out: torch.Tensor, split: int | None = None,
-           fuse_quant: bool | None = None, prequant: torch.Tensor | None = None,
-           prologue: int = LINEAR, delta: torch.Tensor | None = None,
-           norm_w: torch.Tensor | None = None, eps: float = 0.0,
-           h_out: torch.Tensor | None = None) -> torch.Tensor:
+           fuse_quant: bool | None = None, prequant: torch.Tensor | None = None) -> torch.Tensor:
     """out [M, N] = fp8_linear(x2, ...) on the tensor cores; x2 [M, K] unit stride along K.
-    fuse_quant (default: M <= FUSE_QUANT_M): x2 is 16-bit and quantized in the kernel per
-    1 x act_group(block_size) group (fp8_tc_ref states it). prologue (fused quantization):
-    ADD_RMS_NORM: x2 = h, the GEMM of rmsnorm(h + delta) with norm_w, eps, h + delta into h_out;
-    SILU_MUL: x2 = gu [M, 2K]. prequant: x2 is already e4m3 and this is its scale [M, 1] (per
-    token) or [M, K / bk]. Else the quant kernel quantizes x2 first (per token or per group)."""
-    M = x2.shape[0]
-    N, K = w.shape
+    prequant: x2 is already e4m3 and this is its scale [M, 1] (per token) or [M, K / bk]
+    (kernels/fp8_prologue.py)."""
+    M, K = x2.shape
+    N = w.shape[0]
     group_n, group_k = (1, 0) if block_size is None else block_size
-    if prologue != LINEAR:
-        assert fusable(K, block_size) and prequant is None, "fp8_tc: a prologue quantizes in the kernel"
-        fuse_quant = True
-    elif fuse_quant is None:
-        fuse_quant = prequant is None and M <= FUSE_QUANT_M and fusable(K, block_size)
-    cfg = tc_config("fp8blk" if group_k else "fp8", M, N, K, x2.is_cuda, prologue=fuse_quant)
+    if fuse_quant is None:
+        fuse_quant = M <= FUSE_QUANT_M
+    cfg = tc_config("fp8blk" if group_k else "fp8", M, N, K, x2.is_cuda,
+                    prologue=fuse_quant and prequant is None)
     if group_k:  # one (activation, weight) block scale per step: BLOCK_K divides bk
         cfg["BLOCK_K"] = min(group_k & -group_k, 128)
         assert cfg["BLOCK_K"] >= 16, f"fp8_tc: block bk={group_k} needs a factor of 16"
-    if fuse_quant:  # one activation group per step
-        assert fusable(K, block_size), f"fp8_tc: groups of {block_size} cannot be quantized in the kernel"
-        cfg["BLOCK_K"] = act_group(block_size)
+    if fuse_quant and group_k and cfg["BLOCK_K"] != group_k:
+        fuse_quant = False  # a group wider than a step: quantize first
+    if prequant is not None:
+        xq, xs, stride_xs, fuse_quant = x2, prequant, prequant.stride(0), False
+    elif fuse_quant:
         xq, xs, stride_xs = x2, None, 0
-    elif prequant is not None:
-        xq, xs, stride_xs = x2, prequant, prequant.stride(0)
     else:
         xq, xs = quant_fp8_triton(x2, group_k)
         stride_xs = xs.stride(0)
     ws = w_scale.reshape(N) if block_size is None else w_scale
-    return _run(_fp8_tc_kernel, (xq, xs, w, ws, delta, norm_w, h_out), M, N, K, out, bias, cfg,
-                split, after=(xq.stride(0), stride_xs, ws.stride(0) if group_k else 0, eps),
-                GROUP_N=group_n, GROUP_K=group_k, QUANT_X=fuse_quant, PROLOGUE=prologue,
-                SS_IN_LOOP=lambda s: s == 1, EMULATE=_INTERPRET)
-
-
-def act_group(block_size: list[int] | None) -> int:
-    """The activation groups the kernel quantizes in: the weight's bk, or ACT_GROUP columns."""
-    return ACT_GROUP if block_size is None else block_size[1]
-
-
-def fusable(K: int, block_size: list[int] | None) -> bool:
-    """fp8_tc can quantize the activations of this layer in the kernel: a group is a power of
-    2 >= 32 (one tl.dot step)."""
-    g = act_group(block_size)
-    return g >= 32 and g & (g - 1) == 0
-
-
-def fp8_tc_ref(x2: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-               block_size: list[int] | None, prologue: int = LINEAR, delta: torch.Tensor | None = None,
-               norm_w: torch.Tensor | None = None, eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Plain torch: what fp8_tc computes when it quantizes in the kernel -> (y, h + delta or None).
-    The layer input (h * norm_w for ADD_RMS_NORM: rstd factored out, a per-row scalar on the
-    result; silu(gate) * up rounded as the model does; or x) is quantized per 1 x act_group
-    group (finer than per token: never less accurate), then fp32 math on the dequantized operands."""
-    N, K = w.shape
-    h_new, rstd = None, None
-    if prologue == ADD_RMS_NORM:
-        h_new = x2 + delta
-        hf = h_new.float()
-        rstd = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
-        xf = hf * norm_w.float()
-    elif prologue == SILU_MUL:
-        xf = silu_mul_ref(x2).float()
-    else:
-        xf = x2.float()
-    g = act_group(block_size)
-    xq, xs = quant_fp8_per_group_ref(xf, g)
-    y = (xq.float() * xs.repeat_interleave(g, 1)[:, :K]) @ dequant_fp8_weight(w, w_scale, block_size).T
-    if rstd is not None:
-        y = y * rstd
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x2.dtype), h_new
+    return _run(_fp8_tc_kernel, (xq, xs, w, ws), M, N, K, out, bias, cfg, split,
+                after=(xq.stride(0), stride_xs, ws.stride(0) if group_k else 0),
+                GROUP_N=group_n, GROUP_K=group_k, QUANT_X=fuse_quant, EMULATE=_INTERPRET,
+                PRE_BLOCK=min(triton.next_power_of_2(K), 64 if _INTERPRET else 4096))
 
 
 def w4_tc(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
