@@ -164,7 +164,7 @@ def prepare_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tenso
     pf, pf_bytes, pf_programs = l2_prefetch.plan(prefetch, T)
     _prepare_qkv_kernel[(T + pf_programs,)](
         qkv, positions, cos_sin, q_norm if has_norm else cos_sin, k_norm if has_norm else cos_sin,
-        q, k_cache, v_cache, k_scale, v_scale, slot_mapping, eps, T, qkv if pf is None else pf, pf_bytes,
+        q, k_cache, v_cache, k_scale, v_scale, slot_mapping, eps, T, pf, pf_bytes,
         qkv.stride(0), cos_sin.stride(0), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

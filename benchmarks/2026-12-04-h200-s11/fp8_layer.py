@@ -8,7 +8,7 @@ and the best ones, and writes $OUT/fp8_layer.json:
 
     python benchmarks/2026-12-04-h200-s11/fp8_layer.py
 
-It ran (call a) against commit 6d06a2a, whose fp8_tc took prologue= / delta= / norm_w= / h_out=;
+It ran (call a) against commit 6d06a2a61d7997577cafd541c757b02c47bb5db9, whose fp8_tc took prologue= / delta= / norm_w= / h_out=;
 the one-launch path lost (layer 90.6 us at its best configs against 77.4 us for two launches:
 the per-step prologue and quantization inside the MMA loop stall its pipeline) and was taken out,
 so this script needs that commit to run.
