@@ -28,8 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import l2_prefetch, pdl
-from .l2_prefetch import prefetch_l2
+from . import pdl
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64
@@ -67,91 +66,84 @@ def _to_fp8(x, scale):
     return ((x + c) - c).to(tl.float8e4nv)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "pf_bytes"])
+@triton.jit
 def _prepare_qkv_kernel(qkv_ptr, pos_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, q_ptr,
                         k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_ptr, eps,
-                        num_tokens, pf_ptr, pf_bytes,
                         stride_t, stride_cs, stride_qt, stride_qh,
                         stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
                         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
                         KV_FP8: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_KV: tl.constexpr,
-                        BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
-                        PF_PROGRAMS: tl.constexpr):
-    if tl.program_id(0) >= num_tokens:  # the PF_PROGRAMS appended: prefetch the next weight
-        prefetch_l2(pf_ptr, pf_bytes, tl.program_id(0) - num_tokens, PF_PROGRAMS, 256)
-    else:
-        pdl.wait_and_release(USE_PDL)
-        # Program per token: rows 0..H-1 of the [heads, D/2] tiles are q heads, H..H+KH-1 k heads.
-        # Rounding follows the torch reference step by step (norm -> dtype -> * weight -> dtype ->
-        # fp32 RoPE -> dtype), so compiled and eager runs agree on the same device.
-        tok = tl.program_id(0).to(tl.int64)
-        HALF: tl.constexpr = HEAD_DIM // 2
-        dt = q_ptr.dtype.element_ty
-        heads = tl.arange(0, BLOCK_HEADS)
-        is_q = heads < NUM_HEADS
-        d = tl.arange(0, BLOCK_HALF)
-        dm = d < HALF
-        mask = (heads < NUM_HEADS + NUM_KV_HEADS)[:, None] & dm[None, :]
-        src = qkv_ptr + tok * stride_t + heads[:, None] * HEAD_DIM + d[None, :]
-        x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-        if HAS_NORM:
-            r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)[:, None]
-            w1 = tl.where(is_q[:, None], tl.load(q_norm_ptr + d, mask=dm, other=0.0)[None, :],
-                          tl.load(k_norm_ptr + d, mask=dm, other=0.0)[None, :]).to(tl.float32)
-            w2 = tl.where(is_q[:, None], tl.load(q_norm_ptr + HALF + d, mask=dm, other=0.0)[None, :],
-                          tl.load(k_norm_ptr + HALF + d, mask=dm, other=0.0)[None, :]).to(tl.float32)
-            x1 = ((x1 * r).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
-            x2 = ((x2 * r).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
-        pos = tl.load(pos_ptr + tok).to(tl.int64)
-        cos = tl.load(cos_sin_ptr + pos * stride_cs + d, mask=dm, other=0.0)[None, :]
-        sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + d, mask=dm, other=0.0)[None, :]
-        o1 = (x1 * cos - x2 * sin).to(dt)
-        o2 = (x2 * cos + x1 * sin).to(dt)
-        q_dst = q_ptr + tok * stride_qt + heads[:, None] * stride_qh + d[None, :]
-        q_mask = is_q[:, None] & dm[None, :]
-        tl.store(q_dst, o1, mask=q_mask)
-        tl.store(q_dst + HALF, o2, mask=q_mask)
+                        BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl.wait_and_release(USE_PDL)
+    # Program per token: rows 0..H-1 of the [heads, D/2] tiles are q heads, H..H+KH-1 k heads.
+    # Rounding follows the torch reference step by step (norm -> dtype -> * weight -> dtype ->
+    # fp32 RoPE -> dtype), so compiled and eager runs agree on the same device.
+    tok = tl.program_id(0).to(tl.int64)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    dt = q_ptr.dtype.element_ty
+    heads = tl.arange(0, BLOCK_HEADS)
+    is_q = heads < NUM_HEADS
+    d = tl.arange(0, BLOCK_HALF)
+    dm = d < HALF
+    mask = (heads < NUM_HEADS + NUM_KV_HEADS)[:, None] & dm[None, :]
+    src = qkv_ptr + tok * stride_t + heads[:, None] * HEAD_DIM + d[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)[:, None]
+        w1 = tl.where(is_q[:, None], tl.load(q_norm_ptr + d, mask=dm, other=0.0)[None, :],
+                      tl.load(k_norm_ptr + d, mask=dm, other=0.0)[None, :]).to(tl.float32)
+        w2 = tl.where(is_q[:, None], tl.load(q_norm_ptr + HALF + d, mask=dm, other=0.0)[None, :],
+                      tl.load(k_norm_ptr + HALF + d, mask=dm, other=0.0)[None, :]).to(tl.float32)
+        x1 = ((x1 * r).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
+        x2 = ((x2 * r).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + d, mask=dm, other=0.0)[None, :]
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + d, mask=dm, other=0.0)[None, :]
+    o1 = (x1 * cos - x2 * sin).to(dt)
+    o2 = (x2 * cos + x1 * sin).to(dt)
+    q_dst = q_ptr + tok * stride_qt + heads[:, None] * stride_qh + d[None, :]
+    q_mask = is_q[:, None] & dm[None, :]
+    tl.store(q_dst, o1, mask=q_mask)
+    tl.store(q_dst + HALF, o2, mask=q_mask)
 
-        slot = tl.load(slot_ptr + tok).to(tl.int64)
-        blk = slot // BLOCK_SIZE
-        off = slot % BLOCK_SIZE
-        # k rows; none for a padding token (slot -1: its k/v go nowhere)
-        kh = heads - NUM_HEADS
-        k_rows = (heads >= NUM_HEADS) & (kh < tl.where(slot >= 0, NUM_KV_HEADS, 0))
-        k_dst = k_cache_ptr + blk * stride_kcb + off * stride_kcs + kh[:, None] * stride_kch + d[None, :]
-        if KV_FP8:
-            k_scale = tl.load(k_scale_ptr)
-            k1 = _to_fp8(o1.to(tl.float32), k_scale)
-            k2 = _to_fp8(o2.to(tl.float32), k_scale)
-        else:
-            cdt = k_cache_ptr.dtype.element_ty
-            k1 = o1.to(cdt)
-            k2 = o2.to(cdt)
-        tl.store(k_dst, k1, mask=k_rows[:, None] & dm[None, :])
-        tl.store(k_dst + HALF, k2, mask=k_rows[:, None] & dm[None, :])
-        vh = tl.arange(0, BLOCK_KV)
-        dv = tl.arange(0, BLOCK_D)
-        v_mask = (vh < tl.where(slot >= 0, NUM_KV_HEADS, 0))[:, None] & (dv < HEAD_DIM)[None, :]
-        v = tl.load(qkv_ptr + tok * stride_t + (NUM_HEADS + NUM_KV_HEADS + vh[:, None]) * HEAD_DIM
-                    + dv[None, :], mask=v_mask)
-        if KV_FP8:
-            v = _to_fp8(v.to(tl.float32), tl.load(v_scale_ptr))
-        else:
-            v = v.to(v_cache_ptr.dtype.element_ty)
-        tl.store(v_cache_ptr + blk * stride_vcb + off * stride_vcs + vh[:, None] * stride_vch
-                 + dv[None, :], v, mask=v_mask)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    # k rows; none for a padding token (slot -1: its k/v go nowhere)
+    kh = heads - NUM_HEADS
+    k_rows = (heads >= NUM_HEADS) & (kh < tl.where(slot >= 0, NUM_KV_HEADS, 0))
+    k_dst = k_cache_ptr + blk * stride_kcb + off * stride_kcs + kh[:, None] * stride_kch + d[None, :]
+    if KV_FP8:
+        k_scale = tl.load(k_scale_ptr)
+        k1 = _to_fp8(o1.to(tl.float32), k_scale)
+        k2 = _to_fp8(o2.to(tl.float32), k_scale)
+    else:
+        cdt = k_cache_ptr.dtype.element_ty
+        k1 = o1.to(cdt)
+        k2 = o2.to(cdt)
+    tl.store(k_dst, k1, mask=k_rows[:, None] & dm[None, :])
+    tl.store(k_dst + HALF, k2, mask=k_rows[:, None] & dm[None, :])
+    vh = tl.arange(0, BLOCK_KV)
+    dv = tl.arange(0, BLOCK_D)
+    v_mask = (vh < tl.where(slot >= 0, NUM_KV_HEADS, 0))[:, None] & (dv < HEAD_DIM)[None, :]
+    v = tl.load(qkv_ptr + tok * stride_t + (NUM_HEADS + NUM_KV_HEADS + vh[:, None]) * HEAD_DIM
+                + dv[None, :], mask=v_mask)
+    if KV_FP8:
+        v = _to_fp8(v.to(tl.float32), tl.load(v_scale_ptr))
+    else:
+        v = v.to(v_cache_ptr.dtype.element_ty)
+    tl.store(v_cache_ptr + blk * stride_vcb + off * stride_vcs + vh[:, None] * stride_vch
+             + dv[None, :], v, mask=v_mask)
 
 
 def prepare_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                 q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                 num_heads: int, k_scale: torch.Tensor | None = None,
-                v_scale: torch.Tensor | None = None, prefetch: torch.Tensor | None = None
-                ) -> torch.Tensor:
-    """Triton twin of `attention.prepare_qkv_ref`: returns q [T, H, D], stores k/v.
-    prefetch: the weight read next (o_proj's), pulled into L2 by extra programs (l2_prefetch)."""
+                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton twin of `attention.prepare_qkv_ref`: returns q [T, H, D], stores k/v."""
     T = qkv.shape[0]
     _, block_size, KH, D = k_cache.shape
     assert qkv.shape[1] == (num_heads + 2 * KH) * D and D % 2 == 0, "qkv / cache shape mismatch"
@@ -161,17 +153,16 @@ def prepare_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tenso
         return q
     has_norm = q_norm is not None
     fp8, k_scale, v_scale = _kv_scales(k_cache, v_cache, k_scale, v_scale)
-    pf, pf_bytes, pf_programs = l2_prefetch.plan(prefetch, T)
-    _prepare_qkv_kernel[(T + pf_programs,)](
+    _prepare_qkv_kernel[(T,)](
         qkv, positions, cos_sin, q_norm if has_norm else cos_sin, k_norm if has_norm else cos_sin,
-        q, k_cache, v_cache, k_scale, v_scale, slot_mapping, eps, T, pf, pf_bytes,
+        q, k_cache, v_cache, k_scale, v_scale, slot_mapping, eps,
         qkv.stride(0), cos_sin.stride(0), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_HEADS=num_heads, NUM_KV_HEADS=KH, HEAD_DIM=D, BLOCK_SIZE=block_size,
         HAS_NORM=has_norm, KV_FP8=fp8, BLOCK_HEADS=triton.next_power_of_2(num_heads + KH),
         BLOCK_KV=triton.next_power_of_2(KH), BLOCK_HALF=triton.next_power_of_2(D // 2),
-        BLOCK_D=triton.next_power_of_2(D), num_warps=4, PF_PROGRAMS=pf_programs, **pdl.launch(qkv))
+        BLOCK_D=triton.next_power_of_2(D), num_warps=4, **pdl.launch(qkv))
     return q
 
 

@@ -269,9 +269,6 @@ class Attention(nn.Module):
         # them (the model runner loads them), else 1.0; a 16-bit cache ignores them
         self.register_buffer("k_scale", torch.ones((), dtype=torch.float32), persistent=False)
         self.register_buffer("v_scale", torch.ones((), dtype=torch.float32), persistent=False)
-        # o_proj's weight, prefetched into L2 during decode attention (kernels/l2_prefetch.py);
-        # bound by the model runner when RANKSERVE_L2_PREFETCH is on
-        self.l2_prefetch: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttnMeta) -> torch.Tensor:
         return self.from_in_proj(self.qkv_proj(x), positions, attn)
@@ -288,7 +285,7 @@ class Attention(nn.Module):
         o = attention(qkv, positions, self.cos_sin, qn, kn, eps, self.k_cache, self.v_cache,
                       self.k_scale, self.v_scale, attn.slot_mapping, attn.query_start_loc,
                       attn.seq_lens, attn.block_table, self.qkv_proj.num_heads, self.scale, attn.is_decode,
-                      self.window, self.softcap, self.l2_prefetch)
+                      self.window, self.softcap)
         return self.o_proj(o)
 
 

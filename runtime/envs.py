@@ -87,8 +87,6 @@ KNOBS: dict[str, Knob] = {
     "RANKSERVE_PDL": Knob(False, _flag, "1: programmatic dependent launch for the decode-path Triton "
                           "kernels (skinny GEMVs, prepare_qkv, decode attention; Hopper+), each "
                           "launching while the previous one finishes (kernels/pdl.py)"),
-    "RANKSERVE_L2_PREFETCH": Knob(False, _flag, "1: during decode attention of <= 16 tokens, extra "
-                                  "programs prefetch o_proj's weight into L2 (kernels/l2_prefetch.py)"),
     "RANKSERVE_COMM_LIB": Knob(None, _one_of("torch", "deepspeed"), "`torch` makes `rankserve bench comm` use "
                                "torch.distributed even where deepspeed is installed"),
     "RANKSERVE_API_KEY": Knob(None, str, "API key of `rankserve serve` (instead of --api-key, "

@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..kernels import gemv, l2_prefetch, pdl, quant, quant_tc
+from ..kernels import gemv, pdl, quant, quant_tc
 from ..models.deepseek import without_mtp
 from ..models.layers import AttnMeta
 from ..models.parallel import ParallelInfo
@@ -154,7 +154,6 @@ class ModelRunner:
         startup_clock.mark("before_engine")  # since the last mark (all of it under `serve`)
         gemv.MAX_M = envs.get("RANKSERVE_SKINNY_MAX_M")  # a process-wide kernel choice
         pdl.ENABLED = envs.get("RANKSERVE_PDL")
-        l2_prefetch.ENABLED = envs.get("RANKSERVE_L2_PREFETCH")
         tc = envs.get("RANKSERVE_QUANT_TC_MAX_M")  # measured: block FP8 layers 1.9x faster at M = 1
         quant.TC_MAX_M = tc if tc is not None else 16 if device.type == "cuda" else 0
         if quant.TC_MAX_M and device.type == "cuda":
@@ -356,8 +355,6 @@ class ModelRunner:
             k_shape, v_shape = self._kv_shapes(a, num_blocks)
             a.k_cache = torch.zeros(k_shape, dtype=self.kv_dtype, device=self.device)
             a.v_cache = torch.zeros(v_shape, dtype=self.kv_dtype, device=self.device)
-            if hasattr(a, "l2_prefetch") and hasattr(a, "o_proj"):
-                a.l2_prefetch = l2_prefetch.target_of(a.o_proj) if l2_prefetch.ENABLED else None
         if self.proposer is not None:
             self.proposer.allocate_kv_cache(num_blocks)
         if num_blocks > 1:  # not the memory profile's placeholder

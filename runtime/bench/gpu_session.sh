@@ -14,8 +14,7 @@
 #   w2fp8, w2gptq     W2 with FP8 weights (--quantization fp8: per channel) / GPTQ 4-bit (g128 sym,
 #                     llama-3.1-8b-gptq); w2fp8blk block FP8 (llama-3.1-8b-fp8block, as Qwen3-FP8);
 #                     the same with the tensor-core skinny kernels (RANKSERVE_QUANT_TC_MAX_M=16):
-#                     w2fp8tc, w2gptqtc, w2fp8blktc (about 40 s each with a warm cache); w2pf,
-#                     w2fp8tcpf, w2fp8blktcpf, w2gptqtcpf the same with RANKSERVE_L2_PREFETCH=1
+#                     w2fp8tc, w2gptqtc, w2fp8blktc (about 40 s each with a warm cache)
 #   ktc               tensor-core vs current quantized skinny GEMMs (correctness table first, then
 #                     us / TB/s beside the floor; Llama-8B and DeepSeek-V3 shapes; ~1-2 min);
 #                     tctests the GPU tests of kernels/quant_tc.py
@@ -151,12 +150,11 @@ for stage in "$@"; do case $stage in
   w2cublas) RANKSERVE_SKINNY_MAX_M=0 run w2cublas 100 python3 -m rankserve.launch bench latency llama-3.1-8b \
         --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 --max-num-seqs 8 --cache-dir "$CACHE" \
         --output-json "$OUT/w2cublas.json" ;;
-  w2fp8|w2fp8tc|w2gptq|w2gptqtc|w2fp8blk|w2fp8blktc|w2pf|w2fp8tcpf|w2fp8blktcpf|w2gptqtcpf) m=llama-3.1-8b; q=
-        base=${stage%pf}; pf=0; [ "$base" != "$stage" ] && pf=1  # *pf: RANKSERVE_L2_PREFETCH=1
-        case $base in w2fp8*blk*) m=llama-3.1-8b-fp8block ;; w2fp8*) q="--quantization fp8" ;;
+  w2fp8|w2fp8tc|w2gptq|w2gptqtc|w2fp8blk|w2fp8blktc) m=llama-3.1-8b; q=
+        case $stage in w2fp8*blk*) m=llama-3.1-8b-fp8block ;; w2fp8*) q="--quantization fp8" ;;
           w2gptq*) m=llama-3.1-8b-gptq ;; esac
-        tc=0; [ "${base%tc}" != "$base" ] && tc=16
-        RANKSERVE_L2_PREFETCH=$pf RANKSERVE_QUANT_TC_MAX_M=$tc run $stage 120 python3 -m rankserve.launch bench latency $m $q --batch-size 1 \
+        tc=0; [ "${stage%tc}" != "$stage" ] && tc=16
+        RANKSERVE_QUANT_TC_MAX_M=$tc run $stage 120 python3 -m rankserve.launch bench latency $m $q --batch-size 1 \
         --input-len 128 --output-len 256 --num-iters 3 --max-num-seqs 8 --cache-dir "$CACHE" --output-json "$OUT/$stage.json" ;;
   fp8layer) run fp8layer 240 python3 benchmarks/2026-12-04-h200-s11/fp8_layer.py ;;
   ktc) run ktc 240 python3 benchmarks/2026-12-03-h200-s3/tune.py tc ;;
