@@ -79,6 +79,7 @@ def test_counts_match_server_metrics(server, tmp_path):
     # one ITL per chunk after the first: at least as many as tokens beyond the first, per request
     assert all(len(itl) <= n - 1 for itl, n in zip(rec["itls"], rec["output_lens"]))
     assert (tmp_path / "p.png").stat().st_size > 0
+    assert rec["env"]["client_event_loop"] == "uvloop"  # the cheaper client loop (a dependency)
 
 
 def test_shared_prefixes_hit_and_tight_goodput(server, tmp_path):

@@ -113,6 +113,14 @@ def model_of(client) -> str:
     return client.models.list().data[0].id
 
 
+
+def test_api_server_runs_uvloop(server):
+    """uvloop is a dependency: the API process runs its event loop (uvicorn.run would pick it;
+    our own asyncio.run did not, so the server ran on asyncio's loop)."""
+    import importlib.util
+    assert importlib.util.find_spec("uvloop") is not None
+    assert any("API server event loop: uvloop" in line for line in server.lines), server.lines[-20:]
+
 def test_one_api_child_process(server):
     kids = server.children()
     assert len(kids) == 1, kids

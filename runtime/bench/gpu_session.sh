@@ -119,6 +119,8 @@ serve_w1() { local name=$1; shift; local d; d=$(mktemp -d); cp runtime/bench/con
     run "$name-$rname" 300 python3 -m rankserve.launch bench serve --base-url "http://127.0.0.1:$port" \
       $W1_SERVE $flags --result-filename "$name-$rname.json" --plot "$OUT/$name-$rname.png" --metadata gpus=$GPUS
   done
+  python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:$port/metrics', timeout=10).read().decode())" \
+    > "$OUT/$name-metrics.txt" 2>&1  # the API side's TTFT / ITL histograms beside the client's
   kill -INT $srv; ( sleep 60; kill -9 $srv 2> /dev/null ) & local killer=$!
   wait $srv; kill $killer 2> /dev/null
   python3 -m rankserve.runtime.bench.steplog "$OUT/$name-steps.csv" | tee "$OUT/$name-steps.txt"; }

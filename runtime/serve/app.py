@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, Response
 
 from ... import __version__
 from ..inputs import eos_token_ids_of, load_tokenizer
-from . import anthropic_api, openai_api, responses_api
+from . import anthropic_api, event_loop_factory, openai_api, responses_api
 from .admin_api import add_admin_routes
 from .args import ServerArgs
 from .client import EngineClient, EngineDeadError
@@ -474,8 +474,11 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     settings = msgspec.json.decode(sys.stdin.buffer.read())
+    factory = event_loop_factory()
+    log.info("API server event loop: %s", "asyncio" if factory is None else factory.__module__.split(".")[0])
     try:
-        code = asyncio.run(serve(settings))
+        with asyncio.Runner(loop_factory=factory) as runner:
+            code = runner.run(serve(settings))
     except (ValueError, KeyError) as e:  # bad --renderer / parser names and the like
         log.error("the API server cannot start: %s", e)
         code = 1
