@@ -44,7 +44,6 @@ DECODE_PROGRAMS_PER_SM = 8
 # tiles (BLOCK_M rows for one token x GROUP heads): W1's prefill ramp, attention 241 us a layer
 # (unified 152 + split 89) against 257 us (session 9's profile, another H200)
 MIXED_DECODE_SPLIT = True
-LONG_PROMPT = 256  # mean query length from which the unified kernel takes its tallest tiles
 
 
 # ----------------------------------------------------------------------------------------------
@@ -482,11 +481,11 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _unified_config(mean_q: int, head_dim: int, group: int, on_gpu: bool
+def _unified_config(num_tokens: int, num_seqs: int, head_dim: int, group: int, on_gpu: bool
                     ) -> tuple[int, int, int, int]:
     """(BLOCK_M rows = query tokens x group heads, BLOCK_N keys, num_warps, num_stages).
 
-    Shape-only: the mean query length picks the tile height. Decode-heavy mixed batches
+    Shape-only: the mean query length T // B picks the tile height. Decode-heavy mixed batches
     want short tiles (a decode token wastes BLOCK_Q - 1 rows of MMA work), long prefills tall
     ones. Measured on an H200 (bf16, head_dim 128, 32/8 heads): see kernels/benchmark.py.
     """
@@ -494,9 +493,9 @@ def _unified_config(mean_q: int, head_dim: int, group: int, on_gpu: bool
         block_m, block_n, warps, stages = 16, 16, 4, 1
     elif head_dim > 128:
         block_m, block_n, warps, stages = 64, 32, 4, 2
-    elif mean_q >= LONG_PROMPT:
+    elif num_tokens // max(num_seqs, 1) >= 256:
         block_m, block_n, warps, stages = 128, 32 if head_dim > 64 else 64, 4, 3
-    elif mean_q >= 16:
+    elif num_tokens // max(num_seqs, 1) >= 16:
         block_m, block_n, warps, stages = 64, 64, 4, 3
     else:
         block_m, block_n, warps, stages = 32, 64, 4, 3
@@ -518,13 +517,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     block_table: torch.Tensor, scale: float, *, is_decode: bool,
                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                    window: int = 0, softcap: float = 0.0, long_prompts: bool = False
-                    ) -> torch.Tensor:
+                    window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """q: [T, H, D]; caches [num_blocks, block_size, KH, D] (already holding this step's k/v);
     an fp8 cache is read with its scales (fp32 [] tensors, 1.0 when not given).
-    `long_prompts`: the requests with several query tokens average >= LONG_PROMPT of them (the
-    runner knows it from the plan; here it would take a device sync): with a mixed step's
-    one-token rows on the split-KV kernel, the unified kernel's tiles are sized for those.
 
     `is_decode`: the caller guarantees that every request has at most one query token (padding
     requests have none) and T == B. Never inferred from T == B: a padded prefill has that shape.
@@ -585,10 +580,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             BLOCK_N=DECODE_BLOCK_N if on_gpu else 16, BLOCK_D=block_d, NUM_SPLITS=1,
             ONLY_DECODE=True, KV_FP8=fp8, SOFTCAP=cap[1], IEEE=ieee,
             num_warps=4, num_stages=DECODE_STAGES, USE_PDL=False)
-    # mean query length the tiles are sized for: T // B counts the one-token rows, which the
-    # split-KV kernel took
-    mean_q = LONG_PROMPT if split_decodes and long_prompts else T // max(B, 1)
-    block_m, block_n, warps, stages = _unified_config(mean_q, D, group, on_gpu)
+    block_m, block_n, warps, stages = _unified_config(T, B, D, group, on_gpu)
     block_q = block_m // group
     grid = (T // block_q + B + 1, KH)
     _unified_attention_kernel[grid](

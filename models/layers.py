@@ -240,10 +240,6 @@ class AttnMeta:
     # every request has at most one query token (and T == B): the split-KV decode kernel. A
     # Python bool, so torch.compile guards on it: one graph per mode, no recompiles per step
     is_decode: bool = False
-    # the requests with several query tokens average >= LONG_PROMPT of them (a Python bool too):
-    # once a mixed step's one-token rows go to the split-KV kernel, the unified kernel sees only
-    # these and picks its tile height from it (kernels/triton_attention.py)
-    long_prompts: bool = False
     # state slot of each request for recurrent (Mamba2) layers: int32 [B], -1 for padding
     state_idx: torch.Tensor | None = None
 
@@ -289,7 +285,7 @@ class Attention(nn.Module):
         o = attention(qkv, positions, self.cos_sin, qn, kn, eps, self.k_cache, self.v_cache,
                       self.k_scale, self.v_scale, attn.slot_mapping, attn.query_start_loc,
                       attn.seq_lens, attn.block_table, self.qkv_proj.num_heads, self.scale, attn.is_decode,
-                      self.window, self.softcap, attn.long_prompts)
+                      self.window, self.softcap)
         return self.o_proj(o)
 
 

@@ -30,9 +30,8 @@ class CompiledModel:
         # speculative decoding: batches where every request has 1 + k query tokens (verify)
         self.verify_len = 0
         self.verify_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        # --cudagraph-mode full: steps with prompt tokens, per (token bucket, AttnMeta.long_prompts:
-        # the attention tiles a graph freezes) (None: capture failed)
-        self.mixed_graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor] | None] = {}
+        # --cudagraph-mode full: steps with prompt tokens, per token bucket (None: capture failed)
+        self.mixed_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor] | None] = {}
         self.mixed = False  # set by compile() for the model runner's target model
         self.pool = None  # the graphs' shared memory pool
         self.compiled = False
@@ -177,7 +176,7 @@ class CompiledModel:
         if hidden_in is not None:
             b.hidden[:T].copy_(hidden_in)
             hidden_in = b.hidden[:T2]
-        attn = b.attn(T2, B2, attn.is_decode, attn.long_prompts)
+        attn = b.attn(T2, B2, attn.is_decode)
         return self.forward(b.ids[:T2], b.pos[:T2], attn, hidden_in)[:T]
 
     # ---- CUDA graphs ------------------------------------------------------------------------
@@ -287,11 +286,11 @@ class CompiledModel:
         sizes = [s for s in (64, 128, 256) if s < top] + list(range(512, top, 512))
         return sizes + [top]
 
-    def mixed_inputs(self, T2: int, long_prompts: bool = False) -> tuple:
+    def mixed_inputs(self, T2: int) -> tuple:
         """The forward's arguments for a mixed graph of T2 tokens: every request slot
         (max_num_seqs) present, those past the step's requests padding (no query, no context)."""
         b, B2 = self.batch, self.cfg.scheduler.max_num_seqs
-        return (b.ids[:T2], b.pos[:T2], b.attn(T2, B2, is_decode=False, long_prompts=long_prompts),
+        return (b.ids[:T2], b.pos[:T2], b.attn(T2, B2, is_decode=False),
                 None if b.hidden is None else b.hidden[:T2])
 
     def _run_mixed_graph(self, T: int, attn: AttnMeta, hidden_in: torch.Tensor | None
@@ -301,28 +300,27 @@ class CompiledModel:
         if not self.mixed or attn.is_decode:
             return None
         T2 = next((s for s in self.mixed_sizes() if s >= T), None)
-        key = (T2, attn.long_prompts)
-        if T2 is None or self.mixed_graphs.get(key, ()) is None:
+        if T2 is None or self.mixed_graphs.get(T2, ()) is None:
             return None
         b = self.batch
         b.pad(T, T2, attn.seq_lens.shape[0], self.cfg.scheduler.max_num_seqs)
         if hidden_in is not None:
             b.hidden[:T].copy_(hidden_in)
-        if key not in self.mixed_graphs:
-            self.mixed_graphs[key] = self._capture_mixed(*key)
-            if self.mixed_graphs[key] is None:
+        if T2 not in self.mixed_graphs:
+            self.mixed_graphs[T2] = self._capture_mixed(T2)
+            if self.mixed_graphs[T2] is None:
                 return None
-        graph, out = self.mixed_graphs[key]
+        graph, out = self.mixed_graphs[T2]
         graph.replay()
         return out[:T]
 
     @torch.inference_mode()
-    def _capture_mixed(self, T2: int, long_prompts: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
+    def _capture_mixed(self, T2: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
         """Capture the mixed graph of T2 tokens over this step's own (padded) inputs. The warm-up
         forward before it writes this step's KV entries, the same values the replay then writes
         again; no other state changes (recurrent layers are refused). A capture that fails (an
         op that syncs or reads device values on the host) leaves that bucket eager."""
-        args = self.mixed_inputs(T2, long_prompts)
+        args = self.mixed_inputs(T2)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         t0 = time.perf_counter()

@@ -91,10 +91,10 @@ class InputBatch:
         return new
 
     # ---- device buffers ---------------------------------------------------------------------
-    def attn(self, T: int, B: int, is_decode: bool, long_prompts: bool = False) -> AttnMeta:
+    def attn(self, T: int, B: int, is_decode: bool) -> AttnMeta:
         """Attention metadata over the buffers' first T tokens and B requests."""
         return AttnMeta(self.slots[:T], self.qsl[:B + 1], self.seq_lens[:B], self.table[:B],
-                        is_decode=is_decode, long_prompts=long_prompts, state_idx=self.state_idx[:B])
+                        is_decode=is_decode, state_idx=self.state_idx[:B])
 
     def pad(self, T: int, T2: int, B: int, B2: int) -> None:
         """Tokens T..T2 and requests B..B2 become padding: the tokens write no KV (slot -1) and

@@ -18,7 +18,6 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..kernels.triton_attention import LONG_PROMPT
 from ..kernels import gemv, pdl, quant, quant_tc
 from ..models.deepseek import without_mtp
 from ..models.layers import AttnMeta
@@ -146,12 +145,6 @@ class StepInputs:
     new: np.ndarray | None = None  # [B] bool: the request (re)starts on this rank
     known: np.ndarray | None = None  # [B] tokens the host knows (the rest are placeholders)
     pause_on_miss: np.ndarray | None = None  # [B] bool: pauses drafting if it accepts nothing
-
-
-def long_prompts(counts: np.ndarray) -> bool:
-    """AttnMeta.long_prompts of a step whose requests have `counts` query tokens each."""
-    multi = counts[counts > 1]
-    return bool(len(multi)) and bool(multi.mean() >= LONG_PROMPT)
 
 
 class ModelRunner:
@@ -457,7 +450,6 @@ class ModelRunner:
         attn = AttnMeta(put(slots, b.slots), put(cu.astype(np.int32), b.qsl),
                         put(seq_lens.astype(np.int32), b.seq_lens), b.table[:B],
                         is_decode=B > 0 and int(counts.max()) == 1,  # the plan decides the mode
-                        long_prompts=long_prompts(counts),
                         state_idx=put(rows.astype(np.int32), b.state_idx))
         ids = put(input_ids, b.ids)
         if self.lora is not None:

@@ -183,48 +183,6 @@ def test_mixed_step_decode_rows_either_kernel(interp, split):
     interp(mixed_decode_rows_case, split)
 
 
-def long_prompts_case():
-    """AttnMeta.long_prompts sizes the unified kernel's tiles for a mixed step's prompt rows (the
-    one-token rows go to the split-KV kernel): with it, the GPU's tallest tiles; without, the
-    mean over all rows. Either way the output is the reference's (the tiles run here at the
-    GPU's sizes)."""
-    seen = []
-    real = ta._unified_config
-
-    def gpu_tiles(mean_q, head_dim, group, on_gpu):
-        seen.append(mean_q)
-        return real(mean_q, head_dim, group, True)
-    ta._unified_config = gpu_tiles
-    q_lens, seq_lens = [300, 1, 1, 1, 260, 1], [300, 40, 9, 77, 270, 5]
-    batch = make_batch(q_lens, seq_lens, kv_heads=2, group=2, head_dim=16, block_size=16, seed=3)
-    q, k, v, qsl, sl, bt = batch
-    ref = paged_attention_ref(q, k, v, qsl, sl, bt, 0.25, is_decode=False)
-    try:
-        for hint in (True, False):
-            out = ta.paged_attention(q, k, v, qsl, sl, bt, 0.25, is_decode=False, long_prompts=hint)
-            torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    finally:
-        ta._unified_config = real
-    return seen
-
-
-def test_long_prompts_pick_tall_tiles(interp):
-    T, B = 300 + 260 + 4, 6
-    assert interp(long_prompts_case) == [ta.LONG_PROMPT, T // B]
-    assert ta._unified_config(ta.LONG_PROMPT, 128, 2, True)[0] == 128  # 64 tokens x 2 heads
-    assert ta._unified_config(T // B, 128, 2, True)[0] == 64
-
-
-def test_runner_long_prompts_flag():
-    import numpy as np
-
-    from rankserve.runtime.model_runner import long_prompts
-    assert long_prompts(np.array([1, 1, 300, 260]))  # decodes do not dilute the prompts' mean
-    assert not long_prompts(np.array([1, 1, 1]))  # a decode step
-    assert not long_prompts(np.array([100, 1, 17]))
-    assert long_prompts(np.array([ta.LONG_PROMPT]))
-
-
 def decode_one_split_case():
     # a batch large enough for one split per sequence: the split kernel writes out directly
     seq_lens = [1 + 23 * i for i in range(14)] + [0, 0]
@@ -413,21 +371,6 @@ def test_gpu_mixed_bf16():
     q_lens = [1000, 1, 300, 1, 77, 513, 0]
     seq_lens = [1000, 4000, 2348, 17, 77, 4096, 0]
     check_attention(make_batch(q_lens, seq_lens, pad_tokens=13, **REAL), atol=2e-2, rtol=2e-2)
-
-
-@gpu
-@needs_cuda
-def test_gpu_mixed_long_prompts_bf16():
-    """A W1 prefill-ramp step (prompts of ~560 tokens beside 200 decodes) with the tall tiles of
-    AttnMeta.long_prompts against the reference."""
-    g = torch.Generator().manual_seed(7)
-    prompts = torch.randint(100, 1024, (12,), generator=g).tolist()
-    ctx = torch.randint(100, 2000, (200,), generator=g).tolist()
-    q, kc, vc, qsl, sl, bt = make_batch(prompts + [1] * 200 + [0], prompts + ctx + [0], pad_tokens=5, **REAL)
-    out = ta.paged_attention(q, kc, vc, qsl, sl, bt, 0.1, is_decode=False, long_prompts=True)
-    ref = paged_attention_ref(q, kc, vc, qsl, sl, bt, 0.1)
-    n = int(qsl[-1])
-    torch.testing.assert_close(out[:n].float(), ref[:n].float(), atol=2e-2, rtol=2e-2)
 
 
 @gpu
