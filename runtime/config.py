@@ -164,7 +164,7 @@ class CompilationConfig:
     cuda_graph_max_bs: int | None = opt(None, "largest captured batch (default: max_num_seqs, at most 512)")
     cudagraph_mode: str = opt("decode", "decode: CUDA graphs for decode steps; full: also for steps "
                               "with prompt tokens, one graph per token-count bucket (64, 128, 256, "
-                              "then multiples of 512), captured when a step of its size first runs "
+                              "then multiples of 512), all captured at start-up "
                               "(single-rank engines without recurrent layers)",
                               choices=("decode", "full"))
     cache_dir: str = opt(_default_cache_dir(), "compile and autotune caches, model-config snapshots")
@@ -443,9 +443,9 @@ class EngineConfig:
                 raise ConfigError("--cudagraph-mode full needs CUDA graphs: a CUDA device, "
                                   "--compilation-level 1 or 2 and no --enforce-eager")
             if self.parallel.total_ranks > 1:
-                raise ConfigError("--cudagraph-mode full runs on single-rank engines only (its "
-                                  "graphs are captured when a step size first runs, which ranks "
-                                  "would have to agree on); drop it, or the parallelism flags")
+                raise ConfigError("--cudagraph-mode full runs on single-rank engines only (graphs "
+                                  "of mixed steps with collectives are not supported yet); drop "
+                                  "it, or the parallelism flags")
         if self.device.device == "cpu" and self.device.device_ids:
             raise ConfigError("--device-ids selects CUDA devices; it cannot go with --device cpu")
         self._check_speculative()

@@ -108,7 +108,7 @@ class RunnerSleep:
         if self.runner.device.type == "cuda":
             torch.cuda.synchronize(self.runner.device)
         cm.graphs.clear()
-        cm.mixed_graphs.clear()  # (captured again when their sizes next run)
+        cm.mixed_graphs.clear()  # (captured again with the decode graphs on wake-up)
 
     def _drop_kv_cache(self) -> None:
         r = self.runner

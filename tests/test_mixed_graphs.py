@@ -44,10 +44,14 @@ def test_padded_buckets_give_the_eager_tokens(checkpoint):
     cm = llm.engine.executor.runner.compiled_model
     replays = []
     cm.mixed = True  # as compile() sets it on CUDA with --cudagraph-mode full
-    cm._capture_mixed = lambda T2: (lambda g: (g, g.out))(ReplayForward(cm.forward, cm.mixed_inputs(T2), replays))
+    captured = []
+    cm._capture_mixed = lambda T2: captured.append(T2) or (lambda g: (g, g.out))(
+        ReplayForward(cm.forward, cm.mixed_inputs(T2), replays))
+    cm.capture_mixed_graphs()  # at start-up: every bucket, largest first, over all-padding steps
+    assert captured == sorted(cm.mixed_sizes(), reverse=True) and set(cm.mixed_graphs) == set(captured)
     padded = llm.generate(mixed_prompts(), sp)
-    assert replays and set(replays) <= set(cm.mixed_sizes())
-    assert len(cm.mixed_graphs) >= 2  # several buckets were used
+    assert len(captured) == len(cm.mixed_sizes())  # none captured while serving
+    assert replays and len(set(replays)) >= 2  # steps of several buckets replayed their graphs
     for a, b in zip(eager, padded):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
@@ -92,7 +96,9 @@ def test_gpu_mixed_graphs_match_eager(checkpoint, model, level):
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     eager = LLM(path, enforce_eager=True, **common).generate(mixed_prompts(), sp)
     llm = LLM(path, compilation_level=level, cudagraph_mode="full", **common)
+    cm = llm.engine.executor.runner.compiled_model
+    graphs = dict(cm.mixed_graphs)  # captured at start-up, every bucket
+    assert set(graphs) == set(cm.mixed_sizes()) and all(g is not None for g in graphs.values()), graphs
     out = llm.generate(mixed_prompts(), sp)
-    graphs = llm.engine.executor.runner.compiled_model.mixed_graphs
-    assert graphs and all(g is not None for g in graphs.values()), graphs
+    assert cm.mixed_graphs == graphs
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in eager]
