@@ -399,6 +399,9 @@ def bench_multiturn(num_conversations, prefix_len, turns, turn_len, output_len, 
 @click.option("--dataset-path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="ShareGPT-format JSON or JSONL")
 @click.option("--num-prompts", type=click.IntRange(min=1), default=1000, show_default=True)
+@click.option("--num-warmups", type=click.IntRange(min=0), default=0, show_default=True,
+              help="requests sent before the measured run (all at once, under --max-concurrency; "
+              "prompts drawn from another seed), left out of its numbers")
 @click.option("--request-rate", type=float, default=float("inf"), show_default=True,
               help="requests/s (inf: all at once)")
 @click.option("--burstiness", type=float, default=1.0, show_default=True,

@@ -82,6 +82,21 @@ def test_counts_match_server_metrics(server, tmp_path):
     assert rec["env"]["client_event_loop"] == "uvloop"  # the cheaper client loop (a dependency)
 
 
+def test_warmups_run_first_and_stay_out_of_the_results(server, tmp_path):
+    """--num-warmups N (as vLLM's): N requests before the measured run, at its concurrency, left
+    out of its numbers; drawn like the measured ones from another seed, so the measured prompts
+    find nothing of theirs in the prefix cache."""
+    code, rec, delta = bench(server, tmp_path, num_prompts=6, num_warmups=5, random_input_len=40,
+                             random_output_len=4, ignore_eos=True, max_concurrency=3)
+    assert code == 0 and rec["completed"] == 6 and rec["num_warmups"] == 5
+    assert delta["request_success_total"] == 6 + 5  # the server saw both
+    assert delta["generation_tokens_total"] == rec["total_output_tokens"] + 5 * 4
+    assert len(rec["output_lens"]) == 6
+    assert delta["prefix_cache_hits_total"] == 0
+    with pytest.raises(ValueError, match="--num-warmups"):
+        ServeBenchArgs(num_warmups=-1).validate()
+
+
 def test_shared_prefixes_hit_and_tight_goodput(server, tmp_path):
     code, rec, delta = bench(
         server, tmp_path, dataset_name="prefix_repetition", num_prompts=12, prefix_repetition_prefix_len=64,

@@ -204,8 +204,9 @@ for stage in "$@"; do case $stage in
   servew1full) # servew1's concurrency-256 run with --cudagraph-mode full (graphs for the mixed steps)
         GPUS=1 SERVE_RUNS=${SERVE_RUNS:-"c256:--num-prompts 256 --max-concurrency 256"} \
         SERVE_EXTRA="--cudagraph-mode full" serve_w1 servew1full ;;
-  servew1fullb*) # servew1full at --max-num-batched-tokens N (stage servew1fullbN): shorter mixed steps
-        GPUS=1 SERVE_RUNS=${SERVE_RUNS:-"c256:--num-prompts 256 --max-concurrency 256"} \
+  servew1fullb*) # servew1full at --max-num-batched-tokens N (stage servew1fullbN): shorter mixed steps,
+        # measured after a warm-up burst of other prompts (the first burst after start is slower)
+        GPUS=1 SERVE_RUNS=${SERVE_RUNS:-"c256:--num-prompts 256 --max-concurrency 256 --num-warmups 256"} \
         SERVE_EXTRA="--cudagraph-mode full --max-num-batched-tokens ${stage#servew1fullb}" serve_w1 $stage ;;
   w1fullb*) run $stage 170 python3 -m rankserve.launch bench throughput qwen3-0.6b --workload w1 --max-num-seqs 256 \
         --cudagraph-mode full --max-num-batched-tokens ${stage#w1fullb} --cache-dir "$CACHE" --output-json "$OUT/$stage.json" ;;

@@ -33,7 +33,7 @@ import platform
 import shlex
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Callable
 
 import numpy as np
@@ -61,6 +61,7 @@ class ServeBenchArgs:
     dataset_name: str = "random"
     dataset_path: str | None = None
     num_prompts: int = 1000
+    num_warmups: int = 0  # requests sent (all at once, under max_concurrency) before the measured run
     request_rate: float = float("inf")
     burstiness: float = 1.0
     max_concurrency: int | None = None
@@ -112,6 +113,8 @@ class ServeBenchArgs:
             raise ValueError(f"--request-rate must be > 0 (or inf), got {self.request_rate}")
         if not 0 < self.burstiness < float("inf"):
             raise ValueError(f"--burstiness must be > 0 (and finite), got {self.burstiness}")
+        if self.num_warmups < 0:
+            raise ValueError(f"--num-warmups must be >= 0, got {self.num_warmups}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
         if not 0 <= self.random_range_ratio < 1:
@@ -559,6 +562,21 @@ def _environment() -> dict:
                 argv=list(sys.argv))
 
 
+def warm_up(runner: asyncio.Runner, args: ServeBenchArgs, model: str, tokenizer) -> None:
+    """--num-warmups: that many requests, drawn like the measured ones but from another seed
+    (the measured prompts find none of theirs in the prefix cache), all at once under
+    --max-concurrency, before the measured run; their numbers are not kept."""
+    w = replace(args, num_prompts=args.num_warmups, request_rate=float("inf"), burstiness=1.0,
+                disable_tqdm=True)
+    rng = np.random.default_rng([args.seed, 1])
+    warm = DATASETS[args.dataset_name](w, rng, tokenizer)[:args.num_warmups]
+    print(f"warming up with {len(warm)} requests", flush=True)
+    results, seconds = runner.run(run_requests(w, model, warm, rng))
+    if failed := sum(not r.success for r in results):
+        print(f"warning: {failed} of {len(results)} warm-up request(s) failed", file=sys.stderr)
+    print(f"warm-up done in {seconds:.1f} s", flush=True)
+
+
 def run(args: ServeBenchArgs) -> int:
     """Run the benchmark, print the summary, save JSON / plot; 0, or 1 when requests failed."""
     args.validate()
@@ -587,6 +605,8 @@ def run(args: ServeBenchArgs) -> int:
           f"{model}; rate {args.request_rate} req/s (burstiness {args.burstiness}), max concurrency "
           f"{args.max_concurrency or '-'}", flush=True)
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:  # uvloop: a cheaper client
+        if args.num_warmups:
+            warm_up(runner, args, model, tokenizer)
         results, duration = runner.run(run_requests(args, model, requests, rng))
     s = summarize(args, results, duration)
     errors = [r.error for r in results if not r.success]
@@ -595,7 +615,7 @@ def run(args: ServeBenchArgs) -> int:
                   base_url=args.base_url, endpoint=args.endpoint, model_id=model,
                   tokenizer_id=args.tokenizer, num_prompts=len(requests), request_rate=args.request_rate,
                   burstiness=args.burstiness, max_concurrency=args.max_concurrency,
-                  goodput_slo_ms=args.goodput or None, metadata=args.metadata,
+                  num_warmups=args.num_warmups, goodput_slo_ms=args.goodput or None, metadata=args.metadata,
                   workload=workload(args), **s,
                   input_lens=[r.prompt_len for r in results], output_lens=[r.output_tokens for r in results],
                   ttfts=[r.ttft for r in results], itls=[r.itl for r in results],
