@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from ..kernels.moe import fused_moe
 from ..kernels.quant import FP8, quant_fp8_weight
 from .layers import GatedMLP, divide
-from .loader import read_slice as _read
+from .loader import read_slice as _read, slice_shape
 from .parallel import ParallelInfo, tp_all_reduce
-from .quantization import MoEQuant, _fp8_tensor, current_moe_quant
+from .quantization import MoEQuant, _fp8_tensor, check_channel_scale, copy_checked, current_moe_quant
 from .llama import CausalLM
 from .registry import MODELS
 
@@ -98,13 +98,16 @@ class FusedExperts(nn.Module):
         if block:  # [out / bn, in / bk] blocks: the TP slice is whole blocks (checked above)
             bn, bk = block
             if part == 2:
-                param.data[e].copy_(_read(src, (slice(None), slice(rows.start // bk, -(-rows.stop // bk)))).float())
+                copy_checked(param.data[e], _read(src, (slice(None), slice(rows.start // bk, -(-rows.stop // bk)))),
+                             slice_shape(src))
             else:
                 n = self.inter // bn
-                param.data[e, part * n:(part + 1) * n].copy_(
-                    _read(src, slice(rows.start // bn, rows.stop // bn)).float())
+                copy_checked(param.data[e, part * n:(part + 1) * n],
+                             _read(src, slice(rows.start // bn, rows.stop // bn)), slice_shape(src))
             return
-        t = _read(src).float().reshape(-1)  # per channel [N(, 1)] or per tensor
+        t = _read(src).float()  # per channel [N(, 1)] or per tensor
+        check_channel_scale(t, self.w2.shape[1] if part == 2 else rows.stop)
+        t = t.reshape(-1)
         if part == 2:
             param.data[e] = t if t.numel() > 1 else t[0]
         else:

@@ -46,6 +46,26 @@ def _div(a: int, b: int, what: str) -> int:
     return a // b
 
 
+def check_channel_scale(t: torch.Tensor, rows: int) -> None:
+    """A per-channel scale has an entry per output row (at least the `rows` this rank reads),
+    a per-tensor one a single entry: anything else is refused, not broadcast."""
+    if t.numel() != 1 and (t.numel() < rows or t.dim() > 1 and t.shape[1:].numel() != 1):
+        raise ValueError(f"has shape {list(t.shape)} in the checkpoint: a per-channel scale needs "
+                         f"one entry per output row ({rows} at least here: [{rows}] or "
+                         f"[{rows}, 1]), a per-tensor one a single entry")
+
+
+def copy_checked(dst: torch.Tensor, block: torch.Tensor, stored: list[int]) -> None:
+    """dst.copy_(block), refusing a block of another shape: copy_ would broadcast a short one
+    (one row of a block scale over every block row) without a word."""
+    if tuple(block.shape) != tuple(dst.shape):
+        raise ValueError(f"has shape {list(stored)} in the checkpoint, which does not fit this "
+                         f"layer: it reads a [{', '.join(map(str, block.shape))}] block of it where "
+                         f"[{', '.join(map(str, dst.shape))}] is needed (a scale's shape must "
+                         "follow its weight's, and the block / group size)")
+    dst.copy_(block)
+
+
 @dataclasses.dataclass
 class Slices:
     """What one rank keeps of a (fused) linear layer: `rows` = (offset in the rank's param,
@@ -77,10 +97,8 @@ def load_2d(param: torch.Tensor, src, s: Slices, out_axis: int, out_div: int = 1
     if convert is not None:
         block = convert(block)
     o = _div(off, out_div, "fused shard offset") if out_div > 1 and not unpacks else off
-    if out_axis == 0:
-        param.data[o:o + block.shape[0]].copy_(block)
-    else:
-        param.data[:, o:o + block.shape[1]].copy_(block)
+    rows = (r.stop - r.start) * (out_div if unpacks else 1)  # the param's, from what was asked
+    copy_checked(param.data[o:o + rows] if out_axis == 0 else param.data[:, o:o + rows], block, shape)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -189,6 +207,7 @@ class Fp8Linear(LinearMethod):
     def _load_scale(p, src, s: Slices):
         t = _read(src).float()
         off, start, n = s.rows
+        check_channel_scale(t, start + n)
         if t.numel() == 1:  # per-tensor: every row of this shard
             p.data[off:off + n] = t.reshape(())
         else:  # per-channel [N] or [N, 1]

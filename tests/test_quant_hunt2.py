@@ -257,3 +257,47 @@ def test_gptq_modules_in_block_to_quantize_without_experts_keeps_them_dense(moe,
     layer = llm.engine.executor.runner.model.model.layers["0"]
     assert layer.mlp.experts.quant.describe() == "experts (dense)" and not layer.self_attn.qkv_proj.quant.dense
     assert_matches_reference(llm, ref, None, False)  # 4-bit attention: exact weights
+
+
+@pytest.mark.parametrize("name", ["model.layers.1.mlp.experts.3.up_proj.weight_scale_inv",
+                                  "model.layers.1.mlp.experts.3.down_proj.weight_scale_inv"])
+def test_a_block_scale_of_the_wrong_shape_is_refused_naming_it(moe, tmp_path, name):
+    """A block-FP8 scale must be [ceil(out / bn), ceil(in / bk)]: one row of it was broadcast
+    over the expert's every block row."""
+    from safetensors.torch import save_file
+    path = Path(write(moe, tmp_path / "q", "fp8-block"))
+    state = load_file(str(path / "model.safetensors"))
+    good = tuple(state[name].shape)
+    state[name] = state[name][:1].contiguous()
+    save_file(state, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"{name}: .*shape \[1, {good[1]}\].*\[{good[0]}, {good[1]}\]"):
+        LLM(str(path), dtype="float32", max_num_seqs=2)
+
+
+def test_a_dense_block_scale_of_the_wrong_shape_is_refused_naming_it(llama, tmp_path):
+    from safetensors.torch import save_file
+    path = Path(write(llama, tmp_path / "q", "fp8-block"))
+    state = load_file(str(path / "model.safetensors"))
+    name = "model.layers.1.mlp.up_proj.weight_scale_inv"
+    good = tuple(state[name].shape)
+    state[name] = state[name][:1].contiguous()
+    save_file(state, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"{name}: .*shape \[1, {good[1]}\].*\[{good[0]}, {good[1]}\]"):
+        LLM(str(path), dtype="float32", max_num_seqs=2)
+
+
+@pytest.mark.parametrize("model, name", [
+    ("llama", "model.layers.1.mlp.up_proj.weight_scale"),
+    ("moe", "model.layers.1.mlp.experts.3.up_proj.weight_scale"),
+    ("moe", "model.layers.1.mlp.experts.3.down_proj.weight_scale")])
+def test_a_channel_scale_of_the_wrong_length_is_refused_naming_it(request, tmp_path, model, name):
+    """A per-channel scale has one entry per output row (or one for the tensor): a shorter one
+    was a torch shape error without the tensor's name, or a silent broadcast."""
+    from safetensors.torch import save_file
+    path = Path(write(request.getfixturevalue(model), tmp_path / "q", "fbgemm_fp8"))
+    state = load_file(str(path / "model.safetensors"))
+    n = state[name].shape[0]
+    state[name] = state[name][: n // 2].contiguous()
+    save_file(state, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"{name}: .*{n // 2}.*{n}"):
+        LLM(str(path), dtype="float32", max_num_seqs=2)
