@@ -176,6 +176,25 @@ def test_startup_log_counts_mlas_dequantized_kv_b_proj(checkpoint, tmp_path, cap
             "21 x fp8 e4m3 (block 16x16)") in caplog.text, caplog.text[-2000:]
 
 
+def test_bench_floor_counts_mlas_dequantized_kv_b_proj(checkpoint, tmp_path):
+    """The floor's bytes per linear weight (`byte_widths`) read the FP8 kv_b_proj at 1 byte a
+    weight, but the absorbed attention streams its dequantized 16-bit copy every step."""
+    from rankserve.runtime.bench.common import byte_widths
+    from test_deepseek import _quantize_block_fp8
+    fp8, _ = _quantize_block_fp8(checkpoint("DeepseekV3ForCausalLM"), tmp_path)
+    runner = LLM(fp8, dtype="float32", max_num_seqs=2).engine.executor.runner
+    nbytes = logical = 0
+    for mod in runner.model.modules():
+        if getattr(mod, "quant", None) is None:
+            continue
+        own = sum(p.numel() * p.element_size() for n, p in mod.named_parameters(recurse=False) if n != "bias")
+        dense = [a.w_kv_b for a in runner.model.attention_layers() if a.kv_b_proj is mod]
+        nbytes += dense[0].numel() * dense[0].element_size() if dense else own
+        logical += mod.weight_shape[0] * mod.weight_shape[1] if hasattr(mod, "weight_shape") else (
+            mod.w13.numel() + mod.w2.numel())
+    assert byte_widths(runner)["linear"] == pytest.approx(nbytes / logical)
+
+
 def test_kv_scales_of_a_bin_checkpoint_are_loaded(tmp_path):
     """Weights load from pytorch_model*.bin where a checkpoint has no safetensors, but the fp8
     cache's k/v scales were looked for in *.safetensors only: 1.0 silently took their place."""

@@ -323,10 +323,14 @@ def byte_widths(runner) -> dict:
     their scales), per KV-cache element and (hybrid models) per SSM-state element, measured on
     the runner's model, for the floor."""
     nbytes = logical = 0
+    # MLA streams a dequantized 16-bit copy of an FP8 kv_b_proj (models/deepseek.py), not its own
+    dense = {id(a.kv_b_proj): a.w_kv_b for a in runner.model.modules()
+             if getattr(a, "w_kv_b", None) is not None}
     for mod in runner.model.modules():
         if getattr(mod, "quant", None) is None:
             continue
-        own = [p for n, p in mod.named_parameters(recurse=False) if n != "bias"]
+        own = [dense[id(mod)]] if id(mod) in dense else [
+            p for n, p in mod.named_parameters(recurse=False) if n != "bias"]
         nbytes += sum(p.numel() * p.element_size() for p in own)
         if hasattr(mod, "weight_shape"):  # a parallel linear layer: in x out weights
             logical += mod.weight_shape[0] * mod.weight_shape[1]
