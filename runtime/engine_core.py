@@ -208,11 +208,11 @@ class EngineCore:
                 self.in_flight.append((plan, self.executor.submit(plan)))
                 t2 = time.perf_counter()
                 if len(self.in_flight) < self.depth:
-                    return EngineCoreOutputs(timestamp=time.time())
+                    return EngineCoreOutputs(timestamp=time.monotonic())
         if not self.in_flight:
             self.last_phases = (t1 - t0, t2 - t1, 0.0, 0.0)  # (not the last step's: nothing ran)
             return EngineCoreOutputs(outputs=self.scheduler.take_error_outputs(),
-                                     stats=self.scheduler.stats(), timestamp=time.time())
+                                     stats=self.scheduler.stats(), timestamp=time.monotonic())
         plan, handle = self.in_flight.popleft()
         result = self.executor.collect(handle)
         t3 = time.perf_counter()

@@ -68,6 +68,10 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     error: str | None = None
     error_status: int | None = None  # HTTP status of `error` when not 400 (503: the engine sleeps)
+    # with a request's first output only (vLLM's QUEUED / SCHEDULED events): when it entered the
+    # waiting queue and when it was first scheduled, on the clock of EngineCoreOutputs.timestamp
+    queued_ts: float = 0.0
+    scheduled_ts: float = 0.0
 
     @property
     def finished(self) -> bool:
@@ -114,6 +118,8 @@ class SchedulerStats(msgspec.Struct, array_like=True):
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     outputs: list[EngineCoreOutput] = []
     stats: SchedulerStats | None = None
+    # the engine's time.monotonic() when the outputs were made (vLLM's engine_core_timestamp): the
+    # API takes a request's first and last token times from it (a clock that never steps back)
     timestamp: float = 0.0
     # reply to a utility call: (call_id, result or None, error or None)
     utility_result: tuple[int, object, str | None] | None = None

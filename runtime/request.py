@@ -40,6 +40,10 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        # engine clock (time.monotonic): entered the waiting queue, first scheduled (a preempted
+        # request keeps it, as vLLM's); sent with the first output for the phase histograms
+        self.queued_ts = 0.0
+        self.scheduled_ts = 0.0
         # prompt logprobs are gathered chunk by chunk and sent with the first output
         self.prompt_logprobs: list = []
         # structured outputs: compilation future, then the grammar matcher (structured_output.py)

@@ -180,6 +180,7 @@ class Scheduler:
     # ---- requests in and out --------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
+        req.queued_ts = time.monotonic()  # (not on re-queueing after a preemption: _enqueue)
         if req.sampling_params.structured_outputs is not None:
             req.grammar = self.structured.submit(req.sampling_params.structured_outputs)
             self.compiling.append(req)
@@ -296,6 +297,8 @@ class Scheduler:
             req.num_computed_tokens = num_cached
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
+            if not req.scheduled_ts:  # the first time only: a resumed preemption keeps it
+                req.scheduled_ts = time.monotonic()
             self.running.append(req)
             if lid is not None:
                 loras.add(lid)
@@ -529,8 +532,10 @@ class Scheduler:
                     reason = FinishReason.STOP
             o = EngineCoreOutput(rid, new, new_logprobs=[lp] if lp is not None else None,
                                  num_cached_tokens=max(req.num_cached_tokens, 0))
-            if req.num_output_tokens == len(new) and req.sampling_params.prompt_logprobs is not None:
-                o.prompt_logprobs = req.prompt_logprobs
+            if req.num_output_tokens == len(new):  # its first output
+                o.queued_ts, o.scheduled_ts = req.queued_ts, req.scheduled_ts
+                if req.sampling_params.prompt_logprobs is not None:
+                    o.prompt_logprobs = req.prompt_logprobs
             if reason is not None:
                 self.running.remove(req)
                 self._finish(req, reason, stop)
@@ -544,7 +549,7 @@ class Scheduler:
         for rid, entries in result.prompt_logprobs.items():
             if rid in self.requests:
                 self.requests[rid].prompt_logprobs.extend(entries)
-        return EngineCoreOutputs(outputs=outputs, stats=self.stats(), timestamp=time.time())
+        return EngineCoreOutputs(outputs=outputs, stats=self.stats(), timestamp=time.monotonic())
 
     def _roll_back(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         """The rejected drafts' KV is garbage: recompute from the first of them, and give back

@@ -1,6 +1,9 @@
 """Prometheus metrics of the API process: engine stats become gauges and counters."""
 from __future__ import annotations
 
+import re
+import time
+
 from rankserve.runtime.messages import SchedulerStats
 from rankserve.runtime.serve.metrics import Metrics
 from test_server import metric
@@ -86,3 +89,87 @@ def test_lora_info_is_the_union_over_replicas():
     text = m.exposition().decode()
     assert 'running_lora_adapters="a,b,c"' in text and 'waiting_lora_adapters="d"' in text
     assert text.count("rankserve:lora_requests_info{") == 1
+
+
+# ---- per-request phase histograms (vLLM's queue / prefill / decode / inference / TPOT) -------
+PHASES = ("queue_time", "prefill_time", "decode_time", "inference_time", "time_per_output_token")
+
+
+def test_request_phases_arithmetic():
+    """vLLM's intervals over engine timestamps: queued → first scheduled → first token → last
+    token; TPOT is the decode time over the tokens after the first (none for one token)."""
+    from rankserve.runtime.serve.metrics import request_phases
+    queue, prefill, decode, inference, tpot = request_phases(10.0, 10.5, 11.25, 13.25, 5)
+    assert (queue, prefill, decode, inference, tpot) == (0.5, 0.75, 2.0, 2.75, 0.5)
+    assert prefill + decode == inference  # the running phase is prefill then decode
+    assert queue + inference == 13.25 - 10.0  # queued → last token, within the e2e latency
+    assert request_phases(10.0, 10.5, 11.0, 11.0, 1) == (0.5, 0.5, 0.0, 0.5, None)
+    assert request_phases(1.0, 1.0, 1.5, 2.5, 3)[4] == 0.5
+
+
+def test_request_phase_histograms_have_vllms_buckets_and_skip_missing_timing():
+    m = Metrics("tiny")
+    m.record_finished("length", 5, 5, 3.5, timing=(10.0, 10.5, 11.25, 13.25))
+    m.record_finished("stop", 5, 1, 1.5, timing=(10.0, 10.5, 11.0, 11.0))
+    m.record_finished("abort", 5, 2, 0.5)  # no engine timing: only the existing series
+    text = m.exposition().decode()
+    counts = {p: metric(text, f"rankserve:request_{p}_seconds_count") for p in PHASES}
+    sums = {p: metric(text, f"rankserve:request_{p}_seconds_sum") for p in PHASES}
+    assert counts == dict.fromkeys(PHASES[:4], 2) | {"time_per_output_token": 1}
+    assert sums == {"queue_time": 1.0, "prefill_time": 1.25, "decode_time": 2.0,
+                    "inference_time": 3.25, "time_per_output_token": 0.5}
+    assert metric(text, "rankserve:e2e_request_latency_seconds_count") == 3  # unchanged series
+    les = lambda name: re.findall(rf'^rankserve:{name}_bucket{{engine="0",le="([^"]+)"', text, re.M)  # noqa: E731
+    request_latency = ["0.3", "0.5", "0.8", "1.0", "1.5", "2.0", "2.5", "5.0", "10.0", "15.0",
+                       "20.0", "30.0", "40.0", "50.0", "60.0", "120.0", "240.0", "480.0", "960.0",
+                       "1920.0", "7680.0", "+Inf"]
+    for p in PHASES[:4]:
+        assert les(f"request_{p}_seconds") == request_latency, p
+    assert les("request_time_per_output_token_seconds") == [
+        "0.01", "0.025", "0.05", "0.075", "0.1", "0.15", "0.2", "0.3", "0.4", "0.5", "0.75", "1.0",
+        "2.5", "5.0", "7.5", "10.0", "20.0", "40.0", "80.0", "+Inf"]
+
+
+def test_scheduler_records_queued_and_first_scheduled_times(monkeypatch):
+    """The engine stamps a request when it enters the waiting queue and when it is first
+    scheduled (a preempted request keeps that time, as vLLM's), and sends both with the request's
+    first output; output batches carry the same clock."""
+    import itertools
+    import types
+
+    from rankserve.runtime import scheduler as scheduler_mod
+    from rankserve.runtime.config import CacheConfig, SchedulerConfig
+    from rankserve.runtime.messages import EngineCoreRequest
+    from rankserve.runtime.model_runner import ModelRunnerOutput
+    from rankserve.runtime.request import Request
+    from rankserve.runtime.sampling_params import SamplingParams
+    ticks = itertools.count(1)
+    monkeypatch.setattr(scheduler_mod, "time", types.SimpleNamespace(
+        monotonic=lambda: float(next(ticks)), perf_counter=time.perf_counter))
+    sched = scheduler_mod.Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64),
+                                    CacheConfig(block_size=4), num_blocks=4, max_model_len=64)
+    reqs = {rid: Request(EngineCoreRequest(rid, list(range(1, 7)), SamplingParams(
+        max_tokens=8, ignore_eos=True), arrival_time=t), 64) for rid, t in (("a", 1.0), ("b", 2.0))}
+    for r in reqs.values():
+        sched.add_request(r)
+    queued = {rid: r.queued_ts for rid, r in reqs.items()}
+    assert 0 < queued["a"] < queued["b"]
+    first_scheduled, first_outputs, stamps = {}, {}, []
+    while sched.has_work:
+        plan = sched.schedule()
+        for rid in plan.num_scheduled_tokens:
+            first_scheduled.setdefault(rid, reqs[rid].scheduled_ts)
+        done = [rid for rid in plan.num_scheduled_tokens
+                if sched.requests[rid].num_computed_tokens == sched.requests[rid].num_tokens]
+        outs = sched.update(plan, ModelRunnerOutput(done, [7] * len(done)))
+        for o in outs.outputs:
+            if o.scheduled_ts:
+                assert o.request_id not in first_outputs  # once per request
+                first_outputs[o.request_id] = (o.queued_ts, o.scheduled_ts, outs.timestamp)
+        stamps.append(outs.timestamp)
+    assert reqs["b"].num_preemptions >= 1  # 4 blocks of 4 tokens: b gave its blocks to a
+    assert stamps == sorted(stamps)
+    for rid, r in reqs.items():
+        assert r.scheduled_ts == first_scheduled[rid] > queued[rid]  # not the rescheduling time
+        q, s, t = first_outputs[rid]
+        assert (q, s) == (queued[rid], r.scheduled_ts) and t > s

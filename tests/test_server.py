@@ -301,6 +301,32 @@ def test_metrics_count_requests(http):
     assert metric(after, "rankserve:num_requests_running") == 0
 
 
+PHASES = ("queue_time", "prefill_time", "decode_time", "inference_time", "time_per_output_token")
+
+
+def test_metrics_request_phases(http):
+    """vLLM's per-request phase histograms, from the engine's timestamps: a length finish, a
+    one-token request (no time per output token) and a stop string the API matched."""
+    def snapshot() -> dict[str, float]:
+        text = http.get("/metrics").text
+        names = {p: f"request_{p}_seconds" for p in PHASES} | {"e2e": "e2e_request_latency_seconds"}
+        return {f"{p}_{k}": metric(text, f"rankserve:{name}_{k}")
+                for p, name in names.items() for k in ("count", "sum")}
+    before = snapshot()
+    for body in ({"max_tokens": 7}, {"max_tokens": 1}, {"max_tokens": 30, "stop": ["Lily"]}):
+        r = http.post("/v1/completions", json={"prompt": "Once upon a time", "temperature": 0, **body})
+        assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] == "stop"
+    d = {k: v - before[k] for k, v in snapshot().items()}
+    assert {p: d[f"{p}_count"] for p in PHASES} == dict.fromkeys(PHASES[:4], 3) | {
+        "time_per_output_token": 2}
+    assert all(d[f"{p}_sum"] >= 0 for p in PHASES)
+    assert d["decode_time_sum"] > 0 and d["time_per_output_token_sum"] > 0
+    # the running phase is prefill then decode; queued → last token lies within the e2e latency
+    assert abs(d["prefill_time_sum"] + d["decode_time_sum"] - d["inference_time_sum"]) < 1e-6
+    assert d["queue_time_sum"] + d["inference_time_sum"] <= d["e2e_sum"]
+
+
 def wait_idle(server, timeout: float = 30) -> str:
     """/metrics once no request runs and no block is in use (or the timeout passed)."""
     deadline = time.monotonic() + timeout
@@ -342,6 +368,10 @@ def test_disconnects_free_every_block(server):
     assert metric(text, "rankserve:kv_cache_usage_perc") == 0
     assert finished(text, "abort") - finished(before, "abort") == 200
     assert finished(text, "length") == finished(before, "length")
+    # as vLLM's: requests the client aborted get no phase histograms (request_success has them)
+    for p in PHASES:
+        name = f"rankserve:request_{p}_seconds_count"
+        assert metric(text, name) == metric(before, name), p
 
 
 def test_non_streaming_disconnects_abort(server):

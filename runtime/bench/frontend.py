@@ -105,7 +105,7 @@ def fake_engine(address: str, step_ms: float, vocab: int, seed: int = 0) -> None
         steps, tokens = steps + 1, tokens + len(outs)
         sock.send_multipart([peer, encoder.encode(EngineCoreOutputs(
             outputs=outs, stats=SchedulerStats(num_running=len(running), num_generation_tokens=len(outs)),
-            timestamp=time.time()))], copy=False)
+            timestamp=time.monotonic()))], copy=False)
 
 
 # ---- the client -------------------------------------------------------------------------------
@@ -289,7 +289,7 @@ def run_stages(args) -> dict:
         toks = rng.integers(0, TEXT_VOCAB, n).tolist()
         msgs.append(encoder.encode(EngineCoreOutputs(
             outputs=[EngineCoreOutput(r, [t], finish_reason=FinishReason.LENGTH if last else None)
-                     for r, t in zip(ids, toks)], stats=SchedulerStats(), timestamp=time.time())))
+                     for r, t in zip(ids, toks)], stats=SchedulerStats(), timestamp=time.monotonic())))
     tokens = n * steps
     out = {"stage": "stages", "concurrency": n, "steps": steps}
 

@@ -146,11 +146,13 @@ class RequestStream:
 
 
 class _Child:
-    __slots__ = ("engine", "first", "index", "last", "num_prompt", "stream")
+    __slots__ = ("engine", "first", "index", "last", "num_prompt", "stream", "timing")
 
     def __init__(self, stream: RequestStream, index: int, num_prompt: int, engine: int):
         self.stream, self.index, self.num_prompt, self.engine = stream, index, num_prompt, engine
         self.first = self.last = None
+        # the engine's times (its clock): queued, first scheduled, first token, last token
+        self.timing: list[float] | None = None
 
 
 # admin calls every replica must run (the others go to replica 0 alone)
@@ -333,6 +335,12 @@ class EngineClient:
                 else:
                     itls.setdefault(child.engine, []).append(now - child.last)
                 child.last = now
+                # vLLM's phases: token times are those of the engine's output batches (the last
+                # one a stop string matched in, here), not when they got here
+                if o.scheduled_ts:  # the request's first output
+                    child.timing = [o.queued_ts, o.scheduled_ts, outs.timestamp, outs.timestamp]
+                elif child.timing is not None:
+                    child.timing[3] = outs.timestamp
             stream.put(Update(child.index, out.delta_text, list(out.delta_token_ids),
                                            out.delta_logprobs, out.finish_reason, out.stop_reason,
                                            ro.num_cached_tokens,
@@ -342,7 +350,7 @@ class EngineClient:
                 stream.unfinished.discard(o.request_id)
                 self.balancer.finished(child.engine)
                 em.record_finished(out.finish_reason, child.num_prompt, len(out.token_ids),
-                                   now - stream.arrival)
+                                   now - stream.arrival, child.timing)
         for e, values in itls.items():
             observe_many(self.metrics.engines[e].itl, values)
         for e, n in delivered.items():

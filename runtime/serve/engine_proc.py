@@ -272,7 +272,7 @@ class EngineServer:
                                         f"{phases}\n")
                     self.last_out = now
         elif changed:  # e.g. an abort freed blocks: let the metrics see it
-            self.send(EngineCoreOutputs(stats=self.core.scheduler.stats(), timestamp=time.time()))
+            self.send(EngineCoreOutputs(stats=self.core.scheduler.stats(), timestamp=time.monotonic()))
 
     def close(self) -> None:
         if self.step_log is not None:

@@ -1,12 +1,14 @@
 """Prometheus metrics of the API process, named like vLLM's (`vllm:x` → `rankserve:x`).
 
 Engine-side numbers arrive as SchedulerStats with every EngineCoreOutputs; request latencies are
-measured here, where the client sees them."""
+measured here, where the client sees them, except vLLM's per-request phases (queue, prefill,
+decode, inference), which come from the engine's timestamps as vLLM's do."""
 from __future__ import annotations
 
 import bisect
 import collections
 import time
+from collections.abc import Sequence
 
 import prometheus_client as prom
 
@@ -14,6 +16,11 @@ from ..messages import SchedulerStats
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+# vLLM's for its per-request intervals (e2e there; queue / prefill / decode / inference here)
+_REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                            50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                 10.0, 20.0, 40.0, 80.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
                   100000)
 
@@ -32,6 +39,17 @@ def observe_many(hist, values: list[float]) -> None:
         buckets[i].inc(n)  # bounds[i] is the first with v <= bound, as observe() picks
     if values:
         total.inc(sum(values))
+
+
+def request_phases(queued: float, scheduled: float, first_token: float, last_token: float,
+                   num_generated: int) -> tuple[float, float, float, float, float | None]:
+    """A finished request's intervals, as vLLM defines them over engine timestamps: queue
+    (queued → first scheduled), prefill (first scheduled → first token), decode (first → last
+    token), inference (first scheduled → last token; preemptions count in the phase they
+    interrupt), and the time per output token: decode / (tokens - 1), None under 2 tokens."""
+    decode = last_token - first_token
+    return (scheduled - queued, first_token - scheduled, decode, last_token - scheduled,
+            decode / (num_generated - 1) if num_generated > 1 else None)
 
 
 class EngineMetrics:
@@ -85,11 +103,22 @@ class EngineMetrics:
         self._last = s
 
     def record_finished(self, finish_reason: str, num_prompt: int, num_generated: int,
-                        e2e_s: float) -> None:
+                        e2e_s: float, timing: Sequence[float] | None = None) -> None:
+        """`timing`: the engine's (queued, first scheduled, first token, last token) times, for
+        the phase histograms; None where there are none (a request the client aborted: vLLM
+        records no phases for those either)."""
         self._success.labels(*self._labels, finish_reason).inc()
         self.e2e.observe(e2e_s)
         self.req_prompt_tokens.observe(num_prompt)
         self.req_generation_tokens.observe(num_generated)
+        if timing is not None:
+            queue, prefill, decode, inference, tpot = request_phases(*timing, num_generated)
+            self.queue_time.observe(queue)
+            self.prefill_time.observe(prefill)
+            self.decode_time.observe(decode)
+            self.inference_time.observe(inference)
+            if tpot is not None:
+                self.tpot.observe(tpot)
 
 
 class Metrics:
@@ -150,6 +179,17 @@ class Metrics:
         histogram("itl", "inter_token_latency_seconds", "Time between output tokens", _LATENCY_BUCKETS)
         histogram("e2e", "e2e_request_latency_seconds", "Request latency, arrival to finish",
                   _LATENCY_BUCKETS)
+        # vLLM's per-request phases, from the engine's timestamps (client.py)
+        histogram("queue_time", "request_queue_time_seconds", "Time in the waiting queue: queued to "
+                  "first scheduled", _REQUEST_LATENCY_BUCKETS)
+        histogram("prefill_time", "request_prefill_time_seconds", "Prefill time: first scheduled "
+                  "to first token", _REQUEST_LATENCY_BUCKETS)
+        histogram("decode_time", "request_decode_time_seconds", "Decode time: first token to last "
+                  "token", _REQUEST_LATENCY_BUCKETS)
+        histogram("inference_time", "request_inference_time_seconds", "Time running: first "
+                  "scheduled to last token", _REQUEST_LATENCY_BUCKETS)
+        histogram("tpot", "request_time_per_output_token_seconds", "Per request: decode time over "
+                  "the output tokens after the first (requests with 2 or more)", _TPOT_BUCKETS)
         histogram("req_prompt_tokens", "request_prompt_tokens", "Prompt tokens per request", _TOKEN_BUCKETS)
         histogram("req_generation_tokens", "request_generation_tokens", "Generated tokens per request",
                   _TOKEN_BUCKETS)
@@ -181,8 +221,9 @@ class Metrics:
             self.lora_info.labels(str(s.max_lora), union(0), union(1)).set(time.time())
 
     def record_finished(self, finish_reason: str, num_prompt: int, num_generated: int,
-                        e2e_s: float, engine: int = 0) -> None:
-        self.engines[engine].record_finished(finish_reason, num_prompt, num_generated, e2e_s)
+                        e2e_s: float, engine: int = 0,
+                        timing: Sequence[float] | None = None) -> None:
+        self.engines[engine].record_finished(finish_reason, num_prompt, num_generated, e2e_s, timing)
 
     def set_sleep_level(self, level: int) -> None:
         for e in self.engines:  # every replica sleeps and wakes with the others
