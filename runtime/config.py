@@ -442,10 +442,11 @@ class EngineConfig:
             if self.compilation.level("cpu" if self.device.device == "cpu" else "cuda") < 1:
                 raise ConfigError("--cudagraph-mode full needs CUDA graphs: a CUDA device, "
                                   "--compilation-level 1 or 2 and no --enforce-eager")
-            if self.parallel.total_ranks > 1:
+            if self.parallel.world_size > 1:  # (data-parallel replicas are engines of their own)
                 raise ConfigError("--cudagraph-mode full runs on single-rank engines only (graphs "
                                   "of mixed steps with collectives are not supported yet); drop "
-                                  "it, or the parallelism flags")
+                                  "it, or --tensor/--pipeline-parallel-size (--data-parallel-size "
+                                  "replicas of one rank each may use it)")
         if self.device.device == "cpu" and self.device.device_ids:
             raise ConfigError("--device-ids selects CUDA devices; it cannot go with --device cpu")
         self._check_speculative()

@@ -77,6 +77,22 @@ def test_refused_where_it_cannot_run(kw, msg):
         LLM(str(STORIES_EMBEDDED), **kw)
 
 
+def test_data_parallel_replicas_of_one_rank_may_use_it():
+    """Each --data-parallel-size replica is an engine of its own: one rank each, as full mode
+    needs (it was refused because the job had several ranks); TP inside a replica is not."""
+    from rankserve.runtime.config import (CompilationConfig, DeviceConfig, EngineConfig, ModelConfig,
+                                          ParallelConfig)
+    ok = EngineConfig(model=ModelConfig(str(STORIES_EMBEDDED)), device=DeviceConfig(device="cuda"),
+                      compilation=CompilationConfig(cudagraph_mode="full"),
+                      parallel=ParallelConfig(data_parallel_size=2))
+    ok.validate()
+    bad = EngineConfig(model=ModelConfig(str(STORIES_EMBEDDED)), device=DeviceConfig(device="cuda"),
+                       compilation=CompilationConfig(cudagraph_mode="full"),
+                       parallel=ParallelConfig(data_parallel_size=2, tensor_parallel_size=2))
+    with pytest.raises(ConfigError, match="single-rank"):
+        bad.validate()
+
+
 def test_cli_refuses_it_with_tensor_parallelism():
     from click.testing import CliRunner
     from rankserve.launch.cli import main
