@@ -73,7 +73,7 @@
 #   mixedtests        --cudagraph-mode full: its GPU tests (graphs vs eager tokens); w1full / servew1full
 #                     W1 offline / online (concurrency 256) with it
 #   w1prof, w2prof    W1 / W2 with --profile-dir (kernel table in the log, trace beside it; w2fp8prof,
-#                     w2gptqprof the quantized W2s); fp8layer: the FP8 decode GEMMs one launch vs two; w1ramp:
+#                     w2gptqprof the quantized W2s); w1ramp:
 #                     W1's prefill ramp (steps 2..17, prefix caching off)
 #   w2startprof       cProfile of one W2 run: where start-up time goes (top functions by cumulative time)
 #   w2importtime      one W2 run under `python -X importtime`: its start-up account line, the top 30
@@ -158,7 +158,6 @@ for stage in "$@"; do case $stage in
         tc=0; [ "${stage%tc}" != "$stage" ] && tc=16
         RANKSERVE_QUANT_TC_MAX_M=$tc run $stage 120 python3 -m rankserve.launch bench latency $m $q --batch-size 1 \
         --input-len 128 --output-len 256 --num-iters 3 --max-num-seqs 8 --cache-dir "$CACHE" --output-json "$OUT/$stage.json" ;;
-  fp8layer) run fp8layer 240 python3 benchmarks/2026-12-04-h200-s11/fp8_layer.py ;;
   ktc) run ktc 240 python3 benchmarks/2026-12-03-h200-s3/tune.py tc ;;
   tctests) run tctests 200 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_quant_tc.py ;;
   w2warm) run w2warm 80 python3 -m rankserve.launch bench latency llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 \
