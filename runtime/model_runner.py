@@ -80,9 +80,9 @@ def cache_zeros(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor
     come from calloc, i.e. fresh zero pages from the OS for a large block, where torch.zeros
     writes every byte (about 0.5 s per GiB of the default 1 GiB cache at start-up, and as long
     again to hand the pages back at exit)."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = int(np.prod(shape)) * dtype.itemsize
+    if device.type != "cpu" or nbytes < 2**20:  # (also: a byte view of an empty array fails)
+        return torch.zeros(shape, dtype=dtype, device=device)
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
