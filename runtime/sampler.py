@@ -138,8 +138,11 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, to
     if probs is None:
         return greedy, raw_logprobs
     # exponential race (Gumbel-max): argmax(p / q) with q ~ Exp(1) samples from p
-    q = torch.empty_like(probs).exponential_()
-    for row, gen in (md.generators or {}).items():
+    gens = md.generators or {}
+    q = torch.empty_like(probs)
+    if len(gens) < probs.shape[0]:  # rows without a seed: the shared generator (every row's
+        q.exponential_()            # drawn, as before, so their stream does not change)
+    for row, gen in gens.items():
         q[row].exponential_(generator=gen)
     sampled = (probs / q).argmax(-1)
     return torch.where(md.temperature > 0, sampled, greedy), raw_logprobs

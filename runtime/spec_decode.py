@@ -387,10 +387,11 @@ class OwnModel(OwnForward):
                    * self.kv_dtype.itemsize for a in self.model.attention_layers())
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        from .model_runner import cache_zeros  # (model_runner imports this module)
         for a in self.model.attention_layers():
             shape = (num_blocks, self.runner.block_size, a.qkv_proj.num_kv_heads, a.head_dim)
-            a.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.runner.device)
-            a.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.runner.device)
+            a.k_cache = cache_zeros(shape, self.kv_dtype, self.runner.device)
+            a.v_cache = cache_zeros(shape, self.kv_dtype, self.runner.device)
 
 
 @PROPOSERS.register("draft_model")

@@ -170,13 +170,22 @@ def interp():
 
 
 @pytest.fixture(scope="session")
-def structured_qwen3_server(qwen3_chat_dir):
+def _qwen3_servers():
+    started = []
+    yield started
+    for s in started:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def structured_qwen3_server(_qwen3_servers, qwen3_chat_dir):
     """The server of test_structured_api.structured_server, started once for the modules that
-    use it with the same arguments (test_structured_api, test_structured_edge)."""
+    use it with the same arguments (test_server_chat, test_structured_api, test_structured_edge);
+    started again for the next module if one ended it (test_structured_edge's last test does)."""
     from test_structured_api import structured_server
-    s = structured_server(qwen3_chat_dir)
-    yield s
-    s.stop()
+    if not _qwen3_servers or _qwen3_servers[-1].proc.poll() is not None:
+        _qwen3_servers.append(structured_server(qwen3_chat_dir))
+    return _qwen3_servers[-1]
 
 
 # clients of the module's `server` fixture (each server test module starts its own server)

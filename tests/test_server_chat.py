@@ -5,8 +5,6 @@ through /derender with real token ids (and in test_server_unit.py)."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 from pathlib import Path
 
 import anthropic
@@ -15,7 +13,6 @@ import openai
 import pytest
 import transformers
 
-from test_server import Server
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 QWEN3_TOK = SHARED / "tokenizers" / "qwen3"
@@ -33,14 +30,11 @@ def model_dir(qwen3_chat_dir) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):
-    s = Server(str(model_dir), "--served-model-name", "tiny-qwen3", "--max-model-len", "1024",
-               "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes",
-               "--enable-auto-tool-choice")
-    yield s
-    s.stop()
-
-
+def server(structured_qwen3_server):
+    """The qwen3 reasoning parser and hermes tool calls on the chat template, model name "q":
+    one server with test_structured_api and test_structured_edge (conftest); the API process's
+    death, which ends it, is checked at the end of test_structured_edge."""
+    return structured_qwen3_server
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +43,7 @@ def tok(model_dir):
 
 
 def chat(client, **kw):
-    return client.chat.completions.create(**{"model": "tiny-qwen3", "messages": MESSAGES,
+    return client.chat.completions.create(**{"model": "q", "messages": MESSAGES,
                                              "max_tokens": 12, "temperature": 0, **kw})
 
 
@@ -131,7 +125,7 @@ def test_derender_parses_reasoning_and_tool_calls(server, tok):
 
 
 @pytest.mark.parametrize("body,status,needle", [
-    ({"model": "tiny-qwen3"}, 400, "messages: Field required"),
+    ({"model": "q"}, 400, "messages: Field required"),
     ({"messages": "hi"}, 400, "messages"),
     ({"messages": []}, 400, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "unknown role"),
@@ -149,7 +143,7 @@ def test_bad_chat_requests(server, body, status, needle):
 
 # ---- Anthropic --------------------------------------------------------------------------------
 def test_anthropic_messages(claude):
-    m = claude.messages.create(model="tiny-qwen3", max_tokens=8, system="You are terse.",
+    m = claude.messages.create(model="q", max_tokens=8, system="You are terse.",
                                messages=[{"role": "user", "content": "Hi"}],
                                extra_body={"temperature": 0})
     assert m.role == "assistant" and m.stop_reason == "max_tokens"
@@ -158,7 +152,7 @@ def test_anthropic_messages(claude):
 
 
 def test_anthropic_stream_events_in_order(claude):
-    with claude.messages.stream(model="tiny-qwen3", max_tokens=8, extra_body={"temperature": 0},
+    with claude.messages.stream(model="q", max_tokens=8, extra_body={"temperature": 0},
                                 messages=[{"role": "user", "content": "Hi"}],
                                 thinking={"type": "enabled", "budget_tokens": 1024}) as s:
         events = [e.type for e in s if e.type in (
@@ -187,7 +181,7 @@ def test_anthropic_tool_history_and_count_tokens(claude, server):
             {"type": "text", "text": "Thanks"}]}]
     tools = [{"name": "get_weather", "description": "Weather of a city",
               "input_schema": TOOLS[0]["function"]["parameters"]}]
-    n = claude.messages.count_tokens(model="tiny-qwen3", messages=history, tools=tools).input_tokens
+    n = claude.messages.count_tokens(model="q", messages=history, tools=tools).input_tokens
     openai_msgs = [
         {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "content": "Checking.", "tool_calls": [{
@@ -199,28 +193,28 @@ def test_anthropic_tool_history_and_count_tokens(claude, server):
         "messages": openai_msgs, "tools": TOOLS,
         "chat_template_kwargs": {"enable_thinking": False}}).json()["tokens"]
     assert n == len(ids)
-    m = claude.messages.create(model="tiny-qwen3", max_tokens=4, messages=history, tools=tools,
+    m = claude.messages.create(model="q", max_tokens=4, messages=history, tools=tools,
                                tool_choice={"type": "auto"})
     assert m.usage.input_tokens == n
 
 
 def test_anthropic_errors(claude):
     with pytest.raises(anthropic.BadRequestError) as e:
-        claude.messages.create(model="tiny-qwen3", max_tokens=0,
+        claude.messages.create(model="q", max_tokens=0,
                                messages=[{"role": "user", "content": "Hi"}])
     assert e.value.body["type"] == "error" and "max_tokens" in e.value.body["error"]["message"]
     with pytest.raises(anthropic.NotFoundError):
         claude.messages.create(model="claude-9", max_tokens=5,
                                messages=[{"role": "user", "content": "Hi"}])
     with pytest.raises(anthropic.BadRequestError, match="image"):
-        claude.messages.create(model="tiny-qwen3", max_tokens=5, messages=[{
+        claude.messages.create(model="q", max_tokens=5, messages=[{
             "role": "user", "content": [{"type": "image", "source": {
                 "type": "base64", "media_type": "image/png", "data": "AAAA"}}]}])
 
 
 # ---- Responses --------------------------------------------------------------------------------
 def test_responses_non_stream(client):
-    r = client.responses.create(model="tiny-qwen3", input="Hi", instructions="Be terse.",
+    r = client.responses.create(model="q", input="Hi", instructions="Be terse.",
                                 max_output_tokens=8, temperature=0)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.usage.output_tokens == 8 and r.usage.input_tokens > 3
@@ -228,7 +222,7 @@ def test_responses_non_stream(client):
 
 
 def test_responses_stream(client):
-    kw = dict(model="tiny-qwen3", input="Hi", max_output_tokens=8, temperature=0)
+    kw = dict(model="q", input="Hi", max_output_tokens=8, temperature=0)
     events = list(client.responses.create(stream=True, **kw))
     types = [e.type for e in events]
     assert types[:2] == ["response.created", "response.in_progress"]
@@ -242,7 +236,7 @@ def test_responses_stream(client):
 
 
 def test_responses_function_call_items(client):
-    r = client.responses.create(model="tiny-qwen3", max_output_tokens=4, tools=[{
+    r = client.responses.create(model="q", max_output_tokens=4, tools=[{
         "type": "function", "name": "get_weather", "description": "Weather of a city",
         "parameters": TOOLS[0]["function"]["parameters"]}], input=[
         {"role": "user", "content": "Weather in Paris?"},
@@ -251,13 +245,4 @@ def test_responses_function_call_items(client):
         {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}])
     assert r.usage.input_tokens > 20
     with pytest.raises(openai.BadRequestError, match="previous_response_id"):
-        client.responses.create(model="tiny-qwen3", input="Hi", previous_response_id="resp_1")
-
-
-def test_api_death_stops_engine(server):
-    """Last in this module: it ends the server."""
-    (api,) = server.children()
-    os.kill(api, signal.SIGKILL)
-    server.proc.wait(30)
-    assert server.proc.returncode == 1
-    assert any("API process exited" in line for line in server.lines)
+        client.responses.create(model="q", input="Hi", previous_response_id="resp_1")

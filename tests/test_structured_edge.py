@@ -279,3 +279,16 @@ def test_abort_while_the_grammar_compiles_leaks_nothing(server):
         raise AssertionError(metrics)
     r = completion(server, structured_outputs={"choice": ["done"]})
     assert r.json()["choices"][0]["text"] == "done"
+
+
+def test_api_death_stops_engine(server):
+    """Last user of the shared qwen3 server (test_server_chat, test_structured_api, this module;
+    conftest starts a new one for any module after this): the API process killed, the engine
+    process exits with 1 and says why."""
+    import os
+    import signal
+    (api,) = server.children()
+    os.kill(api, signal.SIGKILL)
+    server.proc.wait(30)
+    assert server.proc.returncode == 1
+    assert any("API process exited" in line for line in server.lines)
