@@ -224,10 +224,10 @@ class CompiledModel:
 
     def capture_mixed_graphs(self) -> None:
         """--cudagraph-mode full: every token bucket's graph now, largest first (their memory
-        comes from the shared pool), over an all-padding step: the first burst of requests then
-        replays graphs instead of capturing them in its own steps (a 23 ms ITL p99 against 15 on
-        W1's online burst, benchmarks/2026-12-04-h200-s11). Buckets whose capture fails run
-        eagerly; none is captured lazily afterwards."""
+        comes from the shared pool), over an all-padding step: the first requests replay graphs
+        instead of capturing them inside their own steps (0.24 s for 11 buckets on Qwen3-0.6B,
+        benchmarks/2026-12-04-h200-s11). Buckets whose capture fails run eagerly; none is
+        captured lazily afterwards."""
         from tqdm import tqdm
         t0 = time.perf_counter()
         B2 = self.cfg.scheduler.max_num_seqs
