@@ -42,6 +42,10 @@ from .custom_op import custom_op
 MAX_M = 1  # the runtime sets it from RANKSERVE_SKINNY_MAX_M (runtime/envs.py) at start-up
 
 LINEAR, ADD_RMS_NORM, SILU_MUL = 0, 1, 2  # prologues
+# The norm prologue's rstd pre-pass loads up to this many columns of h and delta at once: one L2
+# round trip before the weight stream starts instead of K / BLOCK_K dependent ones (H200, Llama-8B
+# decode layers: 116.4 against 119.9 us a layer, benchmarks/2026-12-04-h200-s12)
+RSTD_MAX = 8192
 
 
 # ----------------------------------------------------------------------------------------------
@@ -125,7 +129,8 @@ def _act_chunk(a_ptr, b_ptr, nw_ptr, h_out_ptr, row, offs_k, mask, K, rstd, writ
 @triton.jit
 def _skinny_kernel(a_ptr, b_ptr, nw_ptr, w_ptr, bias_ptr, y_ptr, h_out_ptr, N, K, eps,
                    PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr):
+                   BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
+                   RSTD_BLOCK: tl.constexpr):
     # Program (row, column tile). Rows vary fastest in launch order, so the programs of one
     # column tile run together and all but the first read its weight tile from L2: HBM sees the
     # weight once for any small M.
@@ -142,7 +147,7 @@ def _skinny_kernel(a_ptr, b_ptr, nw_ptr, w_ptr, bias_ptr, y_ptr, h_out_ptr, N, K
     pdl.wait_and_release(USE_PDL)
     rstd = 0.0
     if PROLOGUE == 1:
-        rstd = _rstd(a_ptr, b_ptr, row, K, eps, BLOCK_K)
+        rstd = _rstd(a_ptr, b_ptr, row, K, eps, RSTD_BLOCK)
     if USE_PDL:
         a0 = _act_chunk(a_ptr, b_ptr, nw_ptr, h_out_ptr, row, offs_k, offs_k < K, K, rstd,
                         pid_n == 0, PROLOGUE)
@@ -213,9 +218,10 @@ def _skinny(prologue, a, w, bias, K, b=None, norm_w=None, eps=0.0, h_out=None):
     w = w.contiguous()
     y = a.new_empty(M, N)
     cfg = _config(N, a.is_cuda)
+    rstd_block = min(triton.next_power_of_2(K), RSTD_MAX if a.is_cuda else cfg["BLOCK_K"])
     _skinny_kernel[(M, triton.cdiv(N, cfg["BLOCK_N"]))](
         a, b, norm_w, w, bias, y, h_out, N, K, eps, PROLOGUE=prologue,
-        HAS_BIAS=bias is not None, **cfg, **pdl.launch(a))
+        HAS_BIAS=bias is not None, RSTD_BLOCK=rstd_block, **cfg, **pdl.launch(a))
     return y
 
 
