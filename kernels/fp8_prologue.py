@@ -87,12 +87,9 @@ def prologue_fp8(prologue: int, a, K: int, block_size, b=None, norm_w=None, eps=
 
 
 def _tc_gemm(q, s, w, w_scale, bias, block_size, dtype):
-    out = torch.empty(q.shape[0], w.shape[0], dtype=dtype, device=q.device)
-    w, w_scale = w.contiguous(), w_scale.float().contiguous()
-    if q.shape[0] <= Q.FP8_SKINNY_M and Q.fp8_skinny_ok(q.shape[1], block_size):
-        return Q.fp8_skinny(q, w, w_scale, bias, block_size, out, prequant=s)
     from .quant_tc import fp8_tc
-    return fp8_tc(q, w, w_scale, bias, block_size, out, prequant=s)
+    out = torch.empty(q.shape[0], w.shape[0], dtype=dtype, device=q.device)
+    return fp8_tc(q, w.contiguous(), w_scale.float().contiguous(), bias, block_size, out, prequant=s)
 
 
 def fp8_add_rms_norm_linear_triton(h, delta, norm_w, eps, w, w_scale, bias=None,

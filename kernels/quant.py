@@ -285,104 +285,52 @@ def fp8_linear_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
 # FP8 linear: kernels
 # ----------------------------------------------------------------------------------------------
 
-TWO_120 = tl.constexpr(2.0 ** 120)  # _e4m3_bytes' values times this are the e4m3 values
-
-
 @triton.jit
-def _e4m3_bytes(words, J: tl.constexpr):
-    """Byte J of each int32 word (four little-endian e4m3 values a word) as fp32 times 2^-120:
-    sign and the 7 exponent/mantissa bits shifted into fp32's places with integer ops only. The
-    exponent keeps e4m3's bias (7, not 127), so normals, subnormals (as fp32 subnormals) and zeros
-    all come out exact. The cvt instructions instead (16 a clock per SM) bound the kernel below
-    the HBM rate (benchmarks/2026-12-03-h200-s3)."""
-    if J == 3:
-        bits = ((words >> 4) & 0x07F00000) | (words & -2147483648)
-    else:
-        bits = ((words << (20 - 8 * J)) & 0x07F00000) | ((words << (24 - 8 * J)) & -2147483648)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _fp8_skinny_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K, stride_xm,
-                       stride_xsm, stride_ym, stride_wsn, GROUP_N: tl.constexpr,
-                       GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr, PREQUANT: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       NUM_STAGES: tl.constexpr, EMULATE: tl.constexpr):
+def _fp8_skinny_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
+                       stride_wsn, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EMULATE: tl.constexpr):
     # Program = BLOCK_N output columns for all M (<= BLOCK_M) rows: the FP8 weight slab is read
-    # from HBM once as int32 words (w_ptr: [N, K / 4]), converted once (_e4m3_bytes: the acc holds
-    # sums times 2^-120) and multiplied into every row (elementwise partial sums, reduced once
-    # after the loop). Word column c holds k = 4c + j, j = 0..3, so the activations come in four
-    # stride-4 slices a step. Activations: quantized on the fly from x (L2; per token: an amax
-    # pre-pass over the row), or PREQUANT: x_ptr holds their e4m3 words [M, K / 4], xs_ptr the
-    # scales [M, 1 or K / GROUP_K]. GROUP_K 0: per-token / per-channel scales, applied after the
-    # loop. Else block scales: BLOCK_K = next_pow2(GROUP_K), one activation group per step,
-    # BLOCK_N divides GROUP_N so the step's weight scale is one number, folded into the
-    # (quantized) activations.
-    BW: tl.constexpr = BLOCK_K // 4
-    KW = K // 4
+    # from HBM once, converted once, and multiplied into every row (elementwise partial sums,
+    # reduced once after the loop). The activations are quantized on the fly from x (L2).
+    # GROUP_K 0: per-token / per-channel scales, applied after the loop. Else block scales:
+    # BLOCK_K = next_pow2(GROUP_K), one activation group per step, BLOCK_N divides GROUP_N so
+    # the step's weight scale is one number, folded into the (quantized) activations.
     pid_n = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    offs_c = tl.arange(0, BW)
     offs_k = tl.arange(0, BLOCK_K)
-    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
-    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * KW + offs_c[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N, BW], tl.float32)
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
     if GROUP_K == 0:
-        if PREQUANT:
-            scale = tl.load(xs_ptr + offs_m * stride_xsm, mask=m_mask, other=0.0)
-        else:
-            amax = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                xa = tl.load(x_rows + k0 + offs_k[None, :],
-                             mask=m_mask[:, None] & (offs_k[None, :] < K - k0), other=0.0)
-                amax = tl.maximum(amax, tl.abs(xa.to(tl.float32)))
-            scale, inv = _act_scale(tl.max(amax, 1))
+        amax = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            xa = tl.load(x_ptrs + k0, mask=m_mask[:, None] & (offs_k[None, :] < K - k0), other=0.0)
+            amax = tl.maximum(amax, tl.abs(xa.to(tl.float32)))
+        scale, inv = _act_scale(tl.max(amax, 1))
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-            kw0 = k0 // 4
-            c_mask = offs_c < KW - kw0
-            wq = tl.load(w_ptrs + kw0, mask=n_mask[:, None] & c_mask[None, :], other=0)
-            xmask = m_mask[:, None] & c_mask[None, :]
-            if PREQUANT:
-                xq = tl.load(x_rows + kw0 + offs_c[None, :], mask=xmask, other=0)
-            for j in tl.static_range(4):
-                if PREQUANT:
-                    a = _e4m3_bytes(xq, j) * TWO_120
-                else:
-                    xa = tl.load(x_rows + k0 + 4 * offs_c[None, :] + j, mask=xmask, other=0.0)
-                    a = _fp8_grid(xa.to(tl.float32) * inv[:, None], EMULATE)
-                acc += _e4m3_bytes(wq, j)[None, :, :] * a[:, None, :]
+            k_mask = offs_k < K - k0
+            xa = tl.load(x_ptrs + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            a = _fp8_grid(xa.to(tl.float32) * inv[:, None], EMULATE)
+            w = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            acc += w.to(tl.float32)[None, :, :] * a[:, None, :]
         ws = tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0)
-        out = tl.sum(acc, 2) * (scale * TWO_120)[:, None] * ws[None, :]
+        out = tl.sum(acc, 2) * scale[:, None] * ws[None, :]
     else:
         ws_row = ws_ptr + ((pid_n * BLOCK_N) // GROUP_N) * stride_wsn
         for g in tl.range(0, tl.cdiv(K, GROUP_K), num_stages=NUM_STAGES):
-            kw0 = g * (GROUP_K // 4)
-            c_mask = (offs_c < GROUP_K // 4) & (offs_c < KW - kw0)
-            wq = tl.load(w_ptrs + kw0, mask=n_mask[:, None] & c_mask[None, :], other=0)
-            xmask = m_mask[:, None] & c_mask[None, :]
-            wsc = tl.load(ws_row + g)
-            if PREQUANT:
-                xq = tl.load(x_rows + kw0 + offs_c[None, :], mask=xmask, other=0)
-                f = tl.load(xs_ptr + offs_m * stride_xsm + g, mask=m_mask, other=0.0) * wsc
-                for j in tl.static_range(4):
-                    a = _e4m3_bytes(xq, j) * (f * TWO_120)[:, None]
-                    acc += _e4m3_bytes(wq, j)[None, :, :] * a[:, None, :]
-            else:
-                x0 = tl.load(x_rows + 4 * kw0 + 4 * offs_c[None, :], mask=xmask, other=0.0).to(tl.float32)
-                x1 = tl.load(x_rows + 4 * kw0 + 4 * offs_c[None, :] + 1, mask=xmask, other=0.0).to(tl.float32)
-                x2 = tl.load(x_rows + 4 * kw0 + 4 * offs_c[None, :] + 2, mask=xmask, other=0.0).to(tl.float32)
-                x3 = tl.load(x_rows + 4 * kw0 + 4 * offs_c[None, :] + 3, mask=xmask, other=0.0).to(tl.float32)
-                amax = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3)))
-                scale, inv = _act_scale(tl.max(amax, 1))
-                f = (scale * wsc)[:, None]
-                acc += _e4m3_bytes(wq, 0)[None, :, :] * (_fp8_grid(x0 * inv[:, None], EMULATE) * f)[:, None, :]
-                acc += _e4m3_bytes(wq, 1)[None, :, :] * (_fp8_grid(x1 * inv[:, None], EMULATE) * f)[:, None, :]
-                acc += _e4m3_bytes(wq, 2)[None, :, :] * (_fp8_grid(x2 * inv[:, None], EMULATE) * f)[:, None, :]
-                acc += _e4m3_bytes(wq, 3)[None, :, :] * (_fp8_grid(x3 * inv[:, None], EMULATE) * f)[:, None, :]
-        out = tl.sum(acc, 2) * TWO_120
+            k0 = g * GROUP_K
+            k_mask = (offs_k < GROUP_K) & (offs_k < K - k0)
+            xa = tl.load(x_ptrs + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            xa = xa.to(tl.float32)
+            scale, inv = _act_scale(tl.max(tl.abs(xa), 1))
+            a = _fp8_grid(xa * inv[:, None], EMULATE) * (scale * tl.load(ws_row + g))[:, None]
+            w = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            acc += w.to(tl.float32)[None, :, :] * a[:, None, :]
+        out = tl.sum(acc, 2)
     if HAS_BIAS:
         out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
@@ -504,30 +452,20 @@ def _skinny_fp8_config(M: int, group_k: int, on_gpu: bool) -> dict:
                 num_warps=4)
 
 
-def fp8_skinny_ok(K: int, block_size) -> bool:
-    """The skinny kernel reads weights and prequantized activations as int32 words."""
-    return K % 4 == 0 and (block_size is None or (block_size[1] % 4 == 0 and block_size[1] <= 256))
-
-
-def fp8_skinny(x2, w, w_scale, bias, block_size, out, prequant: torch.Tensor | None = None):
-    """The skinny kernel (fused activation quantization), M <= 16 rows. prequant: x2 is already
-    e4m3 and this is its scale [M, 1] (per token) or [M, K / bk] (kernels/fp8_prologue.py)."""
+def fp8_skinny(x2, w, w_scale, bias, block_size, out):
+    """The skinny kernel (fused activation quantization), M <= 16 rows."""
     M, K = x2.shape
     N = w.shape[0]
-    assert fp8_skinny_ok(K, block_size), "fp8_skinny: K and the block's bk must be multiples of 4"
     group_n, group_k = (block_size[0], block_size[1]) if block_size is not None else (1, 0)
     cfg = _skinny_fp8_config(M, group_k, x2.is_cuda)
     if group_k:  # BLOCK_N must divide bn (one weight scale a step)
         while group_n % cfg["BLOCK_N"]:
             cfg["BLOCK_N"] //= 2
     ws = w_scale if block_size is not None else w_scale.reshape(N)
-    xin = x2 if prequant is None else x2.view(torch.int32)
-    xs = prequant if prequant is not None else ws  # (a placeholder pointer when not prequant)
     _fp8_skinny_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
-        xin, xs, w.view(torch.int32), ws, bias, out, M, N, K, xin.stride(0),
-        xs.stride(0) if prequant is not None else 0, out.stride(0),
+        x2, w, ws, bias, out, M, N, K, x2.stride(0), out.stride(0),
         ws.stride(0) if block_size is not None else 0, GROUP_N=group_n, GROUP_K=group_k,
-        HAS_BIAS=bias is not None, PREQUANT=prequant is not None, EMULATE=_INTERPRET, **cfg)
+        HAS_BIAS=bias is not None, EMULATE=_INTERPRET, **cfg)
     return out
 
 
@@ -583,11 +521,11 @@ def fp8_linear_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         pass
-    elif M <= FP8_SKINNY_M and fp8_skinny_ok(K, block_size):
-        fp8_skinny(x2, w, w_scale, bias, block_size, out)
     elif M <= TC_MAX_M and (block_size is None or block_size[1] % 32 == 0):
         from .quant_tc import fp8_tc  # (quant_tc builds on this module's helpers)
         fp8_tc(x2, w, w_scale, bias, block_size, out)
+    elif M <= FP8_SKINNY_M and (block_size is None or block_size[1] <= 256):
+        fp8_skinny(x2, w, w_scale, bias, block_size, out)
     elif _scaled_mm_ok(x2, w, block_size):
         xq, xs = quant_fp8_triton(x2)
         out = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=w_scale.view(1, N),

@@ -13,6 +13,8 @@ Variants:
 
 Prints µs per layer, the chain's HBM GB/s and the fraction of the copy ceiling; --check compares
 every variant's output with torch on small shapes (TRITON_INTERPRET=1 on CPU works too).
+--mode layers: whole decode layers' GEMMs with their prologues (bf16 skinny GEMVs; FP8 prologue
+kernels + tensor-core GEMMs). --mode fp8sweep: per shape, FP8 tensor-core vs CUDA-core kernels.
 """
 from __future__ import annotations
 
@@ -282,12 +284,12 @@ def layers_bench(layers: int, reps: int, rows: list, ceil: dict):
             gu, h = gemv.add_rms_norm_linear_triton(h, o, nw, 1e-5, wgu)
             d = gemv.silu_mul_linear_triton(gu, wd)
     nbytes = sum(w.numel() * 2 for lw in ws for w in lw)
-    for name, rmax, pre in [("layer_old", 0, False), ("layer_rstd1", 8192, False),
-                            ("layer_preload", 0, True), ("layer_rstd1_preload", 8192, True)]:
-        gemv.RSTD_MAX, gemv.PRELOAD = rmax, pre
+    # calls b, c ran A/B switches of commit a463ce4 (layer_old / _rstd1 / _preload / _rstd1_preload)
+    for name, rmax in [("layer_rstd_chunked", 256), ("layer_rstd_one_load", 8192)]:
+        gemv.RSTD_MAX = rmax
         t = _timed_graph(bf16_chain, reps)
         _row(rows, name, t, layers, nbytes, ceil)
-    gemv.RSTD_MAX, gemv.PRELOAD = 8192, True
+    gemv.RSTD_MAX = 8192
     qs = [[quant.quant_fp8_weight(w) for w in lw] for lw in ws]
     ws.clear()
     torch.cuda.empty_cache()
@@ -313,7 +315,8 @@ def layers_bench(layers: int, reps: int, rows: list, ceil: dict):
 
 
 def fp8_sweep(reps: int, rows: list, ceil: dict):
-    """Per Llama-8B shape, M = 1, activations prequantized (the FP8 prologue kernels' output): the
+    """(Runs against commit a463ce4's kernels/quant.py, the reverted word-based skinny kernel.)
+    Per Llama-8B shape, M = 1, activations prequantized (the FP8 prologue kernels' output): the
     tensor-core kernel (quant_tc.fp8_tc) against the CUDA-core skinny kernel over a config grid.
     Each timing: a CUDA graph of 24 launches over rotating weight copies (> L2)."""
     from rankserve.kernels import quant as Q
