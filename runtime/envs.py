@@ -102,6 +102,10 @@ KNOBS: dict[str, Knob] = {
     "RANKSERVE_STEP_LOG": Knob(None, str, "path: the server's engine appends one CSV line per step "
                                "(time, seconds since the previous step's outputs, prompt tokens, generated "
                                "tokens, running, waiting): where inter-token-latency tails come from"),
+    "RANKSERVE_HOST_PROFILE": Knob(None, str, "path: the server's engine profiles its host loop (cProfile) "
+                                   "over the first 64 steps of each of the first 3 bursts of work (work after "
+                                   "an idle turn) and writes PATH.1, PATH.2, ... (functions by own and by "
+                                   "cumulative time): what the host does in the steps of a cold burst"),
     # test-suite knobs: how long the bounded fuzz and soak runs are (CI keeps the defaults)
     "RANKSERVE_FUZZ_EXAMPLES": Knob(12, _int_at_least(1), "generated examples per route in tests/test_fuzz_api.py"),
     "RANKSERVE_SOAK_SECONDS": Knob(40.0, _positive, "duration of tests/test_soak.py"),

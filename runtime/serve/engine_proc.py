@@ -14,8 +14,11 @@ until rank 0 sends them SHUTDOWN.
 """
 from __future__ import annotations
 
+import cProfile
+import io
 import logging
 import os
+import pstats
 import signal
 import stat
 import subprocess
@@ -119,6 +122,45 @@ def start_api_process(cfg: EngineConfig, server_args: ServerArgs, connect_addres
     return proc
 
 
+class HostProfile:
+    """RANKSERVE_HOST_PROFILE: cProfile over the first STEPS engine steps of each of the first
+    BURSTS bursts (work after an idle turn), each written to PATH.<k> as text."""
+    STEPS, BURSTS = 64, 3
+
+    def __init__(self, path: str):
+        self.path, self.k, self.steps, self.prof = path, 0, 0, None
+        self.idle = True
+
+    def before_step(self) -> None:
+        if self.prof is None and self.idle and self.k < self.BURSTS:
+            self.prof, self.steps, self.k = cProfile.Profile(), 0, self.k + 1
+        self.idle = False
+        if self.prof is not None:
+            self.prof.enable()
+
+    def after_step(self) -> None:
+        if self.prof is None:
+            return
+        self.prof.disable()
+        self.steps += 1
+        if self.steps >= self.STEPS:
+            self.write()
+
+    def on_idle(self) -> None:
+        self.idle = True
+        if self.prof is not None:
+            self.write()
+
+    def write(self) -> None:
+        out = io.StringIO()
+        out.write(f"host profile of burst {self.k}: {self.steps} engine steps\n")
+        for key in ("tottime", "cumulative"):
+            pstats.Stats(self.prof, stream=out).sort_stats(key).print_stats(40)
+        with open(f"{self.path}.{self.k}", "w") as f:
+            f.write(out.getvalue())
+        self.prof = None
+
+
 class EngineServer:
     """Drives one EngineCore from a ROUTER socket. The API's identity is learned from its first
     message (there is exactly one API process)."""
@@ -145,6 +187,8 @@ class EngineServer:
         except OSError as e:
             raise ConfigError(f"RANKSERVE_STEP_LOG={path}: cannot write it ({e.strerror})") from None
         self.last_out = time.monotonic()
+        path = envs.get("RANKSERVE_HOST_PROFILE")
+        self.host_profile = HostProfile(path) if path else None
         freeze_gc_heap()  # this process serves this engine until it exits
 
     def send(self, outs: EngineCoreOutputs) -> None:
@@ -258,9 +302,14 @@ class EngineServer:
             self.sock.poll(IDLE_POLL_MS)  # block: no busy-spinning while idle
         t0 = time.monotonic()
         changed = self.drain()
+        prof = self.host_profile
         if self.core.has_work:
             t1 = time.monotonic()
+            if prof is not None:
+                prof.before_step()
             outs = self.core.step()
+            if prof is not None:
+                prof.after_step()
             if outs.outputs or outs.stats is not None:  # (a PP submit returns neither)
                 t2 = time.monotonic()
                 self.send(outs)
@@ -271,8 +320,11 @@ class EngineServer:
                                         f"{s.num_generation_tokens},{s.num_running},{s.num_waiting},"
                                         f"{phases}\n")
                     self.last_out = now
-        elif changed:  # e.g. an abort freed blocks: let the metrics see it
-            self.send(EngineCoreOutputs(stats=self.core.scheduler.stats(), timestamp=time.monotonic()))
+        else:
+            if prof is not None:
+                prof.on_idle()
+            if changed:  # e.g. an abort freed blocks: let the metrics see it
+                self.send(EngineCoreOutputs(stats=self.core.scheduler.stats(), timestamp=time.monotonic()))
 
     def close(self) -> None:
         if self.step_log is not None:
