@@ -17,6 +17,7 @@ from typing import Callable
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from ..kernels import gemv, pdl, quant, quant_tc
 from ..models.deepseek import without_mtp
@@ -396,6 +397,41 @@ class ModelRunner:
         self.timings.update(self.compiled_model.compile(mixed=True))
         if self.proposer is not None:
             self.timings.update(self.proposer.compile())
+        if self.device.type == "cuda" and self.pi.is_last_stage:
+            t0 = time.perf_counter()
+            self.warm_logits()
+            self.timings["logits_warmup"] = time.perf_counter() - t0
+
+    # ---- logits -------------------------------------------------------------------------------
+    @staticmethod
+    def logits_rows(m: int) -> int:
+        """The rows a logits GEMM of m rows runs at: a power of 2 up to 16, then a multiple of 16.
+        A GEMM shape cuBLAS has not run in this process costs its host milliseconds the first
+        time (its kernels load lazily, the call blocks until the device is idle): with m itself,
+        a server's first burst met ~5 ms of it in most steps (H200, W1 through the server, host
+        profile in benchmarks/2026-12-04-h200-s12), and the device waited for the host."""
+        return 1 << max(m - 1, 0).bit_length() if m <= 16 else -(-m // 16) * 16
+
+    def logits(self, h: torch.Tensor, pad: bool | None = None) -> torch.Tensor:
+        """compute_logits of h's rows, run at logits_rows(len(h)) rows (zero rows pad it) on
+        CUDA, or where `pad` says."""
+        m = h.shape[0]
+        extra = self.logits_rows(m) - m if (h.is_cuda if pad is None else pad) else 0
+        if extra:
+            return self.model.compute_logits(F.pad(h, (0, 0, 0, extra)))[:m]
+        return self.model.compute_logits(h)
+
+    @torch.inference_mode()
+    def warm_logits(self) -> None:
+        """Every logits GEMM shape a step can run (up to max_num_seqs rows, times 1 + the
+        drafts when verifying), once, at start-up."""
+        rows = self.cfg.scheduler.max_num_seqs * (1 + self.cfg.spec.num_speculative_tokens)
+        h = torch.zeros(self.logits_rows(rows), self.hf_config.hidden_size, dtype=self.dtype,
+                        device=self.device)
+        for m in sorted({self.logits_rows(m) for m in range(1, rows + 1)}):
+            self.model.compute_logits(h[:m])
+        if h.is_cuda:
+            torch.cuda.synchronize()
 
     # ---- the step ---------------------------------------------------------------------------
     def prepare_inputs(self, plan: SchedulerOutput) -> StepInputs:
@@ -523,7 +559,7 @@ class ModelRunner:
         if inp.sample_req_ids and inp.num_drafts is not None:
             self._verify(inp, hidden, out)
         elif inp.sample_req_ids:
-            logits = self.model.compute_logits(hidden[inp.logits_indices])
+            logits = self.logits(hidden[inp.logits_indices])
             md = self.sampling.build(inp.sample_req_ids, inp.sample_out_counts, inp.grammar)
             ids = self._sampled(inp, logits, md, self._logprob_nums(inp, md), out)
             if self.proposer is not None:
@@ -536,7 +572,7 @@ class ModelRunner:
         """A plain sampling (no drafts, no proposer) up to its grammar masks: logits, metadata
         (everything read from the request states), prompt logprobs; the rest, returned, needs
         only the masks."""
-        logits = self.model.compute_logits(hidden[inp.logits_indices])
+        logits = self.logits(hidden[inp.logits_indices])
         md = self.sampling.build(inp.sample_req_ids, inp.sample_out_counts, inp.grammar, defer_bits=True)
         nums = self._logprob_nums(inp, md)
         self._prompt_logprobs(inp, hidden, out)
@@ -576,7 +612,7 @@ class ModelRunner:
         each with the sampling state (outputs so far) it would have had without speculation."""
         from .rejection_sampler import SpecBatch, rejection_sample
         ns = inp.num_drafts
-        logits = self.model.compute_logits(hidden[inp.logits_indices])
+        logits = self.logits(hidden[inp.logits_indices])
         rids = np.repeat(np.array(inp.sample_req_ids, dtype=object), ns + 1).tolist()
         first = np.concatenate([[0], np.cumsum(ns + 1)[:-1]])
         offset = np.arange(len(rids)) - np.repeat(first, ns + 1)  # draft index of each row
