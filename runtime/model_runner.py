@@ -425,7 +425,8 @@ class ModelRunner:
     def warm_logits(self) -> None:
         """Every logits GEMM shape a step can run (up to max_num_seqs rows, times 1 + the
         drafts when verifying), once, at start-up."""
-        rows = self.cfg.scheduler.max_num_seqs * (1 + self.cfg.spec.num_speculative_tokens)
+        drafts = self.cfg.spec.num_speculative_tokens if self.cfg.spec is not None else 0
+        rows = self.cfg.scheduler.max_num_seqs * (1 + drafts)
         h = torch.zeros(self.logits_rows(rows), self.hf_config.hidden_size, dtype=self.dtype,
                         device=self.device)
         for m in sorted({self.logits_rows(m) for m in range(1, rows + 1)}):

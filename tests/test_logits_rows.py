@@ -32,10 +32,11 @@ class Head(torch.nn.Module):
         return self.lm_head(h)
 
 
-def fake_runner(max_num_seqs=40, drafts=0):
+def fake_runner(max_num_seqs=40, drafts=None):
+    spec = None if drafts is None else SimpleNamespace(num_speculative_tokens=drafts)  # (as the config)
     return SimpleNamespace(model=Head(), logits_rows=ModelRunner.logits_rows,
                            cfg=SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=max_num_seqs),
-                                               spec=SimpleNamespace(num_speculative_tokens=drafts)),
+                                               spec=spec),
                            hf_config=SimpleNamespace(hidden_size=24), dtype=torch.float32,
                            device=torch.device("cpu"))
 
@@ -59,3 +60,6 @@ def test_start_up_warms_every_row_count_a_step_can_run():
     assert r.model.calls == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128]
     want = {ModelRunner.logits_rows(m) for m in range(1, 121)}
     assert set(r.model.calls) == want
+    r = fake_runner(max_num_seqs=20)  # no speculative decoding: the config has no spec section
+    ModelRunner.warm_logits(r)
+    assert r.model.calls == [1, 2, 4, 8, 16, 32]
