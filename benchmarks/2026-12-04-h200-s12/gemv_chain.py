@@ -216,28 +216,7 @@ def bench(layers: int, reps: int, out: str | None, skip: set[str]):
                 for w, y in zip(lw, ly):
                     v(x[:, :w.shape[1]], w, y)
                     x = y
-        chain()  # compile
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            chain()
-        g.replay()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(reps):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            g.replay()
-            e1.record()
-            torch.cuda.synchronize()
-            ts.append(e0.elapsed_time(e1) * 1e-3)
-        t = sorted(ts)[len(ts) // 2]
-        gbps = nbytes / t / 1e9
-        rows.append(dict(variant=v.name, us_per_layer=t / layers * 1e6, GBps=gbps,
-                         frac_ceiling=gbps / ceil["hbm_GBps"]))
-        print(f"{v.name:14s} {t / layers * 1e6:8.2f} us/layer  {gbps:8.1f} GB/s  "
-              f"{100 * gbps / ceil['hbm_GBps']:5.1f} % of {ceil['hbm_GBps']:.0f}", flush=True)
-        del g
+        _row(rows, v.name, _timed_graph(chain, reps), layers, nbytes, ceil)
     if out:
         with open(out, "w") as f:
             json.dump(dict(ceilings=ceil, layers=layers, rows=rows, time=time.time()), f, indent=1)
