@@ -405,12 +405,16 @@ class ModelRunner:
     # ---- logits -------------------------------------------------------------------------------
     @staticmethod
     def logits_rows(m: int) -> int:
-        """The rows a logits GEMM of m rows runs at: a power of 2 up to 16, then a multiple of 16.
+        """The rows a logits GEMM of m rows runs at: a power of 2 up to 16, a multiple of 16 up to
+        512, then of 64 (fewer shapes to warm where verify steps make many rows).
         A GEMM shape cuBLAS has not run in this process costs its host milliseconds the first
         time (its kernels load lazily, the call blocks until the device is idle): with m itself,
         a server's first burst met ~5 ms of it in most steps (H200, W1 through the server, host
         profile in benchmarks/2026-12-04-h200-s12), and the device waited for the host."""
-        return 1 << max(m - 1, 0).bit_length() if m <= 16 else -(-m // 16) * 16
+        if m <= 16:
+            return 1 << max(m - 1, 0).bit_length()
+        step = 16 if m <= 512 else 64
+        return -(-m // step) * step
 
     def logits(self, h: torch.Tensor, pad: bool | None = None) -> torch.Tensor:
         """compute_logits of h's rows, run at logits_rows(len(h)) rows (zero rows pad it) on

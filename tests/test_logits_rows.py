@@ -16,9 +16,12 @@ def test_rows_are_few_and_never_below_the_request():
         assert r >= m
         if m <= 16:
             assert r & (r - 1) == 0 and r < 2 * m  # the next power of 2
-        else:
+        elif m <= 512:
             assert r % 16 == 0 and r - m < 16
+        else:
+            assert r % 64 == 0 and r - m < 64
     assert len(set(rows[:256])) == 5 + 15  # 1, 2, 4, 8, 16, then 32 .. 256
+    assert len(set(rows)) == 5 + 31 + 24  # then 576 .. 2048
 
 
 class Head(torch.nn.Module):
