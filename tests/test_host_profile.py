@@ -7,6 +7,9 @@ import time
 
 import zmq
 
+import pytest
+
+from rankserve.runtime.config import ConfigError
 from rankserve.runtime.messages import EngineCoreOutputs
 from rankserve.runtime.serve.engine_proc import EngineServer, HostProfile
 
@@ -64,3 +67,17 @@ def test_the_engine_loop_profiles_when_the_knob_is_set(tmp_path, monkeypatch):
     finally:
         sock.close(0)
         ctx.term()
+
+
+def test_an_unwritable_path_is_refused_at_start_naming_the_knob(tmp_path):
+    with pytest.raises(ConfigError, match="RANKSERVE_HOST_PROFILE=.*cannot write"):
+        HostProfile(str(tmp_path / "missing" / "host"))
+
+
+def test_a_failed_write_later_is_logged_not_raised(tmp_path, caplog):
+    prof = HostProfile(str(tmp_path / "host"))
+    prof.before_step()
+    prof.after_step()
+    (tmp_path / "host.1").mkdir()  # the report's path is now a directory
+    prof.on_idle()
+    assert "cannot write" in caplog.text and prof.prof is None

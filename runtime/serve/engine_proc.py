@@ -130,6 +130,11 @@ class HostProfile:
     def __init__(self, path: str):
         self.path, self.k, self.steps, self.prof = path, 0, 0, None
         self.idle = True
+        try:  # refused at start, like RANKSERVE_STEP_LOG, not at the end of the first burst
+            open(f"{path}.1", "w").close()
+            os.remove(f"{path}.1")
+        except OSError as e:
+            raise ConfigError(f"RANKSERVE_HOST_PROFILE={path}: cannot write {path}.1 ({e.strerror})") from None
 
     def before_step(self) -> None:
         if self.prof is None and self.idle and self.k < self.BURSTS:
@@ -156,9 +161,12 @@ class HostProfile:
         out.write(f"host profile of burst {self.k}: {self.steps} engine steps\n")
         for key in ("tottime", "cumulative"):
             pstats.Stats(self.prof, stream=out).sort_stats(key).print_stats(40)
-        with open(f"{self.path}.{self.k}", "w") as f:
-            f.write(out.getvalue())
         self.prof = None
+        try:
+            with open(f"{self.path}.{self.k}", "w") as f:
+                f.write(out.getvalue())
+        except OSError as e:  # a diagnostic never takes the engine down
+            log.warning("RANKSERVE_HOST_PROFILE: cannot write %s.%d (%s)", self.path, self.k, e.strerror)
 
 
 class EngineServer:
