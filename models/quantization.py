@@ -507,10 +507,14 @@ class CompressedTensorsConfig(QuantConfig):
                              f"got {self.block!r}")
         self.strategy = strategy
         act = g.get("input_activations") or {}
-        if act and not (act.get("type", "float") == "float" and act.get("num_bits", 8) == 8):
+        if not act:  # weight-only (W8A16): quantizing its activations would change its outputs
+            raise ValueError("compressed-tensors FP8 weights without input_activations (weight-only, "
+                             "W8A16) are not supported: rankserve runs FP8 weights with FP8 "
+                             "activations (W8A8)")
+        if not (act.get("type", "float") == "float" and act.get("num_bits", 8) == 8):
             raise ValueError(f"compressed-tensors input_activations of {act.get('num_bits')}-bit "
                              f"{act.get('type')} are not supported (activations run as dynamic e4m3)")
-        self.static = bool(act) and not act.get("dynamic", True)
+        self.static = not act.get("dynamic", True)
 
     @staticmethod
     def _check_kv_scheme(kv: dict) -> None:
