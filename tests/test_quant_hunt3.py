@@ -2,8 +2,16 @@
 and the reference come from tests/test_quantization.py and tests/test_quant_edge.py."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import pytest
+
+from rankserve import LLM
+
 import test_quantization as tq
-from test_quant_edge import CT
+from conftest import make_checkpoint
+from test_quant_edge import CT, write_checkpoint
 
 
 def test_compressed_tensors_fp8_weight_only_is_refused(tmp_path):
@@ -14,3 +22,40 @@ def test_compressed_tensors_fp8_weight_only_is_refused(tmp_path):
     g = {**CT["config_groups"]["group_0"], "input_activations": None}
     tq.assert_config_refused(tmp_path, {**CT, "config_groups": {"group_0": g}},
                              "compressed-tensors FP8 weights without input_activations")
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("llama"), "LlamaForCausalLM", **tq.SIZES)
+
+
+def _without_quantization_config(path: Path) -> None:
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["quantization_config"]
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_modelopt_side_file_is_named(llama, tmp_path):
+    """NVIDIA ModelOpt exports (nvidia/Llama-3.1-8B-Instruct-FP8 and its kind) keep the scheme in
+    hf_quant_config.json beside a config.json without quantization_config. The side file was not
+    read: the load stopped at the first e4m3 tensor with "this module runs unquantized here
+    (routers, embeddings, norms and layers the config lists as not converted ...)", which names
+    none of that; the error names ModelOpt, its quant_algo and the file."""
+    write_checkpoint(llama, tmp_path / "q", tq.write_fp8_tensor, tq.FORMATS["fp8-tensor"][1], reference=False)
+    _without_quantization_config(tmp_path / "q")
+    (tmp_path / "q" / "hf_quant_config.json").write_text(json.dumps({
+        "producer": {"name": "modelopt", "version": "0.19.0"},
+        "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head"]}}))
+    with pytest.raises(ValueError, match=r"ModelOpt .*quant_algo 'FP8'.*hf_quant_config\.json"):
+        LLM(str(tmp_path / "q"), dtype="float32")
+
+
+def test_fp8_tensors_without_a_quantization_config_say_so(llama, tmp_path):
+    """e4m3 weights in a checkpoint whose config.json has no quantization_config (dropped by a
+    copy or a conversion script): the error says the config is missing, not that the module
+    "runs unquantized here" as if the config had listed it."""
+    write_checkpoint(llama, tmp_path / "q", tq.write_fp8_block, tq.FORMATS["fp8-block"][1], reference=False)
+    _without_quantization_config(tmp_path / "q")
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.\w+\.\w+\.weight: is stored as fp8 but "
+                                         r"the checkpoint's config\.json has no quantization_config"):
+        LLM(str(tmp_path / "q"), dtype="float32")
