@@ -604,9 +604,10 @@ def quant_config_of(hf_config, flag: str | None) -> QuantConfig | None:
         qc = qc.to_dict()
     if qc:
         method = str(qc.get("quant_method", "")).lower()
-        if method == "modelopt":
+        if method == "modelopt":  # quant_algo at the top, or in hf_quant_config.json's nesting
+            algo = qc.get("quant_algo") or (qc.get("quantization") or {}).get("quant_algo")
             raise ValueError(f"NVIDIA ModelOpt checkpoints (quant_method 'modelopt', quant_algo "
-                             f"{qc.get('quant_algo')!r}, from {qc.get('source', 'config.json')}) are not "
+                             f"{algo!r}, from {qc.get('source', 'config.json')}) are not "
                              f"supported; supported: {', '.join(QUANT_METHODS.names())}")
         if flag and flag != method:
             raise ValueError(f"--quantization {flag} does not match the checkpoint's "

@@ -59,3 +59,9 @@ def test_fp8_tensors_without_a_quantization_config_say_so(llama, tmp_path):
     with pytest.raises(ValueError, match=r"model\.layers\.0\.\w+\.\w+\.weight: is stored as fp8 but "
                                          r"the checkpoint's config\.json has no quantization_config"):
         LLM(str(tmp_path / "q"), dtype="float32")
+
+
+@pytest.mark.parametrize("qc", [{"quant_method": "modelopt", "quant_algo": "NVFP4"},
+                                {"quant_method": "modelopt", "quantization": {"quant_algo": "NVFP4"}}])
+def test_modelopt_in_config_json_is_named(tmp_path, qc):
+    tq.assert_config_refused(tmp_path, qc, r"ModelOpt .*quant_algo 'NVFP4', from config\.json")
