@@ -215,11 +215,13 @@ def load_weights(model, model_dir: str, progress: bool = True) -> int:
                     try:
                         if _stored_fp8(src) and param.dtype not in _FP8:
                             # a copy would cast the e4m3 values without their scale: wrong tokens
-                            if getattr(model, "quant_config", None) is None:
+                            qc = getattr(model, "quant_config", None)
+                            if qc is None or getattr(qc, "online", False):  # (--quantization fp8: 16-bit in)
                                 raise ValueError("is stored as fp8 but the checkpoint's config.json has "
                                                  "no quantization_config (nor a quantize_config.json / "
                                                  "quant_config.json beside it): its scheme is unknown, "
-                                                 "so its weights cannot be read")
+                                                 "so its weights cannot be read (--quantization fp8 "
+                                                 "quantizes 16-bit checkpoints only)")
                             raise ValueError(f"is stored as fp8 but {target} is {str(param.dtype)[6:]}: "
                                              "this module runs unquantized here (routers, "
                                              "embeddings, norms and layers the config lists as "

@@ -50,15 +50,17 @@ def test_modelopt_side_file_is_named(llama, tmp_path):
         LLM(str(tmp_path / "q"), dtype="float32")
 
 
-def test_fp8_tensors_without_a_quantization_config_say_so(llama, tmp_path):
+@pytest.mark.parametrize("flag", [None, "fp8"])
+def test_fp8_tensors_without_a_quantization_config_say_so(llama, tmp_path, flag):
     """e4m3 weights in a checkpoint whose config.json has no quantization_config (dropped by a
-    copy or a conversion script): the error says the config is missing, not that the module
-    "runs unquantized here" as if the config had listed it."""
+    copy or a conversion script), with or without --quantization fp8 (which quantizes 16-bit
+    weights): the error says the config is missing, not that the module "runs unquantized here"
+    as if the config had listed it."""
     write_checkpoint(llama, tmp_path / "q", tq.write_fp8_block, tq.FORMATS["fp8-block"][1], reference=False)
     _without_quantization_config(tmp_path / "q")
     with pytest.raises(ValueError, match=r"model\.layers\.0\.\w+\.\w+\.weight: is stored as fp8 but "
                                          r"the checkpoint's config\.json has no quantization_config"):
-        LLM(str(tmp_path / "q"), dtype="float32")
+        LLM(str(tmp_path / "q"), dtype="float32", quantization=flag)
 
 
 @pytest.mark.parametrize("qc", [{"quant_method": "modelopt", "quant_algo": "NVFP4"},
