@@ -215,8 +215,9 @@ def load_weights(model, model_dir: str, progress: bool = True) -> int:
                     try:
                         if _stored_fp8(src) and param.dtype not in _FP8:
                             # a copy would cast the e4m3 values without their scale: wrong tokens
-                            qc = getattr(model, "quant_config", None)
-                            if qc is None or getattr(qc, "online", False):  # (--quantization fp8: 16-bit in)
+                            # (a model built from its config, quant_config set; --quantization fp8: 16-bit in)
+                            qc = getattr(model, "quant_config", False)
+                            if qc is None or getattr(qc, "online", False):
                                 raise ValueError("is stored as fp8 but the checkpoint's config.json has "
                                                  "no quantization_config (nor a quantize_config.json / "
                                                  "quant_config.json beside it): its scheme is unknown, "
