@@ -249,7 +249,8 @@ def load_weights(model, model_dir: str, progress: bool = True) -> int:
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # tensors that exist only beside a quantized weight: one whose module this rank runs dense
 # (its `.weight` a parameter, no such tensor) would be dropped, and the weight read without it
-_QUANT_SUFFIXES = ("weight_scale", "weight_scale_inv", "qweight", "qzeros", "scales", "g_idx")
+_QUANT_SUFFIXES = ("weight_scale", "weight_scale_inv", "qweight", "qzeros", "scales", "g_idx",
+                   "weight_packed", "weight_zero_point", "weight_g_idx")  # (the last: compressed-tensors)
 
 
 def _stored_fp8(src) -> bool:

@@ -296,6 +296,10 @@ class W4A16(LinearMethod):
                  zero_plus_one: bool = True):
         self.fmt, self.group_size, self.sym, self.desc_act = fmt, group_size, sym, desc_act
         self.zero_plus_one = zero_plus_one  # GPTQ v1 stores (zero - 1) mod 16
+        # params are named as the checkpoint names its tensors (compressed-tensors: weight_packed
+        # [N, K/8] packed along K, which is the kernel's [K/8, N] word for word, transposed)
+        self.qweight, self.scales = (("weight_packed", "weight_scale") if fmt == "compressed-tensors"
+                                     else ("qweight", "scales"))
 
     def describe(self):
         return (f"{self.fmt} 4-bit ({'group %d' % self.group_size if self.group_size > 0 else 'per-channel'}, "
@@ -313,6 +317,12 @@ class W4A16(LinearMethod):
             raise ValueError(f"4-bit weights need an input size divisible by 8 per rank, got {in_features}")
         gdiv = 1 if keep_all else G
         gcols = (lambda s: dataclasses.replace(s, cols=(0, layer.full_in))) if keep_all else (lambda s: s)
+        if self.fmt == "compressed-tensors":  # symmetric only: no zero points
+            self._param(layer, self.qweight, (in_features // 8, out_features), torch.int32,
+                        lambda p, src, s: load_2d(p.data.T, src, s, 0, 1, 8))
+            self._param(layer, self.scales, (groups_kept, out_features), dtype,
+                        lambda p, src, s: load_2d(p.data.T, src, gcols(s), 0, 1, gdiv))
+            return
         if self.fmt == "gptq":
             self._param(layer, "qweight", (in_features // 8, out_features), torch.int32,
                         lambda p, src, s: load_2d(p, src, s, 1, 1, 8))
@@ -348,7 +358,8 @@ class W4A16(LinearMethod):
             del layer.g_idx  # rows in order: group k // group_size, no index needed
 
     def apply(self, layer, x, bias):
-        return q.w4a16_linear(x, layer.qweight, layer.scales, getattr(layer, "qzeros", None),
+        return q.w4a16_linear(x, getattr(layer, self.qweight), getattr(layer, self.scales),
+                              getattr(layer, "qzeros", None),
                               getattr(layer, "g_idx", None), layer.group_size_k, bias)
 
 
@@ -465,6 +476,7 @@ class CompressedTensorsConfig(QuantConfig):
     """The float-quantized FP8 scheme of compressed-tensors (llm-compressor's FP8 / FP8_DYNAMIC /
     FP8_BLOCK presets); other schemes of the format are refused by name."""
     name = "compressed-tensors"
+    w4: "W4A16 | None" = None  # llm-compressor W4A16 (pack-quantized)
 
     def __init__(self, qc: dict, online: bool = False):
         groups = qc.get("config_groups") or {}
@@ -480,24 +492,29 @@ class CompressedTensorsConfig(QuantConfig):
         g = next(iter(groups.values()))
         w = g.get("weights") or {}
         fmt = qc.get("format", "")
-        if not (w.get("type") == "float" and w.get("num_bits") == 8):
+        w4 = w.get("type") == "int" and w.get("num_bits") == 4 and fmt == "pack-quantized"
+        if not (w.get("type") == "float" and w.get("num_bits") == 8 or w4):
             raise ValueError(f"compressed-tensors scheme with {w.get('num_bits')}-bit {w.get('type')} "
-                             f"weights (format {fmt!r}) is not supported; supported: 8-bit float (FP8)")
-        strategy = w.get("strategy", "tensor")
-        if strategy not in ("tensor", "channel", "block"):
-            raise ValueError(f"compressed-tensors FP8 weight strategy {strategy!r} is not supported")
+                             f"weights (format {fmt!r}) is not supported; supported: 8-bit float (FP8), "
+                             "4-bit int pack-quantized (W4A16)")
         targets = g.get("targets") or ["Linear"]
         if targets != ["Linear"]:
             raise ValueError(f"compressed-tensors targets {targets} are not supported (only Linear)")
-        if fmt not in ("float-quantized", "naive-quantized"):
-            raise ValueError(f"compressed-tensors format {fmt!r} is not supported for FP8 weights "
-                             "(float-quantized, naive-quantized)")
         sparsity = qc.get("sparsity_config") or {}  # "dense": weights stored whole
         for field, value in (("output_activations", g.get("output_activations")),
                              ("transform_config", qc.get("transform_config")),
                              ("sparsity_config", sparsity if sparsity.get("format", "dense") != "dense" else None)):
             if value:
                 raise ValueError(f"compressed-tensors {field} {value} is not supported")
+        self.w4 = self._w4a16(w, g) if w4 else None
+        if w4:
+            return
+        strategy = w.get("strategy", "tensor")
+        if strategy not in ("tensor", "channel", "block"):
+            raise ValueError(f"compressed-tensors FP8 weight strategy {strategy!r} is not supported")
+        if fmt not in ("float-quantized", "naive-quantized"):
+            raise ValueError(f"compressed-tensors format {fmt!r} is not supported for FP8 weights "
+                             "(float-quantized, naive-quantized)")
         if w.get("symmetric", True) is False:  # its `weight_zero_point` tensors would be dropped
             raise ValueError("compressed-tensors FP8 weights with symmetric: false (zero points) are "
                              "not supported")
@@ -517,6 +534,29 @@ class CompressedTensorsConfig(QuantConfig):
         self.static = not act.get("dynamic", True)
 
     @staticmethod
+    def _w4a16(w: dict, g: dict) -> W4A16:
+        """llm-compressor's W4A16 (pack-quantized, symmetric, group or channel scales): the w4a16
+        GEMM GPTQ runs. Zero points and act-order indices are refused, not dropped."""
+        strategy = w.get("strategy")
+        if strategy not in ("group", "channel"):
+            raise ValueError(f"compressed-tensors 4-bit weight strategy {strategy!r} is not supported "
+                             "(group, channel)")
+        if w.get("symmetric", True) is False:  # its `weight_zero_point` tensors would be dropped
+            raise ValueError("compressed-tensors 4-bit weights with symmetric: false (zero points) are "
+                             "not supported")
+        if w.get("actorder") not in (None, "weight", "static"):  # "group": a `weight_g_idx` per layer
+            raise ValueError(f"compressed-tensors 4-bit weights with actorder {w['actorder']!r} are not "
+                             "supported (none, weight)")
+        if g.get("input_activations"):
+            raise ValueError(f"compressed-tensors 4-bit weights with input_activations "
+                             f"{g['input_activations']} are not supported (W4A16: 16-bit activations)")
+        group = int(w.get("group_size") or 0) if strategy == "group" else -1
+        if strategy == "group" and group <= 0:
+            raise ValueError(f"compressed-tensors 4-bit group strategy needs a group_size, got "
+                             f"{w.get('group_size')!r}")
+        return W4A16("compressed-tensors", group, sym=True)
+
+    @staticmethod
     def _check_kv_scheme(kv: dict) -> None:
         if not (kv.get("type", "float") == "float" and kv.get("num_bits", 8) == 8):
             raise ValueError(f"compressed-tensors kv_cache_scheme of {kv.get('num_bits')}-bit "
@@ -531,12 +571,15 @@ class CompressedTensorsConfig(QuantConfig):
     def linear(self, prefix):
         if self.weights_dense:
             return Unquantized()
+        if self.w4 is not None:
+            return self.w4
         return Fp8Linear(self.block, "weight_scale", input_scale=self.static,
                          per_tensor=self.strategy == "tensor")
 
     def moe(self):
-        return None if self.weights_dense else MoEQuant(self.block, per_tensor=self.strategy == "tensor",
-                                                        static=self.static)
+        if self.weights_dense or self.w4 is not None:  # 16-bit experts, or 4-bit ones: refused
+            return None
+        return MoEQuant(self.block, per_tensor=self.strategy == "tensor", static=self.static)
 
 
 @QUANT_METHODS.register("gptq")

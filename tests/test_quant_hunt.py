@@ -121,6 +121,7 @@ TP_CASES = {  # fmt: (writer, config, FP8 activation group or False)
     "gptq-zp-actorder": (*tq.FORMATS["gptq-zp-actorder"], False),
     "awq": (*tq.FORMATS["awq"], False),
     "fp8-block": (*tq.FORMATS["fp8-block"], 128),
+    "ct-w4a16": (*tq.FORMATS["ct-w4a16"], False),
 }
 
 

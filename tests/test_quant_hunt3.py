@@ -67,3 +67,43 @@ def test_fp8_tensors_without_a_quantization_config_say_so(llama, tmp_path, flag)
                                 {"quant_method": "modelopt", "quantization": {"quant_algo": "NVFP4"}}])
 def test_modelopt_in_config_json_is_named(tmp_path, qc):
     tq.assert_config_refused(tmp_path, qc, r"ModelOpt .*quant_algo 'NVFP4', from config\.json")
+
+
+def test_compressed_tensors_w4a16_per_channel(llama, tmp_path, caplog):
+    """llm-compressor's W4A16 with one scale per output channel (strategy channel: `weight_scale`
+    [N, 1]) runs as one group over all of K; the startup log says so."""
+    from test_quant_edge import assert_matches
+    w = tq.CT_W4A16["config_groups"]["group_0"]["weights"]
+    qc = {**tq.CT_W4A16, "config_groups": {"group_0": {**tq.CT_W4A16["config_groups"]["group_0"], "weights": {
+        **w, "strategy": "channel", "group_size": None}}}}
+    ref, quantized = write_checkpoint(llama, tmp_path / "q", lambda t: tq.write_ct_w4a16(t, group=t.shape[1]), qc)
+    with caplog.at_level("INFO", logger="rankserve.runner"):
+        llm = LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=4)
+    assert "linear layers: 8 x compressed-tensors 4-bit (per-channel, symmetric)" in caplog.text
+    assert_matches(llm, ref, quantized, False)
+
+
+def _ct_w4(weights=None, **group):
+    g = tq.CT_W4A16["config_groups"]["group_0"]
+    return {**tq.CT_W4A16, "config_groups": {"group_0": {**g, **group, "weights": {**g["weights"], **(weights or {})}}}}
+
+
+@pytest.mark.parametrize("qc, words", [
+    (_ct_w4({"symmetric": False}), "4-bit weights with symmetric: false"),
+    (_ct_w4({"actorder": "group"}), "4-bit weights with actorder 'group'"),
+    (_ct_w4({"strategy": "tensor"}), "4-bit weight strategy 'tensor'"),
+    (_ct_w4(input_activations={"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}),
+     "4-bit weights with input_activations"),
+])
+def test_compressed_tensors_w4a16_variants_not_run_are_refused(tmp_path, qc, words):
+    """Zero points and act-order indices would be dropped, int8 activations not quantized:
+    each is refused, naming it."""
+    tq.assert_config_refused(tmp_path, qc, words)
+
+
+def test_compressed_tensors_w4a16_moe_experts_are_refused(tmp_path_factory, tmp_path):
+    moe = make_checkpoint(tmp_path_factory.mktemp("moe"), "Qwen3MoeForCausalLM", **tq.SIZES,
+                          moe_intermediate_size=256)
+    write_checkpoint(moe, tmp_path / "q", tq.write_ct_w4a16, tq.CT_W4A16, reference=False)
+    with pytest.raises(ValueError, match="compressed-tensors quantization does not support MoE experts"):
+        LLM(str(tmp_path / "q"), dtype="float32")
