@@ -6,7 +6,8 @@ fp8` quantizes a 16-bit checkpoint at load time. Supported:
   fp8                 HF / DeepSeek-V3 / Qwen3-FP8: e4m3 weights, `weight_block_size` [bn, bk] with
                       `weight_scale_inv` [ceil(N/bn), ceil(K/bk)], or per-tensor `weight_scale`
   fbgemm_fp8          Meta's Llama-3.1-405B-FP8: per-channel `weight_scale` [N, 1]
-  compressed-tensors  float-quantized FP8 (tensor / channel / block weight scales)
+  compressed-tensors  float-quantized FP8 (tensor / channel / block weight scales); pack-quantized
+                      symmetric 4-bit (W4A16): `weight_packed` [N, K/8], `weight_scale` [N, G]
   gptq                4-bit, `qweight` [K/8, N], `qzeros` [G, N/8] (stored minus one in the v1
                       format), `scales` [G, N], `g_idx` [K] (act-order when desc_act)
   awq                 4-bit GEMM layout, `qweight` [K, N/8] packed in AWQ's column order
@@ -474,7 +475,8 @@ class FbgemmFp8Config(QuantConfig):
 @QUANT_METHODS.register("compressed-tensors")
 class CompressedTensorsConfig(QuantConfig):
     """The float-quantized FP8 scheme of compressed-tensors (llm-compressor's FP8 / FP8_DYNAMIC /
-    FP8_BLOCK presets); other schemes of the format are refused by name."""
+    FP8_BLOCK presets) and its symmetric pack-quantized W4A16; other schemes of the format are
+    refused by name."""
     name = "compressed-tensors"
     w4: "W4A16 | None" = None  # llm-compressor W4A16 (pack-quantized)
 
