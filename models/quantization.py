@@ -7,7 +7,8 @@ fp8` quantizes a 16-bit checkpoint at load time. Supported:
                       `weight_scale_inv` [ceil(N/bn), ceil(K/bk)], or per-tensor `weight_scale`
   fbgemm_fp8          Meta's Llama-3.1-405B-FP8: per-channel `weight_scale` [N, 1]
   compressed-tensors  float-quantized FP8 (tensor / channel / block weight scales); pack-quantized
-                      symmetric 4-bit (W4A16): `weight_packed` [N, K/8], `weight_scale` [N, G]
+                      4-bit (W4A16): `weight_packed` [N, K/8], `weight_scale` [N, G], and
+                      `weight_zero_point` [N/8, G] when asymmetric
   gptq                4-bit, `qweight` [K/8, N], `qzeros` [G, N/8] (stored minus one in the v1
                       format), `scales` [G, N], `g_idx` [K] (act-order when desc_act)
   awq                 4-bit GEMM layout, `qweight` [K, N/8] packed in AWQ's column order
@@ -289,6 +290,16 @@ def _unpack_cols(packed: torch.Tensor, order=None) -> torch.Tensor:
     return nib.reshape(packed.shape[0], -1)
 
 
+def _packed_int32(src):
+    """`src`, checked to be int32 words (older exports' unpacked int8 zero points would unpack to
+    other values of the same shape)."""
+    dtype = str(src.dtype).removeprefix("torch.") if isinstance(src, torch.Tensor) else src.get_dtype()
+    dtype = {"I8": "int8", "U8": "uint8", "I16": "int16", "I32": "int32", "I64": "int64"}.get(dtype, dtype)
+    if dtype != "int32":
+        raise ValueError(f"is {dtype} in the checkpoint where packed int32 words are expected")
+    return src
+
+
 class W4A16(LinearMethod):
     """4-bit weight-only (GPTQ or AWQ), repacked to kernels/quant.py's layout: `qweight` int32
     [K/8, N], `scales` [G, N], `qzeros` uint8 [G, N] (None when symmetric), `g_idx` (act-order)."""
@@ -299,8 +310,9 @@ class W4A16(LinearMethod):
         self.zero_plus_one = zero_plus_one  # GPTQ v1 stores (zero - 1) mod 16
         # params are named as the checkpoint names its tensors (compressed-tensors: weight_packed
         # [N, K/8] packed along K, which is the kernel's [K/8, N] word for word, transposed)
-        self.qweight, self.scales = (("weight_packed", "weight_scale") if fmt == "compressed-tensors"
-                                     else ("qweight", "scales"))
+        self.qweight, self.scales, self.qzeros = (
+            ("weight_packed", "weight_scale", "weight_zero_point") if fmt == "compressed-tensors"
+            else ("qweight", "scales", "qzeros"))
 
     def describe(self):
         return (f"{self.fmt} 4-bit ({'group %d' % self.group_size if self.group_size > 0 else 'per-channel'}, "
@@ -318,11 +330,15 @@ class W4A16(LinearMethod):
             raise ValueError(f"4-bit weights need an input size divisible by 8 per rank, got {in_features}")
         gdiv = 1 if keep_all else G
         gcols = (lambda s: dataclasses.replace(s, cols=(0, layer.full_in))) if keep_all else (lambda s: s)
-        if self.fmt == "compressed-tensors":  # symmetric only: no zero points
+        if self.fmt == "compressed-tensors":  # [N, ..] tensors: loaded through transposed views
             self._param(layer, self.qweight, (in_features // 8, out_features), torch.int32,
                         lambda p, src, s: load_2d(p.data.T, src, s, 0, 1, 8))
             self._param(layer, self.scales, (groups_kept, out_features), dtype,
                         lambda p, src, s: load_2d(p.data.T, src, gcols(s), 0, 1, gdiv))
+            if not self.sym:  # `weight_zero_point` int32 [N/8, G], packed along N (offset by 8 as the weights)
+                self._param(layer, self.qzeros, (groups_kept, out_features), torch.uint8,
+                            lambda p, src, s: load_2d(p.data.T, _packed_int32(src), gcols(s), 0, 8, gdiv,
+                                                      lambda t: _unpack_cols(t.T).T, unpacks=True))
             return
         if self.fmt == "gptq":
             self._param(layer, "qweight", (in_features // 8, out_features), torch.int32,
@@ -360,7 +376,7 @@ class W4A16(LinearMethod):
 
     def apply(self, layer, x, bias):
         return q.w4a16_linear(x, getattr(layer, self.qweight), getattr(layer, self.scales),
-                              getattr(layer, "qzeros", None),
+                              getattr(layer, self.qzeros, None),
                               getattr(layer, "g_idx", None), layer.group_size_k, bias)
 
 
@@ -475,7 +491,7 @@ class FbgemmFp8Config(QuantConfig):
 @QUANT_METHODS.register("compressed-tensors")
 class CompressedTensorsConfig(QuantConfig):
     """The float-quantized FP8 scheme of compressed-tensors (llm-compressor's FP8 / FP8_DYNAMIC /
-    FP8_BLOCK presets) and its symmetric pack-quantized W4A16; other schemes of the format are
+    FP8_BLOCK presets) and its pack-quantized W4A16; other schemes of the format are
     refused by name."""
     name = "compressed-tensors"
     w4: "W4A16 | None" = None  # llm-compressor W4A16 (pack-quantized)
@@ -537,15 +553,12 @@ class CompressedTensorsConfig(QuantConfig):
 
     @staticmethod
     def _w4a16(w: dict, g: dict) -> W4A16:
-        """llm-compressor's W4A16 (pack-quantized, symmetric, group or channel scales): the w4a16
-        GEMM GPTQ runs. Zero points and act-order indices are refused, not dropped."""
+        """llm-compressor's W4A16 / W4A16_ASYM (pack-quantized, group or channel scales): the w4a16
+        GEMM GPTQ runs. Act-order indices (`actorder: group`) are refused, not dropped."""
         strategy = w.get("strategy")
         if strategy not in ("group", "channel"):
             raise ValueError(f"compressed-tensors 4-bit weight strategy {strategy!r} is not supported "
                              "(group, channel)")
-        if w.get("symmetric", True) is False:  # its `weight_zero_point` tensors would be dropped
-            raise ValueError("compressed-tensors 4-bit weights with symmetric: false (zero points) are "
-                             "not supported")
         if w.get("actorder") not in (None, "weight", "static"):  # "group": a `weight_g_idx` per layer
             raise ValueError(f"compressed-tensors 4-bit weights with actorder {w['actorder']!r} are not "
                              "supported (none, weight)")
@@ -556,7 +569,7 @@ class CompressedTensorsConfig(QuantConfig):
         if strategy == "group" and group <= 0:
             raise ValueError(f"compressed-tensors 4-bit group strategy needs a group_size, got "
                              f"{w.get('group_size')!r}")
-        return W4A16("compressed-tensors", group, sym=True)
+        return W4A16("compressed-tensors", group, sym=w.get("symmetric", True) is not False)
 
     @staticmethod
     def _check_kv_scheme(kv: dict) -> None:

@@ -89,7 +89,6 @@ def _ct_w4(weights=None, **group):
 
 
 @pytest.mark.parametrize("qc, words", [
-    (_ct_w4({"symmetric": False}), "4-bit weights with symmetric: false"),
     (_ct_w4({"actorder": "group"}), "4-bit weights with actorder 'group'"),
     (_ct_w4({"strategy": "tensor"}), "4-bit weight strategy 'tensor'"),
     (_ct_w4(input_activations={"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}),
@@ -106,4 +105,28 @@ def test_compressed_tensors_w4a16_moe_experts_are_refused(tmp_path_factory, tmp_
                           moe_intermediate_size=256)
     write_checkpoint(moe, tmp_path / "q", tq.write_ct_w4a16, tq.CT_W4A16, reference=False)
     with pytest.raises(ValueError, match="compressed-tensors quantization does not support MoE experts"):
+        LLM(str(tmp_path / "q"), dtype="float32")
+
+
+def test_compressed_tensors_w4a16_with_zero_points(llama, tmp_path):
+    """W4A16_ASYM (llm-compressor's AWQ recipe): `weight_zero_point` packed along the output
+    dim; greedy tokens and logits of the dequantized reference."""
+    from test_quant_edge import assert_matches
+    qc = _ct_w4({"symmetric": False})
+    ref, quantized = write_checkpoint(llama, tmp_path / "q", lambda t: tq.write_ct_w4a16(t, sym=False), qc)
+    assert_matches(LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=4), ref, quantized, False)
+
+
+def test_compressed_tensors_unpacked_zero_points_are_refused_naming_them(llama, tmp_path):
+    """Zero points stored as int8 [N, G] (not packed int32 words) would unpack to other values
+    of the same shape: refused, naming the tensor."""
+    import torch
+
+    def unpacked(t):
+        out, d = tq.write_ct_w4a16(t, sym=False)
+        n, g = out["weight_scale"].shape
+        out["weight_zero_point"] = torch.zeros(n, g, dtype=torch.int8)
+        return out, d
+    write_checkpoint(llama, tmp_path / "q", unpacked, _ct_w4({"symmetric": False}), reference=False)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.\w+\.\w+\.weight_zero_point: is int8 in the checkpoint"):
         LLM(str(tmp_path / "q"), dtype="float32")
