@@ -310,9 +310,9 @@ class W4A16(LinearMethod):
         self.zero_plus_one = zero_plus_one  # GPTQ v1 stores (zero - 1) mod 16
         # params are named as the checkpoint names its tensors (compressed-tensors: weight_packed
         # [N, K/8] packed along K, which is the kernel's [K/8, N] word for word, transposed)
-        self.qweight, self.scales, self.qzeros = (
-            ("weight_packed", "weight_scale", "weight_zero_point") if fmt == "compressed-tensors"
-            else ("qweight", "scales", "qzeros"))
+        self.qweight, self.scales, self.qzeros, self.g_idx = (
+            ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx")
+            if fmt == "compressed-tensors" else ("qweight", "scales", "qzeros", "g_idx"))
 
     def describe(self):
         return (f"{self.fmt} 4-bit ({'group %d' % self.group_size if self.group_size > 0 else 'per-channel'}, "
@@ -339,6 +339,9 @@ class W4A16(LinearMethod):
                 self._param(layer, self.qzeros, (groups_kept, out_features), torch.uint8,
                             lambda p, src, s: load_2d(p.data.T, _packed_int32(src), gcols(s), 0, 8, gdiv,
                                                       lambda t: _unpack_cols(t.T).T, unpacks=True))
+            if self.desc_act:  # actorder group: `weight_g_idx` [K], each input column's group
+                self._param(layer, self.g_idx, (in_features,), torch.int32,
+                            lambda p, src, s: self._load_g_idx(p, src, s, G))
             return
         if self.fmt == "gptq":
             self._param(layer, "qweight", (in_features // 8, out_features), torch.int32,
@@ -377,7 +380,7 @@ class W4A16(LinearMethod):
     def apply(self, layer, x, bias):
         return q.w4a16_linear(x, getattr(layer, self.qweight), getattr(layer, self.scales),
                               getattr(layer, self.qzeros, None),
-                              getattr(layer, "g_idx", None), layer.group_size_k, bias)
+                              getattr(layer, self.g_idx, None), layer.group_size_k, bias)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -554,14 +557,15 @@ class CompressedTensorsConfig(QuantConfig):
     @staticmethod
     def _w4a16(w: dict, g: dict) -> W4A16:
         """llm-compressor's W4A16 / W4A16_ASYM (pack-quantized, group or channel scales): the w4a16
-        GEMM GPTQ runs. Act-order indices (`actorder: group`) are refused, not dropped."""
+        GEMM GPTQ runs; `actorder: group` reads `weight_g_idx` as GPTQ's desc_act reads g_idx."""
         strategy = w.get("strategy")
         if strategy not in ("group", "channel"):
             raise ValueError(f"compressed-tensors 4-bit weight strategy {strategy!r} is not supported "
                              "(group, channel)")
-        if w.get("actorder") not in (None, "weight", "static"):  # "group": a `weight_g_idx` per layer
+        # "group" (alias "dynamic"): a `weight_g_idx` per layer, as GPTQ's desc_act g_idx
+        if w.get("actorder") not in (None, "weight", "static", "group", "dynamic"):
             raise ValueError(f"compressed-tensors 4-bit weights with actorder {w['actorder']!r} are not "
-                             "supported (none, weight)")
+                             "supported (none, weight, group)")
         if g.get("input_activations"):
             raise ValueError(f"compressed-tensors 4-bit weights with input_activations "
                              f"{g['input_activations']} are not supported (W4A16: 16-bit activations)")
@@ -569,7 +573,8 @@ class CompressedTensorsConfig(QuantConfig):
         if strategy == "group" and group <= 0:
             raise ValueError(f"compressed-tensors 4-bit group strategy needs a group_size, got "
                              f"{w.get('group_size')!r}")
-        return W4A16("compressed-tensors", group, sym=w.get("symmetric", True) is not False)
+        return W4A16("compressed-tensors", group, sym=w.get("symmetric", True) is not False,
+                     desc_act=w.get("actorder") in ("group", "dynamic"))
 
     @staticmethod
     def _check_kv_scheme(kv: dict) -> None:

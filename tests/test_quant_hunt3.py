@@ -89,7 +89,7 @@ def _ct_w4(weights=None, **group):
 
 
 @pytest.mark.parametrize("qc, words", [
-    (_ct_w4({"actorder": "group"}), "4-bit weights with actorder 'group'"),
+    (_ct_w4({"actorder": "bogus"}), "4-bit weights with actorder 'bogus'"),
     (_ct_w4({"strategy": "tensor"}), "4-bit weight strategy 'tensor'"),
     (_ct_w4(input_activations={"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}),
      "4-bit weights with input_activations"),
@@ -108,12 +108,15 @@ def test_compressed_tensors_w4a16_moe_experts_are_refused(tmp_path_factory, tmp_
         LLM(str(tmp_path / "q"), dtype="float32")
 
 
-def test_compressed_tensors_w4a16_with_zero_points(llama, tmp_path):
-    """W4A16_ASYM (llm-compressor's AWQ recipe): `weight_zero_point` packed along the output
-    dim; greedy tokens and logits of the dequantized reference."""
+@pytest.mark.parametrize("sym, actorder", [(False, False), (True, True), (False, True)])
+def test_compressed_tensors_w4a16_zero_points_and_actorder(llama, tmp_path, sym, actorder):
+    """W4A16_ASYM (llm-compressor's AWQ recipe: `weight_zero_point` packed along the output dim)
+    and GPTQ's actorder group (`weight_g_idx`): greedy tokens and logits of the dequantized
+    reference."""
     from test_quant_edge import assert_matches
-    qc = _ct_w4({"symmetric": False})
-    ref, quantized = write_checkpoint(llama, tmp_path / "q", lambda t: tq.write_ct_w4a16(t, sym=False), qc)
+    qc = _ct_w4({"symmetric": sym, "actorder": "group" if actorder else None})
+    ref, quantized = write_checkpoint(llama, tmp_path / "q",
+                                      lambda t: tq.write_ct_w4a16(t, sym=sym, actorder=actorder), qc)
     assert_matches(LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=4), ref, quantized, False)
 
 

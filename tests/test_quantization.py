@@ -142,18 +142,23 @@ def write_awq(w, group=128):
             "scales": scales.half()}, deq.T
 
 
-def write_ct_w4a16(w, group=128, sym=True):
+def write_ct_w4a16(w, group=128, sym=True, actorder=False):
     """compressed-tensors pack-quantized (llm-compressor W4A16): `weight_packed` int32 [N, K/8]
     packed along K (nibble i = column 8c + i, values offset by 8 to 0..15), `weight_scale`
     [N, K/group], `weight_shape` [N, K]; asymmetric (W4A16_ASYM, llm-compressor's AWQ):
     `weight_zero_point` int32 [N/8, K/group] packed along N, offset by 8 likewise."""
     W = w.T.contiguous()
     K = W.shape[0]
-    q, scales, zeros, deq = _quant_groups(W, torch.arange(K) // group, K // group, sym=sym)
+    g_idx = (torch.arange(K) // group).to(torch.int32)
+    if actorder:  # actorder group: groups follow a permutation of the columns, `weight_g_idx` [K]
+        g_idx[torch.randperm(K, generator=torch.Generator().manual_seed(0))] = g_idx.clone()
+    q, scales, zeros, deq = _quant_groups(W, g_idx.long(), K // group, sym=sym)
     out = {"weight_packed": _pack_cols(q.T.contiguous()), "weight_scale": scales.T.contiguous().half(),
            "weight_shape": torch.tensor(list(w.shape), dtype=torch.int64)}
     if not sym:
         out["weight_zero_point"] = _pack_cols(zeros).T.contiguous()
+    if actorder:
+        out["weight_g_idx"] = g_idx
     return out, deq.T
 
 
