@@ -42,13 +42,21 @@ _SIDE_QUANT_CONFIGS = {"quantize_config.json": "gptq", "quant_config.json": "awq
 def _with_side_quant_config(config, model_dir: str):
     if getattr(config, "quantization_config", None):
         return config
+    import json
     for name, method in _SIDE_QUANT_CONFIGS.items():
         path = os.path.join(model_dir, name)
         if os.path.isfile(path):
-            import json
             with open(path) as f:
                 config.quantization_config = {"quant_method": method, **json.load(f)}
-            break
+            return config
+    # NVIDIA ModelOpt's exports: {"producer": ..., "quantization": {"quant_algo": ...}} (read so
+    # that the scheme is named, not met as a stray e4m3 tensor)
+    path = os.path.join(model_dir, "hf_quant_config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            side = json.load(f)
+        config.quantization_config = {"quant_method": "modelopt", **(side.get("quantization") or {}),
+                                      "source": "hf_quant_config.json"}
     return config
 
 
@@ -207,6 +215,14 @@ def load_weights(model, model_dir: str, progress: bool = True) -> int:
                     try:
                         if _stored_fp8(src) and param.dtype not in _FP8:
                             # a copy would cast the e4m3 values without their scale: wrong tokens
+                            # (a model built from its config, quant_config set; --quantization fp8: 16-bit in)
+                            qc = getattr(model, "quant_config", False)
+                            if qc is None or getattr(qc, "online", False):
+                                raise ValueError("is stored as fp8 but the checkpoint's config.json has "
+                                                 "no quantization_config (nor a quantize_config.json / "
+                                                 "quant_config.json beside it): its scheme is unknown, "
+                                                 "so its weights cannot be read (--quantization fp8 "
+                                                 "quantizes 16-bit checkpoints only)")
                             raise ValueError(f"is stored as fp8 but {target} is {str(param.dtype)[6:]}: "
                                              "this module runs unquantized here (routers, "
                                              "embeddings, norms and layers the config lists as "
@@ -233,7 +249,8 @@ def load_weights(model, model_dir: str, progress: bool = True) -> int:
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # tensors that exist only beside a quantized weight: one whose module this rank runs dense
 # (its `.weight` a parameter, no such tensor) would be dropped, and the weight read without it
-_QUANT_SUFFIXES = ("weight_scale", "weight_scale_inv", "qweight", "qzeros", "scales", "g_idx")
+_QUANT_SUFFIXES = ("weight_scale", "weight_scale_inv", "qweight", "qzeros", "scales", "g_idx",
+                   "weight_packed", "weight_zero_point", "weight_g_idx")  # (the last: compressed-tensors)
 
 
 def _stored_fp8(src) -> bool:

@@ -6,7 +6,9 @@ fp8` quantizes a 16-bit checkpoint at load time. Supported:
   fp8                 HF / DeepSeek-V3 / Qwen3-FP8: e4m3 weights, `weight_block_size` [bn, bk] with
                       `weight_scale_inv` [ceil(N/bn), ceil(K/bk)], or per-tensor `weight_scale`
   fbgemm_fp8          Meta's Llama-3.1-405B-FP8: per-channel `weight_scale` [N, 1]
-  compressed-tensors  float-quantized FP8 (tensor / channel / block weight scales)
+  compressed-tensors  float-quantized FP8 (tensor / channel / block weight scales); pack-quantized
+                      4-bit (W4A16): `weight_packed` [N, K/8], `weight_scale` [N, G], and
+                      `weight_zero_point` [N/8, G] when asymmetric
   gptq                4-bit, `qweight` [K/8, N], `qzeros` [G, N/8] (stored minus one in the v1
                       format), `scales` [G, N], `g_idx` [K] (act-order when desc_act)
   awq                 4-bit GEMM layout, `qweight` [K, N/8] packed in AWQ's column order
@@ -288,6 +290,16 @@ def _unpack_cols(packed: torch.Tensor, order=None) -> torch.Tensor:
     return nib.reshape(packed.shape[0], -1)
 
 
+def _packed_int32(src):
+    """`src`, checked to be int32 words (older exports' unpacked int8 zero points would unpack to
+    other values of the same shape)."""
+    dtype = str(src.dtype).removeprefix("torch.") if isinstance(src, torch.Tensor) else src.get_dtype()
+    dtype = {"I8": "int8", "U8": "uint8", "I16": "int16", "I32": "int32", "I64": "int64"}.get(dtype, dtype)
+    if dtype != "int32":
+        raise ValueError(f"is {dtype} in the checkpoint where packed int32 words are expected")
+    return src
+
+
 class W4A16(LinearMethod):
     """4-bit weight-only (GPTQ or AWQ), repacked to kernels/quant.py's layout: `qweight` int32
     [K/8, N], `scales` [G, N], `qzeros` uint8 [G, N] (None when symmetric), `g_idx` (act-order)."""
@@ -296,6 +308,11 @@ class W4A16(LinearMethod):
                  zero_plus_one: bool = True):
         self.fmt, self.group_size, self.sym, self.desc_act = fmt, group_size, sym, desc_act
         self.zero_plus_one = zero_plus_one  # GPTQ v1 stores (zero - 1) mod 16
+        # params are named as the checkpoint names its tensors (compressed-tensors: weight_packed
+        # [N, K/8] packed along K, which is the kernel's [K/8, N] word for word, transposed)
+        self.qweight, self.scales, self.qzeros, self.g_idx = (
+            ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx")
+            if fmt == "compressed-tensors" else ("qweight", "scales", "qzeros", "g_idx"))
 
     def describe(self):
         return (f"{self.fmt} 4-bit ({'group %d' % self.group_size if self.group_size > 0 else 'per-channel'}, "
@@ -313,6 +330,19 @@ class W4A16(LinearMethod):
             raise ValueError(f"4-bit weights need an input size divisible by 8 per rank, got {in_features}")
         gdiv = 1 if keep_all else G
         gcols = (lambda s: dataclasses.replace(s, cols=(0, layer.full_in))) if keep_all else (lambda s: s)
+        if self.fmt == "compressed-tensors":  # [N, ..] tensors: loaded through transposed views
+            self._param(layer, self.qweight, (in_features // 8, out_features), torch.int32,
+                        lambda p, src, s: load_2d(p.data.T, src, s, 0, 1, 8))
+            self._param(layer, self.scales, (groups_kept, out_features), dtype,
+                        lambda p, src, s: load_2d(p.data.T, src, gcols(s), 0, 1, gdiv))
+            if not self.sym:  # `weight_zero_point` int32 [N/8, G], packed along N (offset by 8 as the weights)
+                self._param(layer, self.qzeros, (groups_kept, out_features), torch.uint8,
+                            lambda p, src, s: load_2d(p.data.T, _packed_int32(src), gcols(s), 0, 8, gdiv,
+                                                      lambda t: _unpack_cols(t.T).T, unpacks=True))
+            if self.desc_act:  # actorder group: `weight_g_idx` [K], each input column's group
+                self._param(layer, self.g_idx, (in_features,), torch.int32,
+                            lambda p, src, s: self._load_g_idx(p, src, s, G))
+            return
         if self.fmt == "gptq":
             self._param(layer, "qweight", (in_features // 8, out_features), torch.int32,
                         lambda p, src, s: load_2d(p, src, s, 1, 1, 8))
@@ -348,8 +378,9 @@ class W4A16(LinearMethod):
             del layer.g_idx  # rows in order: group k // group_size, no index needed
 
     def apply(self, layer, x, bias):
-        return q.w4a16_linear(x, layer.qweight, layer.scales, getattr(layer, "qzeros", None),
-                              getattr(layer, "g_idx", None), layer.group_size_k, bias)
+        return q.w4a16_linear(x, getattr(layer, self.qweight), getattr(layer, self.scales),
+                              getattr(layer, self.qzeros, None),
+                              getattr(layer, self.g_idx, None), layer.group_size_k, bias)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -463,8 +494,10 @@ class FbgemmFp8Config(QuantConfig):
 @QUANT_METHODS.register("compressed-tensors")
 class CompressedTensorsConfig(QuantConfig):
     """The float-quantized FP8 scheme of compressed-tensors (llm-compressor's FP8 / FP8_DYNAMIC /
-    FP8_BLOCK presets); other schemes of the format are refused by name."""
+    FP8_BLOCK presets) and its pack-quantized W4A16; other schemes of the format are
+    refused by name."""
     name = "compressed-tensors"
+    w4: "W4A16 | None" = None  # llm-compressor W4A16 (pack-quantized)
 
     def __init__(self, qc: dict, online: bool = False):
         groups = qc.get("config_groups") or {}
@@ -480,24 +513,29 @@ class CompressedTensorsConfig(QuantConfig):
         g = next(iter(groups.values()))
         w = g.get("weights") or {}
         fmt = qc.get("format", "")
-        if not (w.get("type") == "float" and w.get("num_bits") == 8):
+        w4 = w.get("type") == "int" and w.get("num_bits") == 4 and fmt == "pack-quantized"
+        if not (w.get("type") == "float" and w.get("num_bits") == 8 or w4):
             raise ValueError(f"compressed-tensors scheme with {w.get('num_bits')}-bit {w.get('type')} "
-                             f"weights (format {fmt!r}) is not supported; supported: 8-bit float (FP8)")
-        strategy = w.get("strategy", "tensor")
-        if strategy not in ("tensor", "channel", "block"):
-            raise ValueError(f"compressed-tensors FP8 weight strategy {strategy!r} is not supported")
+                             f"weights (format {fmt!r}) is not supported; supported: 8-bit float (FP8), "
+                             "4-bit int pack-quantized (W4A16)")
         targets = g.get("targets") or ["Linear"]
         if targets != ["Linear"]:
             raise ValueError(f"compressed-tensors targets {targets} are not supported (only Linear)")
-        if fmt not in ("float-quantized", "naive-quantized"):
-            raise ValueError(f"compressed-tensors format {fmt!r} is not supported for FP8 weights "
-                             "(float-quantized, naive-quantized)")
         sparsity = qc.get("sparsity_config") or {}  # "dense": weights stored whole
         for field, value in (("output_activations", g.get("output_activations")),
                              ("transform_config", qc.get("transform_config")),
                              ("sparsity_config", sparsity if sparsity.get("format", "dense") != "dense" else None)):
             if value:
                 raise ValueError(f"compressed-tensors {field} {value} is not supported")
+        self.w4 = self._w4a16(w, g) if w4 else None
+        if w4:
+            return
+        strategy = w.get("strategy", "tensor")
+        if strategy not in ("tensor", "channel", "block"):
+            raise ValueError(f"compressed-tensors FP8 weight strategy {strategy!r} is not supported")
+        if fmt not in ("float-quantized", "naive-quantized"):
+            raise ValueError(f"compressed-tensors format {fmt!r} is not supported for FP8 weights "
+                             "(float-quantized, naive-quantized)")
         if w.get("symmetric", True) is False:  # its `weight_zero_point` tensors would be dropped
             raise ValueError("compressed-tensors FP8 weights with symmetric: false (zero points) are "
                              "not supported")
@@ -507,10 +545,36 @@ class CompressedTensorsConfig(QuantConfig):
                              f"got {self.block!r}")
         self.strategy = strategy
         act = g.get("input_activations") or {}
-        if act and not (act.get("type", "float") == "float" and act.get("num_bits", 8) == 8):
+        if not act:  # weight-only (W8A16): quantizing its activations would change its outputs
+            raise ValueError("compressed-tensors FP8 weights without input_activations (weight-only, "
+                             "W8A16) are not supported: rankserve runs FP8 weights with FP8 "
+                             "activations (W8A8)")
+        if not (act.get("type", "float") == "float" and act.get("num_bits", 8) == 8):
             raise ValueError(f"compressed-tensors input_activations of {act.get('num_bits')}-bit "
                              f"{act.get('type')} are not supported (activations run as dynamic e4m3)")
-        self.static = bool(act) and not act.get("dynamic", True)
+        self.static = not act.get("dynamic", True)
+
+    @staticmethod
+    def _w4a16(w: dict, g: dict) -> W4A16:
+        """llm-compressor's W4A16 / W4A16_ASYM (pack-quantized, group or channel scales): the w4a16
+        GEMM GPTQ runs; `actorder: group` reads `weight_g_idx` as GPTQ's desc_act reads g_idx."""
+        strategy = w.get("strategy")
+        if strategy not in ("group", "channel"):
+            raise ValueError(f"compressed-tensors 4-bit weight strategy {strategy!r} is not supported "
+                             "(group, channel)")
+        # "group" (alias "dynamic"): a `weight_g_idx` per layer, as GPTQ's desc_act g_idx
+        if w.get("actorder") not in (None, "weight", "static", "group", "dynamic"):
+            raise ValueError(f"compressed-tensors 4-bit weights with actorder {w['actorder']!r} are not "
+                             "supported (none, weight, group)")
+        if g.get("input_activations"):
+            raise ValueError(f"compressed-tensors 4-bit weights with input_activations "
+                             f"{g['input_activations']} are not supported (W4A16: 16-bit activations)")
+        group = int(w.get("group_size") or 0) if strategy == "group" else -1
+        if strategy == "group" and group <= 0:
+            raise ValueError(f"compressed-tensors 4-bit group strategy needs a group_size, got "
+                             f"{w.get('group_size')!r}")
+        return W4A16("compressed-tensors", group, sym=w.get("symmetric", True) is not False,
+                     desc_act=w.get("actorder") in ("group", "dynamic"))
 
     @staticmethod
     def _check_kv_scheme(kv: dict) -> None:
@@ -527,12 +591,15 @@ class CompressedTensorsConfig(QuantConfig):
     def linear(self, prefix):
         if self.weights_dense:
             return Unquantized()
+        if self.w4 is not None:
+            return self.w4
         return Fp8Linear(self.block, "weight_scale", input_scale=self.static,
                          per_tensor=self.strategy == "tensor")
 
     def moe(self):
-        return None if self.weights_dense else MoEQuant(self.block, per_tensor=self.strategy == "tensor",
-                                                        static=self.static)
+        if self.weights_dense or self.w4 is not None:  # 16-bit experts, or 4-bit ones: refused
+            return None
+        return MoEQuant(self.block, per_tensor=self.strategy == "tensor", static=self.static)
 
 
 @QUANT_METHODS.register("gptq")
@@ -600,6 +667,11 @@ def quant_config_of(hf_config, flag: str | None) -> QuantConfig | None:
         qc = qc.to_dict()
     if qc:
         method = str(qc.get("quant_method", "")).lower()
+        if method == "modelopt":  # quant_algo at the top, or in hf_quant_config.json's nesting
+            algo = qc.get("quant_algo") or (qc.get("quantization") or {}).get("quant_algo")
+            raise ValueError(f"NVIDIA ModelOpt checkpoints (quant_method 'modelopt', quant_algo "
+                             f"{algo!r}, from {qc.get('source', 'config.json')}) are not "
+                             f"supported; supported: {', '.join(QUANT_METHODS.names())}")
         if flag and flag != method:
             raise ValueError(f"--quantization {flag} does not match the checkpoint's "
                              f"quantization_config (quant_method {method!r})")

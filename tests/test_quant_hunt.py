@@ -121,6 +121,10 @@ TP_CASES = {  # fmt: (writer, config, FP8 activation group or False)
     "gptq-zp-actorder": (*tq.FORMATS["gptq-zp-actorder"], False),
     "awq": (*tq.FORMATS["awq"], False),
     "fp8-block": (*tq.FORMATS["fp8-block"], 128),
+    "ct-w4a16": (*tq.FORMATS["ct-w4a16"], False),
+    "ct-w4a16-asym-actorder": (lambda w: tq.write_ct_w4a16(w, sym=False, actorder=True), {
+        **tq.CT_W4A16, "config_groups": {"group_0": {**tq.CT_W4A16["config_groups"]["group_0"], "weights": {
+            **tq.CT_W4A16["config_groups"]["group_0"]["weights"], "symmetric": False, "actorder": "group"}}}}, False),
 }
 
 

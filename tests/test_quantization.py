@@ -142,6 +142,32 @@ def write_awq(w, group=128):
             "scales": scales.half()}, deq.T
 
 
+def write_ct_w4a16(w, group=128, sym=True, actorder=False):
+    """compressed-tensors pack-quantized (llm-compressor W4A16): `weight_packed` int32 [N, K/8]
+    packed along K (nibble i = column 8c + i, values offset by 8 to 0..15), `weight_scale`
+    [N, K/group], `weight_shape` [N, K]; asymmetric (W4A16_ASYM, llm-compressor's AWQ):
+    `weight_zero_point` int32 [N/8, K/group] packed along N, offset by 8 likewise."""
+    W = w.T.contiguous()
+    K = W.shape[0]
+    g_idx = (torch.arange(K) // group).to(torch.int32)
+    if actorder:  # actorder group: groups follow a permutation of the columns, `weight_g_idx` [K]
+        g_idx[torch.randperm(K, generator=torch.Generator().manual_seed(0))] = g_idx.clone()
+    q, scales, zeros, deq = _quant_groups(W, g_idx.long(), K // group, sym=sym)
+    out = {"weight_packed": _pack_cols(q.T.contiguous()), "weight_scale": scales.T.contiguous().half(),
+           "weight_shape": torch.tensor(list(w.shape), dtype=torch.int64)}
+    if not sym:
+        out["weight_zero_point"] = _pack_cols(zeros).T.contiguous()
+    if actorder:
+        out["weight_g_idx"] = g_idx
+    return out, deq.T
+
+
+CT_W4A16 = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+            "quantization_status": "compressed", "config_groups": {"group_0": {
+                "targets": ["Linear"], "input_activations": None, "output_activations": None,
+                "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128,
+                            "symmetric": True, "dynamic": False, "actorder": None}}}}
+
 FORMATS = {
     "fp8-block": (write_fp8_block, {"quant_method": "fp8", "activation_scheme": "dynamic",
                                     "fmt": "e4m3", "weight_block_size": [128, 128]}),
@@ -163,6 +189,7 @@ FORMATS = {
         "quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True, "sym": False}),
     "awq": (write_awq, {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
                         "version": "gemm"}),
+    "ct-w4a16": (write_ct_w4a16, CT_W4A16),
 }
 
 
@@ -276,7 +303,7 @@ def test_quantized_checkpoint_matches_dequantized_reference(base, tmp_path, arch
     ref = quantize_checkpoint(base(arch), path, fmt)
     llm = LLM(str(path), dtype="float32", max_num_seqs=4)
     ours = greedy(llm)
-    four_bit = fmt.startswith(("gptq", "awq"))
+    four_bit = fmt.startswith(("gptq", "awq", "ct-w4"))
     # FP8: the reference quantizes its activations the same way (in plain torch, above)
     group = 128 if fmt == "fp8-block" else None
     with fake_quant_activations(ref, group) if not four_bit else contextlib.nullcontext():
@@ -344,8 +371,8 @@ def test_bench_floor_counts_quantized_bytes(base, tmp_path):
     ({"quant_method": "awq", "version": "gemv"}, "awq version 'gemv'"),
     ({"quant_method": "fp8", "fmt": "e5m2"}, "fp8 format 'e5m2'"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
-        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group"}}}},
-     "4-bit int weights"),
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "group"}}}},
+     "8-bit int weights"),
 ])
 def test_unsupported_schemes_are_clear_errors(tmp_path, qc, words):
     assert_config_refused(tmp_path, qc, words)
@@ -381,7 +408,8 @@ def test_4bit_moe_experts_are_refused(base, tmp_path):
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not on PATH")
 @pytest.mark.parametrize("arch, fmt, ep", [
     ("LlamaForCausalLM", "fp8-block", False), ("LlamaForCausalLM", "gptq-zp-actorder", False),
-    ("LlamaForCausalLM", "awq", False), ("Qwen3MoeForCausalLM", "fp8-block", False),
+    ("LlamaForCausalLM", "awq", False), ("LlamaForCausalLM", "ct-w4a16", False),
+    ("Qwen3MoeForCausalLM", "fp8-block", False),
     ("Qwen3MoeForCausalLM", "fp8-block", True)])
 def test_tp2_loads_quantized_checkpoints_like_one_rank(base, tmp_path, arch, fmt, ep):
     """Same tokens as one rank. Block FP8 and 4-bit are exact under any sharding; per-token FP8
