@@ -32,6 +32,16 @@ LLAMA8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # (N, K): 
 
 
 @triton.jit
+def _tile_product(x_ptr, w_ptr, offs_n, n_mask, kk, offs_k, K):
+    """w[offs_n, kk + offs_k] * x[kk + offs_k] elementwise in fp32 (the GEMV's one step)."""
+    k_mask = kk + offs_k < K
+    w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * K + kk + offs_k[None, :],
+                mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    x = tl.load(x_ptr + kk + offs_k, mask=k_mask, other=0.0)
+    return w.to(tl.float32) * x.to(tl.float32)[None, :]
+
+
+@triton.jit
 def _pers_kernel(x_ptr, w_ptr, y_ptr, N, K, NUM_TILES, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr):
     pid = tl.program_id(0)
@@ -60,11 +70,7 @@ def _pers_kernel(x_ptr, w_ptr, y_ptr, N, K, NUM_TILES, BLOCK_N: tl.constexpr, BL
         kk = (it % k_tiles) * BLOCK_K
         offs_n = t * BLOCK_N + ar_n
         n_mask = offs_n < N
-        k_mask = kk + offs_k < K
-        w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * K + kk + offs_k[None, :],
-                    mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        x = tl.load(x_ptr + kk + offs_k, mask=k_mask, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        acc += _tile_product(x_ptr, w_ptr, offs_n, n_mask, kk, offs_k, K)
         if it % k_tiles == k_tiles - 1:
             tl.store(y_ptr + offs_n, tl.sum(acc, 1).to(y_ptr.dtype.element_ty), mask=n_mask)
             acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -94,11 +100,7 @@ def _streamk_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, N, K, NUM_TILES, ITERS
         kk = (it % k_tiles) * BLOCK_K
         offs_n = t * BLOCK_N + ar_n
         n_mask = offs_n < N
-        k_mask = kk + offs_k < K
-        w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * K + kk + offs_k[None, :],
-                    mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        x = tl.load(x_ptr + kk + offs_k, mask=k_mask, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        acc += _tile_product(x_ptr, w_ptr, offs_n, n_mask, kk, offs_k, K)
         n_done += 1
         if (it % k_tiles == k_tiles - 1) | (it == hi - 1):
             part = tl.sum(acc, 1)
