@@ -34,6 +34,8 @@ class CompiledModel:
         self.mixed_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor] | None] = {}
         self.mixed = False  # set by compile() for the model runner's target model
         self.pool = None  # the graphs' shared memory pool
+        self.capture_stream = None  # the stream every graph is captured on
+        self.precompiled = False  # every Triton variant of the graphs' steps was compiled
         self.compiled = False
 
     def compile(self, mixed: bool = False) -> dict[str, float]:
@@ -43,15 +45,7 @@ class CompiledModel:
         timings = {}
         level = self.cfg.compilation.level(self.device.type)
         self.compiled = level >= 2
-        if mixed and self.cfg.compilation.cudagraph_mode == "full":
-            from .config import ConfigError
-            if level < 1 or self.device.type != "cuda":
-                raise ConfigError("--cudagraph-mode full needs CUDA graphs: a CUDA device, "
-                                  "--compilation-level 1 or 2 and no --enforce-eager")
-            if list(getattr(self.model, "mamba_layers", lambda: [])()):
-                raise ConfigError("--cudagraph-mode full does not work with recurrent (Mamba2) "
-                                  "layers: their prefill is not captured; drop it")
-            self.mixed = True
+        self.mixed = mixed and self.full_mode()
         if level >= 2:
             # --cache-dir wins over the environment: Inductor and Triton take their cache
             # directories only from these variables (Inductor itself writes its own back)
@@ -74,6 +68,26 @@ class CompiledModel:
             timings["cuda_graphs"] = time.perf_counter() - t0
         return timings
 
+    def full_mode(self) -> bool:
+        """Whether --cudagraph-mode gives the engine's model graphs of steps with prompt tokens:
+        `full` wherever it is asked (refused where it cannot run), `auto` where it can run."""
+        from .config import ConfigError
+        mode = self.cfg.compilation.cudagraph_mode
+        if mode == "decode":
+            return False
+        why = None
+        if self.cfg.compilation.level(self.device.type) < 1 or self.device.type != "cuda":
+            why = ("--cudagraph-mode full needs CUDA graphs: a CUDA device, --compilation-level 1 "
+                   "or 2 and no --enforce-eager")
+        elif self.cfg.parallel.world_size > 1:  # (refused for `full` by EngineConfig.validate)
+            why = "--cudagraph-mode full runs on single-rank engines only"
+        elif list(getattr(self.model, "mamba_layers", lambda: [])()):
+            why = ("--cudagraph-mode full does not work with recurrent (Mamba2) layers: their "
+                   "prefill is not captured; drop it")
+        if why and mode == "full":
+            raise ConfigError(why)
+        return why is None
+
     @torch.inference_mode()
     def precompile(self, profile_step) -> float | None:
         """Compile the Triton variants that the memory profile (`profile_step`), the warm-up and
@@ -91,7 +105,7 @@ class CompiledModel:
         steps = [profile_step, self.warmup]
         steps += [lambda bs=bs: self.forward(*self.graph_inputs(bs)) for bs in sizes]
         steps += [lambda bs=bs: self.forward(*self.verify_inputs(bs)) for bs in self.verify_sizes(sizes)]
-        if level >= 1 and self.cfg.compilation.cudagraph_mode == "full":  # (the engine's model)
+        if level >= 1 and self.full_mode():  # (the engine's model)
             steps += [lambda t=t: self.forward(*self.mixed_inputs(t)) for t in self.mixed_sizes()]
         failed = None
         with pre.compile_only(self.device) as pool:
@@ -101,6 +115,7 @@ class CompiledModel:
                 except Exception as e:  # noqa: BLE001 (what it missed compiles where first run)
                     failed = failed or e
         torch.cuda.synchronize()
+        self.precompiled = failed is None
         seconds = time.perf_counter() - t0
         log.info("precompile: %d Triton variants in %.2f s (%d dry steps%s)", pool.submitted,
                  seconds, len(steps), f"; a dry step failed: {failed!r}" if failed else "")
@@ -194,7 +209,7 @@ class CompiledModel:
         context, padding tokens write to slot -1 (nowhere)."""
         from tqdm import tqdm
         pool = self.pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
+        stream = self.capture_stream = torch.cuda.Stream()
         sizes = sorted(self.capture_sizes(), reverse=True)
         for bs in tqdm(sizes, desc="Capturing CUDA graphs", disable=not self.show_progress):
             args = self.graph_inputs(bs)
@@ -337,24 +352,33 @@ class CompiledModel:
         so the graph serves every step of its bucket. A capture that fails (an op that syncs or
         reads device values on the host) leaves that bucket eager."""
         args = self.mixed_inputs(T2)
-        stream = torch.cuda.Stream()
+        stream = self.capture_stream
         stream.wait_stream(torch.cuda.current_stream())
         t0 = time.perf_counter()
-        try:
-            with torch.cuda.stream(stream):
-                self.forward(*args)  # compiles what is new for this shape, outside the capture
-            torch.cuda.current_stream().wait_stream(stream)
-            if self.pool is None:
-                self.pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, stream=stream,
-                                  capture_error_mode="thread_local"):
-                out = self.forward(*args)
-        except Exception as e:  # noqa: BLE001  (that bucket stays eager; the step goes on)
-            torch.cuda.current_stream().wait_stream(stream)
-            log.warning("--cudagraph-mode full: no graph for steps of %d tokens (%s: %s); they "
-                        "run eagerly", T2, type(e).__name__, e)
-            return None
+        # The eager run before a capture compiles what is new for the shape. At level 1 after
+        # the precompile every Triton variant exists, and the decode captures ran cuBLAS on this
+        # stream: skipping it saves the GPU work of every bucket (~0.5 s on Llama-8B at 4096
+        # tokens); a capture that still fails gets the run and a second try.
+        for warm in ((True,) if self.compiled or not self.precompiled else (False, True)):
+            try:
+                if warm:
+                    with torch.cuda.stream(stream):
+                        self.forward(*args)
+                    torch.cuda.current_stream().wait_stream(stream)
+                if self.pool is None:
+                    self.pool = torch.cuda.graph_pool_handle()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream,
+                                      capture_error_mode="thread_local"):
+                    out = self.forward(*args)
+                break
+            except Exception as e:  # noqa: BLE001  (that bucket stays eager; the step goes on)
+                torch.cuda.current_stream().wait_stream(stream)
+                if warm:
+                    log.warning("--cudagraph-mode full: no graph for steps of %d tokens (%s: %s); "
+                                "they run eagerly", T2, type(e).__name__, e)
+                    return None
+                log.debug("capture of %d tokens without a run before it failed (%r): again", T2, e)
         log.debug("captured the CUDA graph of steps with prompt tokens up to %d tokens in %.2f s",
                   T2, time.perf_counter() - t0)
         return graph, out

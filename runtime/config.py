@@ -101,7 +101,9 @@ class CacheConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = opt(256, "most requests in one step")
-    max_num_batched_tokens: int = opt(8192, "token budget of one step")
+    # 4096, not vLLM's 8192: online W1 (H200) keeps its streams ticking (ITL p99 14 vs 30 ms) at
+    # the same throughput, and offline W1 measured the same (benchmarks/2026-12-05-h200-s10)
+    max_num_batched_tokens: int = opt(4096, "token budget of one step")
     enable_chunked_prefill: bool = opt(True, "split long prompts over several steps")
     policy: str = opt("fcfs", "scheduling policy", alias="scheduling_policy",
                       choices=("fcfs", "priority"))
@@ -162,11 +164,12 @@ class CompilationConfig:
                                  "of each decoder layer + CUDA graphs (-1: 1 on CUDA, 0 on CPU; "
                                  "level 1 measured as fast or faster on an H200 and starts sooner)")
     cuda_graph_max_bs: int | None = opt(None, "largest captured batch (default: max_num_seqs, at most 512)")
-    cudagraph_mode: str = opt("decode", "decode: CUDA graphs for decode steps; full: also for steps "
+    cudagraph_mode: str = opt("auto", "decode: CUDA graphs for decode steps; full: also for steps "
                               "with prompt tokens, one graph per token-count bucket (64, 128, 256, "
                               "then multiples of 512), all captured at start-up "
-                              "(single-rank engines without recurrent layers)",
-                              choices=("decode", "full"))
+                              "(single-rank engines without recurrent layers); auto: full where "
+                              "it can run, else decode",
+                              choices=("auto", "decode", "full"))
     cache_dir: str = opt(_default_cache_dir(), "compile and autotune caches, model-config snapshots")
 
     def validate(self):

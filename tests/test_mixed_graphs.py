@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rankserve import LLM, SamplingParams
-from rankserve.runtime.config import ConfigError
+from rankserve.runtime.config import CompilationConfig, ConfigError
 
 from conftest import STORIES_EMBEDDED
 
@@ -70,11 +70,50 @@ def test_buckets_cover_the_budget(checkpoint):
     (dict(cudagraph_mode="full", device="cpu"), "needs CUDA graphs"),
     (dict(cudagraph_mode="full", enforce_eager=True), "needs CUDA graphs"),
     (dict(cudagraph_mode="full", compilation_level=0), "needs CUDA graphs"),
-    (dict(cudagraph_mode="piecewise"), "--cudagraph-mode must be one of decode, full"),
+    (dict(cudagraph_mode="piecewise"), "--cudagraph-mode must be one of auto, decode, full"),
 ])
 def test_refused_where_it_cannot_run(kw, msg):
     with pytest.raises((ConfigError, ValueError), match=msg):
         LLM(str(STORIES_EMBEDDED), **kw)
+
+
+def _full_mode(cm, device="cuda", **kw):
+    """cm.full_mode() as it would decide on `device` with these config changes (nothing runs)."""
+    import dataclasses
+    cfg = cm.cfg
+    subs = {"compilation": dict(cudagraph_mode="auto"), "parallel": {}}
+    for k, v in kw.items():
+        subs["parallel" if k.endswith("_size") else "compilation"][k] = v
+    cm.cfg = dataclasses.replace(cfg, **{s: dataclasses.replace(getattr(cfg, s), **v)
+                                         for s, v in subs.items()})
+    real = cm.device
+    cm.device = torch.device(device)
+    try:
+        return cm.full_mode()
+    finally:
+        cm.cfg, cm.device = cfg, real
+
+
+def test_auto_mode_is_full_where_it_can_run(checkpoint):
+    """The default (--cudagraph-mode auto) captures mixed steps on a single-rank CUDA engine
+    and falls back to decode graphs where full mode cannot run, instead of refusing to start."""
+    cm = LLM(checkpoint("Qwen3ForCausalLM"), max_num_seqs=2).engine.executor.runner.compiled_model
+    assert CompilationConfig().cudagraph_mode == "auto"
+    assert _full_mode(cm) is True
+    assert _full_mode(cm, device="cpu") is False
+    assert _full_mode(cm, enforce_eager=True) is False
+    assert _full_mode(cm, compilation_level=0) is False
+    assert _full_mode(cm, tensor_parallel_size=2) is False
+    assert _full_mode(cm, pipeline_parallel_size=2) is False
+    assert _full_mode(cm, cudagraph_mode="decode") is False
+    assert cm.mixed is False  # this engine is on the CPU: no mixed graphs were set up
+
+
+def test_auto_mode_falls_back_for_recurrent_layers(checkpoint):
+    cm = LLM(checkpoint("NemotronHForCausalLM"), max_num_seqs=2).engine.executor.runner.compiled_model
+    assert _full_mode(cm) is False
+    with pytest.raises(ConfigError, match="recurrent"):
+        _full_mode(cm, cudagraph_mode="full")
 
 
 def test_data_parallel_replicas_of_one_rank_may_use_it():
@@ -118,3 +157,35 @@ def test_gpu_mixed_graphs_match_eager(checkpoint, model, level):
     out = llm.generate(mixed_prompts(), sp)
     assert cm.mixed_graphs == graphs
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in eager]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("model, kw", [
+    ("LlamaForCausalLM", {}), ("MistralForCausalLM", {}), ("Qwen2ForCausalLM", {}),
+    ("Gemma3ForCausalLM", {}), ("MixtralForCausalLM", {}), ("DeepseekV2ForCausalLM", {}),
+    ("DeepseekV3ForCausalLM", {}), ("Qwen3ForCausalLM", dict(kv_cache_dtype="fp8")),
+    ("Qwen3ForCausalLM", dict(enable_prefix_caching=True)), ("NemotronHForCausalLM", {}),
+])
+def test_gpu_default_mode_matches_eager_across_families(checkpoint, model, kw):
+    """The default (--cudagraph-mode auto) replays mixed-step graphs on every family that can
+    take them (recurrent layers fall back to decode graphs) and gives eager's greedy tokens."""
+    path = checkpoint(model)
+    common = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=160,
+                  gpu_memory_utilization=0.3, **kw)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = mixed_prompts()
+    if kw.get("enable_prefix_caching"):  # the second half shares the first half's prompts
+        prompts = prompts[:6] + [{"prompt_token_ids": p["prompt_token_ids"] + [7, 8, 9]}
+                                 for p in prompts[:6]]
+    eager_llm = LLM(path, enforce_eager=True, **common)
+    eager = [eager_llm.generate(prompts[:6], sp), eager_llm.generate(prompts[6:], sp)]
+    del eager_llm
+    llm = LLM(path, **common)
+    cm = llm.engine.executor.runner.compiled_model
+    recurrent = model.startswith("NemotronH")
+    assert cm.mixed is not recurrent and bool(cm.mixed_graphs) is not recurrent
+    assert all(g is not None for g in cm.mixed_graphs.values())
+    out = [llm.generate(prompts[:6], sp), llm.generate(prompts[6:], sp)]
+    for a, b in zip(eager, out):
+        assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
