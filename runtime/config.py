@@ -168,7 +168,7 @@ class CompilationConfig:
                               "with prompt tokens, one graph per token-count bucket (64, 128, 256, "
                               "then multiples of 512), all captured at start-up "
                               "(single-rank engines without recurrent layers); auto: full where "
-                              "it can run, else decode",
+                              "it can run (and without LoRA or speculative decoding), else decode",
                               choices=("auto", "decode", "full"))
     cache_dir: str = opt(_default_cache_dir(), "compile and autotune caches, model-config snapshots")
 

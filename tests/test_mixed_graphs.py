@@ -189,3 +189,20 @@ def test_gpu_default_mode_matches_eager_across_families(checkpoint, model, kw):
     out = [llm.generate(prompts[:6], sp), llm.generate(prompts[6:], sp)]
     for a, b in zip(eager, out):
         assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+
+
+def test_auto_mode_keeps_decode_graphs_with_lora_or_speculative_decoding(checkpoint):
+    """Not compared with eager on the GPU yet: auto leaves those engines on decode graphs (an
+    explicit --cudagraph-mode full still runs them)."""
+    cm = LLM(checkpoint("Qwen3ForCausalLM"), max_num_seqs=2).engine.executor.runner.compiled_model
+    import dataclasses
+    cfg = cm.cfg
+    try:
+        cm.cfg = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, enable_lora=True))
+        assert _full_mode(cm) is False and _full_mode(cm, cudagraph_mode="full") is True
+        cm.cfg = dataclasses.replace(cfg, speculative=dataclasses.replace(
+            cfg.speculative, speculative_config='{"method": "ngram", "num_speculative_tokens": 2}'))
+        assert cm.cfg.spec is not None
+        assert _full_mode(cm) is False and _full_mode(cm, cudagraph_mode="full") is True
+    finally:
+        cm.cfg = cfg
