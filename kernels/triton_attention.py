@@ -481,6 +481,14 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def tile_class(num_tokens: int, num_seqs: int) -> int:
+    """The unified kernel's tile height class from the mean query length: 0 (< 16), 1 (16..255),
+    2 (>= 256). Steps of one class launch the same Triton variants (the start-up precompile runs
+    one step of each class, runtime/compilation.py)."""
+    mean = num_tokens // max(num_seqs, 1)
+    return 2 if mean >= 256 else 1 if mean >= 16 else 0
+
+
 def _unified_config(num_tokens: int, num_seqs: int, head_dim: int, group: int, on_gpu: bool
                     ) -> tuple[int, int, int, int]:
     """(BLOCK_M rows = query tokens x group heads, BLOCK_N keys, num_warps, num_stages).
@@ -489,13 +497,14 @@ def _unified_config(num_tokens: int, num_seqs: int, head_dim: int, group: int, o
     want short tiles (a decode token wastes BLOCK_Q - 1 rows of MMA work), long prefills tall
     ones. Measured on an H200 (bf16, head_dim 128, 32/8 heads): see kernels/benchmark.py.
     """
+    tiles = tile_class(num_tokens, num_seqs)
     if not on_gpu:  # interpreter: small tiles keep numpy fast
         block_m, block_n, warps, stages = 16, 16, 4, 1
     elif head_dim > 128:
         block_m, block_n, warps, stages = 64, 32, 4, 2
-    elif num_tokens // max(num_seqs, 1) >= 256:
+    elif tiles == 2:
         block_m, block_n, warps, stages = 128, 32 if head_dim > 64 else 64, 4, 3
-    elif num_tokens // max(num_seqs, 1) >= 16:
+    elif tiles == 1:
         block_m, block_n, warps, stages = 64, 64, 4, 3
     else:
         block_m, block_n, warps, stages = 32, 64, 4, 3
