@@ -49,8 +49,8 @@ def _with_side_quant_config(config, model_dir: str):
             with open(path) as f:
                 config.quantization_config = {"quant_method": method, **json.load(f)}
             return config
-    # NVIDIA ModelOpt's exports: {"producer": ..., "quantization": {"quant_algo": ...}} (read so
-    # that the scheme is named, not met as a stray e4m3 tensor)
+    # NVIDIA ModelOpt's exports: {"producer": ..., "quantization": {"quant_algo": ...}}, flattened
+    # (models/quantization.py ModelOptConfig)
     path = os.path.join(model_dir, "hf_quant_config.json")
     if os.path.isfile(path):
         with open(path) as f:

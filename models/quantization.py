@@ -23,6 +23,7 @@ at what granularity (8 for packed nibbles, the block or group size for scales).
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import re
 
 import torch
@@ -398,6 +399,8 @@ def _listed(name: str, m: str) -> bool:
     GPTQModel)."""
     if m.startswith("re:"):
         return re.match(m[3:], name) is not None
+    if any(c in m for c in "*?["):  # ModelOpt's exclude_modules are shell-style wildcards
+        return fnmatch.fnmatchcase(name, m)
     return f".{m}." in f".{name}."
 
 
@@ -444,7 +447,8 @@ class MoEQuant:
 
 
 def _ignored(qc: dict) -> list[str]:
-    return list(qc.get("modules_to_not_convert") or qc.get("ignored_layers") or qc.get("ignore") or [])
+    return list(qc.get("modules_to_not_convert") or qc.get("ignored_layers") or qc.get("ignore")
+                or qc.get("exclude_modules") or [])
 
 
 @QUANT_METHODS.register("fp8")
@@ -489,6 +493,42 @@ class FbgemmFp8Config(QuantConfig):
 
     def moe(self):
         return MoEQuant(None)
+
+
+@QUANT_METHODS.register("modelopt")
+class ModelOptConfig(QuantConfig):
+    """NVIDIA ModelOpt (Model Optimizer) FP8 exports, such as nvidia/Llama-3.1-8B-Instruct-FP8: the
+    scheme in hf_quant_config.json ({"quantization": {"quant_algo", "kv_cache_quant_algo",
+    "exclude_modules"}}, flattened by the loader) or in config.json (quant_method modelopt,
+    quant_algo, ignore, kv_cache_scheme). FP8: e4m3 `weight`, a scalar `weight_scale` and a static
+    scalar `input_scale` per layer (read, not used: activations are quantized per token, finer);
+    FP8_PER_CHANNEL_PER_TOKEN: `weight_scale` per output channel. k/v scales
+    (`k_proj.k_scale`, `v_proj.v_scale`) go to an fp8 KV cache. exclude_modules are wildcards."""
+    name = "modelopt"
+    ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN")
+
+    def __init__(self, qc: dict, online: bool = False):
+        nested = qc.get("quantization") if isinstance(qc.get("quantization"), dict) else {}
+        qc = {**nested, **qc}
+        algo = str(qc.get("quant_algo") or "").upper()
+        where = qc.get("source", "config.json")
+        if algo not in self.ALGOS:
+            raise ValueError(f"NVIDIA ModelOpt checkpoints with quant_algo {qc.get('quant_algo')!r} "
+                             f"(from {where}) are not supported; supported: {', '.join(self.ALGOS)}")
+        kv = qc.get("kv_cache_quant_algo")
+        scheme = qc.get("kv_cache_scheme")
+        if kv and str(kv).upper() != "FP8" or isinstance(scheme, dict) and not (
+                scheme.get("type") == "float" and scheme.get("num_bits") == 8):
+            raise ValueError(f"NVIDIA ModelOpt KV cache quantization {kv or scheme!r} (from {where}) "
+                             "is not supported (only FP8: per-layer k/v scales)")
+        self.per_tensor = algo == "FP8"
+        self.ignored = _ignored(qc)
+
+    def linear(self, prefix):
+        return Fp8Linear(None, "weight_scale", input_scale=self.per_tensor, per_tensor=self.per_tensor)
+
+    def moe(self):
+        return MoEQuant(None, per_tensor=self.per_tensor, static=self.per_tensor)
 
 
 @QUANT_METHODS.register("compressed-tensors")
@@ -667,11 +707,6 @@ def quant_config_of(hf_config, flag: str | None) -> QuantConfig | None:
         qc = qc.to_dict()
     if qc:
         method = str(qc.get("quant_method", "")).lower()
-        if method == "modelopt":  # quant_algo at the top, or in hf_quant_config.json's nesting
-            algo = qc.get("quant_algo") or (qc.get("quantization") or {}).get("quant_algo")
-            raise ValueError(f"NVIDIA ModelOpt checkpoints (quant_method 'modelopt', quant_algo "
-                             f"{algo!r}, from {qc.get('source', 'config.json')}) are not "
-                             f"supported; supported: {', '.join(QUANT_METHODS.names())}")
         if flag and flag != method:
             raise ValueError(f"--quantization {flag} does not match the checkpoint's "
                              f"quantization_config (quant_method {method!r})")

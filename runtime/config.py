@@ -49,7 +49,7 @@ class ModelConfig:
     quantization: str | None = opt(None, "weight quantization: read from the checkpoint's "
                                    "quantization_config; fp8 also quantizes a 16-bit checkpoint "
                                    "at load time", alias="q",
-                                   choices=("fp8", "fbgemm_fp8", "compressed-tensors", "gptq", "awq"))
+                                   choices=("fp8", "fbgemm_fp8", "compressed-tensors", "gptq", "awq", "modelopt"))
 
     def validate(self):
         _check(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "> 0",
