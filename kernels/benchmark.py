@@ -130,6 +130,10 @@ def bench_prepare_qkv(ceil, quick):
         fn = lambda: ta.prepare_qkv(qkv, pos, cos_sin, qn, kn, 1e-6, k_cache, v_cache, slots, H)  # noqa: E731
         nbytes = 2 * T * (H + 2 * KH) * D * 2 + T * (D * 4 + 16)
         rows.append(row("prepare_qkv", f"T={T}", fn, nbytes, 0, ceil))
+        if T <= ta.PREPARE_SPLIT_T:  # A/B: a whole token a program, as above PREPARE_SPLIT_T
+            split, ta.PREPARE_SPLIT_T = ta.PREPARE_SPLIT_T, 0
+            rows.append(row("prepare_qkv", f"T={T} token/program", fn, nbytes, 0, ceil))
+            ta.PREPARE_SPLIT_T = split
     return rows
 
 

@@ -44,6 +44,9 @@ DECODE_PROGRAMS_PER_SM = 8
 # tiles (BLOCK_M rows for one token x GROUP heads): W1's prefill ramp, attention 241 us a layer
 # (unified 152 + split 89) against 257 us (session 9's profile, another H200)
 MIXED_DECODE_SPLIT = True
+# prepare_qkv: steps of at most PREPARE_SPLIT_T tokens run PREPARE_HEADS heads a program (a
+# module global so tests can shrink it to the interpreter's sizes)
+PREPARE_SPLIT_T, PREPARE_HEADS = 64, 8
 
 
 # ----------------------------------------------------------------------------------------------
@@ -76,20 +79,36 @@ def _prepare_qkv_kernel(qkv_ptr, pos_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, q
                         KV_FP8: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_KV: tl.constexpr,
                         BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
     pdl.wait_and_release(USE_PDL)
-    # Program per token: rows 0..H-1 of the [heads, D/2] tiles are q heads, H..H+KH-1 k heads.
-    # Rounding follows the torch reference step by step (norm -> dtype -> * weight -> dtype ->
-    # fp32 RoPE -> dtype), so compiled and eager runs agree on the same device.
+    # Program (token, block of BLOCK_HEADS heads): head rows h < H of the [heads, D/2] tiles are
+    # q heads, H..H+KH-1 k heads (each of those also moves its v head). Rounding follows the
+    # torch reference step by step (norm -> dtype -> * weight -> dtype -> fp32 RoPE -> dtype), so
+    # compiled and eager runs agree on the same device.
     tok = tl.program_id(0).to(tl.int64)
+    h0 = tl.program_id(1) * BLOCK_HEADS
     HALF: tl.constexpr = HEAD_DIM // 2
     dt = q_ptr.dtype.element_ty
-    heads = tl.arange(0, BLOCK_HEADS)
+    heads = h0 + tl.arange(0, BLOCK_HEADS)
     is_q = heads < NUM_HEADS
+    # every load that depends on no other comes first: at decode sizes the kernel is a chain of
+    # memory round trips (pos -> cos / sin the only dependent pair), not arithmetic
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)
     dm = d < HALF
     mask = (heads < NUM_HEADS + NUM_KV_HEADS)[:, None] & dm[None, :]
     src = qkv_ptr + tok * stride_t + heads[:, None] * HEAD_DIM + d[None, :]
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + d, mask=dm, other=0.0)[None, :]
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + d, mask=dm, other=0.0)[None, :]
+    # the v heads of this block's k heads: kv_lo .. kv_hi - 1 (loaded now, stored below)
+    kv_lo = tl.maximum(h0 - NUM_HEADS, 0)
+    kv_hi = tl.minimum(h0 + BLOCK_HEADS - NUM_HEADS, NUM_KV_HEADS)
+    vh = kv_lo + tl.arange(0, BLOCK_KV)
+    dv = tl.arange(0, BLOCK_D)
+    v_mask = (vh < kv_hi)[:, None] & (dv < HEAD_DIM)[None, :]
+    v = tl.load(qkv_ptr + tok * stride_t + (NUM_HEADS + NUM_KV_HEADS + vh[:, None]) * HEAD_DIM
+                + dv[None, :], mask=v_mask)
     if HAS_NORM:
         r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)[:, None]
         w1 = tl.where(is_q[:, None], tl.load(q_norm_ptr + d, mask=dm, other=0.0)[None, :],
@@ -98,9 +117,6 @@ def _prepare_qkv_kernel(qkv_ptr, pos_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, q
                       tl.load(k_norm_ptr + HALF + d, mask=dm, other=0.0)[None, :]).to(tl.float32)
         x1 = ((x1 * r).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
         x2 = ((x2 * r).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
-    pos = tl.load(pos_ptr + tok).to(tl.int64)
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + d, mask=dm, other=0.0)[None, :]
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + d, mask=dm, other=0.0)[None, :]
     o1 = (x1 * cos - x2 * sin).to(dt)
     o2 = (x2 * cos + x1 * sin).to(dt)
     q_dst = q_ptr + tok * stride_qt + heads[:, None] * stride_qh + d[None, :]
@@ -108,7 +124,6 @@ def _prepare_qkv_kernel(qkv_ptr, pos_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, q
     tl.store(q_dst, o1, mask=q_mask)
     tl.store(q_dst + HALF, o2, mask=q_mask)
 
-    slot = tl.load(slot_ptr + tok).to(tl.int64)
     blk = slot // BLOCK_SIZE
     off = slot % BLOCK_SIZE
     # k rows; none for a padding token (slot -1: its k/v go nowhere)
@@ -125,17 +140,12 @@ def _prepare_qkv_kernel(qkv_ptr, pos_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, q
         k2 = o2.to(cdt)
     tl.store(k_dst, k1, mask=k_rows[:, None] & dm[None, :])
     tl.store(k_dst + HALF, k2, mask=k_rows[:, None] & dm[None, :])
-    vh = tl.arange(0, BLOCK_KV)
-    dv = tl.arange(0, BLOCK_D)
-    v_mask = (vh < tl.where(slot >= 0, NUM_KV_HEADS, 0))[:, None] & (dv < HEAD_DIM)[None, :]
-    v = tl.load(qkv_ptr + tok * stride_t + (NUM_HEADS + NUM_KV_HEADS + vh[:, None]) * HEAD_DIM
-                + dv[None, :], mask=v_mask)
     if KV_FP8:
         v = _to_fp8(v.to(tl.float32), tl.load(v_scale_ptr))
     else:
         v = v.to(v_cache_ptr.dtype.element_ty)
     tl.store(v_cache_ptr + blk * stride_vcb + off * stride_vcs + vh[:, None] * stride_vch
-             + dv[None, :], v, mask=v_mask)
+             + dv[None, :], v, mask=(vh < tl.where(slot >= 0, kv_hi, 0))[:, None] & (dv < HEAD_DIM)[None, :])
 
 
 def prepare_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
@@ -153,16 +163,20 @@ def prepare_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tenso
         return q
     has_norm = q_norm is not None
     fp8, k_scale, v_scale = _kv_scales(k_cache, v_cache, k_scale, v_scale)
-    _prepare_qkv_kernel[(T,)](
+    # decode-sized steps: a few heads a program (Llama-8B at one token was one program of 40
+    # heads, 7.5 us: a [64, 64] tile's pointers and values spill); larger steps: a token a program
+    heads = triton.next_power_of_2(num_heads + KH)
+    block_heads = min(heads, PREPARE_HEADS) if T <= PREPARE_SPLIT_T else heads
+    _prepare_qkv_kernel[(T, triton.cdiv(num_heads + KH, block_heads))](
         qkv, positions, cos_sin, q_norm if has_norm else cos_sin, k_norm if has_norm else cos_sin,
         q, k_cache, v_cache, k_scale, v_scale, slot_mapping, eps,
         qkv.stride(0), cos_sin.stride(0), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_HEADS=num_heads, NUM_KV_HEADS=KH, HEAD_DIM=D, BLOCK_SIZE=block_size,
-        HAS_NORM=has_norm, KV_FP8=fp8, BLOCK_HEADS=triton.next_power_of_2(num_heads + KH),
-        BLOCK_KV=triton.next_power_of_2(KH), BLOCK_HALF=triton.next_power_of_2(D // 2),
-        BLOCK_D=triton.next_power_of_2(D), num_warps=4, **pdl.launch(qkv))
+        HAS_NORM=has_norm, KV_FP8=fp8, BLOCK_HEADS=block_heads,
+        BLOCK_KV=min(triton.next_power_of_2(KH), block_heads), BLOCK_HALF=triton.next_power_of_2(D // 2),
+        BLOCK_D=triton.next_power_of_2(D), num_warps=4 if block_heads == heads else 2, **pdl.launch(qkv))
     return q
 
 

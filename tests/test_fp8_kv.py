@@ -176,6 +176,16 @@ def test_fp8_prepare_qkv(interp, norm, dtype):
     interp(fp8_prepare_case, norm, dtype)
 
 
+def fp8_prepare_blocks_case(per_program):
+    ta.PREPARE_HEADS = per_program
+    fp8_prepare_case(True, torch.float32, H=6)
+
+
+@pytest.mark.parametrize("per_program", [1, 4])
+def test_fp8_prepare_qkv_head_blocks(interp, per_program):
+    interp(fp8_prepare_blocks_case, per_program)
+
+
 def test_fp8_op_on_cpu_and_fake():
     """The custom op's reference path with fp8 caches, and its fake impl (torch.compile)."""
     from torch._subclasses.fake_tensor import FakeTensorMode

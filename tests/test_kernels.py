@@ -246,8 +246,9 @@ def check_prepare_qkv(args, tol):
     assert written.sum() == (slots >= 0).sum()  # padding tokens write nothing
 
 
-def prepare_qkv_case(norm, dtype):
-    check_prepare_qkv(make_qkv(11, 4, 2, 16, 6, 16, norm=norm, dtype=dtype),
+def prepare_qkv_case(norm, dtype, T=11, H=4, per_program=8):
+    ta.PREPARE_HEADS = per_program
+    check_prepare_qkv(make_qkv(T, H, 2, 16, 6, 16, norm=norm, dtype=dtype),
                       1e-5 if dtype == torch.float32 else 2e-2)
 
 
@@ -256,6 +257,14 @@ def prepare_qkv_case(norm, dtype):
 def test_prepare_qkv(interp, norm, dtype):
     """q/k norm + RoPE + cache store in one kernel equals the torch reference the models use."""
     interp(prepare_qkv_case, norm, dtype)
+
+
+@pytest.mark.parametrize("T, per_program", [(11, 1), (11, 2), (11, 4), (70, 2)])
+def test_prepare_qkv_head_blocks(interp, T, per_program):
+    """Decode-sized steps split a token's 6 q + 2 k heads over programs of `per_program` heads
+    (4: one block holds q heads 4-5 and both k heads, which also move both v heads); above
+    PREPARE_SPLIT_T tokens a program takes a whole token."""
+    interp(prepare_qkv_case, True, torch.float32, T, 6, per_program)
 
 
 def test_interpreter_confined_to_worker(interp):
