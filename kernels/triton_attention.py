@@ -38,6 +38,7 @@ _MAX_SPLITS = 64
 # (16, 32) lost 2-5 % (benchmarks/2026-12-05-h200-s10/sweep_decode.py)
 DECODE_BLOCK_N = 128
 DECODE_STAGES = 2
+DECODE_WARPS = 4
 DECODE_PROGRAMS_PER_SM = 8
 # a mixed step's one-token requests (the running decodes) through the split-KV kernel, whose
 # 16-row tiles read each context once per kv head, instead of the unified kernel's tall prefill
@@ -583,7 +584,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             out.stride(1), *common, NUM_HEADS=H, HEAD_DIM=D, GROUP=group, BLOCK_SIZE=block_size,
             BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
             NUM_SPLITS=splits, ONLY_DECODE=False, KV_FP8=fp8, SOFTCAP=cap[1], IEEE=ieee,
-            num_warps=4, num_stages=DECODE_STAGES, **use_pdl)
+            num_warps=DECODE_WARPS, num_stages=DECODE_STAGES, **use_pdl)
         if splits == 1:
             return out
         _decode_reduce_kernel[(B, H)](
@@ -602,7 +603,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             BLOCK_SIZE=block_size, BLOCK_H=max(16, triton.next_power_of_2(group)),
             BLOCK_N=DECODE_BLOCK_N if on_gpu else 16, BLOCK_D=block_d, NUM_SPLITS=1,
             ONLY_DECODE=True, KV_FP8=fp8, SOFTCAP=cap[1], IEEE=ieee,
-            num_warps=4, num_stages=DECODE_STAGES, USE_PDL=False)
+            num_warps=DECODE_WARPS, num_stages=DECODE_STAGES, USE_PDL=False)
     block_m, block_n, warps, stages = _unified_config(T, B, D, group, on_gpu)
     block_q = block_m // group
     grid = (T // block_q + B + 1, KH)

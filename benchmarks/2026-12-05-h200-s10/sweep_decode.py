@@ -6,8 +6,10 @@ one request, the reduce kernel's case).
 
     python benchmarks/2026-12-05-h200-s10/sweep_decode.py [--w2] [--cache-dir DIR] [CONFIG ...]
 
-CONFIG is BLOCK_N,STAGES,PPSM (default: the current constants first, then a few neighbours);
-a config may repeat (run-to-run noise)."""
+CONFIG is BLOCK_N,STAGES,PPSM[,WARPS] (default: the current constants first, then a few
+neighbours); a config may repeat (run-to-run noise). Other arguments go to the bench command
+(e.g. `--kv-cache-dtype fp8`: W1 with an fp8 KV cache measured no faster than bf16 in session 12,
+so the kernel is not bound by the bytes it reads)."""
 from __future__ import annotations
 
 import re
@@ -24,7 +26,9 @@ def one(cfg: str, rest: list[str]) -> None:
     workload = W2 if "--w2" in rest else W1
     rest = [a for a in rest if a != "--w2"]
     from rankserve.kernels import triton_attention as ta
-    ta.DECODE_BLOCK_N, ta.DECODE_STAGES, ta.DECODE_PROGRAMS_PER_SM = map(int, cfg.split(","))
+    vals = list(map(int, cfg.split(",")))
+    ta.DECODE_BLOCK_N, ta.DECODE_STAGES, ta.DECODE_PROGRAMS_PER_SM = vals[:3]
+    ta.DECODE_WARPS = vals[3] if len(vals) > 3 else ta.DECODE_WARPS
     from rankserve.launch.cli import main
     sys.argv = ["rankserve", *workload, *rest]
     main()
@@ -41,7 +45,7 @@ def sweep(cfgs: list[str], rest: list[str]) -> None:
         if not m:
             print(p.stdout[-1500:], p.stderr[-1500:])
         print(f"{cfg:>10}  {rows[-1][1]:>10} tok/s  {rows[-1][2]:>5}% of floor", flush=True)
-    print("BLOCK_N,STAGES,PPSM  tok/s (W1 output / W2 decode)  % of floor")
+    print("BLOCK_N,STAGES,PPSM[,WARPS]  tok/s (W1 output / W2 decode)  % of floor")
     for r in rows:
         print(f"{r[0]:>19}  {r[1]:>12}  {r[2]:>10}")
 
@@ -51,6 +55,6 @@ if __name__ == "__main__":
     if args[:1] == ["--one"]:
         one(args[1], args[2:])
     else:
-        cfgs = [a for a in args if re.fullmatch(r"\d+,\d+,\d+", a)]
+        cfgs = [a for a in args if re.fullmatch(r"\d+,\d+,\d+(,\d+)?", a)]
         rest = [a for a in args if a not in cfgs]
         sweep(cfgs or DEFAULT, rest)
