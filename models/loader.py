@@ -290,7 +290,7 @@ def init_dummy_weights(model, seed: int, config=None) -> None:
                 continue
             p.data.copy_(torch.randint(0, hi, p.shape, device=p.device, generator=gen, dtype=torch.int64))
         elif name.rsplit(".", 1)[-1] in ("weight_scale", "weight_scale_inv", "scales", "input_scale",
-                                         "w13_scale", "w2_scale"):
+                                         "w13_scale", "w2_scale", "w13_scales", "w2_scales"):
             p.data.fill_(0.02 / 64 if p.dtype == torch.float32 else 0.002)
         elif p.dim() >= 2:
             p.data.normal_(0, 0.02, generator=gen)
