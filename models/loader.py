@@ -260,6 +260,10 @@ def _stored_fp8(src) -> bool:
 
 def _check_unused(name: str, target: str, params: dict) -> None:
     module, _, suffix = target.rpartition(".")
+    if suffix in ("w13", "w2") and any(f"{target}_{k}" in params for k in ("qweight", "weight_packed")):
+        raise ValueError(f"{name}: is a 16-bit expert weight where the quantization config quantizes these "
+                         "experts to 4 bits (an expert left unquantized must be listed in "
+                         "modules_to_not_convert / ignore, with every other expert of its layer)")
     if suffix in _QUANT_SUFFIXES and f"{module}.weight" in params:
         raise ValueError(f"{name}: the checkpoint quantizes {module}, which runs unquantized here "
                          "(a router, or a layer the quantization config lists as not converted); "
