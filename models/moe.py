@@ -5,6 +5,9 @@ Experts are stored stacked (`w13` [E, 2I, H] gate+up, `w2` [E, H, I]) and run by
 `rankserve::fused_moe` op (Triton grouped GEMM on CUDA, plain torch on CPU). Without expert
 parallelism each rank keeps every expert with its intermediate dimension split (TP); with
 `--enable-expert-parallel` each rank keeps E/TP whole experts. Both end in one all-reduce.
+Quantized experts: FP8 (`w13` / `w2` e4m3 with `w13_scale` / `w2_scale`), or 4-bit (GPTQ / AWQ /
+compressed-tensors W4A16: `w13_qweight` [E, H/8, 2I], `w13_scales`, ... in kernels/quant.py's
+w4a16 layout, loaded per expert by the dense 4-bit layers' loaders; `rankserve::fused_moe_w4a16`).
 """
 from __future__ import annotations
 

@@ -14,7 +14,8 @@ fp8` quantizes a 16-bit checkpoint at load time. Supported:
   awq                 4-bit GEMM layout, `qweight` [K, N/8] packed in AWQ's column order
 Activations are quantized dynamically (per token, or per 1 x bk group for block scales), also for
 checkpoints that ship a static `input_scale` (read, not used: finer scales never lose accuracy).
-4-bit weights are repacked once at load time into the one layout `kernels/quant.py` runs.
+4-bit weights are repacked once at load time into the one layout `kernels/quant.py` runs; MoE
+experts (models/moe.py) of every scheme above load per expert through the same code, stacked.
 
 Sharding: a layer tells the scheme which rows (its output slice per fused shard) and columns
 (its input slice) this rank keeps; each stored tensor says along which of its axes those lie and

@@ -315,7 +315,7 @@ def make_moe_w4(T, E, K, H, inter, group, zero, act_order, *, drop=0.0, dtype=F3
     def stacked(k, n):  # E experts of a [k, n] (K x N) 4-bit weight
         gs = k if group < 0 else group
         groups = -(-k // gs)
-        q = torch.randint(0, 16, (E, k, n), generator=g)
+        q = torch.randint(0, 16, (E, k, n), generator=g, dtype=torch.uint8)
         scales = (torch.rand(E, groups, n, generator=g) * 2 / (k ** 0.5 * 8)).to(dtype)
         zeros = torch.randint(0, 16, (E, groups, n), generator=g).to(torch.uint8) if zero else None
         g_idx = torch.stack([(torch.randperm(k, generator=g) // gs).int() for _ in range(E)]) \
@@ -458,6 +458,17 @@ def test_gpu_fused_moe_fp8(T, block_size):
     args, kw, _ = make_moe_fp8(T, 128, 8, 2048, 768, block_size, drop=0.2, dtype=BF16,
                                device="cuda", seed=T)
     gpu_close(torch.ops.rankserve.fused_moe(*args, **kw), moe.fused_moe_ref(*args, **kw))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("T", [1, 64, 1024])
+@pytest.mark.parametrize("zero,act_order", [(False, False), (True, False), (True, True)])
+def test_gpu_fused_moe_w4a16(T, zero, act_order):
+    """Qwen3-30B-A3B-GPTQ-Int4 sizes (128 experts, top 8, H 2048, I 768, group 128), bf16."""
+    args = make_moe_w4(T, 128, 8, 2048, 768, 128, zero, act_order, drop=0.2, dtype=BF16,
+                       device="cuda", seed=T)
+    gpu_close(torch.ops.rankserve.fused_moe_w4a16(*args), moe.fused_moe_w4a16_ref(*args))
 
 
 @gpu
