@@ -71,8 +71,12 @@ def write(src: str, dst: Path, fmt, reference: bool = True):
 
 @pytest.mark.parametrize("fmt", ["gptq-sym", "awq", "gptq-zp-actorder"])
 def test_mixtral_4bit_experts_match_the_dequantized_reference(mixtral, tmp_path, fmt):
-    """Mixtral's `block_sparse_moe.experts.E.w1 / w3 / w2` (AWQ Mixtral checkpoints) load too."""
-    ref, names = write(mixtral, tmp_path / "q", fmt)
+    """Mixtral's `block_sparse_moe.experts.E.w1 / w3 / w2` (AWQ Mixtral checkpoints) load too;
+    AWQ with TheBloke's Mixtral AWQ config, whose `modules_to_not_convert` lists the router."""
+    writer, qc = tq.FORMATS[fmt]
+    if fmt == "awq":
+        qc = {**qc, "modules_to_not_convert": ["gate"]}
+    ref, names = write(mixtral, tmp_path / "q", (writer, qc))
     assert any(".experts.0.w2." in n for n in names)
     llm = LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=4)
     ex = llm.engine.executor.runner.model.model.layers["0"].mlp.experts
@@ -194,3 +198,25 @@ def test_some_experts_quantized_and_others_not_is_an_error_naming_the_tensor(moe
     save_file(state, str(path))
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight"):
         LLM(str(tmp_path / "q"), dtype="float32")
+
+
+def test_4bit_experts_reload_after_sleep_and_weight_updates(moe, tmp_path):
+    """Sleep level 2 then update_weights_from_disk, and an update while awake, load 4-bit
+    experts again through the same per-expert loaders (act-order g_idx kept, zero points)."""
+    write(moe, tmp_path / "a", "gptq-zp-actorder", reference=False)
+    state = load_file(f"{moe}/model.safetensors")
+    other = tmp_path / "other"
+    shutil.copytree(moe, other)
+    save_file({k: v.flip(0).contiguous() if ".experts." in k else v for k, v in state.items()},
+              str(other / "model.safetensors"))  # experts permuted within each: other tokens
+    write(str(other), tmp_path / "b", "gptq-zp-actorder", reference=False)
+    want = {p: tq.greedy(LLM(str(tmp_path / p), dtype="float32", max_num_seqs=4)) for p in "ab"}
+    assert want["a"] != want["b"]
+    llm = LLM(str(tmp_path / "a"), dtype="float32", enable_sleep_mode=True, max_num_seqs=4)
+    llm.sleep(2)
+    llm.wake_up(["weights"])
+    llm.update_weights_from_disk(str(tmp_path / "b"))
+    llm.wake_up(["kv_cache"])
+    assert tq.greedy(llm) == want["b"]
+    llm.update_weights_from_disk(str(tmp_path / "a"))
+    assert tq.greedy(llm) == want["a"]
