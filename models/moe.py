@@ -93,14 +93,18 @@ class FusedExperts(nn.Module):
             if m.group_size > 0 and not m.desc_act and inter % m.group_size:
                 raise ValueError(f"{cut} the checkpoint's group_size {m.group_size}{fix}")
         self.w4_groups, self.w4_full_h = (m.group_k(H), m.group_k(full_i)), H
+        self.w4_prefix = prefix or "mlp.experts"
+        self.w4_loaded: set[tuple[str, int, int]] = set()  # (param, expert, part) since the last check
         for target, (k, full_k, n) in (("w13", (H, H, 2 * inter)), ("w2", (inter, full_i, H))):
             for name, shape, dt, load, optional in m.tensors(k, full_k, n, dtype):
                 p = nn.Parameter(torch.empty(self.num_local, *shape, dtype=dt), requires_grad=False)
-                p.weight_loader = lambda param, src, shard, load=load: self._load_w4(param, src, shard, load)
+                pname = target + expert_suffix(name)
+                p.weight_loader = (lambda param, src, shard, load=load, pname=pname:
+                                   self._load_w4(param, src, shard, load, pname))
                 p.optional = optional
-                setattr(self, target + expert_suffix(name), p)
+                setattr(self, pname, p)
 
-    def _load_w4(self, param, src, shard: tuple[int, int], load) -> None:
+    def _load_w4(self, param, src, shard: tuple[int, int], load, pname: str) -> None:
         expert, part = shard  # part: 0 gate, 1 up, 2 down
         e = expert - self.first_expert
         if not 0 <= e < self.num_local:
@@ -112,6 +116,23 @@ class FusedExperts(nn.Module):
         else:  # gate / up: this rank's rows, at offset 0 / I of w13
             s = Slices((part * self.inter, rows.start, self.inter), (0, self.w4_full_h), self.w4_full_h)
         load(param.data[e], src, s)
+        self.w4_loaded.add((pname, e, part))
+
+    def check_w4_loaded(self) -> None:
+        """After a load: every expert of this rank has each part's tensors (the loader checks
+        whole parameters only, and an expert left out would run on uninitialized memory)."""
+        if not self.w4_loaded:  # nothing loaded (dummy weights)
+            return
+        seen, self.w4_loaded = self.w4_loaded, set()
+        for pname, p in self.named_parameters(recurse=False):
+            if getattr(p, "optional", False):
+                continue
+            for e in range(self.num_local):
+                for part in ((2,) if pname.startswith("w2") else (0, 1)):
+                    if (pname, e, part) not in seen:
+                        raise ValueError(
+                            f"{self.w4_prefix}: the checkpoint has no {pname.split('_', 1)[1]} for expert "
+                            f"{self.first_expert + e}'s {('gate_proj (w1)', 'up_proj (w3)', 'down_proj (w2)')[part]}")
 
     def w4_tensors(self, target: str) -> tuple:
         """(qweight, scales, zeros or None, g_idx or None) of w13 or w2 (4-bit experts)."""
@@ -195,6 +216,7 @@ class ExpertsQuant:
 
     def after_loading(self, mod: FusedExperts) -> None:
         if self.spec is not None and self.spec.w4 is not None:
+            mod.check_w4_loaded()
             if not self.spec.w4.desc_act:  # rows in order: group k // group_size, no index needed
                 for name in ("w13", "w2"):
                     if hasattr(mod, name + expert_suffix(self.spec.w4.g_idx)):

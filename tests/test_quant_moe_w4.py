@@ -220,3 +220,15 @@ def test_4bit_experts_reload_after_sleep_and_weight_updates(moe, tmp_path):
     assert tq.greedy(llm) == want["b"]
     llm.update_weights_from_disk(str(tmp_path / "a"))
     assert tq.greedy(llm) == want["a"]
+
+
+def test_an_expert_missing_from_the_checkpoint_is_named(moe, tmp_path):
+    """Expert 5's down_proj of layer 1 left out: the loader only checked that each stacked
+    parameter got some tensor, and expert 5 would have run on uninitialized memory."""
+    write(moe, tmp_path / "q", "awq", reference=False)
+    path = tmp_path / "q" / "model.safetensors"
+    state = load_file(str(path))
+    save_file({k: v for k, v in state.items() if ".layers.1.mlp.experts.5.down_proj." not in k}, str(path))
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.experts: the checkpoint has no qweight "
+                                         r"for expert 5's down_proj \(w2\)"):
+        LLM(str(tmp_path / "q"), dtype="float32")
