@@ -264,6 +264,11 @@ def _check_unused(name: str, target: str, params: dict) -> None:
         raise ValueError(f"{name}: is a 16-bit expert weight where the quantization config quantizes these "
                          "experts to 4 bits (an expert left unquantized must be listed in "
                          "modules_to_not_convert / ignore, with every other expert of its layer)")
+    expert_part = suffix.partition("_")[0]
+    if expert_part in ("w13", "w2") and suffix != expert_part and f"{module}.{expert_part}" in params:
+        raise ValueError(f"{name}: the checkpoint quantizes these MoE experts, which run unquantized "
+                         "here (the quantization config lists them as not converted); such a "
+                         "checkpoint is not supported")
     if suffix in _QUANT_SUFFIXES and f"{module}.weight" in params:
         raise ValueError(f"{name}: the checkpoint quantizes {module}, which runs unquantized here "
                          "(a router, or a layer the quantization config lists as not converted); "

@@ -102,6 +102,7 @@ class FusedExperts(nn.Module):
                 p.weight_loader = (lambda param, src, shard, load=load, pname=pname:
                                    self._load_w4(param, src, shard, load, pname))
                 p.optional = optional
+                p.checkpoint_name = name  # for the errors
                 setattr(self, pname, p)
 
     def _load_w4(self, param, src, shard: tuple[int, int], load, pname: str) -> None:
@@ -131,7 +132,7 @@ class FusedExperts(nn.Module):
                 for part in ((2,) if pname.startswith("w2") else (0, 1)):
                     if (pname, e, part) not in seen:
                         raise ValueError(
-                            f"{self.w4_prefix}: the checkpoint has no {pname.split('_', 1)[1]} for expert "
+                            f"{self.w4_prefix}: the checkpoint has no {p.checkpoint_name} for expert "
                             f"{self.first_expert + e}'s {('gate_proj (w1)', 'up_proj (w3)', 'down_proj (w2)')[part]}")
 
     def w4_tensors(self, target: str) -> tuple:

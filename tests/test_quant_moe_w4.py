@@ -232,3 +232,14 @@ def test_an_expert_missing_from_the_checkpoint_is_named(moe, tmp_path):
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.experts: the checkpoint has no qweight "
                                          r"for expert 5's down_proj \(w2\)"):
         LLM(str(tmp_path / "q"), dtype="float32")
+
+
+def test_4bit_experts_where_the_config_says_dense_are_named(moe, tmp_path):
+    """Experts the ignore list names run dense; a checkpoint that stores them 4-bit anyway had
+    its expert tensors dropped, and the error said only that the checkpoint "lacks weights for
+    ...experts.w13": the first such tensor is named now, with the reason."""
+    writer, qc = tq.FORMATS["gptq-sym"]
+    write(moe, tmp_path / "q", (writer, {**qc, "modules_to_not_convert": ["mlp.experts"]}), reference=False)
+    with pytest.raises(ValueError, match=r"model\.layers\.\d\.mlp\.experts\.\d\.\w+_proj\.\w+: the checkpoint "
+                                         r"quantizes these MoE experts, which run unquantized here"):
+        LLM(str(tmp_path / "q"), dtype="float32")
