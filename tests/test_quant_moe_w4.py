@@ -122,7 +122,10 @@ def test_4bit_experts_startup_log_counts_their_bytes(moe, tmp_path, caplog):
     assert 0.5 < common.byte_widths(engine_runner(llm))["linear"] < 0.55  # + fp32 scales per 128-group
 
 
-TP_FORMATS = ["gptq-sym", "awq", "gptq-zp-actorder", "ct-w4a16"]
+# and GPTQ group_size -1 (one group along all of K: every rank keeps down_proj's one scale row)
+TP_FORMATS = {f: tq.FORMATS[f] for f in ("gptq-sym", "awq", "gptq-zp-actorder", "ct-w4a16")} | {
+    "gptq-channel": (lambda w: tq.write_gptq(w, group=w.shape[1], sym=False),
+                     {**tq.FORMATS["gptq-sym"][1], "group_size": -1, "sym": False})}
 
 
 @pytest.mark.parametrize("ep", [False, True], ids=["tp", "ep"])
@@ -135,7 +138,7 @@ def test_tp2_expert_shards_add_up_to_one_rank(moe, tmp_path, fmt, ep):
     locally, the others skipped."""
     from rankserve.models.loader import build_model, load_hf_config, load_weights
     from rankserve.models.parallel import ParallelInfo
-    write(moe, tmp_path / "q", fmt, reference=False)
+    write(moe, tmp_path / "q", TP_FORMATS[fmt], reference=False)
     cfg = load_hf_config(str(tmp_path / "q"))
 
     def experts(pi):
