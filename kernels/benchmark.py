@@ -337,6 +337,31 @@ def bench_moe_fp8(ceil, quick):
     return rows
 
 
+def bench_moe_w4a16(ceil, quick):
+    """fused_moe_w4a16: 4-bit experts, group 128 (Qwen3-30B-A3B-GPTQ-Int4's format), symmetric
+    and with zero points."""
+    rows = []
+    G = 128
+
+    def stacked(k, n, zero):
+        qw = torch.randint(-2**31, 2**31 - 1, (E, k // 8, n), dtype=torch.int32, device="cuda")
+        s = torch.rand(E, k // G, n, dtype=DT, device="cuda") * 0.02
+        z = torch.randint(0, 16, (E, k // G, n), dtype=torch.uint8, device="cuda") if zero else None
+        return qw, s, z, None
+    for zero in (False, True):
+        w13, w2 = stacked(HID, 2 * INTER, zero), stacked(INTER, HID, zero)
+        for T in ([1, 64, 4096] if quick else [1, 16, 64, 256, 1024, 4096]):
+            x = torch.randn(T, HID, dtype=DT, device="cuda")
+            weights, ids = torch.topk(torch.randn(T, E, device="cuda").softmax(-1), TOPK)
+            ids = ids.int()
+            fn = lambda: moe.fused_moe_w4a16_triton(x, *w13, *w2, weights, ids, G, G)  # noqa: E731
+            touched = int(torch.unique(ids).numel())
+            nbytes = touched * 3 * HID * INTER // 2 + 2 * T * HID * 2
+            rows.append(row("fused_moe_w4a16_zp" if zero else "fused_moe_w4a16_sym",
+                            f"T={T} E={E} top{TOPK}", fn, nbytes, T * TOPK * 6 * HID * INTER, ceil))
+    return rows
+
+
 def bench_mla(ceil, quick):
     """MLA (DeepSeek-V3 widths: latent 512 + 64, 128 heads) over a paged latent cache: decode
     (bytes: the latent of every context token once) and prefill (FLOPs of the absorbed form)."""
@@ -515,7 +540,8 @@ def bench_lora(ceil, quick):
 
 PARTS = {"linear": bench_linear, "skinny": bench_skinny, "decode": bench_decode,
          "prefill": bench_prefill, "prepare_qkv": bench_prepare_qkv, "moe": bench_moe,
-         "fp8": bench_fp8, "w4a16": bench_w4a16, "moe_fp8": bench_moe_fp8, "mla": bench_mla,
+         "fp8": bench_fp8, "w4a16": bench_w4a16, "moe_fp8": bench_moe_fp8,
+         "moe_w4a16": bench_moe_w4a16, "mla": bench_mla,
          "mamba": bench_mamba, "lora": bench_lora}
 
 

@@ -691,15 +691,47 @@ def _w4_skinny_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, y_ptr, M, N,
 
 
 @triton.jit
+def _w4_dot(acc, a, p, s_ptr, z_ptr, g_ptr, k0, K, N, offs_n, n_mask, group_size,
+            HAS_ZERO: tl.constexpr, HAS_GIDX: tl.constexpr, CHUNK_GROUP: tl.constexpr,
+            DOT_IEEE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """acc + a [BLOCK_M, BLOCK_K] @ W^T[k0:k0 + BLOCK_K, offs_n], from p, the packed int32 tile
+    [BLOCK_K / 8, BLOCK_N] of W^T (nibble j of row i = input row k0 + 8i + j) and the [G, N]
+    scales / zeros: the int4 tile dequantized in registers. CHUNK_GROUP (the K block lies in one
+    group): dot(a, q - zero) in a's dtype (exact small integers), times the group's scale row on
+    the result; otherwise (g_idx, small groups) fully dequantized tiles (rounded to a's dtype).
+    The w4a16 GEMM's step, and the 4-bit fused-MoE kernels' (kernels/moe.py)."""
+    shifts = 4 * tl.arange(0, 8)
+    q = tl.reshape((p[:, None, :] >> shifts[None, :, None]) & 0xF, [BLOCK_K, BLOCK_N])
+    qf = (q | 0x4B000000).to(tl.float32, bitcast=True)
+    if CHUNK_GROUP:
+        s, z = _w4_scale_zero(s_ptr, z_ptr, g_ptr, k0 + tl.zeros([1], tl.int32), offs_n,
+                              n_mask[None, :], N, group_size, HAS_ZERO, False)
+        w = (qf - z).to(a.dtype)
+        if DOT_IEEE:
+            part = tl.dot(a, w, input_precision="ieee")
+        else:
+            part = tl.dot(a, w)
+        acc += part * s
+    else:
+        rows = tl.minimum(k0 + tl.arange(0, BLOCK_K), K - 1)
+        s, z = _w4_scale_zero(s_ptr, z_ptr, g_ptr, rows, offs_n, n_mask[None, :], N,
+                              group_size, HAS_ZERO, HAS_GIDX)
+        w = ((qf - z) * s).to(a.dtype)
+        if DOT_IEEE:
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
+    return acc
+
+
+@triton.jit
 def _w4_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, y_ptr, M, N, K, k_per_split,
                     group_size, stride_xm, stride_ym, stride_ys, HAS_ZERO: tl.constexpr,
                     HAS_GIDX: tl.constexpr, CHUNK_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
                     DOT_IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    # tl.dot GEMM dequantizing [BLOCK_K, BLOCK_N] weight tiles in registers. CHUNK_GROUP (the K
-    # block lies in one group): dot(x, q - zero) in x's dtype (exact small integers), times the
-    # group's scale row on the accumulator; otherwise (g_idx, small groups) fully dequantized
-    # tiles (rounded to x's dtype). program_id(1): split-K index (fp32 partials).
+    # tl.dot GEMM dequantizing [BLOCK_K, BLOCK_N] weight tiles in registers (_w4_dot).
+    # program_id(1): split-K index (fp32 partials).
     pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -707,7 +739,6 @@ def _w4_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, y_ptr, M, N, K
     m_mask, n_mask = offs_m < M, offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     offs_i = tl.arange(0, BLOCK_K // 8)
-    shifts = 4 * tl.arange(0, 8)
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     k_start = pid_k * k_per_split
@@ -717,26 +748,8 @@ def _w4_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, y_ptr, M, N, K
         i_mask = offs_i < (K - k0) // 8
         p = tl.load(qw_ptr + (k0 // 8 + offs_i).to(tl.int64)[:, None] * N + offs_n[None, :],
                     mask=i_mask[:, None] & n_mask[None, :], other=0)
-        q = tl.reshape((p[:, None, :] >> shifts[None, :, None]) & 0xF, [BLOCK_K, BLOCK_N])
-        qf = (q | 0x4B000000).to(tl.float32, bitcast=True)
-        if CHUNK_GROUP:
-            s, z = _w4_scale_zero(s_ptr, z_ptr, g_ptr, k0 + tl.zeros([1], tl.int32), offs_n,
-                                  n_mask[None, :], N, group_size, HAS_ZERO, False)
-            w = (qf - z).to(a.dtype)
-            if DOT_IEEE:
-                part = tl.dot(a, w, input_precision="ieee")
-            else:
-                part = tl.dot(a, w)
-            acc += part * s
-        else:
-            rows = tl.minimum(k0 + offs_k, K - 1)
-            s, z = _w4_scale_zero(s_ptr, z_ptr, g_ptr, rows, offs_n, n_mask[None, :], N,
-                                  group_size, HAS_ZERO, HAS_GIDX)
-            w = ((qf - z) * s).to(a.dtype)
-            if DOT_IEEE:
-                acc = tl.dot(a, w, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, w, acc)
+        acc = _w4_dot(acc, a, p, s_ptr, z_ptr, g_ptr, k0, K, N, offs_n, n_mask, group_size,
+                      HAS_ZERO, HAS_GIDX, CHUNK_GROUP, DOT_IEEE, BLOCK_K, BLOCK_N)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + pid_k * stride_ys + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :],

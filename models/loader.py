@@ -260,6 +260,15 @@ def _stored_fp8(src) -> bool:
 
 def _check_unused(name: str, target: str, params: dict) -> None:
     module, _, suffix = target.rpartition(".")
+    if suffix in ("w13", "w2") and any(f"{target}_{k}" in params for k in ("qweight", "weight_packed")):
+        raise ValueError(f"{name}: is a 16-bit expert weight where the quantization config quantizes these "
+                         "experts to 4 bits (an expert left unquantized must be listed in "
+                         "modules_to_not_convert / ignore, with every other expert of its layer)")
+    expert_part = suffix.partition("_")[0]
+    if expert_part in ("w13", "w2") and suffix != expert_part and f"{module}.{expert_part}" in params:
+        raise ValueError(f"{name}: the checkpoint quantizes these MoE experts, which run unquantized "
+                         "here (the quantization config lists them as not converted); such a "
+                         "checkpoint is not supported")
     if suffix in _QUANT_SUFFIXES and f"{module}.weight" in params:
         raise ValueError(f"{name}: the checkpoint quantizes {module}, which runs unquantized here "
                          "(a router, or a layer the quantization config lists as not converted); "
@@ -290,7 +299,7 @@ def init_dummy_weights(model, seed: int, config=None) -> None:
                 continue
             p.data.copy_(torch.randint(0, hi, p.shape, device=p.device, generator=gen, dtype=torch.int64))
         elif name.rsplit(".", 1)[-1] in ("weight_scale", "weight_scale_inv", "scales", "input_scale",
-                                         "w13_scale", "w2_scale"):
+                                         "w13_scale", "w2_scale", "w13_scales", "w2_scales"):
             p.data.fill_(0.02 / 64 if p.dtype == torch.float32 else 0.002)
         elif p.dim() >= 2:
             p.data.normal_(0, 0.02, generator=gen)

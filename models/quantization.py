@@ -14,7 +14,8 @@ fp8` quantizes a 16-bit checkpoint at load time. Supported:
   awq                 4-bit GEMM layout, `qweight` [K, N/8] packed in AWQ's column order
 Activations are quantized dynamically (per token, or per 1 x bk group for block scales), also for
 checkpoints that ship a static `input_scale` (read, not used: finer scales never lose accuracy).
-4-bit weights are repacked once at load time into the one layout `kernels/quant.py` runs.
+4-bit weights are repacked once at load time into the one layout `kernels/quant.py` runs; MoE
+experts (models/moe.py) of every scheme above load per expert through the same code, stacked.
 
 Sharding: a layer tells the scheme which rows (its output slice per fused shard) and columns
 (its input slice) this rank keeps; each stored tensor says along which of its axes those lie and
@@ -319,50 +320,63 @@ class W4A16(LinearMethod):
         return (f"{self.fmt} 4-bit ({'group %d' % self.group_size if self.group_size > 0 else 'per-channel'}, "
                 f"{'symmetric' if self.sym else 'zero point'}{', act-order' if self.desc_act else ''})")
 
-    def create(self, layer, in_features, out_features, dtype):
-        G = self.group_size if self.group_size > 0 else layer.full_in  # -1: one group, all of K
-        layer.group_size_k = G
-        sharded_in = in_features != layer.full_in
+    def group_k(self, full_in: int) -> int:
+        """The group size along K the kernels index with (-1, per channel: one group, all of K)."""
+        return self.group_size if self.group_size > 0 else full_in
+
+    def tensors(self, in_features: int, full_in: int, out_features: int, dtype
+                ) -> list[tuple[str, tuple[int, ...], torch.dtype, object, bool]]:
+        """(name, shape, dtype, loader(param, src, Slices), optional) of each tensor of an
+        [in_features of full_in] x out_features weight, in the kernels' layout: what a linear
+        layer makes its params of, and fused-MoE experts (models/moe.py) one per expert."""
+        G = self.group_k(full_in)
+        sharded_in = in_features != full_in
         # act-order rows of any group can land on any rank, and group -1's one group spans all
         # ranks: keep every group's scales
         keep_all = sharded_in and (self.desc_act or self.group_size <= 0)
-        groups_kept = -(-layer.full_in // G) if keep_all else -(-in_features // G)
+        groups_kept = -(-full_in // G) if keep_all else -(-in_features // G)
         if in_features % 8:
             raise ValueError(f"4-bit weights need an input size divisible by 8 per rank, got {in_features}")
         gdiv = 1 if keep_all else G
-        gcols = (lambda s: dataclasses.replace(s, cols=(0, layer.full_in))) if keep_all else (lambda s: s)
+        gcols = (lambda s: dataclasses.replace(s, cols=(0, full_in))) if keep_all else (lambda s: s)
+        qshape, sshape = (in_features // 8, out_features), (groups_kept, out_features)
+        out = []
         if self.fmt == "compressed-tensors":  # [N, ..] tensors: loaded through transposed views
-            self._param(layer, self.qweight, (in_features // 8, out_features), torch.int32,
-                        lambda p, src, s: load_2d(p.data.T, src, s, 0, 1, 8))
-            self._param(layer, self.scales, (groups_kept, out_features), dtype,
-                        lambda p, src, s: load_2d(p.data.T, src, gcols(s), 0, 1, gdiv))
+            out.append((self.qweight, qshape, torch.int32, lambda p, src, s: load_2d(p.data.T, src, s, 0, 1, 8)))
+            out.append((self.scales, sshape, dtype,
+                        lambda p, src, s: load_2d(p.data.T, src, gcols(s), 0, 1, gdiv)))
             if not self.sym:  # `weight_zero_point` int32 [N/8, G], packed along N (offset by 8 as the weights)
-                self._param(layer, self.qzeros, (groups_kept, out_features), torch.uint8,
+                out.append((self.qzeros, sshape, torch.uint8,
                             lambda p, src, s: load_2d(p.data.T, _packed_int32(src), gcols(s), 0, 8, gdiv,
-                                                      lambda t: _unpack_cols(t.T).T, unpacks=True))
+                                                      lambda t: _unpack_cols(t.T).T, unpacks=True)))
             if self.desc_act:  # actorder group: `weight_g_idx` [K], each input column's group
-                self._param(layer, self.g_idx, (in_features,), torch.int32,
-                            lambda p, src, s: self._load_g_idx(p, src, s, G))
-            return
+                out.append((self.g_idx, (in_features,), torch.int32,
+                            lambda p, src, s: self._load_g_idx(p, src, s, G)))
+            return [t + (False,) for t in out]
         if self.fmt == "gptq":
-            self._param(layer, "qweight", (in_features // 8, out_features), torch.int32,
-                        lambda p, src, s: load_2d(p, src, s, 1, 1, 8))
+            out.append(("qweight", qshape, torch.int32, lambda p, src, s: load_2d(p, src, s, 1, 1, 8)))
             zconv = (lambda t: (_unpack_cols(t) + (1 if self.zero_plus_one else 0)) & 0xF)
         else:  # awq: [K, N/8] packed along N in AWQ's order -> unpack, repack along K
-            self._param(layer, "qweight", (in_features // 8, out_features), torch.int32,
+            out.append(("qweight", qshape, torch.int32,
                         lambda p, src, s: load_2d(p, src, s, 1, 8, 1,
                                                   lambda t: q.pack_int4(_unpack_cols(t, AWQ_ORDER)),
-                                                  unpacks=True))
+                                                  unpacks=True)))
             zconv = (lambda t: _unpack_cols(t, AWQ_ORDER))
-        self._param(layer, "scales", (groups_kept, out_features), dtype,
-                    lambda p, src, s: load_2d(p, src, gcols(s), 1, 1, gdiv))
+        out.append(("scales", sshape, dtype, lambda p, src, s: load_2d(p, src, gcols(s), 1, 1, gdiv)))
         if not self.sym:  # symmetric: the zero point is 8 (GPTQ still stores it: not read)
-            self._param(layer, "qzeros", (groups_kept, out_features), torch.uint8,
-                        lambda p, src, s: load_2d(p, src, gcols(s), 1, 8, gdiv, zconv, unpacks=True))
-        if self.fmt == "gptq":
-            g_idx = self._param(layer, "g_idx", (in_features,), torch.int32,
-                                lambda p, src, s: self._load_g_idx(p, src, s, G))
-            g_idx.optional = not self.desc_act  # dropped after loading: some exporters leave it out
+            out.append(("qzeros", sshape, torch.uint8,
+                        lambda p, src, s: load_2d(p, src, gcols(s), 1, 8, gdiv, zconv, unpacks=True)))
+        out = [t + (False,) for t in out]
+        if self.fmt == "gptq":  # without desc_act: dropped after loading (some exporters leave it out)
+            out.append(("g_idx", (in_features,), torch.int32,
+                        lambda p, src, s: self._load_g_idx(p, src, s, G), not self.desc_act))
+        return out
+
+    def create(self, layer, in_features, out_features, dtype):
+        layer.group_size_k = self.group_k(layer.full_in)
+        for name, shape, dt, load, optional in self.tensors(in_features, layer.full_in, out_features, dtype):
+            p = self._param(layer, name, shape, dt, load)
+            p.optional = optional
 
     def _load_g_idx(self, p, src, s: Slices, G: int):
         c0, nc = s.cols
@@ -439,11 +453,14 @@ class QuantConfig:
 @dataclasses.dataclass
 class MoEQuant:
     """FP8 experts: weights e4m3, scales per channel or per block, loaded per expert (or
-    quantized per channel at load time: `online`)."""
+    quantized per channel at load time: `online`). 4-bit experts (`w4`, GPTQ / AWQ /
+    compressed-tensors W4A16): each expert's tensors as that scheme's linear layers make and
+    load them (W4A16.tensors), stacked."""
     block: list[int] | None
     online: bool = False
     per_tensor: bool = False  # the checkpoint's scales (expanded per channel): for the log
     static: bool = False  # the checkpoint's static input_scale (dropped: activations dynamic): for the log
+    w4: W4A16 | None = None
 
 
 def _ignored(qc: dict) -> list[str]:
@@ -637,8 +654,10 @@ class CompressedTensorsConfig(QuantConfig):
                          per_tensor=self.strategy == "tensor")
 
     def moe(self):
-        if self.weights_dense or self.w4 is not None:  # 16-bit experts, or 4-bit ones: refused
+        if self.weights_dense:  # 16-bit experts
             return None
+        if self.w4 is not None:
+            return MoEQuant(None, w4=self.w4)
         return MoEQuant(self.block, per_tensor=self.strategy == "tensor", static=self.static)
 
 
@@ -680,6 +699,9 @@ class GPTQConfig(QuantConfig):
     def linear(self, prefix):
         return self.method
 
+    def moe(self):
+        return MoEQuant(None, w4=self.method)
+
 
 @QUANT_METHODS.register("awq")
 class AWQConfig(QuantConfig):
@@ -698,6 +720,9 @@ class AWQConfig(QuantConfig):
 
     def linear(self, prefix):
         return self.method
+
+    def moe(self):
+        return MoEQuant(None, w4=self.method)
 
 
 def quant_config_of(hf_config, flag: str | None) -> QuantConfig | None:

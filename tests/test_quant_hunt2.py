@@ -191,7 +191,7 @@ def test_bench_floor_counts_mlas_dequantized_kv_b_proj(checkpoint, tmp_path):
         dense = [a.w_kv_b for a in runner.model.attention_layers() if a.kv_b_proj is mod]
         nbytes += dense[0].numel() * dense[0].element_size() if dense else own
         logical += mod.weight_shape[0] * mod.weight_shape[1] if hasattr(mod, "weight_shape") else (
-            mod.w13.numel() + mod.w2.numel())
+            mod.w13.numel() + mod.w2.numel())  # (FusedExperts.weight_numel, checked the long way)
     assert byte_widths(runner)["linear"] == pytest.approx(nbytes / logical)
 
 

@@ -86,14 +86,6 @@ def test_compressed_tensors_w4a16_variants_not_run_are_refused(tmp_path, qc, wor
     tq.assert_config_refused(tmp_path, qc, words)
 
 
-def test_compressed_tensors_w4a16_moe_experts_are_refused(tmp_path_factory, tmp_path):
-    moe = make_checkpoint(tmp_path_factory.mktemp("moe"), "Qwen3MoeForCausalLM", **tq.SIZES,
-                          moe_intermediate_size=256)
-    write_checkpoint(moe, tmp_path / "q", tq.write_ct_w4a16, tq.CT_W4A16, reference=False)
-    with pytest.raises(ValueError, match="compressed-tensors quantization does not support MoE experts"):
-        LLM(str(tmp_path / "q"), dtype="float32")
-
-
 @pytest.mark.parametrize("sym, actorder", [(False, False), (True, True), (False, True)])
 def test_compressed_tensors_w4a16_zero_points_and_actorder(llama, tmp_path, sym, actorder):
     """W4A16_ASYM (llm-compressor's AWQ recipe: `weight_zero_point` packed along the output dim)

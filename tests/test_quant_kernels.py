@@ -303,6 +303,73 @@ def test_fused_moe_fp8_ref_close_to_bf16():
 
 
 # ----------------------------------------------------------------------------------------------
+# 4-bit (w4a16) fused MoE (interpreter)
+# ----------------------------------------------------------------------------------------------
+
+def make_moe_w4(T, E, K, H, inter, group, zero, act_order, *, drop=0.0, dtype=F32, device="cpu",
+                seed=0):
+    """Random experts in the layout models/moe.py loads them into: w13 qweight [E, H/8, 2I]
+    (gate columns, then up), w2 [E, I/8, H]; group -1: one group along all of K."""
+    g = torch.Generator().manual_seed(seed)
+
+    def stacked(k, n):  # E experts of a [k, n] (K x N) 4-bit weight
+        gs = k if group < 0 else group
+        groups = -(-k // gs)
+        q = torch.randint(0, 16, (E, k, n), generator=g, dtype=torch.uint8)
+        scales = (torch.rand(E, groups, n, generator=g) * 2 / (k ** 0.5 * 8)).to(dtype)
+        zeros = torch.randint(0, 16, (E, groups, n), generator=g).to(torch.uint8) if zero else None
+        g_idx = torch.stack([(torch.randperm(k, generator=g) // gs).int() for _ in range(E)]) \
+            if act_order else None
+        return torch.stack([Q.pack_int4(w) for w in q]), scales, zeros, g_idx, gs
+
+    q13, s13, z13, g13, gs13 = stacked(H, 2 * inter)
+    q2, s2, z2, g2, gs2 = stacked(inter, H)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    ids[torch.rand(ids.shape, generator=g) < drop] = -1  # experts on other ranks
+    weights = torch.softmax(torch.randn(T, K, generator=g), -1).to(dtype)
+    args = (x, q13, s13, z13, g13, q2, s2, z2, g2, weights, ids.to(torch.int32), gs13, gs2)
+    return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def moe_w4_case(T, E, K, H, inter, group, zero, act_order, drop, dtype):
+    assert Q._INTERPRET
+    args = make_moe_w4(T, E, K, H, inter, group, zero, act_order, drop=drop, dtype=dtype, seed=T)
+    ref = moe.fused_moe_w4a16_ref(*args)
+    close(moe.fused_moe_w4a16_triton(*args), ref, dtype)
+    # the reference is fused_moe_ref on the dequantized experts (to summation order: a
+    # transposed operand takes another BLAS path)
+    x, q13, s13, z13, g13, q2, s2, z2, g2, w, ids, gs13, gs2 = args
+    deq = lambda q, s, z, gi, gs: torch.stack([Q.dequant_w4(  # noqa: E731
+        q[e], s[e], None if z is None else z[e], None if gi is None else gi[e], gs) for e in range(E)])
+    close(ref, moe.fused_moe_ref(x, deq(q13, s13, z13, g13, gs13), deq(q2, s2, z2, g2, gs2), w, ids), F32)
+    off = (*args[:10], torch.full_like(ids, -1), gs13, gs2)  # every expert on another rank
+    assert torch.equal(moe.fused_moe_w4a16_triton(*off), torch.zeros_like(x))
+
+
+# (H, inter) ragged against the interpreter's tiles (BLOCK_N 32, BLOCK_K 32); groups of one K
+# block (128: the scale on the dot's result), smaller than one (16: dequantized tiles), g_idx
+@pytest.mark.parametrize("T,E,K,H,inter,group,zero,act_order,drop,dtype", [
+    (1, 4, 2, 64, 32, 32, False, False, 0.0, F32),    # symmetric (GPTQ sym), decode
+    (19, 8, 2, 128, 48, 16, True, False, 0.3, F16),   # zero points (AWQ, GPTQ asym), EP drops
+    (7, 4, 3, 256, 128, 128, True, False, 0.0, F16),  # Qwen3-30B-A3B-GPTQ-Int4's group 128
+    (5, 4, 2, 96, 40, 8, True, True, 0.2, F32),       # act-order g_idx
+    (9, 6, 2, 64, 24, -1, False, False, 0.0, F16)])   # per channel (group -1)
+def test_fused_moe_w4a16_matches_ref(interp, T, E, K, H, inter, group, zero, act_order, drop, dtype):
+    interp(moe_w4_case, T, E, K, H, inter, group, zero, act_order, drop, dtype)
+
+
+def test_fused_moe_w4a16_op_cpu_is_reference_and_fake():
+    args = make_moe_w4(6, 4, 2, 64, 32, 32, True, False, drop=0.25, seed=5)
+    out = torch.ops.rankserve.fused_moe_w4a16(*args)
+    assert torch.equal(out, moe.fused_moe_w4a16_ref(*args))
+    with FakeTensorMode() as mode:
+        fake = torch.ops.rankserve.fused_moe_w4a16(
+            *(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+    assert fake.shape == args[0].shape
+
+
+# ----------------------------------------------------------------------------------------------
 # ops on CPU without the interpreter: references, fake impls, torch.compile
 # ----------------------------------------------------------------------------------------------
 
@@ -391,6 +458,17 @@ def test_gpu_fused_moe_fp8(T, block_size):
     args, kw, _ = make_moe_fp8(T, 128, 8, 2048, 768, block_size, drop=0.2, dtype=BF16,
                                device="cuda", seed=T)
     gpu_close(torch.ops.rankserve.fused_moe(*args, **kw), moe.fused_moe_ref(*args, **kw))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("T", [1, 64, 1024])
+@pytest.mark.parametrize("zero,act_order", [(False, False), (True, False), (True, True)])
+def test_gpu_fused_moe_w4a16(T, zero, act_order):
+    """Qwen3-30B-A3B-GPTQ-Int4 sizes (128 experts, top 8, H 2048, I 768, group 128), bf16."""
+    args = make_moe_w4(T, 128, 8, 2048, 768, 128, zero, act_order, drop=0.2, dtype=BF16,
+                       device="cuda", seed=T)
+    gpu_close(torch.ops.rankserve.fused_moe_w4a16(*args), moe.fused_moe_w4a16_ref(*args))
 
 
 @gpu

@@ -293,7 +293,10 @@ def base(tmp_path_factory):
 
 CASES = [("LlamaForCausalLM", f) for f in FORMATS] + [
     ("Qwen3ForCausalLM", "fp8-block"), ("Qwen3ForCausalLM", "gptq-sym"),
-    ("Qwen3MoeForCausalLM", "fp8-block"), ("Qwen3MoeForCausalLM", "fp8-tensor")]
+    ("Qwen3MoeForCausalLM", "fp8-block"), ("Qwen3MoeForCausalLM", "fp8-tensor"),
+    # 4-bit experts (issue #14): Qwen3-30B-A3B-GPTQ-Int4's format, AWQ, GPTQ zero points + act-order
+    ("Qwen3MoeForCausalLM", "gptq-sym"), ("Qwen3MoeForCausalLM", "awq"),
+    ("Qwen3MoeForCausalLM", "gptq-zp-actorder"), ("Qwen3MoeForCausalLM", "ct-w4a16")]
 
 
 @pytest.mark.parametrize("arch, fmt", CASES, ids=[f"{a[:-11]}-{f}" for a, f in CASES])
@@ -394,23 +397,14 @@ def test_flag_disagreeing_with_checkpoint_is_an_error(base, tmp_path):
         LLM(str(tmp_path / "g"), quantization="fp8")
 
 
-def test_4bit_moe_experts_are_refused(base, tmp_path):
-    src = base("Qwen3MoeForCausalLM")
-    shutil.copytree(src, tmp_path / "m")
-    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
-    cfg["quantization_config"] = FORMATS["gptq-sym"][1]
-    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="gptq quantization does not support MoE experts"):
-        LLM(str(tmp_path / "m"))
-
-
 @pytest.mark.mpi
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not on PATH")
 @pytest.mark.parametrize("arch, fmt, ep", [
     ("LlamaForCausalLM", "fp8-block", False), ("LlamaForCausalLM", "gptq-zp-actorder", False),
     ("LlamaForCausalLM", "awq", False), ("LlamaForCausalLM", "ct-w4a16", False),
     ("Qwen3MoeForCausalLM", "fp8-block", False),
-    ("Qwen3MoeForCausalLM", "fp8-block", True)])
+    ("Qwen3MoeForCausalLM", "fp8-block", True),
+    ("Qwen3MoeForCausalLM", "gptq-sym", False), ("Qwen3MoeForCausalLM", "awq", True)])
 def test_tp2_loads_quantized_checkpoints_like_one_rank(base, tmp_path, arch, fmt, ep):
     """Same tokens as one rank. Block FP8 and 4-bit are exact under any sharding; per-token FP8
     (per-tensor / per-channel weights) is not checked here: a row-parallel layer quantizes each

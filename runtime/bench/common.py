@@ -335,7 +335,7 @@ def byte_widths(runner) -> dict:
         if hasattr(mod, "weight_shape"):  # a parallel linear layer: in x out weights
             logical += mod.weight_shape[0] * mod.weight_shape[1]
         else:  # fused experts
-            logical += mod.w13.numel() + mod.w2.numel()
+            logical += mod.weight_numel
     kv = getattr(runner, "kv_dtype", runner.dtype)
     widths = dict(linear=nbytes / logical if logical else runner.dtype.itemsize, kv=kv.itemsize)
     if getattr(runner.model, "mamba_layers", list)():  # hybrid: the SSM states' width too
