@@ -99,6 +99,9 @@ def main():
     """rankserve: LLM serving for HPC clusters (launch with mpirun or srun for several ranks)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
+    if click.get_current_context().invoked_subcommand in ("serve", "generate", "bench"):
+        from .caches import hash_triton_early
+        hash_triton_early()
     from ..runtime import envs
     try:
         envs.check()  # a bad RANKSERVE_* value is a start-up error naming it, not a late failure
