@@ -165,7 +165,7 @@ def prepare_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tenso
     has_norm = q_norm is not None
     fp8, k_scale, v_scale = _kv_scales(k_cache, v_cache, k_scale, v_scale)
     # decode-sized steps: a few heads a program (Llama-8B at one token was one program of 40
-    # heads, 7.5 us: a [64, 64] tile's pointers and values spill); larger steps: a token a program
+    # heads in a [64, 64] tile, 7.5 us a layer in W2's profile); larger steps: a token a program
     heads = triton.next_power_of_2(num_heads + KH)
     block_heads = min(heads, PREPARE_HEADS) if T <= PREPARE_SPLIT_T else heads
     _prepare_qkv_kernel[(T, triton.cdiv(num_heads + KH, block_heads))](
@@ -496,14 +496,6 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def tile_class(num_tokens: int, num_seqs: int) -> int:
-    """The unified kernel's tile height class from the mean query length: 0 (< 16), 1 (16..255),
-    2 (>= 256). Steps of one class launch the same Triton variants (the start-up precompile runs
-    one step of each class, runtime/compilation.py)."""
-    mean = num_tokens // max(num_seqs, 1)
-    return 2 if mean >= 256 else 1 if mean >= 16 else 0
-
-
 def _unified_config(num_tokens: int, num_seqs: int, head_dim: int, group: int, on_gpu: bool
                     ) -> tuple[int, int, int, int]:
     """(BLOCK_M rows = query tokens x group heads, BLOCK_N keys, num_warps, num_stages).
@@ -512,14 +504,13 @@ def _unified_config(num_tokens: int, num_seqs: int, head_dim: int, group: int, o
     want short tiles (a decode token wastes BLOCK_Q - 1 rows of MMA work), long prefills tall
     ones. Measured on an H200 (bf16, head_dim 128, 32/8 heads): see kernels/benchmark.py.
     """
-    tiles = tile_class(num_tokens, num_seqs)
     if not on_gpu:  # interpreter: small tiles keep numpy fast
         block_m, block_n, warps, stages = 16, 16, 4, 1
     elif head_dim > 128:
         block_m, block_n, warps, stages = 64, 32, 4, 2
-    elif tiles == 2:
+    elif num_tokens // max(num_seqs, 1) >= 256:
         block_m, block_n, warps, stages = 128, 32 if head_dim > 64 else 64, 4, 3
-    elif tiles == 1:
+    elif num_tokens // max(num_seqs, 1) >= 16:
         block_m, block_n, warps, stages = 64, 64, 4, 3
     else:
         block_m, block_n, warps, stages = 32, 64, 4, 3

@@ -112,7 +112,7 @@ class CompiledModel:
         steps += [lambda bs=bs: self.forward(*self.graph_inputs(bs)) for bs in sizes]
         steps += [lambda bs=bs: self.forward(*self.verify_inputs(bs)) for bs in self.verify_sizes(sizes)]
         if level >= 1 and self.full_mode():  # (the engine's model)
-            steps += [lambda t=t: self.forward(*self.mixed_inputs(t)) for t in self.mixed_dry_sizes()]
+            steps += [lambda t=t: self.forward(*self.mixed_inputs(t)) for t in self.mixed_sizes()]
         failed = None
         with pre.compile_only(self.device) as pool:
             for step in steps:
@@ -326,17 +326,6 @@ class CompiledModel:
         sizes = [s for s in (64, 128, 256) if s < top] + list(range(512, top, 512))
         return sizes + [top]
 
-    def mixed_dry_sizes(self) -> list[int]:
-        """One bucket per set of Triton variants that the mixed graphs launch (the kernels see
-        only shapes: the attention tile class and Triton's divisibility-by-16 specialisation
-        tell the buckets apart), the smallest of each: the precompile's dry steps run torch's
-        own ops for real, and every bucket would cost ~0.5 s of GEMMs on Llama-8B at 4096."""
-        from ..kernels.triton_attention import tile_class
-        B2, seen = self.cfg.scheduler.max_num_seqs, {}
-        for T2 in self.mixed_sizes():
-            seen.setdefault((tile_class(T2, B2), T2 % 16 == 0), T2)
-        return sorted(seen.values())
-
     def mixed_inputs(self, T2: int) -> tuple:
         """The forward's arguments for a mixed graph of T2 tokens: every request slot
         (max_num_seqs) present, those past the step's requests padding (no query, no context)."""
@@ -369,7 +358,7 @@ class CompiledModel:
         so the graph serves every step of its bucket. A capture that fails (an op that syncs or
         reads device values on the host) leaves that bucket eager."""
         args = self.mixed_inputs(T2)
-        stream = self.capture_stream
+        stream = self.capture_stream or torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         t0 = time.perf_counter()
         # The eager run before a capture compiles what is new for the shape. At level 1 after

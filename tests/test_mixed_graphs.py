@@ -206,19 +206,3 @@ def test_auto_mode_keeps_decode_graphs_with_lora_or_speculative_decoding(checkpo
         assert _full_mode(cm) is False and _full_mode(cm, cudagraph_mode="full") is True
     finally:
         cm.cfg = cfg
-
-
-@pytest.mark.parametrize("budget, seqs", [(4096, 8), (4096, 256), (3000, 4), (160, 8)])
-def test_precompile_runs_one_bucket_per_set_of_kernel_variants(budget, seqs):
-    """The precompile's dry steps cover every (attention tile class, divisibility by 16) of the
-    mixed buckets, with the smallest bucket of each, not every bucket (each runs real GEMMs)."""
-    from rankserve.kernels.triton_attention import tile_class
-    llm = LLM(str(STORIES_EMBEDDED), max_num_batched_tokens=budget, max_num_seqs=seqs)
-    cm = llm.engine.executor.runner.compiled_model
-    sizes, dry = cm.mixed_sizes(), cm.mixed_dry_sizes()
-    key = lambda t: (tile_class(t, seqs), t % 16 == 0)  # noqa: E731
-    assert {key(t) for t in dry} == {key(t) for t in sizes}
-    assert len(dry) == len({key(t) for t in dry}) and set(dry) <= set(sizes)
-    assert all(min(t for t in sizes if key(t) == key(d)) == d for d in dry)
-    if (budget, seqs) == (4096, 8):  # W2's shape: 11 buckets, 3 dry steps
-        assert len(sizes) == 11 and dry == [64, 128, 2048]

@@ -308,7 +308,7 @@ def test_checkout_does_not_shadow_top_level_packages():
 
 def test_compile_only_restores_everything_on_error():
     """kernels/precompile.py's dry-pass mode: inside, Triton launches compile instead of running
-    and torch.empty / empty_like / new_empty give zeros; after it (an error included) all of it
+    and torch.empty / empty_like / new_empty and F.linear give zeros; after it (an error included) all of it
     is as before, and no AsyncCompileMode stays active."""
     import torch
     from triton.runtime import _async_compile
@@ -316,12 +316,17 @@ def test_compile_only_restores_everything_on_error():
 
     from rankserve.kernels import precompile
 
-    saved = JITFunction.run, torch.empty, torch.empty_like, torch.Tensor.new_empty
+    import torch.nn.functional as F
+    saved = JITFunction.run, torch.empty, torch.empty_like, torch.Tensor.new_empty, F.linear
     with pytest.raises(RuntimeError, match="boom"):
         with precompile.compile_only(torch.device("cpu"), workers=1):
             assert JITFunction.run is not saved[0] and _async_compile.active_mode.get() is not None
             assert torch.empty(4096).eq(0).all() and torch.empty_like(torch.ones(64)).eq(0).all()
             assert torch.ones(2).new_empty(4096).eq(0).all()
+            # the dry steps' GEMMs: zeros of the output's shape and dtype, no matmul
+            y = F.linear(torch.ones(3, 5, 8, dtype=torch.bfloat16), torch.ones(16, 8, dtype=torch.bfloat16))
+            assert y.shape == (3, 5, 16) and y.dtype == torch.bfloat16 and not y.any()
             raise RuntimeError("boom")
-    assert (JITFunction.run, torch.empty, torch.empty_like, torch.Tensor.new_empty) == saved
+    assert (JITFunction.run, torch.empty, torch.empty_like, torch.Tensor.new_empty, F.linear) == saved
+    assert F.linear(torch.ones(1, 2), torch.ones(3, 2)).eq(2).all()
     assert _async_compile.active_mode.get() is None
