@@ -310,7 +310,8 @@ def _destroy_process_group() -> None:
         try:
             dist.destroy_process_group()
         except Exception as e:  # exiting anyway; do not mask the real exit status
-            log.debug("destroy_process_group at exit: %s", e)
+            # but say so: the group is then left to interpreter teardown (see above)
+            log.warning("destroy_process_group at exit failed: %s", e)
 
 
 def _master_host(info: RankInfo) -> str:

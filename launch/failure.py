@@ -13,20 +13,27 @@ right after `init_distributed`). It installs:
   `RANKSERVE_HEARTBEAT_TIMEOUT` seconds (default 30) without a ping (pings every few seconds).
   On loss, the survivor logs `lost rank R on HOST` and aborts as above; rank 0 going down takes
   the rest with it. This is plain TCP in a daemon thread, so it needs no MPI thread support and
-  costs one wakeup every few seconds. A rank that exits normally says goodbye first, so a clean
-  exit is not a failure. `RANKSERVE_HEARTBEAT=0` turns it off (MPI launchers, torchrun and
-  `srun --kill-on-bad-exit` also kill the job when a process dies; the heartbeat adds the message
-  and covers lost nodes).
+  costs one wakeup every few seconds. A rank that exits normally says goodbye (`B`) when its
+  exit teardown starts and done (`D`) when it is over, so a clean exit is not a failure; a
+  process that ends between the two (crashed or killed at exit) is (see `_exit_teardown`).
+  `RANKSERVE_HEARTBEAT=0` turns it off (MPI launchers, torchrun and `srun --kill-on-bad-exit`
+  also kill the job when a process dies; the heartbeat adds the message and covers lost nodes).
 - SIGTERM/SIGINT (Slurm time limit, scancel, Ctrl-C): the registered shutdown callbacks run once,
   then the process exits with 128+signal. The signal is also seen by the heartbeat thread through
   `signal.set_wakeup_fd`, so shutdown starts even while the main thread is stuck inside a C call
   (a blocking collective). Callbacks may therefore run on that thread; keep them thread-safe.
+- faulthandler (multi-rank): a rank that dies by SIGABRT or SIGSEGV prints its Python stacks.
+- An exit teardown (atexit, multi-rank): goodbye, process group destroyed, MPI finalized
+  with the heartbeat still watching, done (`_exit_teardown`).
 
 `abort(msg)` is for code that detects a fatal error itself.
 """
 
 from __future__ import annotations
 
+import atexit
+import ctypes
+import faulthandler
 import logging
 import os
 import selectors
@@ -69,6 +76,12 @@ def install_failure_handlers(info: RankInfo, control, on_shutdown=None) -> None:
             _keep.append(wake_w)
     if heartbeat:
         _heartbeat = _Heartbeat(info, control, wake_r)
+    if info.world_size > 1:
+        # a rank killed by SIGABRT/SIGSEGV (gloo's threads, MPI) prints where, in every thread
+        if not faulthandler.is_enabled():
+            faulthandler.enable(all_threads=True)
+        # registered after init_distributed's own handler, so it runs first (atexit is LIFO)
+        atexit.register(_exit_teardown)
 
 
 def register_shutdown(callback) -> None:
@@ -95,12 +108,12 @@ def _excepthook(exc_type, exc, tb) -> None:
     _die(1)
 
 
-def _die(code: int) -> None:
+def _die(code: int, mpi_abort: bool = True) -> None:
     """End the job now: MPI Abort under MPI, otherwise exit and let the heartbeat tell peers."""
     if _heartbeat:
         _heartbeat.leave(b"F", wait_s=0.5)
     _flush()
-    if _info is not None and _info.launcher == "mpi" and _info.world_size > 1:
+    if mpi_abort and _info is not None and _info.launcher == "mpi" and _info.world_size > 1:
         from mpi4py import MPI
 
         # Abort from a helper thread is only legal with full thread support
@@ -118,6 +131,58 @@ def _flush() -> None:
             except Exception:
                 pass
     sys.stderr.flush()
+
+
+def _exit_teardown() -> None:
+    """At a normal exit: goodbye to peers, destroy the process group, finalize MPI, done.
+
+    MPI finalize is collective (MPICH waits in it for every rank). Left to mpi4py it runs after
+    Python's own teardown, holding the GIL, so nothing could notice a peer that dies meanwhile;
+    under srun, which does not kill the other ranks when one dies, rank 0 then waited forever
+    for a rank that had died by SIGABRT at exit. Here it runs with the GIL released while the
+    heartbeat keeps watching: a peer whose process ends after its goodbye but before its done
+    ends this rank too, with a message naming it.
+    """
+    hb = _heartbeat
+    if hb is not None:
+        hb.begin_exit()
+    from . import bootstrap
+
+    bootstrap._destroy_process_group()
+    if _info is not None and _info.launcher == "mpi":
+        _finalize_mpi()
+    if hb is not None:
+        hb.leave(b"D")
+
+
+def _finalize_mpi() -> None:
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized():
+        return
+    fn = _c_mpi_finalize()
+    if fn is None:
+        MPI.Finalize()  # mpi4py holds the GIL in it: a dead peer goes unnoticed (unknown library)
+    elif fn() != 0:  # ctypes releases the GIL; mpi4py skips its own finalize afterwards
+        log.warning("%s: MPI_Finalize failed", _where())
+
+
+def _c_mpi_finalize():
+    """MPI_Finalize of the MPI library this process loaded (found in /proc/self/maps), or None."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "/" in line}
+    except OSError:
+        paths = set()
+    for path in sorted(paths):
+        if os.path.basename(path).startswith("libmpi"):
+            try:
+                return ctypes.CDLL(path, mode=getattr(os, "RTLD_NOLOAD", 0)).MPI_Finalize
+            except (OSError, AttributeError):
+                continue
+    try:
+        return ctypes.CDLL(None).MPI_Finalize
+    except (OSError, AttributeError):
+        return None
 
 
 def _on_signal(signum, frame) -> None:
@@ -151,7 +216,8 @@ class _Heartbeat:
         self.info = info
         self.timeout = envs.get("RANKSERVE_HEARTBEAT_TIMEOUT")
         self.interval = min(3.0, self.timeout / 5)
-        self.peers: dict[socket.socket, list] = {}  # conn -> [rank, host, last_seen]
+        # conn -> [rank, host, last_seen, said goodbye (its exit teardown has started)]
+        self.peers: dict[socket.socket, list] = {}
         self.lock = threading.Lock()
         addr = None
         if info.rank == 0:
@@ -163,20 +229,18 @@ class _Heartbeat:
             for _ in range(info.world_size - 1):
                 conn, _ = lsock.accept()
                 peer_rank, peer_host = _readline(conn).split(" ", 1)
-                self.peers[conn] = [int(peer_rank), peer_host, time.monotonic()]
+                self.peers[conn] = [int(peer_rank), peer_host, time.monotonic(), False]
             lsock.close()
         else:
             conn = socket.create_connection(addr[:2], timeout=120)
             conn.sendall(f"{info.rank} {info.host}\n".encode())
-            self.peers[conn] = [0, addr[2], time.monotonic()]
+            self.peers[conn] = [0, addr[2], time.monotonic(), False]
         control.barrier()  # everyone is connected before anyone can fail
         for conn in self.peers:
             conn.setblocking(False)
         self.wake_r = wake_r
         self.leaving = False
-        import atexit
-
-        atexit.register(self.leave, b"B")  # a normal exit is not a failure
+        self.exiting = False
         threading.Thread(target=self._run, name="rankserve-heartbeat", daemon=True).start()
 
     def say(self, code: bytes) -> None:
@@ -187,8 +251,13 @@ class _Heartbeat:
                 except OSError:
                     pass
 
+    def begin_exit(self) -> None:
+        """This rank's exit teardown starts: say goodbye (B) and keep watching the peers."""
+        self.exiting = True
+        self.say(b"B")
+
     def leave(self, code: bytes, wait_s: float = 1.0) -> None:
-        """Send `code` (B bye, F failed, S shutting down) and close gracefully.
+        """Send `code` (D done exiting, F failed, S shutting down) and close gracefully.
 
         Closing a socket with unread data (a ping) makes the kernel send a reset, which can
         destroy the message in flight; so half-close and read until the peer closes (it does so
@@ -240,7 +309,7 @@ class _Heartbeat:
                 elif not self.leaving:  # leave() owns the sockets now
                     self._read(key.fileobj, sel)
             now = time.monotonic()
-            for rank, host, seen in list(self.peers.values()):
+            for rank, host, seen, _ in list(self.peers.values()):
                 if now - seen > self.timeout and not self.leaving:
                     self._lost(rank, host, f"no heartbeat for {now - seen:.0f} s")
 
@@ -255,9 +324,13 @@ class _Heartbeat:
         if self.leaving:
             return
         if not data:
-            self._lost(peer[0], peer[1], "connection closed without a goodbye (killed or crashed)")
+            self._lost(peer[0], peer[1], "its process ended during its exit teardown, before MPI "
+                       "and the process group were finished (killed or crashed at exit)" if peer[3]
+                       else "connection closed without a goodbye (killed or crashed)")
         peer[2] = time.monotonic()
-        if any(c in data for c in (b"B", b"F", b"S")):
+        if b"B" in data:
+            peer[3] = True
+        if any(c in data for c in (b"D", b"F", b"S")):
             # close our side first: the peer is waiting for it before it exits (see leave)
             sel.unregister(conn)
             with self.lock:
@@ -270,7 +343,9 @@ class _Heartbeat:
 
     def _lost(self, rank: int, host: str, why: str) -> None:
         log.critical("%s: lost rank %d on %s: %s; ending the job", _where(), rank, host, why)
-        _die(1)
+        # during the exit teardown the main thread may be inside MPI_Finalize, which MPI_Abort
+        # from this thread would race: exit instead (the launcher sees a failed rank)
+        _die(1, mpi_abort=not self.exiting)
 
 
 def _reachable_host(info: RankInfo) -> str:

@@ -253,7 +253,11 @@ class EagleHead(nn.Module):
         return self.target_head.logits(h)
 
     def draft_tokens(self, h: torch.Tensor) -> torch.Tensor:
-        d = self.compute_logits(h).argmax(-1)
+        return self.tokens_of(self.compute_logits(h))
+
+    def tokens_of(self, logits: torch.Tensor) -> torch.Tensor:
+        """Greedy target token ids of `compute_logits` rows (EAGLE-3: from its draft vocabulary)."""
+        d = logits.argmax(-1)
         return d + self.d2t[d] if self.eagle3 else d
 
     def map_weight(self, name: str) -> list[tuple[str, int | None]]:

@@ -76,6 +76,44 @@ def load_kv_scales(model, model_dir: str) -> tuple[int, int]:
     return len(found), len(model.attention_layers())
 
 
+def logits_rows(m: int) -> int:
+    """The rows a logits GEMM of m rows runs at: a power of 2 up to 16, a multiple of 16 up to
+    512, then of 64 (fewer shapes to warm where verify steps make many rows).
+    A GEMM shape cuBLAS has not run in this process costs its host milliseconds the first
+    time (its kernels load lazily, the call blocks until the device is idle): with m itself,
+    a server's first burst met ~5 ms of it in most steps (H200, W1 through the server, host
+    profile in benchmarks/2026-12-04-h200-s12), and the device waited for the host.
+    The target's logits (`ModelRunner.logits`) and the speculative proposers' own (draft
+    model, EAGLE head, MTP layer: runtime/spec_decode.py) both run at these rows."""
+    if m <= 16:
+        return 1 << max(m - 1, 0).bit_length()
+    step = 16 if m <= 512 else 64
+    return -(-m // step) * step
+
+
+def padded_logits(fn: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor,
+                  pad: bool | None = None) -> torch.Tensor:
+    """fn(h), a logits GEMM of h's rows, run at logits_rows(len(h)) rows (zero rows pad it) on
+    CUDA, or where `pad` says; the rows of h come back."""
+    m = h.shape[0]
+    extra = logits_rows(m) - m if (h.is_cuda if pad is None else pad) else 0
+    if extra:
+        return fn(F.pad(h, (0, 0, 0, extra)))[:m]
+    return fn(h)
+
+
+@torch.inference_mode()
+def warm_logits_rows(fn: Callable[[torch.Tensor], torch.Tensor], rows: int, width: int,
+                     dtype: torch.dtype, device: torch.device) -> None:
+    """fn once at every row count `padded_logits` runs it at for 1 .. rows rows (of `width`
+    columns), at start-up."""
+    h = torch.zeros(logits_rows(rows), width, dtype=dtype, device=device)
+    for m in sorted({logits_rows(m) for m in range(1, rows + 1)}):
+        fn(h[:m])
+    if h.is_cuda:
+        torch.cuda.synchronize()
+
+
 def cache_zeros(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zeroed cache tensor. On the CPU its pages stay untouched until used: numpy's zeros
     come from calloc, i.e. fresh zero pages from the OS for a large block, where torch.zeros
@@ -400,43 +438,24 @@ class ModelRunner:
         if self.device.type == "cuda" and self.pi.is_last_stage:
             t0 = time.perf_counter()
             self.warm_logits()
+            if self.proposer is not None:  # its own logits GEMMs, one draft a request per pass
+                self.proposer.warm_logits()
             self.timings["logits_warmup"] = time.perf_counter() - t0
 
     # ---- logits -------------------------------------------------------------------------------
-    @staticmethod
-    def logits_rows(m: int) -> int:
-        """The rows a logits GEMM of m rows runs at: a power of 2 up to 16, a multiple of 16 up to
-        512, then of 64 (fewer shapes to warm where verify steps make many rows).
-        A GEMM shape cuBLAS has not run in this process costs its host milliseconds the first
-        time (its kernels load lazily, the call blocks until the device is idle): with m itself,
-        a server's first burst met ~5 ms of it in most steps (H200, W1 through the server, host
-        profile in benchmarks/2026-12-04-h200-s12), and the device waited for the host."""
-        if m <= 16:
-            return 1 << max(m - 1, 0).bit_length()
-        step = 16 if m <= 512 else 64
-        return -(-m // step) * step
+    logits_rows = staticmethod(logits_rows)
 
     def logits(self, h: torch.Tensor, pad: bool | None = None) -> torch.Tensor:
         """compute_logits of h's rows, run at logits_rows(len(h)) rows (zero rows pad it) on
         CUDA, or where `pad` says."""
-        m = h.shape[0]
-        extra = self.logits_rows(m) - m if (h.is_cuda if pad is None else pad) else 0
-        if extra:
-            return self.model.compute_logits(F.pad(h, (0, 0, 0, extra)))[:m]
-        return self.model.compute_logits(h)
+        return padded_logits(self.model.compute_logits, h, pad)
 
-    @torch.inference_mode()
     def warm_logits(self) -> None:
         """Every logits GEMM shape a step can run (up to max_num_seqs rows, times 1 + the
         drafts when verifying), once, at start-up."""
         drafts = self.cfg.spec.num_speculative_tokens if self.cfg.spec is not None else 0
-        rows = self.cfg.scheduler.max_num_seqs * (1 + drafts)
-        h = torch.zeros(self.logits_rows(rows), self.hf_config.hidden_size, dtype=self.dtype,
-                        device=self.device)
-        for m in sorted({self.logits_rows(m) for m in range(1, rows + 1)}):
-            self.model.compute_logits(h[:m])
-        if h.is_cuda:
-            torch.cuda.synchronize()
+        warm_logits_rows(self.model.compute_logits, self.cfg.scheduler.max_num_seqs * (1 + drafts),
+                         self.hf_config.hidden_size, self.dtype, self.device)
 
     # ---- the step ---------------------------------------------------------------------------
     def prepare_inputs(self, plan: SchedulerOutput) -> StepInputs:

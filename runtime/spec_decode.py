@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -128,6 +128,25 @@ class Proposer:
 
     def compile(self) -> dict[str, float]:
         return {}
+
+    def logits_gemms(self) -> list[tuple[Callable[[torch.Tensor], torch.Tensor], int]]:
+        """(function, input width) of each logits GEMM of its own that the proposer runs on
+        one state a request (at most max_num_seqs rows), through `draft_logits`."""
+        return []
+
+    def draft_logits(self, fn: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+        """fn(h) at the target's padded row counts: the proposing requests change from step to
+        step, and each new GEMM shape would make cuBLAS load kernels, blocking the host
+        (model_runner.logits_rows)."""
+        from . import model_runner  # (model_runner imports this module)
+        return model_runner.padded_logits(fn, h)
+
+    def warm_logits(self) -> None:
+        """Each of `logits_gemms` at every row count `draft_logits` can run it at (start-up, CUDA)."""
+        from . import model_runner
+        r = self.runner
+        for fn, width in self.logits_gemms():
+            model_runner.warm_logits_rows(fn, r.cfg.scheduler.max_num_seqs, width, r.dtype, r.device)
 
     def on_forward(self, inp: StepInputs, hidden: torch.Tensor) -> None:
         """Called on every rank right after the target's forward of each step (hidden: its
@@ -428,6 +447,9 @@ class DraftModelProposer(Stateful, OwnModel, Proposer):
         self.compiled.verify_len = 1 + self.k  # the draft scores the target's verify batches too
         self.init_state()
 
+    def logits_gemms(self):
+        return [(self.model.compute_logits, self.hf_config.hidden_size)]
+
     @torch.inference_mode()
     def on_forward(self, inp: StepInputs, hidden: torch.Tensor) -> None:
         """The draft's KV of this step's tokens (of its active requests)."""
@@ -466,7 +488,7 @@ class DraftModelProposer(Stateful, OwnModel, Proposer):
         for _ in range(self.k):
             p, slots = self.ahead_slots(table, pos)
             h = self.run_one(x, p, slots, None)
-            x = self.model.compute_logits(h).argmax(-1)
+            x = self.draft_logits(self.model.compute_logits, h).argmax(-1)
             drafts.append(x)
             pos = pos + 1
         return self.ahead_result(ctx, torch.stack(drafts, 1))
@@ -672,9 +694,15 @@ class MTPProposer(OwnForward, PairProposer):
     def store_range(self, rows, p0, p1, h, nxt, pos, slots) -> None:
         self.model.mtp_store_kv(h, nxt, pos, slots, 0)  # (any number of tokens: eager)
 
+    def mtp_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.model.mtp_logits(h, 0)
+
+    def logits_gemms(self):
+        return [(self.mtp_logits, self.runner.hf_config.hidden_size)]
+
     def one_pass(self, h, x, pos, slots, table, qsl):
         h = self.run_one(x, pos, slots, h)
-        return h, self.model.mtp_logits(h, 0).argmax(-1)
+        return h, self.draft_logits(self.mtp_logits, h).argmax(-1)
 
 
 @PROPOSERS.register("eagle", "eagle3")
@@ -731,9 +759,12 @@ class EagleProposer(OwnModel, PairProposer):
     def store_last(self, h, x, pos, slots, table) -> None:
         self.run_one(x, pos, slots, h)
 
+    def logits_gemms(self):
+        return [(self.model.compute_logits, self.model.cfg.hidden_size)]
+
     def one_pass(self, h, x, pos, slots, table, qsl):
         h = self.run_one(x, pos, slots, h)
-        return h, self.model.draft_tokens(h)
+        return h, self.model.tokens_of(self.draft_logits(self.model.compute_logits, h))
 
 
 def make_proposer(runner: ModelRunner, params: SpecDecodeParams) -> Proposer:

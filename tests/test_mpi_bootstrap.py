@@ -55,6 +55,20 @@ if mode == "basic":
         json.dump(out, f)
     control.barrier()
     dist.destroy_process_group()
+elif mode in ("vanish_before_teardown", "vanish_in_teardown", "abort_in_teardown"):
+    # a normal run, then rank 1's process ends at exit without finishing MPI: how rank 0 sees a
+    # rank that Slurm reports as "died by signal" (srun, unlike Hydra, leaves the others running;
+    # under Hydra a signal would make it kill rank 0 itself, hence a plain exit here)
+    t = torch.tensor([r + 1.0]); dist.all_reduce(t)
+    control.barrier()
+    if r == 1 and mode == "vanish_before_teardown":
+        import atexit
+        atexit.register(os._exit, 0)  # registered last: runs before rankserve's exit handlers
+    if r == 1 and mode == "vanish_in_teardown":
+        dist.destroy_process_group = lambda *a, **k: os._exit(0)  # after its goodbye
+    if r == 1 and mode == "abort_in_teardown":
+        dist.destroy_process_group = lambda *a, **k: os.abort()
+    print(f"rank {r} done", flush=True)
 elif mode == "bench":
     from rankserve.runtime.bench.comm import run_comm_bench
     run_comm_bench([4096, 65536], iters=3, warmup=1, json_path=sys.argv[2])
@@ -211,3 +225,23 @@ def test_comm_bench_under_mpiexec(tmp_path):
     for row in data["results"]:
         assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"] * factor[row["op"]])
         assert row["latency_us"] > 0
+
+
+@pytest.mark.parametrize("when", ["vanish_before_teardown", "vanish_in_teardown"])
+def test_rank_gone_at_exit_does_not_hang_rank_0(tmp_path, when):
+    """A rank whose process ends just before or during its exit teardown (srun: "task died by
+    signal: 6" after every token was printed) must not leave rank 0 waiting forever in MPI
+    finalize for it: rank 0 exits non-zero within seconds and names it."""
+    rc, out, secs = mpiexec(tmp_path, when, mpiexec_opts=["-disable-auto-cleanup"], timeout=45)
+    assert "rank 0 done" in out and "rank 1 done" in out, out
+    assert rc != 0 and secs < 30, (rc, secs, out)
+    assert re.search(r"rank 0 on \S+: lost rank 1 on \S+", out), out
+
+
+def test_rank_aborted_at_exit_says_where(tmp_path):
+    """A rank that dies by SIGABRT at exit (as in a CI srun run) prints its Python stack: where
+    in the teardown it happened (gloo, MPI or elsewhere)."""
+    rc, out, secs = mpiexec(tmp_path, "abort_in_teardown", timeout=45)
+    assert rc != 0 and secs < 30, (rc, secs, out)
+    assert "Fatal Python error: Aborted" in out, out
+    assert re.search(r"in _destroy_process_group\n.*in _exit_teardown", out, re.S), out

@@ -258,3 +258,27 @@ def test_killed_rank_ends_the_job_naming_it(slurm, tmp_path):
     text = "".join(lines) + out
     assert proc.returncode != 0
     assert "lost rank 1 on node2" in text, text[-3000:]
+
+
+def test_rank_aborting_at_exit_under_pmi2_does_not_hang_rank_0(slurm, tmp_path):
+    """CI once saw `srun --mpi=pmi2` rank 1 die by SIGABRT at exit after every token was printed,
+    and rank 0 wait in MPI finalize for it until the test timed out (srun, unlike mpiexec, leaves
+    the other ranks running). Here rank 1 aborts inside its exit teardown: rank 0 ends in seconds,
+    non-zero, naming it."""
+    from test_mpi_bootstrap import RANK_SCRIPT, _env
+    script = tmp_path / "rank_script.py"
+    script.write_text(RANK_SCRIPT)
+    cmd = ["srun", "--mpi=pmi2", "-N", "2", "-n", "2", sys.executable, str(script), "abort_in_teardown"]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=_env(SLURM_CONF=slurm.env["SLURM_CONF"]), cwd=tmp_path)
+    try:
+        log, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # srun cancels the step (its ranks) on SIGTERM
+        log, _ = proc.communicate()
+        pytest.fail("rank 0 did not exit:\n" + log[-3000:])
+    assert "rank 0 done" in log and "rank 1 done" in log, log[-3000:]
+    assert proc.returncode != 0 and time.monotonic() - start < 30, log[-3000:]
+    assert "rank 0 on node1: lost rank 1 on node2" in log, log[-3000:]
+    assert "Fatal Python error: Aborted" in log, log[-3000:]  # and rank 1 said where
