@@ -28,7 +28,6 @@ For speculative decoding, see `DeepseekV3ForCausalLM.mtp_forward` / `mtp_store_k
 """
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import re
@@ -47,6 +46,7 @@ from .llama import FusedDecoder, rope_params
 from .moe import FusedExperts, MoECausalLM
 from .parallel import ParallelInfo, tp_all_reduce
 from .quantization import Unquantized
+from .config_queries import without_mtp  # noqa: F401
 from .registry import MODELS
 
 log = logging.getLogger("rankserve.models")
@@ -324,17 +324,6 @@ def check_config(cfg, v3: bool) -> None:
                          f"(supported: {', '.join(m for m in allowed if m)})")
     if getattr(cfg, "hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (silu)")
-
-
-def without_mtp(hf_config):
-    """The config with its MTP layers dropped: they only run as the `mtp` speculative proposer,
-    so otherwise they are neither built, loaded nor given a KV cache (V3: ~15 GB of weights and
-    one latent cache layer on the last stage)."""
-    if not getattr(hf_config, "num_nextn_predict_layers", 0):
-        return hf_config
-    cfg = copy.deepcopy(hf_config)
-    cfg.num_nextn_predict_layers = 0
-    return cfg
 
 
 @MODELS.register("DeepseekV2ForCausalLM")

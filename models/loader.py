@@ -113,11 +113,25 @@ def resolve_dtype(name: str, hf_config, device_type: str) -> torch.dtype:
     return torch.bfloat16 if d == torch.float32 else d
 
 
+# architecture → the module of models/ that registers it: a start imports its own family only
+# (each family brings its kernels: MLA, MoE, Mamba); tests/test_startup.py keeps it complete
+FAMILIES = {**dict.fromkeys(("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                             "Qwen3ForCausalLM"), "llama"),
+            "Qwen3MoeForCausalLM": "moe", "MixtralForCausalLM": "moe",
+            "DeepseekV2ForCausalLM": "deepseek", "DeepseekV3ForCausalLM": "deepseek",
+            "Gemma3ForCausalLM": "gemma3", "NemotronHForCausalLM": "nemotron_h"}
+
+
 def model_class(hf_config):
-    from . import deepseek, gemma3, moe, nemotron_h  # noqa: F401  (register their families)
+    import importlib
     archs = getattr(hf_config, "architectures", None) or []
     if not archs:
         raise ValueError("the model config has no 'architectures' field")
+    if archs[0] in FAMILIES:
+        importlib.import_module(f"{__package__}.{FAMILIES[archs[0]]}")
+    else:  # every family registered, for the error's list of what is supported
+        for mod in sorted(set(FAMILIES.values())):
+            importlib.import_module(f"{__package__}.{mod}")
     return MODELS.get(archs[0])
 
 

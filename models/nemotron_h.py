@@ -25,13 +25,8 @@ from .layers import (
 from .llama import KV_SCALES, CausalLM, stage_layers
 from .loader import read_slice
 from .parallel import tp_all_reduce
+from .config_queries import ATTENTION, MAMBA, MLP, has_recurrent_state  # noqa: F401
 from .registry import MODELS
-
-MAMBA, ATTENTION, MLP = "linear_attention", "full_attention", "mlp"
-
-
-def has_recurrent_state(cfg) -> bool:
-    return MAMBA in (getattr(cfg, "layers_block_type", None) or ())
 
 
 class Mamba2InProj(ColumnParallelLinear):

@@ -16,7 +16,7 @@ from .config import EngineConfig
 from .messages import EngineCoreOutputs, EngineCoreRequest, FinishReason
 from .request import Request
 from ..models.llama import kv_sliding_window
-from ..models.nemotron_h import has_recurrent_state
+from ..models.config_queries import has_recurrent_state
 from ..models.loader import load_hf_config
 from .scheduler import Scheduler, SchedulerOutput
 from .preemption import build_cost_model

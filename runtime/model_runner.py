@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import gemv, pdl, quant, quant_tc
-from ..models.deepseek import without_mtp
+from ..models.config_queries import without_mtp
 from ..models.layers import AttnMeta
 from ..models.parallel import ParallelInfo
 from ..models.loader import (

@@ -19,6 +19,14 @@ from rankserve.runtime import startup_clock
 NOT_ON_START_PATH = ("sklearn", "scipy", "transformers.modeling_utils", "transformers.generation.utils",
                      "fastapi", "uvicorn", "xgrammar", "mistral_common", "rankserve.runtime.serve",
                      "rankserve.runtime.bench.hf_backend")
+# a Llama-family start imports its own family only: the others' modules and kernels (MLA, MoE,
+# Mamba; Triton kernels and custom ops to define) were imported by every start (issue #21)
+OTHER_FAMILIES = ("rankserve.models.deepseek", "rankserve.models.nemotron_h", "rankserve.models.gemma3",
+                  "rankserve.models.moe", "rankserve.models.eagle", "rankserve.kernels.mla",
+                  "rankserve.kernels.mamba", "rankserve.kernels.moe")
+# nor the API server's packages, plots or images, which the CLI's own modules must not pull in
+SERVER_ONLY = ("fastapi", "pydantic", "uvicorn", "starlette", "prometheus_client", "jinja2", "PIL",
+               "matplotlib")
 
 _SCRIPT = """
 import json, sys
@@ -62,7 +70,7 @@ def test_account_adds_up_to_process_age(started):
 
 def test_start_path_imports(starts):
     for run in starts:
-        pulled = [m for m in NOT_ON_START_PATH if m in run["modules"]]
+        pulled = [m for m in NOT_ON_START_PATH + OTHER_FAMILIES if m in run["modules"]]
         assert not pulled, f"the start path imports {pulled}"
     for modules in (set(r["modules"]) for r in starts):
         # cold too: a shipped family's config has its own reader (models/config_readers.py);
@@ -330,3 +338,58 @@ def test_compile_only_restores_everything_on_error():
     assert (JITFunction.run, torch.empty, torch.empty_like, torch.Tensor.new_empty, F.linear) == saved
     assert F.linear(torch.ones(1, 2), torch.ones(3, 2)).eq(2).all()
     assert _async_compile.active_mode.get() is None
+
+
+_CLI_SCRIPT = """
+import json, runpy, sys
+from rankserve.runtime import startup_clock
+seen = dict()
+mark = startup_clock.mark
+def watch(phase):  # the modules loaded when each phase ends
+    mark(phase)
+    seen.setdefault(phase, sorted(sys.modules))
+startup_clock.mark = watch
+sys.argv = ["rankserve", *sys.argv[1:]]
+try:
+    runpy.run_module("rankserve.launch", run_name="__main__")
+finally:
+    seen["end"] = sorted(sys.modules)
+    print(json.dumps(seen))
+"""
+
+
+def test_bench_latency_cli_start_path_imports(tmp_path):
+    """W2's command (`bench latency`, dummy weights) of a Llama-family config in a fresh process:
+    up to the engine, and to its end, neither the other families, nor transformers, dynamo or
+    sympy, nor the API server's packages."""
+    shutil.copy(STORIES_EMBEDDED / "config.json", tmp_path / "config.json")
+    r = subprocess.run([sys.executable, "-c", _CLI_SCRIPT, "bench", "latency", str(tmp_path),
+                        "--load-format", "dummy", "--batch-size", "1", "--input-len", "8", "--output-len", "4",
+                        "--num-iters", "1", "--num-iters-warmup", "0", "--max-num-seqs", "8",
+                        "--cache-dir", str(tmp_path / "cache")], capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    seen = json.loads(r.stdout.strip().splitlines()[-1])
+    assert {"imports", "config", "bench_setup", "tokenizer", "before_engine", "end"} <= seen.keys()
+    # the CLI builds `serve`'s flags from ServerArgs (serve/args.py, a dataclass): that and its
+    # package's __init__ only, none of the server's own modules
+    cli_flags = ("rankserve.runtime.serve", "rankserve.runtime.serve.args")
+    for phase, modules in seen.items():
+        pulled = [m for m in modules if m not in cli_flags and (
+            m in NOT_ON_START_PATH + OTHER_FAMILIES + SERVER_ONLY or m.startswith("rankserve.runtime.serve.")
+            or m.split(".")[0] in ("transformers", "sympy") or m.startswith("torch._dynamo"))]
+        assert not pulled, f"{phase}: {pulled}"
+
+
+def test_family_table_names_every_architecture():
+    """models/loader.py imports a family's module by its architecture's name: every architecture
+    the family modules register is in that table, under its own module (else its start would go
+    back to importing every family)."""
+    import importlib
+
+    from rankserve.models import loader
+    from rankserve.models.registry import MODELS
+    for mod in set(loader.FAMILIES.values()):
+        importlib.import_module(f"rankserve.models.{mod}")
+    registered = {n: MODELS.get(n).__module__ for n in MODELS.names()}
+    assert {n: f"rankserve.models.{m}" for n, m in loader.FAMILIES.items()} == {
+        n: m for n, m in registered.items() if m != "rankserve.models.eagle"}  # drafts: spec_decode.py

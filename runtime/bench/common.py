@@ -145,7 +145,7 @@ def model_stats(hf_config) -> ModelStats:
 
     from ...models.parallel import ParallelInfo
     from ...models.loader import build_model
-    from ...models.deepseek import without_mtp  # the floor of the main model (MTP: a proposer)
+    from ...models.config_queries import without_mtp  # the floor of the main model (MTP: a proposer)
     cfg = without_mtp(hf_config)
     if getattr(cfg, "quantization_config", None):
         cfg = copy.deepcopy(cfg)

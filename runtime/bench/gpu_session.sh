@@ -86,6 +86,16 @@ set -u
 OUT=${OUT:-bench_results}; mkdir -p "$OUT"
 CACHE=${RANKSERVE_CACHE_DIR:-/tmp/rankserve-cache}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# Python bytecode (issue #21): W2's warm `imports` (3-3.9 s) ran torch's large modules ~7x slower
+# than its small ones against a CPU machine's run: their sources compiled again in every process
+# (no .pyc the image's Python can use, none written: PYTHONDONTWRITEBYTECODE or a read-only
+# site-packages). On the CPU machine that costs `imports` 1.05 -> 3.7 s. A writable prefix keeps
+# the bytecode from the first process on (this session's first python3 below fills most of it).
+python3 -c "import importlib.util as u, os; o = u.find_spec('torch').origin; print('bytecode: the image has',
+  'a' if os.path.exists(u.cache_from_source(o)) else 'no', '.pyc of torch; PYTHONDONTWRITEBYTECODE',
+  os.environ.get('PYTHONDONTWRITEBYTECODE'), '; PYTHONPYCACHEPREFIX', os.environ.get('PYTHONPYCACHEPREFIX'))"
+export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/rankserve-pycache}
+unset PYTHONDONTWRITEBYTECODE
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 # DEADLINE=epoch seconds: every stage's limit is cut to what is left (one device call, one budget)
