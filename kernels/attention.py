@@ -152,6 +152,11 @@ def attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
     T = qkv.shape[0]
     if qkv.is_cuda:
         from . import triton_attention as ta
+        if is_decode and T <= ta.FUSED_DECODE_MAX_B:
+            return ta.fused_decode_attention(
+                qkv, positions, cos_sin, q_norm, k_norm, eps, k_cache, v_cache, slot_mapping,
+                query_start_loc, seq_lens, block_table, num_heads, scale, k_scale=k_scale,
+                v_scale=v_scale, window=window, softcap=softcap).view(T, -1)
         q = ta.prepare_qkv(qkv, positions, cos_sin, q_norm, k_norm, eps, k_cache, v_cache,
                            slot_mapping, num_heads, k_scale, v_scale)
         out = ta.paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,

@@ -48,6 +48,9 @@ MIXED_DECODE_SPLIT = True
 # prepare_qkv: steps of at most PREPARE_SPLIT_T tokens run PREPARE_HEADS heads a program (a
 # module global so tests can shrink it to the interpreter's sizes)
 PREPARE_SPLIT_T, PREPARE_HEADS = 64, 8
+# decode steps of up to this many requests run fused_decode_attention (the runner sets it from
+# RANKSERVE_FUSED_DECODE_MAX_B; 0: off until measured on a GPU)
+FUSED_DECODE_MAX_B = 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -354,17 +357,49 @@ def _unified_attention_kernel(
 # split-KV decode (one query token per request)
 # ----------------------------------------------------------------------------------------------
 
+@triton.jit
+def _rope_rows(qkv_row, rows, offs_d, d_mask, pos, cos_sin_ptr, stride_cs, norm_ptr, eps,
+               row_mask, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):
+    """Head rows `rows` of one token's fused qkv after the q/k RMSNorm (when given) and RoPE,
+    [len(rows), BLOCK_D] in the model dtype, rounded as prepare_qkv_ref rounds them. Each
+    column's rotate-half partner (d +- D/2) is loaded beside it, so the head stays one tile."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    dt = qkv_row.dtype.element_ty
+    first = offs_d < HALF
+    partner = tl.where(first, offs_d + HALF, offs_d - HALF)
+    mask = row_mask[:, None] & d_mask[None, :]
+    base = qkv_row + rows[:, None] * HEAD_DIM
+    x = tl.load(base + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(base + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        r = tl.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
+        w = tl.load(norm_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        wp = tl.load(norm_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        x = ((x * r).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
+        xp = ((xp * r).to(dt).to(tl.float32) * wp).to(dt).to(tl.float32)
+    half = tl.where(first, offs_d, offs_d - HALF)
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + half, mask=d_mask, other=0.0)[None, :]
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + half, mask=d_mask, other=0.0)[None, :]
+    # first half x1 cos - x2 sin, second x2 cos + x1 sin (a + (-b) is a - b exactly)
+    return (x * cos + tl.where(first[None, :], -xp, xp) * sin).to(dt)
+
+
 @triton.jit(do_not_specialize=["num_seqs", "window"])
 def _decode_split_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, part_out_ptr, part_lse_ptr,
         out_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, scale_log2e, num_seqs, window, softcap_log2e,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+        pos_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, slot_ptr, eps, stride_cs,
         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, ONLY_DECODE: tl.constexpr,
         KV_FP8: tl.constexpr,
-        SOFTCAP: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr):
+        SOFTCAP: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr,
+        PREPARE: tl.constexpr, HAS_NORM: tl.constexpr, NUM_KV_HEADS: tl.constexpr):
+    # PREPARE (fused_decode_attention): q_ptr is the fused qkv [T, (H + 2 KH) D]; the query
+    # comes from it through q/k norm + RoPE here, and the program whose segment holds the new
+    # position stores its k / v into the cache first: prepare_qkv's launch is gone.
     pdl.wait_and_release(USE_PDL)
     # Program (req, kvh, split): the GROUP heads of kv head kvh over one segment of the context.
     # Partial results are normalised; lse (log2 domain) lets the reduce kernel reweight them (a
@@ -389,10 +424,37 @@ def _decode_split_kernel(
     head = kvh * GROUP + hs
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    q_ptrs = (q_ptr + q_start.to(tl.int64) * stride_qt + head[:, None] * stride_qh
-              + offs_d[None, :])
     q_rows = hs < tl.where(q_len > 0, GROUP, 0)  # no query row for an empty request
-    q = _fp8_dot_query(tl.load(q_ptrs, mask=q_rows[:, None] & d_mask[None, :], other=0.0), KV_FP8)
+    if PREPARE:
+        tok = q_start.to(tl.int64)
+        qkv_row = q_ptr + tok * stride_qt
+        pos = tl.load(pos_ptr + tok).to(tl.int64)
+        slot = tl.load(slot_ptr + tok).to(tl.int64)
+        q = _rope_rows(qkv_row, head, offs_d, d_mask, pos, cos_sin_ptr, stride_cs, q_norm_ptr, eps,
+                       q_rows, HEAD_DIM, HAS_NORM)
+        # the segment that holds the new position stores its k / v, then reads them back with
+        # the rest (no other program reads that position; the barrier orders this CTA's stores)
+        if (n_lo <= seq_len - 1) & (seq_len - 1 < n_hi) & (slot >= 0):
+            one = hs == 0
+            k = _rope_rows(qkv_row, NUM_HEADS + kvh + hs * 0, offs_d, d_mask, pos, cos_sin_ptr,
+                           stride_cs, k_norm_ptr, eps, one, HEAD_DIM, HAS_NORM)
+            v = tl.load(qkv_row + (NUM_HEADS + NUM_KV_HEADS + kvh) * HEAD_DIM + offs_d, mask=d_mask)
+            blk = slot // BLOCK_SIZE
+            in_blk = slot % BLOCK_SIZE
+            k_dst = k_cache_ptr + blk * stride_kb + in_blk * stride_ks + kvh * stride_kh
+            v_dst = v_cache_ptr + blk * stride_vb + in_blk * stride_vs + kvh * stride_vh
+            if KV_FP8:
+                k = _to_fp8(k.to(tl.float32), tl.load(k_scale_ptr))
+                v = _to_fp8(v.to(tl.float32), tl.load(v_scale_ptr))
+            tl.store(k_dst + hs[:, None] * 0 + offs_d[None, :], k.to(k_cache_ptr.dtype.element_ty),
+                     mask=one[:, None] & d_mask[None, :])
+            tl.store(v_dst + offs_d, v.to(v_cache_ptr.dtype.element_ty), mask=d_mask)
+            tl.debug_barrier()
+    else:
+        q_ptrs = (q_ptr + q_start.to(tl.int64) * stride_qt + head[:, None] * stride_qh
+                  + offs_d[None, :])
+        q = tl.load(q_ptrs, mask=q_rows[:, None] & d_mask[None, :], other=0.0)
+    q = _fp8_dot_query(q, KV_FP8)
     qk_scale = _qk_scale(scale_log2e, k_scale_ptr, KV_FP8)
 
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
@@ -528,6 +590,80 @@ def _num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int,
     return max(1, min(splits, _MAX_SPLITS, triton.cdiv(max_context, block_n)))
 
 
+def _NO_PREPARE(q: torch.Tensor, KH: int) -> dict:
+    """The split kernel's PREPARE arguments when it reads a ready query (never dereferenced)."""
+    return dict(pos_ptr=q, cos_sin_ptr=q, q_norm_ptr=q, k_norm_ptr=q, slot_ptr=q, eps=0.0,
+                stride_cs=0, PREPARE=False, HAS_NORM=False, NUM_KV_HEADS=KH)
+
+
+def _split_decode(q, stride_qt, stride_qh, out, k_cache, v_cache, k_scale, v_scale,
+                  query_start_loc, seq_lens, block_table, scale_log2e, win, cap, ieee, common,
+                  H, group, fp8, prepare: dict) -> torch.Tensor:
+    """Split-KV decode (one query row per request), then the reduce kernel where it split."""
+    B, D = seq_lens.shape[0], out.shape[-1]
+    _, block_size, KH, _ = k_cache.shape
+    on_gpu = q.is_cuda
+    use_pdl = pdl.launch(q)
+    block_n = DECODE_BLOCK_N if on_gpu else 16
+    max_context = min(block_table.shape[1] * block_size, win)
+    splits = _num_splits(B, KH, max_context, block_n, q.device)
+    part_out = part_lse = out  # unused with one split
+    if splits > 1:
+        part_out = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(B, KH, splits)](
+        q, k_cache, v_cache, k_scale, v_scale, part_out, part_lse, out, query_start_loc,
+        seq_lens, block_table, scale_log2e, B, win, cap[0], stride_qt, stride_qh, out.stride(0),
+        out.stride(1), *common, **prepare, HEAD_DIM=D, GROUP=group, BLOCK_SIZE=block_size,
+        NUM_HEADS=H, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(D)), NUM_SPLITS=splits, ONLY_DECODE=False,
+        KV_FP8=fp8, SOFTCAP=cap[1], IEEE=ieee, num_warps=DECODE_WARPS,
+        num_stages=DECODE_STAGES, **use_pdl)
+    if splits == 1:
+        return out
+    _decode_reduce_kernel[(B, H)](
+        part_out, part_lse, out, query_start_loc, B, out.stride(0), out.stride(1),
+        NUM_HEADS=H, HEAD_DIM=D, NUM_SPLITS=splits,
+        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=triton.next_power_of_2(D),
+        num_warps=1 if D <= 64 else 2, **use_pdl)
+    return out
+
+
+def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                           q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+                           k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                           query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                           block_table: torch.Tensor, num_heads: int, scale: float, *,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                           window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """prepare_qkv then paged_attention(is_decode=True), in the split-KV kernel's launches: each
+    program builds its heads' query from the fused qkv row (q/k norm, RoPE), and the one whose
+    segment holds the new position stores the token's k / v first. One launch fewer a layer for
+    decode steps (T == B, one query row per request). Returns [T, H, D]."""
+    T = qkv.shape[0]
+    B = seq_lens.shape[0]
+    _, block_size, KH, D = k_cache.shape
+    H = num_heads
+    assert T == B, f"decode attention needs one query row per request (T={T}, B={B})"
+    assert qkv.shape[1] == (H + 2 * KH) * D and D % 2 == 0, "qkv / cache shape mismatch"
+    _check_last_dim(qkv, cos_sin, k_cache, v_cache)
+    out = torch.empty(T, H, D, dtype=qkv.dtype, device=qkv.device)
+    if T == 0:
+        return out
+    fp8, k_scale, v_scale = _kv_scales(k_cache, v_cache, k_scale, v_scale)
+    win = window if window > 0 else 1 << 30
+    cap = (float(softcap) * _LOG2E if softcap > 0 else 1.0, softcap > 0)
+    common = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+              v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0))
+    has_norm = q_norm is not None
+    prepare = dict(pos_ptr=positions, cos_sin_ptr=cos_sin, q_norm_ptr=q_norm if has_norm else cos_sin,
+                   k_norm_ptr=k_norm if has_norm else cos_sin, slot_ptr=slot_mapping, eps=eps,
+                   stride_cs=cos_sin.stride(0), PREPARE=True, HAS_NORM=has_norm, NUM_KV_HEADS=KH)
+    return _split_decode(qkv, qkv.stride(0), D, out, k_cache, v_cache, k_scale, v_scale,
+                         query_start_loc, seq_lens, block_table, scale * _LOG2E, win, cap,
+                         qkv.dtype == torch.float32, common, H, H // KH, fp8, prepare)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     block_table: torch.Tensor, scale: float, *, is_decode: bool,
@@ -561,37 +697,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     if is_decode:
         assert T == B, f"decode attention needs one query row per request (T={T}, B={B})"
-        use_pdl = pdl.launch(q)
-        block_n = DECODE_BLOCK_N if on_gpu else 16
-        max_context = min(block_table.shape[1] * block_size, win)
-        splits = _num_splits(B, KH, max_context, block_n, q.device)
-        part_out = part_lse = out  # unused with one split
-        if splits > 1:
-            part_out = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
-            part_lse = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
-        _decode_split_kernel[(B, KH, splits)](
-            q, k_cache, v_cache, k_scale, v_scale, part_out, part_lse, out, query_start_loc,
-            seq_lens, block_table, scale_log2e, B, win, cap[0], q.stride(0), q.stride(1), out.stride(0),
-            out.stride(1), *common, NUM_HEADS=H, HEAD_DIM=D, GROUP=group, BLOCK_SIZE=block_size,
-            BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-            NUM_SPLITS=splits, ONLY_DECODE=False, KV_FP8=fp8, SOFTCAP=cap[1], IEEE=ieee,
-            num_warps=DECODE_WARPS, num_stages=DECODE_STAGES, **use_pdl)
-        if splits == 1:
-            return out
-        _decode_reduce_kernel[(B, H)](
-            part_out, part_lse, out, query_start_loc, B, out.stride(0), out.stride(1),
-            NUM_HEADS=H, HEAD_DIM=D, NUM_SPLITS=splits,
-            BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=triton.next_power_of_2(D),
-            num_warps=1 if D <= 64 else 2, **use_pdl)
-        return out
+        return _split_decode(q, q.stride(0), q.stride(1), out, k_cache, v_cache, k_scale, v_scale,
+                             query_start_loc, seq_lens, block_table, scale_log2e, win, cap, ieee,
+                             common, H, group, fp8, _NO_PREPARE(q, KH))
 
     split_decodes = MIXED_DECODE_SPLIT and B > 1
     if split_decodes:  # one program per (request, kv head); those with q_len != 1 return
         _decode_split_kernel[(B, KH, 1)](
             q, k_cache, v_cache, k_scale, v_scale, out, out, out, query_start_loc,
             seq_lens, block_table, scale_log2e, B, win, cap[0], q.stride(0), q.stride(1),
-            out.stride(0), out.stride(1), *common, NUM_HEADS=H, HEAD_DIM=D, GROUP=group,
-            BLOCK_SIZE=block_size, BLOCK_H=max(16, triton.next_power_of_2(group)),
+            out.stride(0), out.stride(1), *common, **_NO_PREPARE(q, KH), NUM_HEADS=H, HEAD_DIM=D,
+            GROUP=group, BLOCK_SIZE=block_size, BLOCK_H=max(16, triton.next_power_of_2(group)),
             BLOCK_N=DECODE_BLOCK_N if on_gpu else 16, BLOCK_D=block_d, NUM_SPLITS=1,
             ONLY_DECODE=True, KV_FP8=fp8, SOFTCAP=cap[1], IEEE=ieee,
             num_warps=DECODE_WARPS, num_stages=DECODE_STAGES, USE_PDL=False)

@@ -81,6 +81,11 @@ KNOBS: dict[str, Knob] = {
                                      "tensor-core skinny Triton kernels (kernels/quant_tc.py; "
                                      "default 16 on CUDA, 0 elsewhere; 0: off, the CUDA-core "
                                      "skinny kernels / GEMMs)"),
+    "RANKSERVE_FUSED_DECODE_MAX_B": Knob(0, _int_at_least(0), "decode steps of up to this many "
+                                         "requests build q/k (norm, RoPE) and store k/v inside the "
+                                         "split-KV attention kernel, one launch fewer a layer "
+                                         "(kernels/triton_attention.py fused_decode_attention; "
+                                         "0: off, the default until measured on a GPU)"),
     "RANKSERVE_PRECOMPILE": Knob(True, _flag, "0: compile Triton kernels where first launched, one "
                                  "after another, instead of all at once on a thread pool before "
                                  "the memory profile (CUDA, levels 0-1; kernels/precompile.py)"),

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..kernels import gemv, pdl, quant, quant_tc
+from ..kernels import gemv, pdl, quant, quant_tc, triton_attention
 from ..models.config_queries import without_mtp
 from ..models.layers import AttnMeta
 from ..models.parallel import ParallelInfo
@@ -204,6 +204,7 @@ class ModelRunner:
         startup_clock.mark("before_engine")  # since the last mark (all of it under `serve`)
         gemv.MAX_M = envs.get("RANKSERVE_SKINNY_MAX_M")  # a process-wide kernel choice
         pdl.ENABLED = envs.get("RANKSERVE_PDL")
+        triton_attention.FUSED_DECODE_MAX_B = envs.get("RANKSERVE_FUSED_DECODE_MAX_B")
         tc = envs.get("RANKSERVE_QUANT_TC_MAX_M")  # measured: block FP8 layers 1.9x faster at M = 1
         quant.TC_MAX_M = tc if tc is not None else 16 if device.type == "cuda" else 0
         if quant.TC_MAX_M and device.type == "cuda":

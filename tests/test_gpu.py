@@ -75,3 +75,15 @@ def test_two_live_engines_each_get_their_share():
     na, nb = (x.engine.executor.runner.num_blocks for x in (a, b))
     assert abs(na - nb) <= 0.05 * na, (na, nb)
     assert greedy(a, 8) == greedy(b, 8)
+
+
+@pytest.mark.parametrize("model", ["Qwen3ForCausalLM", "LlamaForCausalLM"])
+def test_fused_decode_attention_gives_the_same_tokens(checkpoint, model, monkeypatch):
+    """RANKSERVE_FUSED_DECODE_MAX_B (q/k norm, RoPE and the KV store inside the split-KV kernel)
+    against the default path, eager and with CUDA graphs: the same greedy tokens."""
+    path = checkpoint(model)
+    common = dict(dtype="float32", max_num_seqs=16, gpu_memory_utilization=0.3)
+    ref = greedy(LLM(path, enforce_eager=True, **common))
+    monkeypatch.setenv("RANKSERVE_FUSED_DECODE_MAX_B", "16")
+    assert greedy(LLM(path, enforce_eager=True, **common)) == ref
+    assert greedy(LLM(path, **common)) == ref

@@ -267,6 +267,62 @@ def test_prepare_qkv_head_blocks(interp, T, per_program):
     interp(prepare_qkv_case, True, torch.float32, T, 6, per_program)
 
 
+def fused_decode_case(seq_lens, group, norm, dtype, fp8=False, window=0, softcap=0.0, seed=0):
+    """fused_decode_attention (q/k norm + RoPE + KV store inside the split-KV kernel) equals
+    prepare_qkv_ref then paged_attention_ref: the output, and the caches it wrote. Requests
+    with seq_len 0 are padding (no query row, slot -1)."""
+    from rankserve.kernels.attention import quantize_fp8
+    KH, D, bs = 2, 16, 8
+    q_lens = [1 if s else 0 for s in seq_lens]
+    _, k_cache, v_cache, qsl, lens, bt = make_batch(q_lens, [max(s, 1) for s in seq_lens],
+                                                    kv_heads=KH, group=group, head_dim=D, block_size=bs,
+                                                    pad_tokens=q_lens.count(0), dtype=dtype, seed=seed)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    B, H = len(seq_lens), KH * group
+    g = torch.Generator().manual_seed(seed + 1)
+    qkv = torch.randn(B, (H + 2 * KH) * D, generator=g).to(dtype)
+    positions = torch.tensor([max(s - 1, 0) for s in seq_lens])
+    slots = torch.tensor([int(bt[i, (s - 1) // bs]) * bs + (s - 1) % bs if s else -1
+                          for i, s in enumerate(seq_lens)])
+    inv = 1.0 / 10000 ** (torch.arange(0, D, 2) / D)
+    freqs = torch.outer(torch.arange(512).float(), inv)
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], -1)
+    qn, kn = (torch.rand(D, generator=g).to(dtype) + 0.5, torch.rand(D, generator=g).to(dtype) + 0.5) \
+        if norm else (None, None)
+    ks = vs = None
+    if fp8:
+        ks, vs = torch.tensor(0.02), torch.tensor(0.015)
+        k_cache, v_cache = quantize_fp8(k_cache, ks), quantize_fp8(v_cache, vs)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    scale = D ** -0.5
+    out = ta.fused_decode_attention(qkv, positions, cos_sin, qn, kn, 1e-6, kc, vc, slots, qsl, lens,
+                                    bt, H, scale, k_scale=ks, v_scale=vs, window=window, softcap=softcap)
+    q = prepare_qkv_ref(qkv, positions, cos_sin, qn, kn, 1e-6, k_cache, v_cache, slots, H, ks, vs)
+    ref = paged_attention_ref(q, k_cache, v_cache, qsl, lens, bt, scale, is_decode=True,
+                              k_scale=ks, v_scale=vs, window=window, softcap=softcap)
+    n = sum(q_lens)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[:n].float(), ref[:n].float(), atol=tol, rtol=tol)
+    assert torch.all(out[n:] == 0), "padding rows must be zero"
+    for got, want in ((kc, k_cache), (vc, v_cache)):
+        torch.testing.assert_close(got.float(), want.float(), atol=tol if not fp8 else 0.07,
+                                   rtol=tol if not fp8 else 0.07)
+    assert ta._num_splits(B, KH, bt.shape[1] * bs, 16, torch.device("cpu")) > 1  # split + reduce
+
+
+@pytest.mark.parametrize("group, norm, dtype", [(1, False, torch.float32), (2, True, torch.float32),
+                                                (4, True, torch.float16), (2, False, torch.float16)])
+def test_fused_decode_attention(interp, group, norm, dtype):
+    """Contexts of 1 (only the new token), block edges, long ones; a padding request last."""
+    interp(fused_decode_case, [1, 8, 9, 41, 0], group, norm, dtype)
+
+
+@pytest.mark.parametrize("fp8, window, softcap", [(True, 0, 0.0), (False, 6, 0.0), (False, 13, 5.0)])
+def test_fused_decode_attention_variants(interp, fp8, window, softcap):
+    """An fp8 cache (the new k / v quantized as prepare_qkv stores them), sliding windows, softcap."""
+    interp(fused_decode_case, [3, 17, 40, 0, 0], 2, True, torch.float32, fp8, window, softcap, 3)
+
+
 def test_interpreter_confined_to_worker(interp):
     assert interp(_interpreting)
     assert not _interpreting() or os.environ.get("TRITON_INTERPRET") == "1"
