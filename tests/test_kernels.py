@@ -267,12 +267,12 @@ def test_prepare_qkv_head_blocks(interp, T, per_program):
     interp(prepare_qkv_case, True, torch.float32, T, 6, per_program)
 
 
-def fused_decode_case(seq_lens, group, norm, dtype, fp8=False, window=0, softcap=0.0, seed=0):
+def fused_decode_case(seq_lens, group, norm, dtype, fp8=False, window=0, softcap=0.0, seed=0,
+                      device="cpu", KH=2, D=16, bs=8):
     """fused_decode_attention (q/k norm + RoPE + KV store inside the split-KV kernel) equals
     prepare_qkv_ref then paged_attention_ref: the output, and the caches it wrote. Requests
     with seq_len 0 are padding (no query row, slot -1)."""
     from rankserve.kernels.attention import quantize_fp8
-    KH, D, bs = 2, 16, 8
     q_lens = [1 if s else 0 for s in seq_lens]
     _, k_cache, v_cache, qsl, lens, bt = make_batch(q_lens, [max(s, 1) for s in seq_lens],
                                                     kv_heads=KH, group=group, head_dim=D, block_size=bs,
@@ -293,6 +293,10 @@ def fused_decode_case(seq_lens, group, norm, dtype, fp8=False, window=0, softcap
     if fp8:
         ks, vs = torch.tensor(0.02), torch.tensor(0.015)
         k_cache, v_cache = quantize_fp8(k_cache, ks), quantize_fp8(v_cache, vs)
+    if device != "cpu":
+        qkv, positions, cos_sin, slots, qsl, lens, bt, k_cache, v_cache = (
+            t.to(device) for t in (qkv, positions, cos_sin, slots, qsl, lens, bt, k_cache, v_cache))
+        qn, kn, ks, vs = (None if t is None else t.to(device) for t in (qn, kn, ks, vs))
     kc, vc = k_cache.clone(), v_cache.clone()
     scale = D ** -0.5
     out = ta.fused_decode_attention(qkv, positions, cos_sin, qn, kn, 1e-6, kc, vc, slots, qsl, lens,
@@ -307,7 +311,7 @@ def fused_decode_case(seq_lens, group, norm, dtype, fp8=False, window=0, softcap
     for got, want in ((kc, k_cache), (vc, v_cache)):
         torch.testing.assert_close(got.float(), want.float(), atol=tol if not fp8 else 0.07,
                                    rtol=tol if not fp8 else 0.07)
-    assert ta._num_splits(B, KH, bt.shape[1] * bs, 16, torch.device("cpu")) > 1  # split + reduce
+    assert device != "cpu" or ta._num_splits(B, KH, bt.shape[1] * bs, 16, torch.device("cpu")) > 1
 
 
 @pytest.mark.parametrize("group, norm, dtype", [(1, False, torch.float32), (2, True, torch.float32),
@@ -441,9 +445,18 @@ def test_gpu_mixed_bf16():
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("norm", [False, True])
-def test_gpu_prepare_qkv(norm):
-    check_prepare_qkv(make_qkv(300, 32, 8, 128, 1000, 16, norm=norm, dtype=torch.bfloat16,
+@pytest.mark.parametrize("T", [1, 40, 300])  # 8 heads a program up to PREPARE_SPLIT_T, then a token
+def test_gpu_prepare_qkv(norm, T):
+    check_prepare_qkv(make_qkv(T, 32, 8, 128, 1000, 16, norm=norm, dtype=torch.bfloat16,
                                device="cuda"), 2e-2)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("seq_lens", [[300], [1, 17, 4000, 129, 0], [2048] * 8])
+def test_gpu_fused_decode_attention(fp8, seq_lens):
+    fused_decode_case(seq_lens, 4, True, torch.bfloat16, fp8, 0, 0.0, 5, "cuda", 8, 128, 16)
 
 
 @gpu

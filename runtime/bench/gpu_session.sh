@@ -70,6 +70,11 @@
 #   w2specstories     the speed-up on a trained model: stories260K, prompts that tile a 16-token segment,
 #                     plain (w2s) / n-gram k=4 (w2sngram)
 #   pdl, w1pdl        RANKSERVE_PDL=1 (programmatic dependent launch): pdltests, then w2pdl; w1pdl W1 with it
+#   s13tests          session 13's code, never run on a GPU when written: --cudagraph-mode auto across
+#                     the families (mixed graphs vs eager tokens), prepare_qkv head blocks, the fused
+#                     decode attention (kernel and end to end), the 4-bit MoE kernel
+#   w2fused           W2 with RANKSERVE_FUSED_DECODE_MAX_B=8 (q/k RoPE and the KV store inside the
+#                     split-KV kernel: prepare_qkv's launch gone); compare with w2
 #   mixedtests        --cudagraph-mode full: its GPU tests (graphs vs eager tokens); w1full / servew1full
 #                     W1 offline / online (concurrency 256) with it
 #   w1prof, w2prof    W1 / W2 with --profile-dir (kernel table in the log, trace beside it; w2fp8prof,
@@ -135,6 +140,12 @@ serve_w1() { local name=$1; shift; local d; d=$(mktemp -d); cp runtime/bench/con
   wait $srv; kill $killer 2> /dev/null
   python3 -m rankserve.runtime.bench.steplog "$OUT/$name-steps.csv" | tee "$OUT/$name-steps.txt"; }
 for stage in "$@"; do case $stage in
+  s13tests) run s13tests 400 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_mixed_graphs.py \
+          tests/test_kernels.py tests/test_quant_kernels.py tests/test_quant_moe_w4.py tests/test_gpu.py \
+          -k "default_mode or mixed_graphs or prepare or fused or w4a16 or match_eager" ;;
+  w2fused) RANKSERVE_FUSED_DECODE_MAX_B=8 run w2fused 150 python3 -m rankserve.launch bench latency llama-3.1-8b \
+          --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 --max-num-seqs 8 --cache-dir "$CACHE" \
+          --output-json "$OUT/w2fused.json" ;;
   w2) run w2 150 python3 -m rankserve.launch bench latency llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 \
         --num-iters 3 --max-num-seqs 8 --cache-dir "$CACHE" --output-json "$OUT/w2.json" \
         ${PROFILE_DIR:+--profile-dir "$PROFILE_DIR"} ;;
