@@ -90,7 +90,8 @@ class CompiledModel:
         if why is None and mode == "auto" and (self.cfg.lora.enable_lora or self.cfg.spec):
             # runs when asked for, but auto keeps to what the GPU tests compared with eager
             why = "LoRA and speculative decoding: not compared with eager on the GPU yet"
-        if why and mode == "auto" and log_why:
+        graphs = self.cfg.compilation.level(self.device.type) >= 1 and self.device.type == "cuda"
+        if why and mode == "auto" and log_why and graphs:  # (no graphs at all: nothing to say)
             log.info("--cudagraph-mode auto: decode graphs only (%s)", why)
         return why is None
 
