@@ -76,8 +76,9 @@ class CompiledModel:
         mode = self.cfg.compilation.cudagraph_mode
         if mode == "decode":
             return False
+        graphs = self.cfg.compilation.level(self.device.type) >= 1 and self.device.type == "cuda"
         why = None
-        if self.cfg.compilation.level(self.device.type) < 1 or self.device.type != "cuda":
+        if not graphs:
             why = ("--cudagraph-mode full needs CUDA graphs: a CUDA device, --compilation-level 1 "
                    "or 2 and no --enforce-eager")
         elif self.cfg.parallel.world_size > 1:  # (refused for `full` by EngineConfig.validate)
@@ -90,7 +91,6 @@ class CompiledModel:
         if why is None and mode == "auto" and (self.cfg.lora.enable_lora or self.cfg.spec):
             # runs when asked for, but auto keeps to what the GPU tests compared with eager
             why = "LoRA and speculative decoding: not compared with eager on the GPU yet"
-        graphs = self.cfg.compilation.level(self.device.type) >= 1 and self.device.type == "cuda"
         if why and mode == "auto" and log_why and graphs:  # (no graphs at all: nothing to say)
             log.info("--cudagraph-mode auto: decode graphs only (%s)", why)
         return why is None
