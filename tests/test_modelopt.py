@@ -166,3 +166,18 @@ def test_modelopt_kv_cache_scheme_fp8_string_loads(base, tmp_path):
     (tmp_path / "q" / "config.json").write_text(json.dumps(cfg))
     llm = LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=4, kv_cache_dtype="fp8")
     assert float(llm.engine.executor.runner.model.model.layers["0"].self_attn.v_scale) == pytest.approx(0.02)
+
+
+def test_modelopt_config_json_without_algo_reads_the_side_file(base, tmp_path):
+    """A config.json whose quantization_config only names the method ({"quant_method":
+    "modelopt"}, added so that tools detect the checkpoint) beside ModelOpt's
+    hf_quant_config.json: the scheme, exclude list and KV algo come from the side file (was
+    refused as quant_algo None)."""
+    ref, _ = write_modelopt(base("LlamaForCausalLM"), tmp_path / "q", "FP8", True, kv_scales=True)
+    cfg = json.loads((tmp_path / "q" / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "modelopt"}
+    (tmp_path / "q" / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=4)
+    m = llm.engine.executor.runner.model
+    assert m.lm_head.weight.dtype == torch.float32  # the side file's exclude_modules
+    assert_matches_reference(llm, ref)
