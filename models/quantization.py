@@ -204,8 +204,9 @@ class Fp8Linear(LinearMethod):
                         lambda p, src, s: load_2d(p, src, s, 0, bn, bk, lambda t: t.float()))
         else:
             self._param(layer, self.scale_name, (out_features,), torch.float32, self._load_scale)
-        if self.input_scale:  # static activation scale: read, not used (dynamic is finer)
-            self._param(layer, "input_scale", (), torch.float32, lambda p, src, s: None)
+        if self.input_scale:  # static activation scale: read, not used (dynamic is finer), so
+            # a layer exported without one (its input quantizer off) loads as well
+            self._param(layer, "input_scale", (), torch.float32, lambda p, src, s: None).optional = True
 
     @staticmethod
     def _load_scale(p, src, s: Slices):

@@ -181,3 +181,15 @@ def test_modelopt_config_json_without_algo_reads_the_side_file(base, tmp_path):
     m = llm.engine.executor.runner.model
     assert m.lm_head.weight.dtype == torch.float32  # the side file's exclude_modules
     assert_matches_reference(llm, ref)
+
+
+def test_modelopt_fp8_layer_without_input_scale_loads(base, tmp_path):
+    """A layer exported with its input quantizer off has no `input_scale`; rankserve quantizes
+    activations per token and never reads it, so the checkpoint loads (was 'lacks weights')."""
+    ref, _ = write_modelopt(base("LlamaForCausalLM"), tmp_path / "q", "FP8", True)
+    path = tmp_path / "q" / "model.safetensors"
+    tensors = load_file(str(path))
+    del tensors["model.layers.1.self_attn.o_proj.input_scale"]
+    save_file(tensors, str(path))
+    llm = LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=4)
+    assert_matches_reference(llm, ref)
