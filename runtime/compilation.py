@@ -77,7 +77,8 @@ class CompiledModel:
         if mode == "decode":
             return False
         why = None
-        if self.cfg.compilation.level(self.device.type) < 1 or self.device.type != "cuda":
+        no_graphs = self.cfg.compilation.level(self.device.type) < 1 or self.device.type != "cuda"
+        if no_graphs:
             why = ("--cudagraph-mode full needs CUDA graphs: a CUDA device, --compilation-level 1 "
                    "or 2 and no --enforce-eager")
         elif self.cfg.parallel.world_size > 1:  # (refused for `full` by EngineConfig.validate)
@@ -91,7 +92,11 @@ class CompiledModel:
             # runs when asked for, but auto keeps to what the GPU tests compared with eager
             why = "LoRA and speculative decoding: not compared with eager on the GPU yet"
         if why and mode == "auto" and log_why:
-            log.info("--cudagraph-mode auto: decode graphs only (%s)", why)
+            if no_graphs:  # (not "decode graphs only": there are none)
+                log.info("--cudagraph-mode auto: no CUDA graphs (CPU, --enforce-eager or "
+                         "--compilation-level 0): every step runs eagerly")
+            else:
+                log.info("--cudagraph-mode auto: decode graphs only (%s)", why)
         return why is None
 
     @torch.inference_mode()
