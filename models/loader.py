@@ -40,9 +40,20 @@ _SIDE_QUANT_CONFIGS = {"quantize_config.json": "gptq", "quant_config.json": "awq
 
 
 def _with_side_quant_config(config, model_dir: str):
-    if getattr(config, "quantization_config", None):
-        return config
     import json
+    qc = getattr(config, "quantization_config", None)
+    if qc:
+        if not isinstance(qc, dict):
+            qc = qc.to_dict()
+        path = os.path.join(model_dir, "hf_quant_config.json")
+        named = qc.get("quant_algo") or (qc.get("quantization") or {}).get("quant_algo")
+        if str(qc.get("quant_method", "")).lower() == "modelopt" and not named and os.path.isfile(path):
+            # some uploads name only the method in config.json ({"quant_method": "modelopt"});
+            # the scheme is then ModelOpt's side file's (config.json wins where both say)
+            with open(path) as f:
+                side = json.load(f).get("quantization") or {}
+            config.quantization_config = {**side, **qc}
+        return config
     for name, method in _SIDE_QUANT_CONFIGS.items():
         path = os.path.join(model_dir, name)
         if os.path.isfile(path):

@@ -204,8 +204,9 @@ class Fp8Linear(LinearMethod):
                         lambda p, src, s: load_2d(p, src, s, 0, bn, bk, lambda t: t.float()))
         else:
             self._param(layer, self.scale_name, (out_features,), torch.float32, self._load_scale)
-        if self.input_scale:  # static activation scale: read, not used (dynamic is finer)
-            self._param(layer, "input_scale", (), torch.float32, lambda p, src, s: None)
+        if self.input_scale:  # static activation scale: read, not used (dynamic is finer), so
+            # a layer exported without one (its input quantizer off) loads as well
+            self._param(layer, "input_scale", (), torch.float32, lambda p, src, s: None).optional = True
 
     @staticmethod
     def _load_scale(p, src, s: Slices):
@@ -533,9 +534,11 @@ class ModelOptConfig(QuantConfig):
             raise ValueError(f"NVIDIA ModelOpt checkpoints with quant_algo {qc.get('quant_algo')!r} "
                              f"(from {where}) are not supported; supported: {', '.join(self.ALGOS)}")
         kv = qc.get("kv_cache_quant_algo")
+        # config.json (ModelOpt's conversion): a dict for FP8, the algo's name as is otherwise
         scheme = qc.get("kv_cache_scheme")
         if kv and str(kv).upper() != "FP8" or isinstance(scheme, dict) and not (
-                scheme.get("type") == "float" and scheme.get("num_bits") == 8):
+                scheme.get("type") == "float" and scheme.get("num_bits") == 8) or (
+                scheme and not isinstance(scheme, dict) and str(scheme).upper() != "FP8"):
             raise ValueError(f"NVIDIA ModelOpt KV cache quantization {kv or scheme!r} (from {where}) "
                              "is not supported (only FP8: per-layer k/v scales)")
         self.per_tensor = algo == "FP8"

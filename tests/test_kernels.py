@@ -267,6 +267,22 @@ def test_prepare_qkv_head_blocks(interp, T, per_program):
     interp(prepare_qkv_case, True, torch.float32, T, 6, per_program)
 
 
+def prepare_qkv_shape_case(T, H, KH, D, per_program, dtype):
+    ta.PREPARE_HEADS = per_program
+    check_prepare_qkv(make_qkv(T, H, KH, D, 6, 16, norm=True, dtype=dtype),
+                      1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("T, H, KH, D, per_program, dtype", [
+    (5, 14, 2, 80, 8, torch.float16),   # 14 q + 2 kv heads (no power of 2), head_dim 80
+    (3, 8, 8, 64, 4, torch.float32),    # no GQA: k heads spread over two programs
+    (3, 16, 1, 32, 8, torch.float16),   # GQA 16
+    (3, 12, 4, 256, 8, torch.float32),  # head_dim 256
+    (4, 6, 3, 16, 2, torch.float32)])   # 3 kv heads: a program with the last k head alone
+def test_prepare_qkv_head_block_shapes(interp, T, H, KH, D, per_program, dtype):
+    interp(prepare_qkv_shape_case, T, H, KH, D, per_program, dtype)
+
+
 def fused_decode_case(seq_lens, group, norm, dtype, fp8=False, window=0, softcap=0.0, seed=0,
                       device="cpu", KH=2, D=16, bs=8):
     """fused_decode_attention (q/k norm + RoPE + KV store inside the split-KV kernel) equals
@@ -281,9 +297,11 @@ def fused_decode_case(seq_lens, group, norm, dtype, fp8=False, window=0, softcap
     B, H = len(seq_lens), KH * group
     g = torch.Generator().manual_seed(seed + 1)
     qkv = torch.randn(B, (H + 2 * KH) * D, generator=g).to(dtype)
-    positions = torch.tensor([max(s - 1, 0) for s in seq_lens])
-    slots = torch.tensor([int(bt[i, (s - 1) // bs]) * bs + (s - 1) % bs if s else -1
-                          for i, s in enumerate(seq_lens)])
+    # token rows: the real requests' tokens in request order (qsl), then the padding rows
+    real = [i for i, s in enumerate(seq_lens) if s]
+    positions = torch.tensor([seq_lens[i] - 1 for i in real] + [0] * (B - len(real)))
+    slots = torch.tensor([int(bt[i, (seq_lens[i] - 1) // bs]) * bs + (seq_lens[i] - 1) % bs
+                          for i in real] + [-1] * (B - len(real)))
     inv = 1.0 / 10000 ** (torch.arange(0, D, 2) / D)
     freqs = torch.outer(torch.arange(512).float(), inv)
     cos_sin = torch.cat([freqs.cos(), freqs.sin()], -1)
@@ -325,6 +343,16 @@ def test_fused_decode_attention(interp, group, norm, dtype):
 def test_fused_decode_attention_variants(interp, fp8, window, softcap):
     """An fp8 cache (the new k / v quantized as prepare_qkv stores them), sliding windows, softcap."""
     interp(fused_decode_case, [3, 17, 40, 0, 0], 2, True, torch.float32, fp8, window, softcap, 3)
+
+
+@pytest.mark.parametrize("seq_lens, group, KH, D, bs, dtype", [
+    ([5, 0, 7, 0, 30], 2, 2, 16, 8, torch.float32),     # padding requests between real ones
+    ([30, 47], 7, 2, 80, 16, torch.float32),            # 14 q + 2 kv heads, head_dim 80
+    ([200, 33], 8, 1, 64, 16, torch.float16),           # GQA 8, contexts over many blocks
+    ([150, 1], 16, 1, 32, 32, torch.float32),           # GQA 16, blocks of 32
+    ([21, 64], 2, 2, 256, 16, torch.float32)])          # head_dim 256
+def test_fused_decode_attention_shapes(interp, seq_lens, group, KH, D, bs, dtype):
+    interp(fused_decode_case, seq_lens, group, True, dtype, False, 0, 0.0, 5, "cpu", KH, D, bs)
 
 
 def test_interpreter_confined_to_worker(interp):

@@ -109,6 +109,14 @@ def test_auto_mode_is_full_where_it_can_run(checkpoint):
     assert cm.mixed is False  # this engine is on the CPU: no mixed graphs were set up
 
 
+def test_auto_mode_without_cuda_graphs_says_so(caplog):
+    """Where no CUDA graphs run at all (CPU, --enforce-eager, level 0), the default auto mode's
+    start-up says nothing about it (it logged "decode graphs only" on every CPU start)."""
+    with caplog.at_level("INFO", logger="rankserve.runtime.compilation"):
+        LLM(str(STORIES_EMBEDDED), max_num_seqs=2)
+    assert "--cudagraph-mode" not in caplog.text
+
+
 def test_auto_mode_falls_back_for_recurrent_layers(checkpoint):
     cm = LLM(checkpoint("NemotronHForCausalLM"), max_num_seqs=2).engine.executor.runner.compiled_model
     assert _full_mode(cm) is False

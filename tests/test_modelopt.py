@@ -147,6 +147,49 @@ def test_modelopt_unlisted_dense_layer_is_named(base, tmp_path):
     ({"quant_method": "modelopt", "quant_algo": "W4A8_AWQ"}, "quant_algo 'W4A8_AWQ'"),
     ({"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": "NVFP4"},
      "KV cache quantization 'NVFP4'"),
+    # config.json as ModelOpt converts it: a kv_cache_quant_algo other than FP8 kept as a string
+    ({"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_scheme": "NVFP4"},
+     "KV cache quantization 'NVFP4'"),
+    ({"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_scheme": {"type": "int", "num_bits": 8}},
+     "KV cache quantization"),
 ])
 def test_other_modelopt_schemes_are_named(tmp_path, qc, words):
     tq.assert_config_refused(tmp_path, qc, words)
+
+
+def test_modelopt_kv_cache_scheme_fp8_string_loads(base, tmp_path):
+    """ModelOpt's config.json conversion documents `"kv_cache_scheme": "FP8"` (a string) as well
+    as the dict form: both are FP8 k/v scales."""
+    write_modelopt(base("LlamaForCausalLM"), tmp_path / "q", "FP8", False, kv_scales=True)
+    cfg = json.loads((tmp_path / "q" / "config.json").read_text())
+    cfg["quantization_config"]["kv_cache_scheme"] = "FP8"
+    (tmp_path / "q" / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=4, kv_cache_dtype="fp8")
+    assert float(llm.engine.executor.runner.model.model.layers["0"].self_attn.v_scale) == pytest.approx(0.02)
+
+
+def test_modelopt_config_json_without_algo_reads_the_side_file(base, tmp_path):
+    """A config.json whose quantization_config only names the method ({"quant_method":
+    "modelopt"}, added so that tools detect the checkpoint) beside ModelOpt's
+    hf_quant_config.json: the scheme, exclude list and KV algo come from the side file (was
+    refused as quant_algo None)."""
+    ref, _ = write_modelopt(base("LlamaForCausalLM"), tmp_path / "q", "FP8", True, kv_scales=True)
+    cfg = json.loads((tmp_path / "q" / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "modelopt"}
+    (tmp_path / "q" / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=4)
+    m = llm.engine.executor.runner.model
+    assert m.lm_head.weight.dtype == torch.float32  # the side file's exclude_modules
+    assert_matches_reference(llm, ref)
+
+
+def test_modelopt_fp8_layer_without_input_scale_loads(base, tmp_path):
+    """A layer exported with its input quantizer off has no `input_scale`; rankserve quantizes
+    activations per token and never reads it, so the checkpoint loads (was 'lacks weights')."""
+    ref, _ = write_modelopt(base("LlamaForCausalLM"), tmp_path / "q", "FP8", True)
+    path = tmp_path / "q" / "model.safetensors"
+    tensors = load_file(str(path))
+    del tensors["model.layers.1.self_attn.o_proj.input_scale"]
+    save_file(tensors, str(path))
+    llm = LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=4)
+    assert_matches_reference(llm, ref)

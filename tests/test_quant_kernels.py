@@ -354,7 +354,11 @@ def moe_w4_case(T, E, K, H, inter, group, zero, act_order, drop, dtype):
     (19, 8, 2, 128, 48, 16, True, False, 0.3, F16),   # zero points (AWQ, GPTQ asym), EP drops
     (7, 4, 3, 256, 128, 128, True, False, 0.0, F16),  # Qwen3-30B-A3B-GPTQ-Int4's group 128
     (5, 4, 2, 96, 40, 8, True, True, 0.2, F32),       # act-order g_idx
-    (9, 6, 2, 64, 24, -1, False, False, 0.0, F16)])   # per channel (group -1)
+    (9, 6, 2, 64, 24, -1, False, False, 0.0, F16),    # per channel (group -1)
+    (1, 4, 4, 96, 40, 32, True, False, 0.0, F32),     # one token to every expert (top-k = E)
+    (40, 2, 1, 96, 72, 64, False, False, 0.0, F16),   # top-1: row blocks of one expert in a row
+    (3, 8, 1, 64, 96, 32, True, False, 0.0, F32),     # experts no token routes to
+    (33, 3, 3, 128, 24, 64, True, False, 0.5, F16)])  # group 64 > I 24: down_proj's one partial group
 def test_fused_moe_w4a16_matches_ref(interp, T, E, K, H, inter, group, zero, act_order, drop, dtype):
     interp(moe_w4_case, T, E, K, H, inter, group, zero, act_order, drop, dtype)
 

@@ -246,3 +246,20 @@ def test_4bit_experts_where_the_config_says_dense_are_named(moe, tmp_path):
     with pytest.raises(ValueError, match=r"model\.layers\.\d\.mlp\.experts\.\d\.\w+_proj\.\w+: the checkpoint "
                                          r"quantizes these MoE experts, which run unquantized here"):
         LLM(str(tmp_path / "q"), dtype="float32")
+
+
+@pytest.mark.parametrize("arch", ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"])
+def test_deepseek_4bit_routed_and_shared_experts(tmp_path, monkeypatch, arch):
+    """DeepSeek's always-on shared experts (a GatedMLP) and its routed experts in 4 bits, MLA's
+    projections too but kv_b_proj (listed as not converted: MLA takes it dense or FP8 only)."""
+    monkeypatch.setattr(tq, "LINEARS", tq.LINEARS + ("kv_a_proj_with_mqa", "q_a_proj", "q_b_proj"))
+    src = make_checkpoint(tmp_path / "src", arch, hidden_size=256, intermediate_size=512,
+                          moe_intermediate_size=256, **({"q_lora_rank": 64} if "V3" in arch else {}))
+    qc = {**tq.FORMATS["gptq-sym"][1], "group_size": 32, "modules_to_not_convert": ["kv_b_proj", "gate"]}
+    ref, names = write(src, tmp_path / "q", (lambda t: tq.write_gptq(t, group=32), qc))
+    assert any(".shared_experts.down_proj." in n for n in names)
+    llm = LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=4)
+    layer = llm.engine.executor.runner.model.model.layers["1"]
+    assert layer.mlp.shared_experts.gate_up_proj.qweight.dtype == torch.int32
+    assert layer.mlp.experts.w13_qweight.shape == (8, 256 // 8, 2 * 256)
+    assert_matches(llm, ref, names, False)
