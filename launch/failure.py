@@ -101,7 +101,11 @@ def _where() -> str:
 
 def _excepthook(exc_type, exc, tb) -> None:
     text = "".join(traceback.format_exception(exc_type, exc, tb))
-    log.critical("%s failed: %s", _where(), text)
+    if issubclass(exc_type, ValueError):  # a user error (flags, checkpoint): its message says it
+        log.critical("%s failed: %s: %s", _where(), exc_type.__name__, exc)
+        log.debug("%s", text)
+    else:
+        log.critical("%s failed: %s", _where(), text)
     if _heartbeat:
         # a failed collective is usually a dead peer: let the heartbeat name it before we go
         time.sleep(0.5)
