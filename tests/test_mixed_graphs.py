@@ -34,8 +34,12 @@ def mixed_prompts(seed=0):
             for _ in range(12)]
 
 
-def test_padded_buckets_give_the_eager_tokens(checkpoint):
-    path = checkpoint("Qwen3ForCausalLM")
+@pytest.mark.parametrize("model", ["Qwen3ForCausalLM", "LlamaForCausalLM", "Gemma3ForCausalLM",
+                                   "MixtralForCausalLM", "DeepseekV3ForCausalLM"])
+def test_padded_buckets_give_the_eager_tokens(checkpoint, model):
+    """Every family --cudagraph-mode auto gives mixed graphs to (sliding windows, MoE routing of
+    padding tokens, MLA): the padded buckets' steps give eager's tokens and logprobs."""
+    path = checkpoint(model)
     # a small budget: prompts are chunked beside running decodes (mixed steps of many sizes)
     common = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=160)
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
