@@ -493,8 +493,10 @@ def _decode_split_kernel(
     lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
     row = (req * NUM_HEADS + head).to(tl.int64) * NUM_SPLITS + split
     tl.store(part_lse_ptr + row, lse, mask=h_mask)
+    # an empty segment's partial output is never read (the reduce masks it by its lse): the
+    # splits past a short context (most of them at a long max_model_len) store nothing
     tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out,
-             mask=h_mask[:, None] & d_mask[None, :])
+             mask=(h_mask & ~empty)[:, None] & d_mask[None, :])
 
 
 @triton.jit(do_not_specialize=["num_seqs"])
@@ -514,8 +516,10 @@ def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, qsl_ptr, num_seqs
     lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # 0 for empty segments
+    # only non-empty segments' partials are loaded (masked lanes issue no memory traffic)
+    live = s_mask & (lse != float("-inf"))
     parts = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+                    mask=live[:, None] & d_mask[None, :], other=0.0)
     w_sum = tl.sum(w, 0)
     out = tl.sum(parts * w[:, None], 0) / tl.where(w_sum == 0.0, 1.0, w_sum)
 

@@ -29,13 +29,20 @@ def _interpreting() -> bool:
 
 @contextlib.contextmanager
 def poisoned_empty_like():
-    """torch.empty_like returns NaN-filled tensors, so unwritten output rows are caught."""
-    real = torch.empty_like
+    """torch.empty_like / torch.empty return NaN-filled float tensors, so unwritten output rows
+    (and split-KV partials the reduce reads without their being written) are caught."""
+    real, real_empty = torch.empty_like, torch.empty
+
+    def empty(*a, **kw):
+        t = real_empty(*a, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
     torch.empty_like = lambda t, **kw: real(t, **kw).fill_(float("nan"))
+    torch.empty = empty
     try:
         yield
     finally:
-        torch.empty_like = real
+        torch.empty_like, torch.empty = real, real_empty
 
 
 # ----------------------------------------------------------------------------------------------
