@@ -6,10 +6,17 @@ from HBM once, with the cheap op in front of each decode-layer GEMM folded into 
                                             (rmsnorm(h + delta) @ w.T + bias, h + delta)
                                                                                   (qkv, gate_up)
   silu_mul_linear(gu, w, bias)              (silu(gu[:, :I]) * gu[:, I:]) @ w.T + bias  (down)
+  add_rms_norm_swiglu(h, delta, norm_w, eps, w, bias)
+                                            (silu(g) * u for [g | u] = rmsnorm(h + delta) @ w.T
+                                             + bias, h + delta)       (gate_up, SwiGLU epilogue)
 
 Rounding follows models/layers.py exactly (RMSNorm: normalise in fp32, cast, then times the
 weight; GatedMLP: silu rounded to the dtype, then the product), so the fused layer equals the
 unfused one up to the GEMM's summation order.
+
+The SwiGLU epilogue (opt-in, RANKSERVE_SWIGLU_EPILOGUE) moves the SiLU product from down's
+prologue (every down program recomputed it over all of I) into gate_up's epilogue: a program
+computes gate columns j..j+BLOCK_N and the matching up columns, so down becomes a plain GEMV.
 
 Kernel: one program per (row, BLOCK_N output columns); it walks K in BLOCK_K chunks, builds the
 row's activation chunk (with its prologue) from the small, L2-resident activations, multiplies it
@@ -42,6 +49,7 @@ from .custom_op import custom_op
 MAX_M = 1  # the runtime sets it from RANKSERVE_SKINNY_MAX_M (runtime/envs.py) at start-up
 
 LINEAR, ADD_RMS_NORM, SILU_MUL = 0, 1, 2  # prologues
+SWIGLU_EPILOGUE = False  # the runtime sets it from RANKSERVE_SWIGLU_EPILOGUE (runtime/envs.py)
 # The norm prologue's rstd pre-pass loads up to this many columns of h and delta at once: one L2
 # round trip before the weight stream starts instead of K / BLOCK_K dependent ones (H200, Llama-8B
 # decode layers: 116.4 against 119.9 us a layer, benchmarks/2026-12-04-h200-s12)
@@ -69,6 +77,11 @@ def silu_mul_ref(gu):
 
 def ref_silu_mul_linear(gu, w, bias=None):
     return F.linear(silu_mul_ref(gu), w, bias)
+
+
+def ref_add_rms_norm_swiglu(h, delta, norm_w, eps, w, bias=None):
+    gu, h_new = ref_add_rms_norm_linear(h, delta, norm_w, eps, w, bias)
+    return silu_mul_ref(gu), h_new
 
 
 # ----------------------------------------------------------------------------------------------
@@ -130,20 +143,25 @@ def _act_chunk(a_ptr, b_ptr, nw_ptr, h_out_ptr, row, offs_k, mask, K, rstd, writ
 def _skinny_kernel(a_ptr, b_ptr, nw_ptr, w_ptr, bias_ptr, y_ptr, h_out_ptr, N, K, eps,
                    PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
-                   RSTD_BLOCK: tl.constexpr):
+                   RSTD_BLOCK: tl.constexpr, SWIGLU: tl.constexpr):
     # Program (row, column tile). Rows vary fastest in launch order, so the programs of one
     # column tile run together and all but the first read its weight tile from L2: HBM sees the
-    # weight once for any small M.
+    # weight once for any small M. SWIGLU: w is [2N, K] (gate | up); a program takes gate rows
+    # offs_n and up rows N + offs_n and stores silu(gate) * up.
     row = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
+    u_ptrs = w_ptrs + N * K  # SWIGLU only
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # elementwise partial sums, reduced once
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     k_start = 0
     if USE_PDL:  # the first weight tile (no kernel writes weights) streams in before the wait
         w0 = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_k[None, :] < K), other=0.0)
+        if SWIGLU:
+            u0 = tl.load(u_ptrs, mask=n_mask[:, None] & (offs_k[None, :] < K), other=0.0)
     pdl.wait_and_release(USE_PDL)
     rstd = 0.0
     if PROLOGUE == 1:
@@ -152,6 +170,8 @@ def _skinny_kernel(a_ptr, b_ptr, nw_ptr, w_ptr, bias_ptr, y_ptr, h_out_ptr, N, K
         a0 = _act_chunk(a_ptr, b_ptr, nw_ptr, h_out_ptr, row, offs_k, offs_k < K, K, rstd,
                         pid_n == 0, PROLOGUE)
         acc += w0.to(tl.float32) * a0.to(tl.float32)[None, :]
+        if SWIGLU:
+            acc_u += u0.to(tl.float32) * a0.to(tl.float32)[None, :]
         k_start = BLOCK_K
     # an explicit num_stages lets Triton pipeline (cp.async) the loads of this dot-free loop
     for k0 in tl.range(k_start, K, BLOCK_K, num_stages=NUM_STAGES):
@@ -160,10 +180,19 @@ def _skinny_kernel(a_ptr, b_ptr, nw_ptr, w_ptr, bias_ptr, y_ptr, h_out_ptr, N, K
                        pid_n == 0, PROLOGUE)
         w = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
+        if SWIGLU:
+            u = tl.load(u_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            acc_u += u.to(tl.float32) * a.to(tl.float32)[None, :]
     out = tl.sum(acc, 1)
     if HAS_BIAS:
         out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * N + offs_n, out.to(y_ptr.dtype.element_ty), mask=n_mask)
+    out = out.to(y_ptr.dtype.element_ty)
+    if SWIGLU:  # gate and up rounded to the dtype first, as the unfused GEMM's output is
+        up = tl.sum(acc_u, 1)
+        if HAS_BIAS:
+            up += tl.load(bias_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        out = _silu_mul(out, up.to(y_ptr.dtype.element_ty))
+    tl.store(y_ptr + row * N + offs_n, out, mask=n_mask)
 
 
 @triton.jit
@@ -212,16 +241,20 @@ def _config(N: int, on_gpu: bool) -> dict:
     return dict(BLOCK_N=32 if N >= 16384 else 16, BLOCK_K=256, NUM_STAGES=4, num_warps=4)
 
 
-def _skinny(prologue, a, w, bias, K, b=None, norm_w=None, eps=0.0, h_out=None):
-    M, N = a.shape[0], w.shape[0]
+def _skinny(prologue, a, w, bias, K, b=None, norm_w=None, eps=0.0, h_out=None, swiglu=False):
+    M, N = a.shape[0], w.shape[0] // (2 if swiglu else 1)
     assert w.shape[1] == K and w.dtype == a.dtype, "skinny GEMM: weight shape or dtype mismatch"
     w = w.contiguous()
     y = a.new_empty(M, N)
-    cfg = _config(N, a.is_cuda)
+    # SWIGLU: a program's BLOCK_N gate + BLOCK_N up rows are the tile of 2 * BLOCK_N rows that
+    # gate_up (2N columns) gets without it
+    cfg = _config(2 * N if swiglu else N, a.is_cuda)
+    if swiglu and a.is_cuda:
+        cfg["BLOCK_N"] //= 2
     rstd_block = min(triton.next_power_of_2(K), RSTD_MAX if a.is_cuda else cfg["BLOCK_K"])
     _skinny_kernel[(M, triton.cdiv(N, cfg["BLOCK_N"]))](
         a, b, norm_w, w, bias, y, h_out, N, K, eps, PROLOGUE=prologue,
-        HAS_BIAS=bias is not None, RSTD_BLOCK=rstd_block, **cfg, **pdl.launch(a))
+        HAS_BIAS=bias is not None, RSTD_BLOCK=rstd_block, SWIGLU=swiglu, **cfg, **pdl.launch(a))
     return y
 
 
@@ -251,6 +284,18 @@ def add_rms_norm_linear_triton(h, delta, norm_w, eps, w, bias=None):
     y = _skinny(ADD_RMS_NORM, h, w, bias, h.shape[1], b=delta, norm_w=norm_w, eps=eps,
                 h_out=h_new)
     return y, h_new
+
+
+def add_rms_norm_swiglu_triton(h, delta, norm_w, eps, w, bias=None):
+    assert w.shape[0] % 2 == 0, "SwiGLU: gate_up's weight needs an even number of rows"
+    if not 0 < h.shape[0] <= MAX_M:
+        gu, h_new = add_rms_norm_linear_triton(h, delta, norm_w, eps, w, bias)
+        return silu_mul_triton(gu), h_new
+    h, delta = h.contiguous(), delta.contiguous()
+    h_new = torch.empty_like(h)
+    act = _skinny(ADD_RMS_NORM, h, w, bias, h.shape[1], b=delta, norm_w=norm_w, eps=eps,
+                  h_out=h_new, swiglu=True)
+    return act, h_new
 
 
 def silu_mul_triton(gu):
@@ -313,6 +358,22 @@ def silu_mul_linear(gu: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
 @silu_mul_linear.register_fake
 def _(gu, w, bias=None):
     return gu.new_empty(gu.shape[0], w.shape[0])
+
+
+@custom_op("rankserve::add_rms_norm_swiglu", mutates_args=())
+def add_rms_norm_swiglu(h: torch.Tensor, delta: torch.Tensor, norm_w: torch.Tensor, eps: float,
+                        w: torch.Tensor, bias: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """h, delta [M, K], norm_w [K], w [2I, K] (gate | up) -> (silu(g) * u [M, I] for
+    [g | u] = rmsnorm(h + delta) @ w.T + bias, h + delta)."""
+    if _use_triton(h):
+        return add_rms_norm_swiglu_triton(h, delta, norm_w, eps, w, bias)
+    return ref_add_rms_norm_swiglu(h, delta, norm_w, eps, w, bias)
+
+
+@add_rms_norm_swiglu.register_fake
+def _(h, delta, norm_w, eps, w, bias=None):
+    return h.new_empty(h.shape[0], w.shape[0] // 2), torch.empty_like(h)
 
 
 @custom_op("rankserve::add_rms_norm", mutates_args=())

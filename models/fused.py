@@ -12,12 +12,17 @@ A sub-block takes part by naming its input projection: `in_proj` (a ColumnParall
 LoRA), its linear method runs the prologue (`add_rms_norm_apply`, models/quantization.py: the add
 and the norm in one kernel before the GEMM; FP8 at decode sizes also quantizes the activations
 in that kernel, kernels/fp8_prologue.py); any other sub-block gets the add and the norm unfused.
+A SwiGLU MLP also names `swiglu_down`: with RANKSERVE_SWIGLU_EPILOGUE and a plain 16-bit gate_up
+(no quantization, no LoRA), gate_up's kernel applies silu(gate) * up in its epilogue
+(kernels/gemv.py `add_rms_norm_swiglu`) and down runs as a plain GEMM.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
+from ..kernels import gemv
+from .quantization import Unquantized
 
 
 def add_norm_then(block: nn.Module, h: torch.Tensor, delta: torch.Tensor, norm: nn.Module,
@@ -27,6 +32,10 @@ def add_norm_then(block: nn.Module, h: torch.Tensor, delta: torch.Tensor, norm: 
     if proj is None:
         h = h + delta
         return block(norm(h), *args), h
+    down = getattr(block, "swiglu_down", None)
+    if down is not None and gemv.SWIGLU_EPILOGUE and type(proj.quant) is Unquantized:
+        act, h = gemv.add_rms_norm_swiglu(h, delta, norm.weight, norm.eps, proj.weight, proj.bias)
+        return down(act), h
     y, h = proj.quant.add_rms_norm_apply(proj, h, delta, norm.weight, norm.eps, proj.bias)
     return block.from_in_proj(y, *args), h
 

@@ -307,3 +307,8 @@ class GatedMLP(nn.Module):
 
     def from_in_proj(self, gu: torch.Tensor) -> torch.Tensor:
         return self.down_proj.silu_mul_forward(gu)
+
+    @property
+    def swiglu_down(self) -> RowParallelLinear:
+        """What follows silu(gate) * up, for gate_up's SwiGLU epilogue (models/fused.py)."""
+        return self.down_proj

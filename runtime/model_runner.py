@@ -203,6 +203,7 @@ class ModelRunner:
     def __init__(self, cfg: EngineConfig, pi: ParallelInfo, device: torch.device):
         startup_clock.mark("before_engine")  # since the last mark (all of it under `serve`)
         gemv.MAX_M = envs.get("RANKSERVE_SKINNY_MAX_M")  # a process-wide kernel choice
+        gemv.SWIGLU_EPILOGUE = envs.get("RANKSERVE_SWIGLU_EPILOGUE")
         pdl.ENABLED = envs.get("RANKSERVE_PDL")
         triton_attention.FUSED_DECODE_MAX_B = envs.get("RANKSERVE_FUSED_DECODE_MAX_B")
         tc = envs.get("RANKSERVE_QUANT_TC_MAX_M")  # measured: block FP8 layers 1.9x faster at M = 1

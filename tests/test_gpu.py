@@ -87,3 +87,19 @@ def test_fused_decode_attention_gives_the_same_tokens(checkpoint, model, monkeyp
     monkeypatch.setenv("RANKSERVE_FUSED_DECODE_MAX_B", "16")
     assert greedy(LLM(path, enforce_eager=True, **common)) == ref
     assert greedy(LLM(path, **common)) == ref
+
+
+def test_swiglu_epilogue_gives_the_same_tokens(checkpoint, monkeypatch):
+    """RANKSERVE_SWIGLU_EPILOGUE (silu(gate) * up in gate_up's skinny GEMV epilogue) against the
+    default path, one request at a time (the skinny kernels' M = 1), eager and with CUDA graphs."""
+    path = checkpoint("LlamaForCausalLM")
+    common = dict(dtype="bfloat16", max_num_seqs=4, gpu_memory_utilization=0.3)
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    def one_by_one(llm):
+        return [llm.generate([{"prompt_token_ids": llm.tokenizer(p).input_ids}], sp)[0]
+                .outputs[0].token_ids for p in PROMPTS]
+    ref = one_by_one(LLM(path, enforce_eager=True, **common))
+    monkeypatch.setenv("RANKSERVE_SWIGLU_EPILOGUE", "1")
+    assert one_by_one(LLM(path, enforce_eager=True, **common)) == ref
+    assert one_by_one(LLM(path, **common)) == ref

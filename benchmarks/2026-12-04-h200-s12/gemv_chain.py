@@ -271,6 +271,15 @@ def layers_bench(layers: int, reps: int, rows: list, ceil: dict):
         t = _timed_graph(bf16_chain, reps)
         _row(rows, name, t, layers, nbytes, ceil)
     gemv.RSTD_MAX = 8192
+
+    def swiglu_chain():  # RANKSERVE_SWIGLU_EPILOGUE: silu * up in gate_up's epilogue, down plain
+        h, d = h0, d0
+        for wq, wo, wgu, wd in ws:
+            qkv, h = gemv.add_rms_norm_linear_triton(h, d, nw, 1e-5, wq)
+            o = gemv.skinny_linear_triton(qkv[:, :4096], wo)
+            act, h = gemv.add_rms_norm_swiglu_triton(h, o, nw, 1e-5, wgu)
+            d = gemv.skinny_linear_triton(act, wd)
+    _row(rows, "layer_swiglu_epilogue", _timed_graph(swiglu_chain, reps), layers, nbytes, ceil)
     qs = [[quant.quant_fp8_weight(w) for w in lw] for lw in ws]
     ws.clear()
     torch.cuda.empty_cache()

@@ -73,6 +73,13 @@
 #   s13tests          session 13's code, never run on a GPU when written: --cudagraph-mode auto across
 #                     the families (mixed graphs vs eager tokens), prepare_qkv head blocks, the fused
 #                     decode attention (kernel and end to end), the 4-bit MoE kernel
+#   s14tests          session 14's: the SwiGLU epilogue (kernel, engine tokens) and the split-KV
+#                     decode that skips empty segments
+#   layers            benchmarks/2026-12-04-h200-s12/gemv_chain.py --mode layers: 32 Llama-8B decode
+#                     layers' GEMVs in a CUDA graph, the production prologues against the SwiGLU
+#                     epilogue (and the FP8 rows), us a layer beside the copy ceiling
+#   w2swiglu          W2 with RANKSERVE_SWIGLU_EPILOGUE=1 (silu(gate) * up in gate_up's epilogue, down
+#                     a plain GEMV); w2fusedswiglu with both; compare with w2
 #   w2fused           W2 with RANKSERVE_FUSED_DECODE_MAX_B=8 (q/k RoPE and the KV store inside the
 #                     split-KV kernel: prepare_qkv's launch gone); compare with w2
 #   mixedtests        --cudagraph-mode full: its GPU tests (graphs vs eager tokens); w1full / servew1full
@@ -143,6 +150,16 @@ for stage in "$@"; do case $stage in
   s13tests) run s13tests 400 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_mixed_graphs.py \
           tests/test_kernels.py tests/test_quant_kernels.py tests/test_quant_moe_w4.py tests/test_gpu.py \
           -k "default_mode or mixed_graphs or prepare or fused or w4a16 or match_eager" ;;
+  layers) run layers 200 python3 benchmarks/2026-12-04-h200-s12/gemv_chain.py --mode layers \
+          --out "$OUT/layers.json" ;;
+  s14tests) run s14tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gemv.py \
+          tests/test_kernels.py tests/test_gpu.py -k "swiglu or split or ops_bf16 or decode" ;;
+  w2swiglu) RANKSERVE_SWIGLU_EPILOGUE=1 run w2swiglu 150 python3 -m rankserve.launch bench latency llama-3.1-8b \
+          --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 --max-num-seqs 8 --cache-dir "$CACHE" \
+          --output-json "$OUT/w2swiglu.json" ;;
+  w2fusedswiglu) RANKSERVE_SWIGLU_EPILOGUE=1 RANKSERVE_FUSED_DECODE_MAX_B=8 run w2fusedswiglu 150 python3 -m \
+          rankserve.launch bench latency llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 \
+          --max-num-seqs 8 --cache-dir "$CACHE" --output-json "$OUT/w2fusedswiglu.json" ;;
   w2fused) RANKSERVE_FUSED_DECODE_MAX_B=8 run w2fused 150 python3 -m rankserve.launch bench latency llama-3.1-8b \
           --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 --max-num-seqs 8 --cache-dir "$CACHE" \
           --output-json "$OUT/w2fused.json" ;;
