@@ -196,6 +196,13 @@ class DeviceConfig:
         ok = self.device_ids is None or all(x.strip().isdigit() for x in self.device_ids.split(","))
         _check(ok, "device_ids", "a comma-separated list of device numbers", self.device_ids)
 
+    def kind(self) -> str:
+        """cpu or cuda: what `resolve` will give (auto is cuda only where CUDA is available)."""
+        if self.device == "auto":
+            import torch
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
     @property
     def ids(self) -> list[int] | None:
         return [int(x) for x in self.device_ids.split(",")] if self.device_ids else None
@@ -442,14 +449,14 @@ class EngineConfig:
             raise ConfigError("--async-scheduling does not work with --pipeline-parallel-size > 1 "
                               "(pipeline stages already keep one step in flight each); drop one")
         if self.compilation.cudagraph_mode == "full":
-            if self.compilation.level("cpu" if self.device.device == "cpu" else "cuda") < 1:
-                raise ConfigError("--cudagraph-mode full needs CUDA graphs: a CUDA device, "
-                                  "--compilation-level 1 or 2 and no --enforce-eager")
             if self.parallel.world_size > 1:  # (data-parallel replicas are engines of their own)
                 raise ConfigError("--cudagraph-mode full runs on single-rank engines only (graphs "
                                   "of mixed steps with collectives are not supported yet); drop "
                                   "it, or --tensor/--pipeline-parallel-size (--data-parallel-size "
                                   "replicas of one rank each may use it)")
+            if self.compilation.level(self.device.kind()) < 1:
+                raise ConfigError("--cudagraph-mode full needs CUDA graphs: a CUDA device, "
+                                  "--compilation-level 1 or 2 and no --enforce-eager")
         if self.device.device == "cpu" and self.device.device_ids:
             raise ConfigError("--device-ids selects CUDA devices; it cannot go with --device cpu")
         self._check_speculative()

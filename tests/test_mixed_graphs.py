@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rankserve import LLM, SamplingParams
-from rankserve.runtime.config import CompilationConfig, ConfigError
+from rankserve.runtime.config import CompilationConfig, ConfigError, EngineConfig
 
 from conftest import STORIES_EMBEDDED
 
@@ -79,6 +79,22 @@ def test_buckets_cover_the_budget(checkpoint):
 def test_refused_where_it_cannot_run(kw, msg):
     with pytest.raises((ConfigError, ValueError), match=msg):
         LLM(str(STORIES_EMBEDDED), **kw)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_device_auto_without_cuda_refuses_full_before_loading(monkeypatch):
+    """--device auto (the default) on a machine without CUDA runs on the CPU: --cudagraph-mode
+    full is refused when the flags are read, before any weight loads."""
+    from rankserve.models import loader
+
+    def no_load(*a, **kw):
+        raise AssertionError("weights loaded before the flags were refused")
+    monkeypatch.setattr(loader, "load_weights", no_load)
+    monkeypatch.setattr(loader, "build_model", no_load)
+    with pytest.raises(ConfigError, match="needs CUDA graphs"):
+        EngineConfig.from_kwargs(model=str(STORIES_EMBEDDED), cudagraph_mode="full").validate()
+    with pytest.raises(ConfigError, match="needs CUDA graphs"):
+        LLM(str(STORIES_EMBEDDED), cudagraph_mode="full")
 
 
 def _full_mode(cm, device="cuda", **kw):
