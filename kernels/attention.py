@@ -147,8 +147,11 @@ def attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
               k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor,
               v_scale: torch.Tensor, slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,
               seq_lens: torch.Tensor, block_table: torch.Tensor, num_heads: int, scale: float,
-              is_decode: bool, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
-    """qkv projection -> attention output [T, num_heads * head_dim] (see module doc)."""
+              is_decode: bool, window: int = 0, softcap: float = 0.0,
+              decode_order: torch.Tensor | None = None) -> torch.Tensor:
+    """qkv projection -> attention output [T, num_heads * head_dim] (see module doc).
+    `decode_order`: the order decode programs start in (kernels/triton_attention.py DECODE_LPT);
+    it never changes the result."""
     T = qkv.shape[0]
     if qkv.is_cuda:
         from . import triton_attention as ta
@@ -156,12 +159,13 @@ def attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
             return ta.fused_decode_attention(
                 qkv, positions, cos_sin, q_norm, k_norm, eps, k_cache, v_cache, slot_mapping,
                 query_start_loc, seq_lens, block_table, num_heads, scale, k_scale=k_scale,
-                v_scale=v_scale, window=window, softcap=softcap).view(T, -1)
+                v_scale=v_scale, window=window, softcap=softcap,
+                decode_order=decode_order).view(T, -1)
         q = ta.prepare_qkv(qkv, positions, cos_sin, q_norm, k_norm, eps, k_cache, v_cache,
                            slot_mapping, num_heads, k_scale, v_scale)
         out = ta.paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
                                  scale, is_decode=is_decode, k_scale=k_scale, v_scale=v_scale,
-                                 window=window, softcap=softcap)
+                                 window=window, softcap=softcap, decode_order=decode_order)
     else:
         q = prepare_qkv_ref(qkv, positions, cos_sin, q_norm, k_norm, eps, k_cache, v_cache,
                             slot_mapping, num_heads, k_scale, v_scale)
@@ -174,5 +178,5 @@ def attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
 @attention.register_fake
 def _(qkv, positions, cos_sin, q_norm, k_norm, eps, k_cache, v_cache, k_scale, v_scale,
       slot_mapping, query_start_loc, seq_lens, block_table, num_heads, scale, is_decode,
-      window=0, softcap=0.0):
+      window=0, softcap=0.0, decode_order=None):
     return qkv.new_empty(qkv.shape[0], num_heads * k_cache.shape[3])

@@ -51,6 +51,12 @@ PREPARE_SPLIT_T, PREPARE_HEADS = 64, 8
 # decode steps of up to this many requests run fused_decode_attention (the runner sets it from
 # RANKSERVE_FUSED_DECODE_MAX_B; 0: off until measured on a GPU)
 FUSED_DECODE_MAX_B = 0
+# Decode programs in longest-processing-time-first order (RANKSERVE_DECODE_LPT): a request's kv
+# heads and splits launch together, the requests by decreasing context (the runner's argsort,
+# AttnMeta.decode_order). A schedule model of W1's decode steps on 396 program slots
+# (benchmarks/2026-12-05-s14-lpt) gives 1.35x the ideal in launch order, 1.22x with LPT; off
+# until measured on a GPU.
+DECODE_LPT = False
 
 
 # ----------------------------------------------------------------------------------------------
@@ -390,13 +396,14 @@ def _decode_split_kernel(
         out_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, scale_log2e, num_seqs, window, softcap_log2e,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-        pos_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, slot_ptr, eps, stride_cs,
+        pos_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, slot_ptr, eps, stride_cs, order_ptr,
         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, ONLY_DECODE: tl.constexpr,
         KV_FP8: tl.constexpr,
         SOFTCAP: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr,
-        PREPARE: tl.constexpr, HAS_NORM: tl.constexpr, NUM_KV_HEADS: tl.constexpr):
+        PREPARE: tl.constexpr, HAS_NORM: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+        LPT: tl.constexpr, HAS_ORDER: tl.constexpr):
     # PREPARE (fused_decode_attention): q_ptr is the fused qkv [T, (H + 2 KH) D]; the query
     # comes from it through q/k norm + RoPE here, and the program whose segment holds the new
     # position stores its k / v into the cache first: prepare_qkv's launch is gone.
@@ -405,9 +412,19 @@ def _decode_split_kernel(
     # Partial results are normalised; lse (log2 domain) lets the reduce kernel reweight them (a
     # fused reduce by each (req, kvh)'s last program, on atomic counters, was 3 % slower on W2).
     # With one split (large batches) the result is final: written straight to out, no reduce.
-    req = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
+    # LPT (DECODE_LPT): grid (kv heads, splits, requests), requests slowest and taken in
+    # `order` (longest context first, the host's argsort): blocks are dispatched in launch
+    # order, so the longest programs start first and the short ones fill the tail
+    if LPT:
+        kvh = tl.program_id(0)
+        split = tl.program_id(1)
+        req = tl.program_id(2)
+        if HAS_ORDER:
+            req = tl.load(order_ptr + req)
+    else:
+        req = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
     q_start = tl.load(qsl_ptr + req)
     q_len = tl.load(qsl_ptr + req + 1) - q_start
     if ONLY_DECODE:  # a mixed step's one-token requests only (the unified kernel does the rest)
@@ -600,10 +617,15 @@ def _NO_PREPARE(q: torch.Tensor, KH: int) -> dict:
                 stride_cs=0, PREPARE=False, HAS_NORM=False, NUM_KV_HEADS=KH)
 
 
+def _NO_ORDER(q: torch.Tensor) -> dict:
+    return dict(order_ptr=q, LPT=False, HAS_ORDER=False)
+
+
 def _split_decode(q, stride_qt, stride_qh, out, k_cache, v_cache, k_scale, v_scale,
                   query_start_loc, seq_lens, block_table, scale_log2e, win, cap, ieee, common,
-                  H, group, fp8, prepare: dict) -> torch.Tensor:
-    """Split-KV decode (one query row per request), then the reduce kernel where it split."""
+                  H, group, fp8, prepare: dict, order: torch.Tensor | None) -> torch.Tensor:
+    """Split-KV decode (one query row per request), then the reduce kernel where it split.
+    `order` [B]: the requests by decreasing context (a permutation), for DECODE_LPT."""
     B, D = seq_lens.shape[0], out.shape[-1]
     _, block_size, KH, _ = k_cache.shape
     on_gpu = q.is_cuda
@@ -615,10 +637,17 @@ def _split_decode(q, stride_qt, stride_qh, out, k_cache, v_cache, k_scale, v_sca
     if splits > 1:
         part_out = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
-    _decode_split_kernel[(B, KH, splits)](
+    if DECODE_LPT:
+        assert order is None or order.shape[0] == B, "decode order: one entry per request"
+        grid = (KH, splits, B)
+        lpt = dict(order_ptr=seq_lens if order is None else order, LPT=True,
+                   HAS_ORDER=order is not None)
+    else:
+        grid, lpt = (B, KH, splits), _NO_ORDER(q)
+    _decode_split_kernel[grid](
         q, k_cache, v_cache, k_scale, v_scale, part_out, part_lse, out, query_start_loc,
         seq_lens, block_table, scale_log2e, B, win, cap[0], stride_qt, stride_qh, out.stride(0),
-        out.stride(1), *common, **prepare, HEAD_DIM=D, GROUP=group, BLOCK_SIZE=block_size,
+        out.stride(1), *common, **prepare, **lpt, HEAD_DIM=D, GROUP=group, BLOCK_SIZE=block_size,
         NUM_HEADS=H, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(D)), NUM_SPLITS=splits, ONLY_DECODE=False,
         KV_FP8=fp8, SOFTCAP=cap[1], IEEE=ieee, num_warps=DECODE_WARPS,
@@ -639,7 +668,8 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
                            query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                            block_table: torch.Tensor, num_heads: int, scale: float, *,
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                           window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                           window: int = 0, softcap: float = 0.0,
+                           decode_order: torch.Tensor | None = None) -> torch.Tensor:
     """prepare_qkv then paged_attention(is_decode=True), in the split-KV kernel's launches: each
     program builds its heads' query from the fused qkv row (q/k norm, RoPE), and the one whose
     segment holds the new position stores the token's k / v first. One launch fewer a layer for
@@ -665,16 +695,20 @@ def fused_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: 
                    stride_cs=cos_sin.stride(0), PREPARE=True, HAS_NORM=has_norm, NUM_KV_HEADS=KH)
     return _split_decode(qkv, qkv.stride(0), D, out, k_cache, v_cache, k_scale, v_scale,
                          query_start_loc, seq_lens, block_table, scale * _LOG2E, win, cap,
-                         qkv.dtype == torch.float32, common, H, H // KH, fp8, prepare)
+                         qkv.dtype == torch.float32, common, H, H // KH, fp8, prepare,
+                         decode_order)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     block_table: torch.Tensor, scale: float, *, is_decode: bool,
                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                    window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                    window: int = 0, softcap: float = 0.0,
+                    decode_order: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, D]; caches [num_blocks, block_size, KH, D] (already holding this step's k/v);
-    an fp8 cache is read with its scales (fp32 [] tensors, 1.0 when not given).
+    an fp8 cache is read with its scales (fp32 [] tensors, 1.0 when not given). `decode_order`
+    (decode steps, DECODE_LPT): the requests by decreasing context length, a permutation of
+    0..B-1 that only changes which program starts first, never the result.
 
     `is_decode`: the caller guarantees that every request has at most one query token (padding
     requests have none) and T == B. Never inferred from T == B: a padded prefill has that shape.
@@ -703,14 +737,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         assert T == B, f"decode attention needs one query row per request (T={T}, B={B})"
         return _split_decode(q, q.stride(0), q.stride(1), out, k_cache, v_cache, k_scale, v_scale,
                              query_start_loc, seq_lens, block_table, scale_log2e, win, cap, ieee,
-                             common, H, group, fp8, _NO_PREPARE(q, KH))
+                             common, H, group, fp8, _NO_PREPARE(q, KH), decode_order)
 
     split_decodes = MIXED_DECODE_SPLIT and B > 1
     if split_decodes:  # one program per (request, kv head); those with q_len != 1 return
         _decode_split_kernel[(B, KH, 1)](
             q, k_cache, v_cache, k_scale, v_scale, out, out, out, query_start_loc,
             seq_lens, block_table, scale_log2e, B, win, cap[0], q.stride(0), q.stride(1),
-            out.stride(0), out.stride(1), *common, **_NO_PREPARE(q, KH), NUM_HEADS=H, HEAD_DIM=D,
+            out.stride(0), out.stride(1), *common, **_NO_PREPARE(q, KH), **_NO_ORDER(q),
+            NUM_HEADS=H, HEAD_DIM=D,
             GROUP=group, BLOCK_SIZE=block_size, BLOCK_H=max(16, triton.next_power_of_2(group)),
             BLOCK_N=DECODE_BLOCK_N if on_gpu else 16, BLOCK_D=block_d, NUM_SPLITS=1,
             ONLY_DECODE=True, KV_FP8=fp8, SOFTCAP=cap[1], IEEE=ieee,

@@ -242,6 +242,9 @@ class AttnMeta:
     is_decode: bool = False
     # state slot of each request for recurrent (Mamba2) layers: int32 [B], -1 for padding
     state_idx: torch.Tensor | None = None
+    # decode steps with RANKSERVE_DECODE_LPT: int32 [B], the requests by decreasing seq_len (the
+    # order the decode kernel starts their programs in; never changes a result)
+    decode_order: torch.Tensor | None = None
 
 
 class Attention(nn.Module):
@@ -285,7 +288,7 @@ class Attention(nn.Module):
         o = attention(qkv, positions, self.cos_sin, qn, kn, eps, self.k_cache, self.v_cache,
                       self.k_scale, self.v_scale, attn.slot_mapping, attn.query_start_loc,
                       attn.seq_lens, attn.block_table, self.qkv_proj.num_heads, self.scale, attn.is_decode,
-                      self.window, self.softcap)
+                      self.window, self.softcap, attn.decode_order)
         return self.o_proj(o)
 
 

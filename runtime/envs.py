@@ -86,6 +86,10 @@ KNOBS: dict[str, Knob] = {
                                          "split-KV attention kernel, one launch fewer a layer "
                                          "(kernels/triton_attention.py fused_decode_attention; "
                                          "0: off, the default until measured on a GPU)"),
+    "RANKSERVE_DECODE_LPT": Knob(False, _flag, "1: decode attention starts its programs longest "
+                                 "context first (a request's kv heads and splits together), so "
+                                 "short ones fill the tail (kernels/triton_attention.py "
+                                 "DECODE_LPT; off until measured on a GPU)"),
     "RANKSERVE_SWIGLU_EPILOGUE": Knob(False, _flag, "1: decode steps of up to RANKSERVE_SKINNY_MAX_M "
                                       "rows apply silu(gate) * up in gate_up's skinny GEMV epilogue, "
                                       "so down is a plain GEMV (kernels/gemv.py; 16-bit gate_up "

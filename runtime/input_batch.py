@@ -46,6 +46,11 @@ class InputBatch:
         self.ids, self.pos, self.slots = z(max_t, dt=torch.long), z(max_t, dt=torch.long), z(max_t, dt=torch.long)
         self.qsl, self.seq_lens = z(n + 1), z(n)
         self.state_idx = z(n)  # recurrent-state slot (= row) of each scheduled request
+        # decode order (RANKSERVE_DECODE_LPT): always a permutation of its prefix's requests, so
+        # any replay reads valid requests; the runner writes [:B], pad() the padding after it
+        self.arange = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.order = self.arange.clone()
+        self.lpt = False  # set by the model runner
         self.table = z(n, self.max_blocks_per_req)
         # hidden states received from the previous pipeline stage (None on the first stage)
         self.hidden = None if hidden_size is None else z(max_t, hidden_size, dt=dtype)
@@ -94,7 +99,8 @@ class InputBatch:
     def attn(self, T: int, B: int, is_decode: bool) -> AttnMeta:
         """Attention metadata over the buffers' first T tokens and B requests."""
         return AttnMeta(self.slots[:T], self.qsl[:B + 1], self.seq_lens[:B], self.table[:B],
-                        is_decode=is_decode, state_idx=self.state_idx[:B])
+                        is_decode=is_decode, state_idx=self.state_idx[:B],
+                        decode_order=self.order[:B] if is_decode and self.lpt else None)
 
     def pad(self, T: int, T2: int, B: int, B2: int) -> None:
         """Tokens T..T2 and requests B..B2 become padding: the tokens write no KV (slot -1) and
@@ -104,6 +110,8 @@ class InputBatch:
         self.qsl[B + 1:B2 + 1].fill_(T)
         self.seq_lens[B:B2].zero_()
         self.state_idx[B:B2].fill_(-1)  # padding requests touch no recurrent state
+        if self.lpt:
+            self.order[B:B2].copy_(self.arange[B:B2])  # padding last (no context)
 
     # ---- staging ----------------------------------------------------------------------------
     def next_arena(self) -> None:

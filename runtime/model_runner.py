@@ -206,6 +206,7 @@ class ModelRunner:
         gemv.SWIGLU_EPILOGUE = envs.get("RANKSERVE_SWIGLU_EPILOGUE")
         pdl.ENABLED = envs.get("RANKSERVE_PDL")
         triton_attention.FUSED_DECODE_MAX_B = envs.get("RANKSERVE_FUSED_DECODE_MAX_B")
+        triton_attention.DECODE_LPT = envs.get("RANKSERVE_DECODE_LPT")
         tc = envs.get("RANKSERVE_QUANT_TC_MAX_M")  # measured: block FP8 layers 1.9x faster at M = 1
         quant.TC_MAX_M = tc if tc is not None else 16 if device.type == "cuda" else 0
         if quant.TC_MAX_M and device.type == "cuda":
@@ -265,6 +266,7 @@ class ModelRunner:
                                 cfg.scheduler.max_num_batched_tokens,
                                 None if pi.is_first_stage else self.hf_config.hidden_size,
                                 self.dtype, device)
+        self.batch.lpt = triton_attention.DECODE_LPT
         self.sampling = SamplingMetadataBuilder(self.batch, n, self.vocab_size)
         self.compiled_model = CompiledModel(self.model, cfg, self.batch, self.max_model_len, device,
                                             show_progress=pi.tp_rank == 0)
@@ -520,10 +522,12 @@ class ModelRunner:
         ahead = self.proposer.lookahead if self.proposer is not None else 0
         width = min(int(-(-(seq_lens.max() + ahead) // self.block_size)), b.max_blocks_per_req) if B else 0
         put(b.block_table[rows, :width], b.table[:B, :width])
+        is_decode = B > 0 and int(counts.max()) == 1  # the plan decides the mode
         attn = AttnMeta(put(slots, b.slots), put(cu.astype(np.int32), b.qsl),
                         put(seq_lens.astype(np.int32), b.seq_lens), b.table[:B],
-                        is_decode=B > 0 and int(counts.max()) == 1,  # the plan decides the mode
-                        state_idx=put(rows.astype(np.int32), b.state_idx))
+                        is_decode=is_decode, state_idx=put(rows.astype(np.int32), b.state_idx),
+                        decode_order=put(np.argsort(-seq_lens, kind="stable").astype(np.int32),
+                                         b.order) if is_decode and b.lpt else None)
         ids = put(input_ids, b.ids)
         if self.lora is not None:
             self.lora.prepare(plan, req_ids, counts, attn.is_decode, put)

@@ -103,3 +103,16 @@ def test_swiglu_epilogue_gives_the_same_tokens(checkpoint, monkeypatch):
     monkeypatch.setenv("RANKSERVE_SWIGLU_EPILOGUE", "1")
     assert one_by_one(LLM(path, enforce_eager=True, **common)) == ref
     assert one_by_one(LLM(path, **common)) == ref
+
+
+@pytest.mark.parametrize("model", ["Qwen3ForCausalLM", "LlamaForCausalLM"])
+def test_decode_lpt_order_gives_the_same_tokens(checkpoint, model, monkeypatch):
+    """RANKSERVE_DECODE_LPT (decode programs longest context first, the runner's argsort) against
+    the default launch order: the same greedy tokens, eager and with CUDA graphs (padded
+    batches read the padding requests last)."""
+    path = checkpoint(model)
+    common = dict(dtype="float32", max_num_seqs=16, gpu_memory_utilization=0.3)
+    ref = greedy(LLM(path, enforce_eager=True, **common))
+    monkeypatch.setenv("RANKSERVE_DECODE_LPT", "1")
+    assert greedy(LLM(path, enforce_eager=True, **common)) == ref
+    assert greedy(LLM(path, **common)) == ref

@@ -173,6 +173,49 @@ def test_decode_split_kv(interp, group, head_dim):
     interp(decode_split_case, group, head_dim)
 
 
+def decode_lpt_case(order_kind, fused):
+    """DECODE_LPT: grid (kv heads, splits, requests), requests taken in `decode_order` (the
+    runner's argsort by decreasing context; also an arbitrary permutation, and none): the same
+    result as the reference, padding rows zero. A split batch and a one-split one."""
+    ta.DECODE_LPT = True
+    try:
+        for seq_lens, q_lens in (([1, 150, 37, 300, 16, 0], [1, 1, 1, 1, 1, 0]),
+                                 ([1 + 23 * i for i in range(14)] + [0, 0], [1] * 14 + [0, 0])):
+            if fused:
+                fused_decode_case(seq_lens, 2, True, torch.float32, seed=len(seq_lens),
+                                  order=order_kind, split=len(seq_lens) < 10)
+                continue
+            batch = make_batch(q_lens, seq_lens, kv_heads=2, group=2, head_dim=16, block_size=16,
+                               pad_tokens=q_lens.count(0), seed=len(seq_lens))
+            order = lpt_order(seq_lens, order_kind)
+            q, k_cache, v_cache, qsl, lens, bt = batch
+            scale = q.shape[-1] ** -0.5
+            with poisoned_empty_like():
+                out = ta.paged_attention(q, k_cache, v_cache, qsl, lens, bt, scale, is_decode=True,
+                                         decode_order=order)
+            ref = paged_attention_ref(q, k_cache, v_cache, qsl, lens, bt, scale, is_decode=True)
+            n = int(qsl[-1])
+            torch.testing.assert_close(out[:n], ref[:n], atol=1e-5, rtol=1e-5)
+            assert torch.all(out[n:] == 0), "padding rows must be zero"
+    finally:
+        ta.DECODE_LPT = False
+
+
+def lpt_order(seq_lens, kind):
+    if kind == "none":
+        return None
+    if kind == "sorted":  # the runner's: np.argsort(-seq_lens, kind="stable")
+        return torch.tensor(sorted(range(len(seq_lens)), key=lambda i: -seq_lens[i]),
+                            dtype=torch.int32)
+    return torch.randperm(len(seq_lens), generator=torch.Generator().manual_seed(1)).int()
+
+
+@pytest.mark.parametrize("order_kind", ["sorted", "shuffled", "none"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_decode_lpt_order(interp, order_kind, fused):
+    interp(decode_lpt_case, order_kind, fused)
+
+
 def mixed_decode_rows_case(split):
     # a mixed step's one-token requests through the split-KV kernel or the unified one: both
     # equal the reference (padding rows past the last request zero either way)
@@ -291,7 +334,7 @@ def test_prepare_qkv_head_block_shapes(interp, T, H, KH, D, per_program, dtype):
 
 
 def fused_decode_case(seq_lens, group, norm, dtype, fp8=False, window=0, softcap=0.0, seed=0,
-                      device="cpu", KH=2, D=16, bs=8):
+                      device="cpu", KH=2, D=16, bs=8, order="none", split=True):
     """fused_decode_attention (q/k norm + RoPE + KV store inside the split-KV kernel) equals
     prepare_qkv_ref then paged_attention_ref: the output, and the caches it wrote. Requests
     with seq_len 0 are padding (no query row, slot -1)."""
@@ -324,8 +367,10 @@ def fused_decode_case(seq_lens, group, norm, dtype, fp8=False, window=0, softcap
         qn, kn, ks, vs = (None if t is None else t.to(device) for t in (qn, kn, ks, vs))
     kc, vc = k_cache.clone(), v_cache.clone()
     scale = D ** -0.5
+    dec_order = lpt_order(seq_lens, order)
     out = ta.fused_decode_attention(qkv, positions, cos_sin, qn, kn, 1e-6, kc, vc, slots, qsl, lens,
-                                    bt, H, scale, k_scale=ks, v_scale=vs, window=window, softcap=softcap)
+                                    bt, H, scale, k_scale=ks, v_scale=vs, window=window, softcap=softcap,
+                                    decode_order=None if dec_order is None else dec_order.to(qkv.device))
     q = prepare_qkv_ref(qkv, positions, cos_sin, qn, kn, 1e-6, k_cache, v_cache, slots, H, ks, vs)
     ref = paged_attention_ref(q, k_cache, v_cache, qsl, lens, bt, scale, is_decode=True,
                               k_scale=ks, v_scale=vs, window=window, softcap=softcap)
@@ -336,7 +381,7 @@ def fused_decode_case(seq_lens, group, norm, dtype, fp8=False, window=0, softcap
     for got, want in ((kc, k_cache), (vc, v_cache)):
         torch.testing.assert_close(got.float(), want.float(), atol=tol if not fp8 else 0.07,
                                    rtol=tol if not fp8 else 0.07)
-    assert device != "cpu" or ta._num_splits(B, KH, bt.shape[1] * bs, 16, torch.device("cpu")) > 1
+    assert device != "cpu" or (ta._num_splits(B, KH, bt.shape[1] * bs, 16, torch.device("cpu")) > 1) == split
 
 
 @pytest.mark.parametrize("group, norm, dtype", [(1, False, torch.float32), (2, True, torch.float32),
@@ -539,3 +584,53 @@ def test_gpu_fused_moe_bf16(T):
     out = torch.ops.rankserve.fused_moe(*args).float()
     ref = moe.fused_moe_ref(*args).float()
     assert (out - ref).norm() / ref.norm() < 1e-2
+
+
+def test_runner_gives_decode_steps_their_lpt_order(monkeypatch):
+    """RANKSERVE_DECODE_LPT: every decode step's AttnMeta carries the requests by decreasing
+    seq_len (a stable argsort, one entry per request); other steps carry none. On the CPU the
+    reference attention ignores it, so the tokens are the default's."""
+    import numpy as np
+
+    from rankserve import LLM, SamplingParams
+    from rankserve.models import layers
+    from conftest import STORIES_EMBEDDED
+    seen, real = [], layers.attention
+
+    def spy(*a):
+        order, lens, is_decode = a[-1], a[12], a[16]
+        seen.append((is_decode, None if order is None else order.tolist(), lens.tolist()))
+        return real(*a)
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 17, 9, 30)]
+    ref = [o.outputs[0].token_ids for o in LLM(str(STORIES_EMBEDDED), max_num_seqs=4).generate(prompts, sp)]
+    monkeypatch.setenv("RANKSERVE_DECODE_LPT", "1")
+    monkeypatch.setattr(layers, "attention", spy)
+    try:
+        got = [o.outputs[0].token_ids for o in LLM(str(STORIES_EMBEDDED), max_num_seqs=4).generate(prompts, sp)]
+    finally:
+        ta.DECODE_LPT = False  # (the runner set the process-wide switch)
+    assert got == ref
+    decodes = [(order, lens) for is_decode, order, lens in seen if is_decode]
+    assert decodes and all(order is None for is_decode, order, _ in seen if not is_decode)
+    for order, lens in decodes:
+        assert order == np.argsort(-np.array(lens), kind="stable").tolist()
+        assert [lens[i] for i in order] == sorted(lens, reverse=True)
+    assert any(order != sorted(order) for order, _ in decodes), "no step needed reordering"
+
+
+def test_padded_decode_order_is_a_permutation():
+    """A CUDA graph replays a decode step padded from B to B2 requests: the order it reads is
+    the step's order, then the padding requests (no context) last, a permutation of 0..B2-1."""
+    from rankserve.runtime.input_batch import InputBatch
+    b = InputBatch(8, 64, 16, 32, None, torch.float32, torch.device("cpu"))
+    b.lpt = True
+    assert b.order[:8].tolist() == list(range(8))  # valid before any step
+    b.order[:5].copy_(torch.tensor([4, 4, 4, 4, 4]))  # a stale prefix from some earlier step
+    b.order[:3].copy_(torch.tensor([2, 0, 1]))
+    b.pad(3, 6, 3, 6)
+    meta = b.attn(6, 6, is_decode=True)
+    assert meta.decode_order.tolist() == [2, 0, 1, 3, 4, 5]
+    assert b.attn(6, 6, is_decode=False).decode_order is None
+    b.lpt = False
+    assert b.attn(6, 6, is_decode=True).decode_order is None

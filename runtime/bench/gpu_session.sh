@@ -73,8 +73,10 @@
 #   s13tests          session 13's code, never run on a GPU when written: --cudagraph-mode auto across
 #                     the families (mixed graphs vs eager tokens), prepare_qkv head blocks, the fused
 #                     decode attention (kernel and end to end), the 4-bit MoE kernel
-#   s14tests          session 14's: the SwiGLU epilogue (kernel, engine tokens) and the split-KV
-#                     decode that skips empty segments
+#   s14tests          session 14's: the SwiGLU epilogue (kernel, engine tokens), the split-KV
+#                     decode that skips empty segments, the LPT decode order
+#   w1lpt             W1 with RANKSERVE_DECODE_LPT=1 (decode programs longest context first); compare
+#                     with w1
 #   layers            benchmarks/2026-12-04-h200-s12/gemv_chain.py --mode layers: 32 Llama-8B decode
 #                     layers' GEMVs in a CUDA graph, the production prologues against the SwiGLU
 #                     epilogue (and the FP8 rows), us a layer beside the copy ceiling
@@ -153,7 +155,9 @@ for stage in "$@"; do case $stage in
   layers) run layers 200 python3 benchmarks/2026-12-04-h200-s12/gemv_chain.py --mode layers \
           --out "$OUT/layers.json" ;;
   s14tests) run s14tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gemv.py \
-          tests/test_kernels.py tests/test_gpu.py -k "swiglu or split or ops_bf16 or decode" ;;
+          tests/test_kernels.py tests/test_gpu.py -k "swiglu or split or ops_bf16 or decode or lpt" ;;
+  w1lpt) RANKSERVE_DECODE_LPT=1 run w1lpt 170 python3 -m rankserve.launch bench throughput qwen3-0.6b --workload w1 --max-num-seqs 256 \
+          --cache-dir "$CACHE" --output-json "$OUT/w1lpt.json" ;;
   w2swiglu) RANKSERVE_SWIGLU_EPILOGUE=1 run w2swiglu 150 python3 -m rankserve.launch bench latency llama-3.1-8b \
           --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 --max-num-seqs 8 --cache-dir "$CACHE" \
           --output-json "$OUT/w2swiglu.json" ;;
