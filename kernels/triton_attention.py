@@ -435,8 +435,15 @@ def _decode_split_kernel(
     seg = tl.cdiv(tl.cdiv(seq_len - base, NUM_SPLITS), BLOCK_N) * BLOCK_N
     n_lo = base + split * seg
     n_hi = tl.minimum(n_lo + seg, seq_len)
-
     hs = tl.arange(0, BLOCK_H)
+    if NUM_SPLITS > 1:
+        if n_lo >= n_hi:  # an empty segment (most of them for short contexts at a long
+            # max_model_len): weight 0 in the reduction, nothing else to load or store
+            row0 = (req * NUM_HEADS + kvh * GROUP + hs).to(tl.int64) * NUM_SPLITS + split
+            tl.store(part_lse_ptr + row0, tl.full([BLOCK_H], float("-inf"), tl.float32),
+                     mask=hs < GROUP)
+            return
+
     h_mask = hs < GROUP
     head = kvh * GROUP + hs
     offs_d = tl.arange(0, BLOCK_D)
