@@ -161,6 +161,7 @@ class CompiledModel:
             b.seq_lens[:B].fill_(q_len)
             b.table[:B].zero_()
             b.state_idx[:B].fill_(-1)  # and no recurrent state
+            b.order[:B].copy_(b.arange[:B])  # (a real step's order may name other rows)
             hidden = None if b.hidden is None else b.hidden[:T]
             self.forward(b.ids[:T], b.pos[:T], b.attn(T, B, is_decode=q_len == 1), hidden)
         if self.device.type == "cuda":
@@ -270,6 +271,7 @@ class CompiledModel:
         b.qsl[:bs + 1].copy_(torch.arange(bs + 1, device=self.device))
         b.seq_lens[:bs].fill_(1)
         b.state_idx[:bs].fill_(-1)
+        b.order[:bs].copy_(b.arange[:bs])  # the warm-up before a capture runs on it
         hidden = None if b.hidden is None else b.hidden[:bs]
         return b.ids[:bs], b.pos[:bs], b.attn(bs, bs, is_decode=True), hidden
 

@@ -46,8 +46,9 @@ class InputBatch:
         self.ids, self.pos, self.slots = z(max_t, dt=torch.long), z(max_t, dt=torch.long), z(max_t, dt=torch.long)
         self.qsl, self.seq_lens = z(n + 1), z(n)
         self.state_idx = z(n)  # recurrent-state slot (= row) of each scheduled request
-        # decode order (RANKSERVE_DECODE_LPT): always a permutation of its prefix's requests, so
-        # any replay reads valid requests; the runner writes [:B], pad() the padding after it
+        # decode order (RANKSERVE_DECODE_LPT): [:B] must be a permutation of 0..B-1 wherever a
+        # decode step of B requests runs (its entries index qsl / seq_lens): the runner writes a
+        # step's [:B], pad() the padding after it, warm-ups and graph captures the identity
         self.arange = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.order = self.arange.clone()
         self.lpt = False  # set by the model runner

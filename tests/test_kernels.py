@@ -634,3 +634,19 @@ def test_padded_decode_order_is_a_permutation():
     assert b.attn(6, 6, is_decode=False).decode_order is None
     b.lpt = False
     assert b.attn(6, 6, is_decode=True).decode_order is None
+
+
+def test_warmup_and_capture_inputs_reset_the_decode_order():
+    """The dummy decode steps (warm-up, graph-capture inputs) that can run after real steps
+    read an identity order, not a real step's (which may name requests they do not have)."""
+    from rankserve import LLM
+    from conftest import STORIES_EMBEDDED
+    llm = LLM(str(STORIES_EMBEDDED), max_num_seqs=8)
+    cm = llm.engine.executor.runner.compiled_model
+    b = cm.batch
+    b.order[:8].copy_(torch.tensor([7, 6, 5, 4, 3, 2, 1, 0]))
+    ids, pos, attn, _ = cm.graph_inputs(4)
+    assert b.order[:4].tolist() == [0, 1, 2, 3]
+    b.order[:8].copy_(torch.tensor([7, 6, 5, 4, 3, 2, 1, 0]))
+    cm.warmup()
+    assert b.order[:2].tolist() == [0, 1]
