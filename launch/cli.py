@@ -260,16 +260,33 @@ def _run_bench(module, cfg, args) -> None:
         raise click.ClickException(str(e)) from None
 
 
-@bench.command("throughput")
+class _LengthRanges(click.Command):
+    """--input-len / --output-len take LO HI, or one N for a fixed length (vLLM's form): a lone
+    N becomes N N before click reads the two values."""
+    FLAGS = ("--input-len", "--output-len")
+
+    def parse_args(self, ctx, args):
+        def is_int(a):
+            return a.lstrip("-").isdigit()
+        out = []
+        for i, a in enumerate(args):
+            out.append(a)
+            if i > 0 and args[i - 1] in self.FLAGS and is_int(a) \
+                    and not (i + 1 < len(args) and is_int(args[i + 1])):
+                out.append(a)
+        return super().parse_args(ctx, out)
+
+
+@bench.command("throughput", cls=_LengthRanges)
 @engine_options
 @click.option("--workload", type=click.Choice(["w1", "w2"]), default=None,
               help="preset: w1 = 256 requests, lengths uniform in [100, 1024]; w2 = 1 request, "
                    "128 in / 256 out [default: w1]; the flags below override it")
 @click.option("--num-prompts", type=click.IntRange(min=1), default=None)
 @click.option("--input-len", type=(click.IntRange(min=1), click.IntRange(min=1)), default=None,
-              metavar="LO HI", help="prompt length, uniform in [LO, HI]")
+              metavar="N | LO HI", help="prompt length: N, or uniform in [LO, HI]")
 @click.option("--output-len", type=(click.IntRange(min=1), click.IntRange(min=1)), default=None,
-              metavar="LO HI", help="output tokens, uniform in [LO, HI] (EOS ignored)")
+              metavar="N | LO HI", help="output tokens: N, or uniform in [LO, HI] (EOS ignored)")
 @click.option("--structured-output", type=click.Choice(["none", "json"]), default="none",
               show_default=True, help="json: every request constrained to one of a set of JSON "
                                       "schemas (xgrammar; needs a tokenizer: --tokenizer DIR)")

@@ -228,6 +228,24 @@ def test_named_model_implies_dummy_weights_and_bad_names_fail():
     assert r.exit_code == 2 and "LO <= HI" in r.output
 
 
+def test_throughput_lengths_take_one_value_as_vllm_does(monkeypatch):
+    """`bench throughput --input-len 128 --output-len 64` (vLLM's form: fixed lengths) is
+    LO = HI; `--input-len LO HI` stays a range."""
+    from rankserve.launch import cli
+    from rankserve.runtime.bench import throughput
+    seen = []
+    monkeypatch.setattr(cli, "_run_bench", lambda module, cfg, args: seen.append(args))
+    for argv, want in ((["--input-len", "12", "--output-len", "5"], ((12, 12), (5, 5))),
+                       (["--input-len", "8", "40", "--output-len", "7"], ((8, 40), (7, 7))),
+                       (["--output-len", "3", "9", "--input-len", "6"], ((6, 6), (3, 9)))):
+        r = CliRunner().invoke(cli.main, ["bench", "throughput", STORIES, *argv])
+        assert r.exit_code == 0, r.output
+        assert (seen[-1].input_len, seen[-1].output_len) == want
+    assert throughput  # (the module the command runs)
+    r = CliRunner().invoke(cli.main, ["bench", "throughput", STORIES, "--input-len", "x"])
+    assert r.exit_code == 2 and "--input-len" in r.output
+
+
 def test_config_only_model_runs_with_dummy_weights(tmp_path):
     # what the shipped configs resolve to: a directory with config.json alone (no tokenizer)
     model = tmp_path / "model"
