@@ -38,8 +38,9 @@ def completion_logprobs(ctx: ServeContext, entries: list[LogprobsEntry] | None,
         text = ctx.token_text(e.token_ids[0])
         out["tokens"].append(text)
         out["token_logprobs"].append(max(e.logprobs[0], -9999.0))
-        out["top_logprobs"].append({ctx.token_text(t): max(lp, -9999.0)
-                                    for t, lp in zip(e.token_ids[1:], e.logprobs[1:])})
+        top = {ctx.token_text(t): max(lp, -9999.0) for t, lp in zip(e.token_ids[1:], e.logprobs[1:])}
+        top.setdefault(text, out["token_logprobs"][-1])  # OpenAI, vLLM: the sampled one always
+        out["top_logprobs"].append(top)
         out["text_offset"].append(text_offset)
         text_offset += len(text)
     return out
