@@ -54,3 +54,58 @@ def test_completion_top_logprobs_include_the_sampled_token(client):
             assert k <= len(top) <= k + 1
         if k == 1:  # at this temperature some sampled tokens are not the most likely one
             assert any(len(top) == 2 for top in lp.top_logprobs)
+
+
+def test_prompt_logprobs_of_a_one_token_request(http):
+    """A request that ends on its first token (max_tokens 1, or EOS at once) got
+    prompt_logprobs null: the scheduler added the step's prompt logprobs after the request
+    was finished and gone."""
+    for max_tokens in (1, 2):
+        r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": max_tokens,
+                                                "prompt_logprobs": 0}).json()
+        plp = r["choices"][0]["prompt_logprobs"]
+        assert plp is not None and len(plp) == 5 and plp[0] is None, r
+
+
+def test_completion_echo(client, http):
+    """echo=true (OpenAI; lm-eval's loglikelihood requests: echo, logprobs, max_tokens 0 or 1,
+    token-id prompts): the prompt comes back before the completion, and with logprobs its
+    tokens' logprobs too (the first token's null), so a prompt can be scored."""
+    greedy = complete(client, max_tokens=6).choices[0].text
+    r = complete(client, max_tokens=6, echo=True)
+    assert r.choices[0].text == PROMPT + greedy and r.usage.prompt_tokens == 5
+    ids = [1, 403, 407, 261, 378]  # <s> Once upon a time
+    for max_tokens in (0, 1):
+        r = complete(client, prompt=ids, max_tokens=max_tokens, echo=True, logprobs=1)
+        c = r.choices[0]
+        lp = c.logprobs
+        assert len(lp.tokens) == len(ids) + max_tokens and r.usage.completion_tokens == max_tokens
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert all(p < 0 for p in lp.token_logprobs[1:])
+        assert all(lp.top_logprobs[i][lp.tokens[i]] == pytest.approx(lp.token_logprobs[i])
+                   for i in range(1, len(lp.tokens)))
+        assert c.text.startswith(PROMPT) and c.text[len(PROMPT):] == greedy[:len(c.text) - len(PROMPT)]
+        assert lp.text_offset == sorted(lp.text_offset)
+        if max_tokens == 1:  # the completion's token sits where its text starts
+            assert lp.text_offset[-1] == len(PROMPT) and lp.tokens[-1] == greedy[:len(lp.tokens[-1])]
+            assert c.finish_reason == "length"
+    # the prompt scored from inside the sequence equals the same prompt's prompt_logprobs
+    plp = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 1,
+                                             "prompt_logprobs": 0}).json()
+    scored = [None] + [e[str(t)]["logprob"] for e, t in zip(plp["choices"][0]["prompt_logprobs"][1:],
+                                                             ids[1:])]
+    assert lp.token_logprobs[:5][0] is None
+    assert lp.token_logprobs[1:5] == pytest.approx(scored[1:])
+    # streamed: the first chunk of each choice carries the prompt; n and batches line up
+    chunks = list(complete(client, prompt=[PROMPT, "Lily"], max_tokens=4, n=2, echo=True,
+                           stream=True))
+    texts = ["", "", "", ""]
+    for ch in chunks:
+        texts[ch.choices[0].index] += ch.choices[0].text
+    batch = complete(client, prompt=[PROMPT, "Lily"], max_tokens=4, n=2, echo=True)
+    assert texts == [c.text for c in batch.choices]
+    assert [t[:len(p)] for t, p in zip(texts, [PROMPT, PROMPT, "Lily", "Lily"])] == \
+        [PROMPT, PROMPT, "Lily", "Lily"]
+    # max_tokens 0 is for echo only
+    r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
