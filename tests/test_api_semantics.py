@@ -109,3 +109,18 @@ def test_completion_echo(client, http):
     # max_tokens 0 is for echo only
     r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+
+
+def test_responses_cut_by_max_output_tokens(client, http):
+    """OpenAI Responses: a response cut by max_output_tokens is `incomplete`, and so is its
+    message item (not `completed`), streamed or not; an empty `input` list is a 400 on `input`."""
+    r = client.responses.create(model="s", input=PROMPT, max_output_tokens=4, temperature=0)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert [o.status for o in r.output] == ["incomplete"] and r.output_text
+    events = list(client.responses.create(model="s", input=PROMPT, max_output_tokens=4,
+                                          temperature=0, stream=True))
+    done = [e.item.status for e in events if e.type == "response.output_item.done"]
+    assert done == ["incomplete"] and events[-1].type == "response.incomplete"
+    assert [o.status for o in events[-1].response.output] == ["incomplete"]
+    err = http.post("/v1/responses", json={"model": "s", "input": []}).json()["error"]
+    assert err["param"] == "input" and "input" in err["message"], err
