@@ -124,3 +124,15 @@ def test_responses_cut_by_max_output_tokens(client, http):
     assert [o.status for o in events[-1].response.output] == ["incomplete"]
     err = http.post("/v1/responses", json={"model": "s", "input": []}).json()["error"]
     assert err["param"] == "input" and "input" in err["message"], err
+
+
+def test_empty_chat_answer_is_an_empty_string(client):
+    """An answer that ends before any text (a stop string or EOS at once) has content "" as
+    OpenAI's and vLLM's do, not null: null is for a message with tool calls only, and
+    `message.content.strip()` must not fail on it."""
+    kw = dict(model="s", messages=[{"role": "user", "content": PROMPT}], max_tokens=5,
+              temperature=0)
+    assert client.chat.completions.create(**kw).choices[0].message.content.startswith("A")
+    c = client.chat.completions.create(stop=["A"], **kw).choices[0]
+    assert c.message.content == "" and c.finish_reason == "stop"
+    assert c.message.tool_calls is None

@@ -318,6 +318,8 @@ def echo_text(req: ChatCompletionRequest) -> str:
 
 def message_dict(msg: ParsedMessage) -> dict:
     out = {"role": "assistant", "content": msg.content}
+    if msg.content is None and msg.reasoning is None and not msg.tool_calls:
+        out["content"] = ""  # an empty answer (stop or EOS at once): "" as OpenAI's, not null
     if msg.reasoning is not None:
         out["reasoning"] = out["reasoning_content"] = msg.reasoning
     if msg.tool_calls:
