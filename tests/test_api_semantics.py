@@ -136,3 +136,15 @@ def test_empty_chat_answer_is_an_empty_string(client):
     c = client.chat.completions.create(stop=["A"], **kw).choices[0]
     assert c.message.content == "" and c.finish_reason == "stop"
     assert c.message.tool_calls is None
+
+
+@pytest.mark.parametrize("message", [{"role": "user"}, {"role": "user", "content": None},
+                                     {"role": "system"}, {"role": "tool", "tool_call_id": "c"}])
+def test_message_without_content_is_400(http, message):
+    """OpenAI requires content on user, system and tool messages (an assistant's may be null
+    beside tool calls): one without it was rendered as if empty and answered with a 200."""
+    body = {"model": "s", "messages": [message, {"role": "user", "content": "hi"}],
+            "max_tokens": 2}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert "messages[0]" in r.json()["error"]["message"] and "content" in r.json()["error"]["message"]
