@@ -164,6 +164,8 @@ def prepare_completion(ctx: ServeContext, req: CompletionRequest):
     """Validate the whole request (every prompt and choice) before anything is sent."""
     ctx.check_model(req.model)
     req.check_unsupported()
+    if req.echo:  # the prompt comes back as text
+        ctx.need_tokenizer()
     info = ctx.client.model_info
     max_tokens = 1 if req.max_tokens == 0 else req.max_tokens  # (0: echo alone, as vLLM)
     prompts = check_prompts(completion_prompts(ctx, req.prompt), info, max_tokens, req.n,
