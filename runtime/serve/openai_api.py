@@ -87,7 +87,8 @@ class Echo:
     each prompt token starts in it, for the logprobs of the prompt (lm-eval scores prompts so)."""
 
     def __init__(self, ctx: ServeContext, req: CompletionRequest, prompts: list[list[int]]):
-        given = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
+        single = isinstance(req.prompt, str) or isinstance(req.prompt[0], int)
+        given = [req.prompt] if single else list(req.prompt)
         self.ctx, self.prompts, self.texts, self.offsets = ctx, prompts, [], []
         for orig, ids in zip(given, prompts):
             detok = IncrementalDetokenizer(ctx.tokenizer, [], req.skip_special_tokens)
