@@ -9,7 +9,8 @@ class IncrementalDetokenizer:
     token's leading space and multi-byte characters come out as in a full decode."""
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
-                 stop: list[str] | None = None, include_stop_str_in_output: bool = False):
+                 stop: list[str] | None = None, include_stop_str_in_output: bool = False,
+                 min_tokens: int = 0):
         self.backend = tokenizer._tokenizer if hasattr(tokenizer, "_tokenizer") else tokenizer
         # a few prompt tokens are enough context for the decoder's prefix-space handling
         self.skip_special = skip_special_tokens
@@ -19,6 +20,7 @@ class IncrementalDetokenizer:
         self.text = ""
         self.stop = stop or []
         self.include_stop = include_stop_str_in_output
+        self.min_tokens = min_tokens  # as vLLM: stop strings count only after this many tokens
         self.max_stop_len = max((len(s) for s in self.stop), default=0)
         self.sent = 0  # characters handed out as deltas
 
@@ -46,6 +48,8 @@ class IncrementalDetokenizer:
                 piece = self._resync()
             if piece:
                 self.text += piece
+                if len(self.token_ids) <= self.min_tokens:
+                    continue
                 matched = self._check_stop(start)
                 if matched is not None:
                     return self.text[before:], matched, n

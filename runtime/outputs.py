@@ -56,7 +56,8 @@ class RequestState:
         if params.detokenize and tokenizer is not None:
             self.detok = IncrementalDetokenizer(tokenizer, parent.output.prompt_token_ids,
                                                 params.skip_special_tokens, params.stop,
-                                                params.include_stop_str_in_output)
+                                                params.include_stop_str_in_output,
+                                                params.min_tokens)
 
 
 class ParentState:

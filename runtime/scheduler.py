@@ -506,6 +506,10 @@ class Scheduler:
                 unseen.append((req.grammar, tok))
         if unseen:
             self.structured.accept(unseen)
+        # before the outputs: a request that ends on this step's token (max_tokens 1) is gone after
+        for rid, entries in result.prompt_logprobs.items():
+            if rid in self.requests:
+                self.requests[rid].prompt_logprobs.extend(entries)
         accepted = result.accepted
         for i, (rid, tok, lp) in enumerate(zip(result.req_ids, result.sampled_token_ids, logprobs)):
             req = self.requests.get(rid)
@@ -546,9 +550,6 @@ class Scheduler:
                                "token satisfies both it and the request's min_tokens / "
                                "allowed_token_ids / bad_words / stop restrictions")
             outputs.append(o)
-        for rid, entries in result.prompt_logprobs.items():
-            if rid in self.requests:
-                self.requests[rid].prompt_logprobs.extend(entries)
         return EngineCoreOutputs(outputs=outputs, stats=self.stats(), timestamp=time.monotonic())
 
     def _roll_back(self, req: Request, num_drafts: int, num_accepted: int) -> None:

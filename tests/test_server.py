@@ -254,7 +254,7 @@ def test_api_key(server):
     ({"prompt": "hi", "model": "gpt-17"}, 404, "gpt-17"),
     ({"prompt": "word " * 600}, 400, "max_model_len"),
     ({"prompt": [1, 99999]}, 400, "token ids"),
-    ({"prompt": "hi", "echo": True}, 400, "echo"),
+    ({"prompt": "hi", "suffix": "!"}, 400, "suffix"),
     ({"prompt": "hi", "response_format": {"type": "yaml"}}, 400, "response_format.type"),
     ({"prompt": "hi", "min_tokens": 5, "max_tokens": 2}, 400, "min_tokens"),
 ])

@@ -113,6 +113,8 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
         role = m.get("role")
         if role not in ROLES:
             raise ValueError(f"{where}: unknown role {role!r}; expected one of {', '.join(ROLES)}")
+        if role != "assistant" and m.get("content") is None:  # (OpenAI: required but there)
+            raise ValueError(f"{where}: a {role} message needs content")
         msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
                                "content": _text(m.get("content"), where)}
         if role == "tool":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator
 
+from ..detokenize import IncrementalDetokenizer
 from ..messages import LogprobsEntry
 from ..parse import (ContentDelta, Delta, ParsedMessage, ReasoningDelta,
                                      ToolCallDelta)
@@ -38,21 +39,24 @@ def completion_logprobs(ctx: ServeContext, entries: list[LogprobsEntry] | None,
         text = ctx.token_text(e.token_ids[0])
         out["tokens"].append(text)
         out["token_logprobs"].append(max(e.logprobs[0], -9999.0))
-        out["top_logprobs"].append({ctx.token_text(t): max(lp, -9999.0)
-                                    for t, lp in zip(e.token_ids[1:], e.logprobs[1:])})
+        top = {ctx.token_text(t): max(lp, -9999.0) for t, lp in zip(e.token_ids[1:], e.logprobs[1:])}
+        top.setdefault(text, out["token_logprobs"][-1])  # OpenAI, vLLM: the sampled one always
+        out["top_logprobs"].append(top)
         out["text_offset"].append(text_offset)
         text_offset += len(text)
     return out
 
 
-def prompt_logprobs(ctx: ServeContext, entries: list[LogprobsEntry | None] | None) -> list | None:
+def prompt_logprobs(ctx: ServeContext, entries: list[LogprobsEntry | None] | None,
+                    top: int) -> list | None:
     """vLLM's `prompt_logprobs`: one entry per prompt token (the first is null), each a dict
     token id → {logprob, rank, decoded_token} with the prompt token and the top alternatives."""
     if entries is None:
         return None
     return [None if e is None else {
         str(t): {"logprob": max(lp, -9999.0), "rank": r, "decoded_token": ctx.token_text(t)}
-        for t, lp, r in zip(e.token_ids, e.logprobs, e.ranks)} for e in entries]
+        for t, lp, r in zip(e.token_ids[:top + 1], e.logprobs[:top + 1], e.ranks[:top + 1])}
+        for e in entries]
 
 
 class AlignedLogprobs:
@@ -60,8 +64,9 @@ class AlignedLogprobs:
     detokenizer holds text back (it may start a stop string), the entries wait too, so each
     chunk's tokens and text_offset line up with its text (as they do without streaming)."""
 
-    def __init__(self, ctx: ServeContext):
+    def __init__(self, ctx: ServeContext, base: int = 0):
         self.ctx, self.pending, self.sent, self.covered = ctx, [], 0, 0
+        self.base = base  # offsets count from here (echo: the prompt's text comes first)
 
     def take(self, entries: list[LogprobsEntry] | None, text: str, final: bool) -> dict:
         self.pending += entries or []
@@ -73,7 +78,53 @@ class AlignedLogprobs:
                 break
             out.append(self.pending.pop(0))
             self.covered += size
-        return completion_logprobs(self.ctx, out, start)
+        return completion_logprobs(self.ctx, out, self.base + start)
+
+
+# ---- echo -------------------------------------------------------------------------------------
+class Echo:
+    """echo=true: each prompt's text (the client's string, else its tokens decoded) and where
+    each prompt token starts in it, for the logprobs of the prompt (lm-eval scores prompts so)."""
+
+    def __init__(self, ctx: ServeContext, req: CompletionRequest, prompts: list[list[int]]):
+        single = isinstance(req.prompt, str) or isinstance(req.prompt[0], int)
+        given = [req.prompt] if single else list(req.prompt)
+        self.ctx, self.prompts, self.texts, self.offsets = ctx, prompts, [], []
+        for orig, ids in zip(given, prompts):
+            detok = IncrementalDetokenizer(ctx.tokenizer, [], req.skip_special_tokens)
+            offsets = []
+            for t in ids:
+                offsets.append(len(detok.text))
+                detok.push([t])
+            keep = isinstance(orig, str) and req.truncate_prompt_tokens is None
+            text = orig if keep else detok.text
+            self.texts.append(text)
+            self.offsets.append([min(o, len(text)) for o in offsets])
+        self.top = req.logprobs
+        self.generate = req.max_tokens != 0  # 0: the prompt alone (one token is run, not shown)
+
+    def logprobs(self, i: int, entries: list[LogprobsEntry | None] | None) -> dict:
+        """Prompt i's part of the completion logprobs (its first token has no logprob)."""
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": self.offsets[i]}
+        for t, e in zip(self.prompts[i], entries or [None] * len(self.prompts[i])):
+            text = self.ctx.token_text(t)
+            out["tokens"].append(text)
+            if e is None:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
+            out["token_logprobs"].append(max(e.logprobs[0], -9999.0))
+            top = {self.ctx.token_text(a): max(lp, -9999.0)
+                   for a, lp in zip(e.token_ids[1:self.top + 1], e.logprobs[1:self.top + 1])}
+            top.setdefault(text, out["token_logprobs"][-1])
+            out["top_logprobs"].append(top)
+        return out
+
+
+def joined_logprobs(first: dict | None, then: dict | None) -> dict | None:
+    if first is None or then is None:
+        return first or then
+    return {k: first[k] + then[k] for k in first}
 
 
 # ---- completions ------------------------------------------------------------------------------
@@ -114,17 +165,23 @@ def prepare_completion(ctx: ServeContext, req: CompletionRequest):
     """Validate the whole request (every prompt and choice) before anything is sent."""
     ctx.check_model(req.model)
     req.check_unsupported()
+    if req.echo:  # the prompt comes back as text
+        ctx.need_tokenizer()
     info = ctx.client.model_info
-    prompts = check_prompts(completion_prompts(ctx, req.prompt), info, req.max_tokens, req.n,
+    max_tokens = 1 if req.max_tokens == 0 else req.max_tokens  # (0: echo alone, as vLLM)
+    prompts = check_prompts(completion_prompts(ctx, req.prompt), info, max_tokens, req.n,
                             truncate=req.truncate_prompt_tokens)
-    params = ctx.with_bad_words(sampling_params(req, ctx.defaults, req.max_tokens, req.logprobs,
+    params = ctx.with_bad_words(sampling_params(req, ctx.defaults, max_tokens, req.logprobs,
                                                 vocab_size=info.get("vocab_size"),
                                                 structured=structured_from(req)))
+    if req.echo and req.logprobs is not None:  # the prompt's logprobs come back with it
+        params.prompt_logprobs = max(params.prompt_logprobs or 0, req.logprobs)
     return prompts, params
 
 
 async def create_completion(ctx: ServeContext, req: CompletionRequest):
     prompts, params = prepare_completion(ctx, req)
+    echo = await ctx.run_sync(Echo, ctx, req, prompts) if req.echo else None
     lora = ctx.lora_for(req.model)
     streams = [ctx.client.generate(p, params, priority=req.priority, lora_request=lora)
                for p in prompts]
@@ -137,7 +194,7 @@ async def create_completion(ctx: ServeContext, req: CompletionRequest):
         out = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
                "stop_reason": stop_reason}
         if req.prompt_logprobs is not None and (first or not req.stream):
-            out["prompt_logprobs"] = prompt_logprobs(ctx, plps)
+            out["prompt_logprobs"] = prompt_logprobs(ctx, plps, req.prompt_logprobs)
         if req.return_token_ids:
             if first or not req.stream:
                 out["prompt_token_ids"] = prompts[index // n]
@@ -153,42 +210,58 @@ async def create_completion(ctx: ServeContext, req: CompletionRequest):
         tokens = cached = 0
         async for i, upd in _merge(streams):
             k = i * n + upd.index
+            if upd.prompt_logprobs is not None:
+                plps[i] = upd.prompt_logprobs
+            if echo and not echo.generate:
+                upd = Update(upd.index, "", [], [], upd.finish_reason, upd.stop_reason)
             texts[k].append(upd.text)
             ids[k] += upd.token_ids
             if upd.logprobs is not None and lps[k] is not None:
                 lps[k].extend(upd.logprobs)
-            if upd.prompt_logprobs is not None:
-                plps[i] = upd.prompt_logprobs
             tokens += len(upd.token_ids)
             cached = max(cached, upd.num_cached_tokens)
             if upd.finish_reason:
                 ends[k] = (upd.finish_reason, upd.stop_reason)
-        choices = [choice(k, "".join(t), completion_logprobs(ctx, lps[k], 0), *ends[k], ids[k],
-                          plps[k // n]) for k, t in enumerate(texts)]
+        choices = []
+        for k, t in enumerate(texts):
+            head = echo.texts[k // n] if echo else ""
+            lp = completion_logprobs(ctx, lps[k], len(head))
+            if echo and lp is not None:
+                lp = joined_logprobs(echo.logprobs(k // n, plps[k // n]), lp)
+            choices.append(choice(k, head + "".join(t), lp, *ends[k], ids[k], plps[k // n]))
         return {"id": rid, "object": "text_completion", "created": created,
                 "model": ctx.served_name(req.model), "choices": choices,
                 "usage": usage(num_prompt, tokens, cached)}
 
     async def events():
-        aligned = [AlignedLogprobs(ctx) for _ in range(len(prompts) * n)]
+        aligned = [AlignedLogprobs(ctx, len(echo.texts[k // n]) if echo else 0)
+                   for k in range(len(prompts) * n)]
         started = [False] * len(aligned)
         plps: list = [None] * len(prompts)
         tokens = cached = 0
         async for i, upd in _merge(streams):
             k = i * n + upd.index
-            tokens += len(upd.token_ids)
-            cached = max(cached, upd.num_cached_tokens)
             if upd.prompt_logprobs is not None:
                 plps[i] = upd.prompt_logprobs
+            if echo and not echo.generate:
+                upd = Update(upd.index, "", [], [], upd.finish_reason, upd.stop_reason)
+            tokens += len(upd.token_ids)
+            cached = max(cached, upd.num_cached_tokens)
             lp = aligned[k].take(upd.logprobs, upd.text, upd.finish_reason is not None) \
                 if req.logprobs is not None else None
+            first = not started[k]
             if not upd.text and not upd.finish_reason and not (lp and lp["tokens"]) \
-                    and not (req.return_token_ids and upd.token_ids):
+                    and not (req.return_token_ids and upd.token_ids) and not (echo and first):
                 continue
-            first, started[k] = not started[k], True
+            started[k] = True
+            text = upd.text
+            if echo and first:  # the prompt leads the choice's first chunk
+                text = echo.texts[i] + text
+                if lp is not None:
+                    lp = joined_logprobs(echo.logprobs(i, plps[i]), lp)
             yield sse({"id": rid, "object": "text_completion", "created": created,
                        "model": ctx.served_name(req.model), **null_usage,
-                       "choices": [choice(k, upd.text, lp, upd.finish_reason, upd.stop_reason,
+                       "choices": [choice(k, text, lp, upd.finish_reason, upd.stop_reason,
                                           upd.token_ids, plps[i], first)]})
         if req.include_usage:
             yield sse({"id": rid, "object": "text_completion", "created": created,
@@ -248,6 +321,8 @@ def echo_text(req: ChatCompletionRequest) -> str:
 
 def message_dict(msg: ParsedMessage) -> dict:
     out = {"role": "assistant", "content": msg.content}
+    if msg.content is None and msg.reasoning is None and not msg.tool_calls:
+        out["content"] = ""  # an empty answer (stop or EOS at once): "" as OpenAI's, not null
     if msg.reasoning is not None:
         out["reasoning"] = out["reasoning_content"] = msg.reasoning
     if msg.tool_calls:
@@ -298,7 +373,8 @@ async def chat_events(ctx: ServeContext, run: ChatRun, stream: RequestStream, ri
         return sse({**c, **extra})
     head = {"prompt_token_ids": run.prompt_token_ids} if req.return_token_ids else {}
     if req.prompt_logprobs is not None:
-        head["prompt_logprobs"] = prompt_logprobs(ctx, (await stream.peek()).prompt_logprobs)
+        head["prompt_logprobs"] = prompt_logprobs(ctx, (await stream.peek()).prompt_logprobs,
+                                                  req.prompt_logprobs)
     echo = echo_text(req)
     for i in range(n):
         yield sse({**chat_chunk(rid, created, ctx.served_name(req.model), i,
@@ -362,7 +438,7 @@ async def create_chat_completion(ctx: ServeContext, req: ChatCompletionRequest):
                "model": ctx.served_name(req.model), "choices": choices,
                "usage": usage(len(prompt_ids), run.completion_tokens, run.num_cached_tokens)}
         if req.prompt_logprobs is not None:
-            out["prompt_logprobs"] = prompt_logprobs(ctx, plps)
+            out["prompt_logprobs"] = prompt_logprobs(ctx, plps, req.prompt_logprobs)
         if req.return_token_ids:
             out["prompt_token_ids"] = prompt_ids
         return out

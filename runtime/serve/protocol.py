@@ -405,7 +405,7 @@ def validation_param(errors: list[dict]) -> str | None:
 class CompletionRequest(SamplingRequest):
     prompt: Annotated[str | list[str] | list[Int64] | list[list[Int64]],
                       WrapValidator(_plain_token_ids)]
-    max_tokens: Int64 | None = Field(16, ge=1)
+    max_tokens: Int64 | None = Field(16, ge=0)  # 0: with echo only (the prompt, scored)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: Bool = False
     suffix: str | None = None
@@ -413,8 +413,8 @@ class CompletionRequest(SamplingRequest):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.echo:
-            raise APIError("echo is not supported yet", param="echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError("max_tokens must be >= 1 (0 only with echo=true)", param="max_tokens")
         if self.suffix:
             raise APIError("suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:

@@ -37,6 +37,8 @@ def to_chat(instructions: str | None, items) -> list[dict]:
     msgs = [{"role": "system", "content": instructions}] if instructions else []
     if isinstance(items, str):
         return msgs + [{"role": "user", "content": items}]
+    if not items:
+        raise APIError("input must not be empty", param="input")
 
     def assistant() -> dict:
         if not msgs or msgs[-1]["role"] != "assistant":
@@ -101,12 +103,12 @@ def _tool_choice(tc):
 def message_item(item_id: str, text: str, status: str = "completed") -> dict:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
-            if status == "completed" else []}
+            if status != "in_progress" else []}
 
 
 def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict:
     return {"type": "reasoning", "id": item_id, "summary": [], "status": status,
-            "content": [{"type": "reasoning_text", "text": text}] if status == "completed" else []}
+            "content": [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []}
 
 
 def call_item(item_id: str, call_id: str, name: str, arguments: str,
@@ -165,7 +167,8 @@ class ItemStream:
                     out.append(self._delta("response.function_call_arguments.delta", d.arguments))
         return out
 
-    def close(self) -> list[bytes]:
+    def close(self, status: str = "completed") -> list[bytes]:
+        """End the open item; `incomplete`: the output was cut (max_output_tokens)."""
         if self.open is None:
             return []
         item, text = self.open["item"], self.open["text"]
@@ -173,19 +176,19 @@ class ItemStream:
         idx = len(self.items) - 1
         out = []
         if item["type"] == "message":
-            done = message_item(item["id"], text)
+            done = message_item(item["id"], text, status)
             out.append(self.event("response.output_text.done", item_id=item["id"],
                                   output_index=idx, content_index=0, text=text, logprobs=[]))
             out.append(self.event("response.content_part.done", item_id=item["id"],
                                   output_index=idx, content_index=0, part=done["content"][0]))
         elif item["type"] == "reasoning":
-            done = reasoning_item(item["id"], text)
+            done = reasoning_item(item["id"], text, status)
             out.append(self.event("response.reasoning_text.done", item_id=item["id"],
                                   output_index=idx, content_index=0, text=text))
             out.append(self.event("response.content_part.done", item_id=item["id"],
                                   output_index=idx, content_index=0, part=done["content"][0]))
         else:
-            done = call_item(item["id"], item["call_id"], item["name"], text)
+            done = call_item(item["id"], item["call_id"], item["name"], text, status)
             out.append(self.event("response.function_call_arguments.done", item_id=item["id"],
                                   output_index=idx, name=item["name"], arguments=text))
         self.items[idx] = done
@@ -239,6 +242,9 @@ async def create_response(ctx: ServeContext, req: ResponsesRequest):
                 "tools": req.tools or [], "truncation": "disabled", "usage": usage,
                 "metadata": req.metadata or {}}
 
+    def cut() -> bool:  # OpenAI: the item max_output_tokens ended is `incomplete` too
+        return run.finish_reasons[0] == "length"
+
     def usage() -> dict:
         reasoning = run.result(0).reasoning
         n_reasoning = len(ctx.tokenizer.encode(reasoning, add_special_tokens=False)) \
@@ -259,6 +265,8 @@ async def create_response(ctx: ServeContext, req: ResponsesRequest):
         if msg.content:
             output.append(message_item(random_id("msg_"), msg.content))
         output += [call_item(random_id("fc_"), c.id, c.name, c.arguments) for c in msg.tool_calls]
+        if output and cut():
+            output[-1]["status"] = "incomplete"
         return response("completed", output, usage())
 
     async def events() -> AsyncIterator[bytes]:
@@ -268,7 +276,7 @@ async def create_response(ctx: ServeContext, req: ResponsesRequest):
         async for upd in stream:
             for chunk in items.feed(run.update(upd)):
                 yield chunk
-        for chunk in items.close():
+        for chunk in items.close("incomplete" if cut() else "completed"):
             yield chunk
         final = response("completed", items.items, usage())
         kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"

@@ -1,0 +1,150 @@
+"""OpenAI / vLLM / Anthropic semantics a client relies on, through the official clients and raw
+HTTP on a live server (the embedded stories260K, whose greedy text is known; a one-line chat
+template so the chat, Messages and Responses routes serve it too)."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from test_server import STORIES_TEXT, Server
+
+TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--chat-template", TEMPLATE, "--max-num-seqs", "32", "--served-model-name", "s")
+    yield s
+    assert s.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+def complete(client, **kw):
+    return client.completions.create(**{"model": "s", "prompt": PROMPT, "temperature": 0, **kw})
+
+
+def test_min_tokens_holds_back_stop_strings(client):
+    """vLLM: stop strings (like EOS and stop_token_ids) count only once min_tokens tokens are
+    out; the greedy story has a "." after 8 tokens, and min_tokens=12 must not stop there."""
+    plain = complete(client, max_tokens=30, stop=["."]).choices[0]
+    assert plain.text == ", there was a little girl named Lily" and plain.finish_reason == "stop"
+    c = complete(client, max_tokens=30, stop=["."], extra_body={"min_tokens": 12}).choices[0]
+    assert c.text == STORIES_TEXT.split(" park.")[0] + " park", c.text
+    assert c.finish_reason == "stop" and c.model_extra["stop_reason"] == "."
+    streamed = complete(client, max_tokens=30, stop=["."], extra_body={"min_tokens": 12},
+                        stream=True)
+    assert "".join(ch.choices[0].text for ch in streamed) == c.text
+
+
+def test_completion_top_logprobs_include_the_sampled_token(client):
+    """OpenAI completions: "the API will always return the logprob of the sampled token, so
+    there may be up to logprobs+1 elements" (vLLM too; logprobs=0 gives the sampled one)."""
+    for k in (0, 1):
+        r = complete(client, max_tokens=40, temperature=1.5, seed=3, logprobs=k)
+        lp = r.choices[0].logprobs
+        assert len(lp.tokens) == 40
+        for tok, p, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+            assert top[tok] == pytest.approx(p), (tok, top)
+            assert k <= len(top) <= k + 1
+        if k == 1:  # at this temperature some sampled tokens are not the most likely one
+            assert any(len(top) == 2 for top in lp.top_logprobs)
+
+
+def test_prompt_logprobs_of_a_one_token_request(http):
+    """A request that ends on its first token (max_tokens 1, or EOS at once) got
+    prompt_logprobs null: the scheduler added the step's prompt logprobs after the request
+    was finished and gone."""
+    for max_tokens in (1, 2):
+        r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": max_tokens,
+                                                "prompt_logprobs": 0}).json()
+        plp = r["choices"][0]["prompt_logprobs"]
+        assert plp is not None and len(plp) == 5 and plp[0] is None, r
+
+
+def test_completion_echo(client, http):
+    """echo=true (OpenAI; lm-eval's loglikelihood requests: echo, logprobs, max_tokens 0 or 1,
+    token-id prompts): the prompt comes back before the completion, and with logprobs its
+    tokens' logprobs too (the first token's null), so a prompt can be scored."""
+    greedy = complete(client, max_tokens=6).choices[0].text
+    r = complete(client, max_tokens=6, echo=True)
+    assert r.choices[0].text == PROMPT + greedy and r.usage.prompt_tokens == 5
+    ids = [1, 403, 407, 261, 378]  # <s> Once upon a time
+    for max_tokens in (0, 1):
+        r = complete(client, prompt=ids, max_tokens=max_tokens, echo=True, logprobs=1)
+        c = r.choices[0]
+        lp = c.logprobs
+        assert len(lp.tokens) == len(ids) + max_tokens and r.usage.completion_tokens == max_tokens
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert all(p < 0 for p in lp.token_logprobs[1:])
+        assert all(lp.top_logprobs[i][lp.tokens[i]] == pytest.approx(lp.token_logprobs[i])
+                   for i in range(1, len(lp.tokens)))
+        assert c.text.startswith(PROMPT) and c.text[len(PROMPT):] == greedy[:len(c.text) - len(PROMPT)]
+        assert lp.text_offset == sorted(lp.text_offset)
+        if max_tokens == 1:  # the completion's token sits where its text starts
+            assert lp.text_offset[-1] == len(PROMPT) and lp.tokens[-1] == greedy[:len(lp.tokens[-1])]
+            assert c.finish_reason == "length"
+    # the prompt scored from inside the sequence equals the same prompt's prompt_logprobs
+    plp = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 1,
+                                             "prompt_logprobs": 0}).json()
+    scored = [None] + [e[str(t)]["logprob"] for e, t in zip(plp["choices"][0]["prompt_logprobs"][1:],
+                                                             ids[1:])]
+    assert lp.token_logprobs[:5][0] is None
+    assert lp.token_logprobs[1:5] == pytest.approx(scored[1:])
+    # streamed: the first chunk of each choice carries the prompt; n and batches line up
+    chunks = list(complete(client, prompt=[PROMPT, "Lily"], max_tokens=4, n=2, echo=True,
+                           stream=True))
+    texts = ["", "", "", ""]
+    for ch in chunks:
+        texts[ch.choices[0].index] += ch.choices[0].text
+    batch = complete(client, prompt=[PROMPT, "Lily"], max_tokens=4, n=2, echo=True)
+    assert texts == [c.text for c in batch.choices]
+    assert [t[:len(p)] for t, p in zip(texts, [PROMPT, PROMPT, "Lily", "Lily"])] == \
+        [PROMPT, PROMPT, "Lily", "Lily"]
+    # max_tokens 0 is for echo only
+    r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+
+
+def test_responses_cut_by_max_output_tokens(client, http):
+    """OpenAI Responses: a response cut by max_output_tokens is `incomplete`, and so is its
+    message item (not `completed`), streamed or not; an empty `input` list is a 400 on `input`."""
+    r = client.responses.create(model="s", input=PROMPT, max_output_tokens=4, temperature=0)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert [o.status for o in r.output] == ["incomplete"] and r.output_text
+    events = list(client.responses.create(model="s", input=PROMPT, max_output_tokens=4,
+                                          temperature=0, stream=True))
+    done = [e.item.status for e in events if e.type == "response.output_item.done"]
+    assert done == ["incomplete"] and events[-1].type == "response.incomplete"
+    assert [o.status for o in events[-1].response.output] == ["incomplete"]
+    err = http.post("/v1/responses", json={"model": "s", "input": []}).json()["error"]
+    assert err["param"] == "input" and "input" in err["message"], err
+
+
+def test_empty_chat_answer_is_an_empty_string(client):
+    """An answer that ends before any text (a stop string or EOS at once) has content "" as
+    OpenAI's and vLLM's do, not null: null is for a message with tool calls only, and
+    `message.content.strip()` must not fail on it."""
+    kw = dict(model="s", messages=[{"role": "user", "content": PROMPT}], max_tokens=5,
+              temperature=0)
+    assert client.chat.completions.create(**kw).choices[0].message.content.startswith("A")
+    c = client.chat.completions.create(stop=["A"], **kw).choices[0]
+    assert c.message.content == "" and c.finish_reason == "stop"
+    assert c.message.tool_calls is None
+
+
+@pytest.mark.parametrize("message", [{"role": "user"}, {"role": "user", "content": None},
+                                     {"role": "system"}, {"role": "tool", "tool_call_id": "c"}])
+def test_message_without_content_is_400(http, message):
+    """OpenAI requires content on user, system and tool messages (an assistant's may be null
+    beside tool calls): one without it was rendered as if empty and answered with a 200."""
+    body = {"model": "s", "messages": [message, {"role": "user", "content": "hi"}],
+            "max_tokens": 2}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert "messages[0]" in r.json()["error"]["message"] and "content" in r.json()["error"]["message"]
