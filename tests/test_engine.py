@@ -61,6 +61,19 @@ def test_same_greedy_tokens(reference, kwargs):
     assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.num_blocks
 
 
+def test_seeded_sampling_survives_preemption(stories_llm):
+    """A seeded request's tokens do not depend on the batch: not on being preempted and
+    recomputed either (its generator continues where it was, as in vLLM)."""
+    seeded = [SamplingParams(temperature=1.0, seed=7 + i, max_tokens=24, ignore_eos=True)
+              for i in range(4)]
+    ref = [o.outputs[0].token_ids for o in stories_llm.generate(prompts(stories_llm), seeded)]
+    llm = LLM(str(STORIES_EMBEDDED), num_gpu_blocks_override=6, block_size=8, max_model_len=48)
+    outs = llm.generate(prompts(llm), seeded)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.num_blocks
+
+
 def test_prefix_cache_hit_on_second_identical_prompt(stories_llm):
     p = {"prompt_token_ids": list(range(3, 60))}  # 57 tokens: 3 full blocks
     a = stories_llm.generate(p, GREEDY)[0]
