@@ -170,11 +170,18 @@ class EngineCore:
             raise ValueError(f"LoRA adapter {lr.lora_name!r}: lora_int_id must be >= 1")
         key = (lr.lora_int_id, lr.lora_path)  # read each adapter's config once, not per request
         if key not in self._lora_ranks:
-            self._lora_ranks[key] = adapter_rank(read_adapter_config(lr.lora_path))
-        r = self._lora_ranks[key]
-        if r > self.cfg.lora.max_lora_rank:
-            raise ValueError(f"LoRA adapter {lr.lora_name!r} has rank {r} > --max-lora-rank "
-                             f"{self.cfg.lora.max_lora_rank}")
+            r = adapter_rank(read_adapter_config(lr.lora_path))
+            if r > self.cfg.lora.max_lora_rank:
+                raise ValueError(f"LoRA adapter {lr.lora_name!r} has rank {r} > --max-lora-rank "
+                                 f"{self.cfg.lora.max_lora_rank}")
+            self.check_lora(lr.lora_path)  # its tensors fit the model's layers
+            self._lora_ranks[key] = r
+
+    def check_lora(self, path: str) -> None:
+        """ValueError if the adapter at `path` cannot run on this model (its tensor shapes)."""
+        check = getattr(self.executor, "check_lora", None)  # (test executors: none)
+        if self.cfg.lora.enable_lora and check is not None:
+            check(path)
 
     def add_request(self, req: EngineCoreRequest) -> None:
         if self.asleep:

@@ -100,6 +100,28 @@ def test_lora_errors(setup, tmp_path):
         plain.generate([[1, 2, 3]], sp, lora_request=adapters[0])
 
 
+
+def test_adapter_of_another_model_is_refused(setup, checkpoint, tmp_path):
+    """An adapter trained on another base (other projection sizes) is a ValueError naming the
+    module and shapes, never a crash in the step or silently truncated B rows; the engine
+    serves on."""
+    base, adapters, refs = setup
+    if "Qwen3" in base:
+        pytest.skip("one family suffices")
+    wider = make_adapter(checkpoint("Qwen3ForCausalLM"), tmp_path / "wider", 8, 16, False,
+                         ["q_proj", "v_proj"], seed=0)  # q: 128 output rows against 64
+    narrower = make_adapter(checkpoint("LlamaForCausalLM", hidden_size=32, num_attention_heads=2,
+                                       num_key_value_heads=1), tmp_path / "narrower", 8, 16,
+                            False, ["q_proj"], seed=0)  # A: 32 input columns against 64
+    llm = LLM(base, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16)
+    sp = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    for i, path in enumerate((wider, narrower)):
+        with pytest.raises(ValueError, match=r"q_proj.*lora_[AB] \[.*another base model"):
+            llm.generate([{"prompt_token_ids": PROMPTS[0]}], sp,
+                         lora_request=LoRARequest(f"other{i}", 50 + i, path))
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, lora_request=adapters[0])
+    assert [o.outputs[0].token_ids for o in outs] == refs[adapters[0].lora_int_id]
+
 @pytest.mark.mpi
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not on PATH")
 def test_tp2_matches_single_rank(checkpoint, tmp_path, monkeypatch):
