@@ -64,6 +64,14 @@ class EngineCore:
             if cfg.spec is not None:
                 raise ValueError("--speculative-config does not work with recurrent (Mamba2) layers: "
                                  "their state cannot be rolled back past rejected drafts")
+        if cfg.lora.lora_modules:  # adapters that do not fit the model stop the start
+            from .config import ConfigError
+            from .lora import parse_lora_modules
+            for _name, path, _base in parse_lora_modules(cfg.lora.lora_modules):
+                try:
+                    self.check_lora(path)
+                except ValueError as e:
+                    raise ConfigError(f"--lora-modules: {e}") from None
         num_blocks = executor.determine_num_blocks()
         cfg.check_kv_capacity(num_blocks, executor.max_model_len)
         executor.initialize(num_blocks)

@@ -121,6 +121,8 @@ def test_adapter_of_another_model_is_refused(setup, checkpoint, tmp_path):
                          lora_request=LoRARequest(f"other{i}", 50 + i, path))
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, lora_request=adapters[0])
     assert [o.outputs[0].token_ids for o in outs] == refs[adapters[0].lora_int_id]
+    with pytest.raises(ValueError, match="--lora-modules: .*another base model"):  # at start
+        LLM(base, dtype="float32", enable_lora=True, lora_modules=(f"w={wider}",))
 
 @pytest.mark.mpi
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not on PATH")
