@@ -95,6 +95,10 @@ def test_lora_errors(setup, tmp_path):
         LLM(base, enable_lora=True, lora_modules=(f"x={tmp_path}",))
     with pytest.raises(ValueError, match="max-lora-rank"):
         LLM(base, enable_lora=True, max_lora_rank=8, lora_modules=(f"c={adapters[2].lora_path}",))
+    # one id, two adapters: the engine keys its caches (host, slots, prefix blocks) by the id
+    llm.generate([[1, 2, 3]], sp, lora_request=LoRARequest("a", 5, adapters[0].lora_path))
+    with pytest.raises(ValueError, match="lora_int_id 5 is already adapter 'a'"):
+        llm.generate([[1, 2, 3]], sp, lora_request=LoRARequest("b", 5, adapters[1].lora_path))
     plain = LLM(base, dtype="float32")
     with pytest.raises(ValueError, match="enable-lora"):
         plain.generate([[1, 2, 3]], sp, lora_request=adapters[0])
