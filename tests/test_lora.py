@@ -384,3 +384,18 @@ def test_bench_throughput_with_random_adapters(tmp_path):
     rec = json.loads(out.read_text())
     assert rec["workload"]["num_loras"] == 3 and rec["results"]["rankserve"]["output_tokens"] > 0
     assert len(os.listdir(tmp_path / "lora-bench" / "stories260K-r8")) == 3
+
+
+def test_hybrid_nemotron_h_adapter_matches_peft(checkpoint, tmp_path):
+    """Nemotron-H: attention projections and the gate-less MLP's up_proj / down_proj take an
+    adapter (its Mamba2 mixers keep running without one), as transformers + PEFT merged."""
+    base = checkpoint("NemotronHForCausalLM")
+    path = make_adapter(base, tmp_path / "nemo", 8, 16, False,
+                        ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"], seed=1)
+    want = merged_greedy(base, path, PROMPTS[:2])
+    assert want != merged_greedy(base, None, PROMPTS[:2])
+    llm = LLM(base, dtype="float32", enable_lora=True, max_lora_rank=16)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]],
+                        SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True),
+                        lora_request=LoRARequest("nemo", 1, path))
+    assert [o.outputs[0].token_ids for o in outs] == want
