@@ -74,6 +74,23 @@ def test_seeded_sampling_survives_preemption(stories_llm):
     assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.num_blocks
 
 
+
+def test_prompt_logprobs_once_per_token_when_preempted_mid_prefill():
+    """Prompt logprobs are gathered chunk by chunk; a request preempted between its chunks
+    computes them again from its first token: each prompt token still has one entry."""
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, prompt_logprobs=1)
+    ps = [{"prompt_token_ids": [1] + list(range(30 + 3 * i, 70 + 3 * i))} for i in range(5)]
+    want = LLM(str(STORIES_EMBEDDED)).generate(ps, sp)
+    llm = LLM(str(STORIES_EMBEDDED), num_gpu_blocks_override=18, block_size=8, max_model_len=128,
+              max_num_batched_tokens=16)
+    outs = llm.generate(ps, sp)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for a, b in zip(want, outs):
+        assert len(b.prompt_logprobs) == len(b.prompt_token_ids) == 41
+        assert [e and e.token_ids[0] for e in b.prompt_logprobs] == \
+            [e and e.token_ids[0] for e in a.prompt_logprobs]
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+
 def test_prefix_cache_hit_on_second_identical_prompt(stories_llm):
     p = {"prompt_token_ids": list(range(3, 60))}  # 57 tokens: 3 full blocks
     a = stories_llm.generate(p, GREEDY)[0]
