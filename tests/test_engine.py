@@ -91,6 +91,20 @@ def test_prompt_logprobs_once_per_token_when_preempted_mid_prefill():
             [e and e.token_ids[0] for e in a.prompt_logprobs]
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
 
+
+def test_generate_refuses_per_prompt_lists_of_another_length(stories_llm):
+    """A list of SamplingParams or priorities must have one entry per prompt (as in vLLM): not
+    prompts dropped silently, nor an IndexError."""
+    sp = SamplingParams(max_tokens=2)
+    with pytest.raises(ValueError, match="sampling_params: 1 entries for 3 prompts"):
+        stories_llm.generate(["a", "b", "c"], [sp])
+    with pytest.raises(ValueError, match="sampling_params: 2 entries for 1 prompts"):
+        stories_llm.generate("a", [sp, sp])
+    with pytest.raises(ValueError, match="priority: 1 entries for 2 prompts"):
+        stories_llm.generate(["a", "b"], sp, priority=[1])
+    assert not stories_llm.engine.has_work
+    assert len(stories_llm.generate(["a", "b"], [sp, sp], priority=[0, 0])) == 2
+
 def test_prefix_cache_hit_on_second_identical_prompt(stories_llm):
     p = {"prompt_token_ids": list(range(3, 60))}  # 57 tokens: 3 full blocks
     a = stories_llm.generate(p, GREEDY)[0]
