@@ -58,6 +58,7 @@ class ColumnParallelLinear(ParallelLinear):
         super().__init__()
         self.pi = pi
         self.output_sizes = [divide(s, pi.tp_size, "output size") for s in output_sizes]
+        self.full_output_sizes = list(output_sizes)  # the checkpoint's rows of each sub-matrix
         self.full_in = in_features
         self._init_weights(in_features, sum(self.output_sizes), dtype)
         self.bias = None
@@ -99,6 +100,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         sizes = [self.num_heads * head_dim, self.num_kv_heads * head_dim, self.num_kv_heads * head_dim]
         super().__init__(hidden, [s * pi.tp_size for s in sizes], bias, pi, dtype)
         self.output_sizes = sizes
+        self.full_output_sizes = [num_heads * head_dim] + [num_kv_heads * head_dim] * 2
 
     def shard_rows(self, shard_id: int):
         size = self.output_sizes[shard_id]

@@ -149,6 +149,49 @@ def slot_a(layer: nn.Module, slot: int) -> torch.Tensor:
     return layer.lora_weight[q.bounds[-1] + slot * C:q.bounds[-1] + (slot + 1) * C]
 
 
+def _matched(path: str, model: nn.Module, layers: dict[str, nn.Module], r: int,
+             shapes: dict[str, tuple[int, ...]]):
+    """(lora_A key, lora_B key, layer name, layer, shard) of each adapter module on this stage's
+    layers, its shapes checked against the layer's full (unsharded) ones: an adapter of another
+    base model is a ValueError here, not a crash in a step or silently cut B rows."""
+    for key in shapes:
+        if ".lora_A." not in key:
+            continue
+        module = key.split(".lora_A.")[0]
+        key_b = key.replace(".lora_A.", ".lora_B.")
+        if key_b not in shapes:
+            raise ValueError(f"LoRA adapter {path!r}: {module} has lora_A but no lora_B")
+        name = module.removeprefix("base_model.model.")
+        for target, shard in model.map_weight(name + ".weight"):
+            lname = target.removesuffix(".weight")
+            layer = layers.get(lname)
+            if layer is None:
+                if lname.rsplit(".", 1)[-1] in TARGETS:
+                    continue  # a layer of another pipeline stage
+                raise ValueError(f"LoRA adapter {path!r}: module {module!r} is not supported")
+            n = layer.out_features if isinstance(layer, RowParallelLinear) \
+                else layer.full_output_sizes[shard or 0]
+            want = ((r, layer.full_in), (n, r))
+            if (tuple(shapes[key]), tuple(shapes[key_b])) != want:
+                raise ValueError(
+                    f"LoRA adapter {path!r}: {name} has lora_A {list(shapes[key])} and lora_B "
+                    f"{list(shapes[key_b])}, this model needs {list(want[0])} and {list(want[1])} "
+                    "(rank r from adapter_config.json): an adapter of another base model?")
+            yield key, key_b, lname, layer, shard
+
+
+def check_adapter(path: str, model: nn.Module, layers: dict[str, nn.Module], max_rank: int) -> None:
+    """Raise ValueError if the adapter cannot run on this model (reads tensor headers only)."""
+    from .loader import open_weights, slice_shape
+    r = adapter_rank(read_adapter_config(path))
+    if r > max_rank:
+        raise ValueError(f"LoRA adapter {path!r} has rank {r} > --max-lora-rank {max_rank}")
+    with open_weights(_weights_file(path)) as (names, get):
+        shapes = {k: tuple(slice_shape(get(k))) for k in names}
+    for _ in _matched(path, model, layers, r, shapes):
+        pass
+
+
 def load_adapter(path: str, model: nn.Module, layers: dict[str, nn.Module], max_rank: int,
                  dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """This rank's shard of a PEFT adapter, padded to `max_rank`, scaling folded into B:
@@ -161,45 +204,39 @@ def load_adapter(path: str, model: nn.Module, layers: dict[str, nn.Module], max_
     scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
     tensors = _read_tensors(path)
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    for key, a in tensors.items():
-        if ".lora_A." not in key:
-            continue
-        module = key.split(".lora_A.")[0]
-        b = tensors[key.replace(".lora_A.", ".lora_B.")]
-        name = module.removeprefix("base_model.model.")
-        for target, shard in model.map_weight(name + ".weight"):
-            lname = target.removesuffix(".weight")
-            layer = layers.get(lname)
-            if layer is None:
-                if lname.rsplit(".", 1)[-1] in TARGETS:
-                    continue  # a layer of another pipeline stage
-                raise ValueError(f"LoRA adapter {path!r}: module {module!r} is not supported")
-            k, outs = _shapes(layer)
-            if lname not in out:
-                out[lname] = (torch.zeros(len(outs) * max_rank, k, dtype=dtype),
-                              torch.zeros(sum(outs), max_rank, dtype=dtype))
-            A, B = out[lname]
-            i = shard or 0
-            if isinstance(layer, RowParallelLinear):
-                c0 = layer.pi.tp_rank * layer.in_per_rank
-                A[:r] = a[:, c0:c0 + layer.in_per_rank]
-                B[:, :r] = b.float() * scaling
-            else:
-                off, start, n = layer.shard_rows(i)
-                A[i * max_rank:i * max_rank + r] = a
-                B[off:off + n, :r] = b[start:start + n].float() * scaling
+    shapes = {k: tuple(t.shape) for k, t in tensors.items()}
+    for key, key_b, lname, layer, shard in _matched(path, model, layers, r, shapes):
+        a, b = tensors[key], tensors[key_b]
+        k, outs = _shapes(layer)
+        if lname not in out:
+            out[lname] = (torch.zeros(len(outs) * max_rank, k, dtype=dtype),
+                          torch.zeros(sum(outs), max_rank, dtype=dtype))
+        A, B = out[lname]
+        i = shard or 0
+        if isinstance(layer, RowParallelLinear):
+            c0 = layer.pi.tp_rank * layer.in_per_rank
+            A[:r] = a[:, c0:c0 + layer.in_per_rank]
+            B[:, :r] = b.float() * scaling
+        else:
+            off, start, n = layer.shard_rows(i)
+            A[i * max_rank:i * max_rank + r] = a
+            B[off:off + n, :r] = b[start:start + n].float() * scaling
     return out
 
 
-def _read_tensors(path: str) -> dict[str, torch.Tensor]:
-    st = os.path.join(path, "adapter_model.safetensors")
-    if os.path.isfile(st):
-        from safetensors.torch import load_file
-        return load_file(st)
-    binf = os.path.join(path, "adapter_model.bin")
-    if os.path.isfile(binf):
-        return torch.load(binf, map_location="cpu", weights_only=True)
+def _weights_file(path: str) -> str:
+    for name in ("adapter_model.safetensors", "adapter_model.bin"):
+        if os.path.isfile(os.path.join(path, name)):
+            return os.path.join(path, name)
     raise ValueError(f"LoRA adapter {path!r} has no adapter_model.safetensors")
+
+
+def _read_tensors(path: str) -> dict[str, torch.Tensor]:
+    f = _weights_file(path)
+    if f.endswith(".safetensors"):
+        from safetensors.torch import load_file
+        return load_file(f)
+    return torch.load(f, map_location="cpu", weights_only=True)
 
 
 def set_slot(layers: dict[str, nn.Module], slot: int, weights) -> None:

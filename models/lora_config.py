@@ -7,7 +7,8 @@ import os
 
 # our (fused) layer → the checkpoint modules it holds, in shard order
 TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
-           "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+           "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",),
+           "up_proj": ("up_proj",)}  # (a plain MLP without a gate: Nemotron-H)
 SUPPORTED = {m for subs in TARGETS.values() for m in subs}
 
 

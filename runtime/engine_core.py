@@ -9,6 +9,7 @@ import collections
 import dataclasses
 import gc
 import logging
+import os
 import time
 from typing import Callable
 
@@ -64,6 +65,14 @@ class EngineCore:
             if cfg.spec is not None:
                 raise ValueError("--speculative-config does not work with recurrent (Mamba2) layers: "
                                  "their state cannot be rolled back past rejected drafts")
+        if cfg.lora.lora_modules:  # adapters that do not fit the model stop the start
+            from .config import ConfigError
+            from .lora import parse_lora_modules
+            for _name, path, _base in parse_lora_modules(cfg.lora.lora_modules):
+                try:
+                    self.check_lora(path)
+                except ValueError as e:
+                    raise ConfigError(f"--lora-modules: {e}") from None
         num_blocks = executor.determine_num_blocks()
         cfg.check_kv_capacity(num_blocks, executor.max_model_len)
         executor.initialize(num_blocks)
@@ -108,6 +117,7 @@ class EngineCore:
                                    spec_long_pause=cfg.spec is not None and cfg.spec.method != "ngram")
         self.scheduler.results_in_flight = lambda: [h for _, h in self.in_flight]
         self._lora_ranks: dict[tuple[int, str], int] = {}  # adapters seen: (id, path) → rank
+        self._lora_ids: dict[int, tuple[str, str]] = {}  # adapters seen: id → (name, path)
         self.asleep: set[str] = set()  # sleep mode: the tags (weights, kv_cache) now asleep
         self.sleep_level = 0
         # steps kept in flight: one per pipeline stage, or two to overlap host and device work
@@ -168,13 +178,26 @@ class EngineCore:
             raise ValueError("this engine serves no LoRA adapters; start it with --enable-lora")
         if lr.lora_int_id < 1:
             raise ValueError(f"LoRA adapter {lr.lora_name!r}: lora_int_id must be >= 1")
+        first = self._lora_ids.get(lr.lora_int_id)
+        if first is not None and os.path.normpath(first[1]) != os.path.normpath(lr.lora_path):
+            # the host cache, the device slots and the prefix blocks all go by the id
+            raise ValueError(f"lora_int_id {lr.lora_int_id} is already adapter {first[0]!r} "
+                             f"({first[1]}); give {lr.lora_path} an id of its own")
         key = (lr.lora_int_id, lr.lora_path)  # read each adapter's config once, not per request
         if key not in self._lora_ranks:
-            self._lora_ranks[key] = adapter_rank(read_adapter_config(lr.lora_path))
-        r = self._lora_ranks[key]
-        if r > self.cfg.lora.max_lora_rank:
-            raise ValueError(f"LoRA adapter {lr.lora_name!r} has rank {r} > --max-lora-rank "
-                             f"{self.cfg.lora.max_lora_rank}")
+            r = adapter_rank(read_adapter_config(lr.lora_path))
+            if r > self.cfg.lora.max_lora_rank:
+                raise ValueError(f"LoRA adapter {lr.lora_name!r} has rank {r} > --max-lora-rank "
+                                 f"{self.cfg.lora.max_lora_rank}")
+            self.check_lora(lr.lora_path)  # its tensors fit the model's layers
+            self._lora_ranks[key] = r
+            self._lora_ids.setdefault(lr.lora_int_id, (lr.lora_name, lr.lora_path))
+
+    def check_lora(self, path: str) -> None:
+        """ValueError if the adapter at `path` cannot run on this model (its tensor shapes)."""
+        check = getattr(self.executor, "check_lora", None)  # (test executors: none)
+        if self.cfg.lora.enable_lora and check is not None:
+            check(path)
 
     def add_request(self, req: EngineCoreRequest) -> None:
         if self.asleep:

@@ -61,6 +61,10 @@ class UniprocExecutor:
             self.rpc.rpc_init_host_kv(self.num_host_blocks)
         self.runner.compile()
 
+    def check_lora(self, path: str) -> None:
+        """ValueError if the LoRA adapter at `path` does not fit this model."""
+        self.runner.lora.check(path)
+
     def collective_rpc(self, method: str, *args) -> list:
         """An admin call (runtime/rpc.py) on the runner; [its result]."""
         return raise_errors([self.rpc.call(method, args)])
@@ -111,6 +115,11 @@ class MultiRankExecutor:
     @property
     def host_block_bytes(self) -> int:
         return self.worker.host_block_bytes
+
+    def check_lora(self, path: str) -> None:
+        """ValueError if the LoRA adapter at `path` does not fit this model (checked against
+        rank 0's layers: every rank holds the same full shapes)."""
+        self.worker.runner.lora.check(path)
 
     def collective_rpc(self, method: str, *args) -> list:
         """An admin call (runtime/rpc.py) on every rank, broadcast like a step plan; the

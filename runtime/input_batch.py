@@ -37,6 +37,9 @@ class InputBatch:
         self.block_table = np.zeros((n, self.max_blocks_per_req), dtype=np.int32)
         self.free_rows = list(range(n - 1, -1, -1))
         self.reqs: dict[str, ReqState] = {}
+        # seeded generators of preempted requests, until they come back (or finish): their
+        # tokens continue the same random stream, so they do not depend on being preempted
+        self.parked_generators: dict[str, torch.Generator] = {}
         # persistent device inputs: steps copy into prefixes of these, CUDA graphs read them
         max_t = max(max_num_batched_tokens, n)
         # one spare row each: a slice never spans a whole buffer, or torch.compile would guard
@@ -67,10 +70,14 @@ class InputBatch:
     # ---- per-request rows from the plan -----------------------------------------------------
     def update(self, plan: SchedulerOutput) -> list[ReqState]:
         """Apply the plan's finished/new/cached deltas; returns the new requests' states."""
+        preempted = set(plan.preempted_req_ids)
         for rid in plan.finished_req_ids:
             st = self.reqs.pop(rid, None)
             if st is not None:
                 self.free_rows.append(st.row)
+            gen = self.parked_generators.pop(rid, None) if st is None else st.generator
+            if gen is not None and rid in preempted:
+                self.parked_generators[rid] = gen
         new = []
         for r in plan.new_reqs:
             row = self.free_rows.pop()
@@ -78,8 +85,8 @@ class InputBatch:
             self.token_ids[row, :n] = r.token_ids
             self.block_table[row, :len(r.block_ids)] = r.block_ids
             sp = r.sampling_params
-            gen = None
-            if sp.seed is not None:
+            gen = self.parked_generators.pop(r.req_id, None)
+            if gen is None and sp.seed is not None:
                 gen = torch.Generator(device=self.device).manual_seed(sp.seed)
             st = self.reqs[r.req_id] = ReqState(row, n, r.num_prompt_tokens, sp, len(r.block_ids),
                                                 gen, r.eos_token_id)

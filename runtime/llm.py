@@ -60,8 +60,10 @@ class LLM:
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
         loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
-        if len(loras) != len(prompts):
-            raise ValueError(f"lora_request: {len(loras)} entries for {len(prompts)} prompts")
+        for name, per_prompt in (("sampling_params", params), ("lora_request", loras),
+                                 ("priority", priority)):
+            if per_prompt is not None and len(per_prompt) != len(prompts):
+                raise ValueError(f"{name}: {len(per_prompt)} entries for {len(prompts)} prompts")
         reqs = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
             text, ids = self._to_token_ids(p)

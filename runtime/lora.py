@@ -71,6 +71,12 @@ class LoRASlots:
         log.debug("LoRA adapter %s (id %d) in slot %d", self.requests[lid].lora_name, lid, slot)
         return slot
 
+    def check(self, path: str) -> None:
+        """ValueError if the adapter at `path` cannot run on this model (a request naming it is
+        refused up front, instead of failing the step that would load it)."""
+        from ..models.lora import check_adapter
+        check_adapter(path, self.model, self.layers, self.cfg.max_lora_rank)
+
     def forget_slots(self) -> None:
         """The device slots lost their contents (sleep level 2): load adapters again on use."""
         self.slot_of.clear()

@@ -82,6 +82,9 @@ class Request:
         self.num_computed_tokens = 0
         self.num_sent = None
         self.spec_token_ids = []
+        # recomputed from its first token (such a request reads no cached prefix): gathered anew
+        # (a fresh list: one already sent with its first output stays as it was)
+        self.prompt_logprobs = []
         self.num_preemptions += 1
 
     def sort_key(self, policy: str):

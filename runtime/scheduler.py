@@ -63,6 +63,8 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # in batch order
     total_num_scheduled_tokens: int = 0
     finished_req_ids: list[str] = field(default_factory=list)  # runner may drop their state
+    # of those, the preempted ones: the runner keeps their seeded generators for their return
+    preempted_req_ids: list[str] = field(default_factory=list)
     # structured outputs: allowed-token bits (int32 words, [len(ids), ceil(V / 32)]) for the
     # constrained requests that sample this step; only the last pipeline stage reads them
     grammar_req_ids: list[str] = field(default_factory=list)
@@ -172,6 +174,7 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by policy key
         self.running: list[Request] = []
         self.finished_ids: list[str] = []
+        self.preempted_ids: list[str] = []  # of finished_ids (SchedulerOutput.preempted_req_ids)
         self.num_preemptions = 0
         self.num_preemptions_swap = 0  # of which swapped out to the host tier
         self._step_prompt_tokens = 0
@@ -210,7 +213,8 @@ class Scheduler:
         req.stop_reason = stop_reason
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
-        if req.num_sent is not None:  # the runners hold its state: tell them to drop it
+        # the runners hold its state (or a preempted one's seeded generator): tell them to drop it
+        if req.num_sent is not None or (req.num_preemptions and req.sampling_params.seed is not None):
             self.finished_ids.append(req.request_id)
 
     @property
@@ -222,8 +226,8 @@ class Scheduler:
         """Decide the step (request → tokens), preempting when blocks run out, then commit it.
         Nothing about a request changes until the commit, so preempting a request that was
         already picked for this step only has to drop it from `step`."""
-        out = SchedulerOutput(finished_req_ids=self.finished_ids)
-        self.finished_ids = []
+        out = SchedulerOutput(finished_req_ids=self.finished_ids, preempted_req_ids=self.preempted_ids)
+        self.finished_ids, self.preempted_ids = [], []
         budget = self.cfg.max_num_batched_tokens
         step: dict[str, tuple[Request, int, list[int], bool]] = {}  # id → (req, n, new blocks, new)
         drafts: dict[str, list[int]] = {}  # speculative decoding: drafts scheduled this step
@@ -332,7 +336,8 @@ class Scheduler:
             out.blocks_to_host, out.blocks_from_host, out.wait_for_copies = self.kv.offload.take_copies()
         if out.is_empty:  # an empty plan is not sent: keep the ids for the next one
             self.finished_ids = out.finished_req_ids + self.finished_ids
-            out.finished_req_ids = []
+            self.preempted_ids = out.preempted_req_ids + self.preempted_ids
+            out.finished_req_ids, out.preempted_req_ids = [], []
             if self.compiling and not self.running:  # idle until a grammar is ready: don't spin
                 self.structured.wait_any([r.grammar for r in self.compiling], 0.01)
         return out
@@ -453,6 +458,7 @@ class Scheduler:
         self.num_preemptions_swap += swap
         if req.num_sent is not None:
             out.finished_req_ids.append(req.request_id)
+            out.preempted_req_ids.append(req.request_id)
         req.preempt()
         self.num_preemptions += 1
         self._enqueue(req)

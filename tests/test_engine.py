@@ -61,6 +61,50 @@ def test_same_greedy_tokens(reference, kwargs):
     assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.num_blocks
 
 
+def test_seeded_sampling_survives_preemption(stories_llm):
+    """A seeded request's tokens do not depend on the batch: not on being preempted and
+    recomputed either (its generator continues where it was, as in vLLM)."""
+    seeded = [SamplingParams(temperature=1.0, seed=7 + i, max_tokens=24, ignore_eos=True)
+              for i in range(4)]
+    ref = [o.outputs[0].token_ids for o in stories_llm.generate(prompts(stories_llm), seeded)]
+    llm = LLM(str(STORIES_EMBEDDED), num_gpu_blocks_override=6, block_size=8, max_model_len=48)
+    outs = llm.generate(prompts(llm), seeded)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.num_blocks
+
+
+
+def test_prompt_logprobs_once_per_token_when_preempted_mid_prefill():
+    """Prompt logprobs are gathered chunk by chunk; a request preempted between its chunks
+    computes them again from its first token: each prompt token still has one entry."""
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, prompt_logprobs=1)
+    ps = [{"prompt_token_ids": [1] + list(range(30 + 3 * i, 70 + 3 * i))} for i in range(5)]
+    want = LLM(str(STORIES_EMBEDDED)).generate(ps, sp)
+    llm = LLM(str(STORIES_EMBEDDED), num_gpu_blocks_override=18, block_size=8, max_model_len=128,
+              max_num_batched_tokens=16)
+    outs = llm.generate(ps, sp)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for a, b in zip(want, outs):
+        assert len(b.prompt_logprobs) == len(b.prompt_token_ids) == 41
+        assert [e and e.token_ids[0] for e in b.prompt_logprobs] == \
+            [e and e.token_ids[0] for e in a.prompt_logprobs]
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+
+
+def test_generate_refuses_per_prompt_lists_of_another_length(stories_llm):
+    """A list of SamplingParams or priorities must have one entry per prompt (as in vLLM): not
+    prompts dropped silently, nor an IndexError."""
+    sp = SamplingParams(max_tokens=2)
+    with pytest.raises(ValueError, match="sampling_params: 1 entries for 3 prompts"):
+        stories_llm.generate(["a", "b", "c"], [sp])
+    with pytest.raises(ValueError, match="sampling_params: 2 entries for 1 prompts"):
+        stories_llm.generate("a", [sp, sp])
+    with pytest.raises(ValueError, match="priority: 1 entries for 2 prompts"):
+        stories_llm.generate(["a", "b"], sp, priority=[1])
+    assert not stories_llm.engine.has_work
+    assert len(stories_llm.generate(["a", "b"], [sp, sp], priority=[0, 0])) == 2
+
 def test_prefix_cache_hit_on_second_identical_prompt(stories_llm):
     p = {"prompt_token_ids": list(range(3, 60))}  # 57 tokens: 3 full blocks
     a = stories_llm.generate(p, GREEDY)[0]

@@ -95,10 +95,38 @@ def test_lora_errors(setup, tmp_path):
         LLM(base, enable_lora=True, lora_modules=(f"x={tmp_path}",))
     with pytest.raises(ValueError, match="max-lora-rank"):
         LLM(base, enable_lora=True, max_lora_rank=8, lora_modules=(f"c={adapters[2].lora_path}",))
+    # one id, two adapters: the engine keys its caches (host, slots, prefix blocks) by the id
+    llm.generate([[1, 2, 3]], sp, lora_request=LoRARequest("a", 5, adapters[0].lora_path))
+    with pytest.raises(ValueError, match="lora_int_id 5 is already adapter 'a'"):
+        llm.generate([[1, 2, 3]], sp, lora_request=LoRARequest("b", 5, adapters[1].lora_path))
     plain = LLM(base, dtype="float32")
     with pytest.raises(ValueError, match="enable-lora"):
         plain.generate([[1, 2, 3]], sp, lora_request=adapters[0])
 
+
+
+def test_adapter_of_another_model_is_refused(setup, checkpoint, tmp_path):
+    """An adapter trained on another base (other projection sizes) is a ValueError naming the
+    module and shapes, never a crash in the step or silently truncated B rows; the engine
+    serves on."""
+    base, adapters, refs = setup
+    if "Qwen3" in base:
+        pytest.skip("one family suffices")
+    wider = make_adapter(checkpoint("Qwen3ForCausalLM"), tmp_path / "wider", 8, 16, False,
+                         ["q_proj", "v_proj"], seed=0)  # q: 128 output rows against 64
+    narrower = make_adapter(checkpoint("LlamaForCausalLM", hidden_size=32, num_attention_heads=2,
+                                       num_key_value_heads=1), tmp_path / "narrower", 8, 16,
+                            False, ["q_proj"], seed=0)  # A: 32 input columns against 64
+    llm = LLM(base, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16)
+    sp = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    for i, path in enumerate((wider, narrower)):
+        with pytest.raises(ValueError, match=r"q_proj.*lora_[AB] \[.*another base model"):
+            llm.generate([{"prompt_token_ids": PROMPTS[0]}], sp,
+                         lora_request=LoRARequest(f"other{i}", 50 + i, path))
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, lora_request=adapters[0])
+    assert [o.outputs[0].token_ids for o in outs] == refs[adapters[0].lora_int_id]
+    with pytest.raises(ValueError, match="--lora-modules: .*another base model"):  # at start
+        LLM(base, dtype="float32", enable_lora=True, lora_modules=(f"w={wider}",))
 
 @pytest.mark.mpi
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not on PATH")
@@ -356,3 +384,18 @@ def test_bench_throughput_with_random_adapters(tmp_path):
     rec = json.loads(out.read_text())
     assert rec["workload"]["num_loras"] == 3 and rec["results"]["rankserve"]["output_tokens"] > 0
     assert len(os.listdir(tmp_path / "lora-bench" / "stories260K-r8")) == 3
+
+
+def test_hybrid_nemotron_h_adapter_matches_peft(checkpoint, tmp_path):
+    """Nemotron-H: attention projections and the gate-less MLP's up_proj / down_proj take an
+    adapter (its Mamba2 mixers keep running without one), as transformers + PEFT merged."""
+    base = checkpoint("NemotronHForCausalLM")
+    path = make_adapter(base, tmp_path / "nemo", 8, 16, False,
+                        ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"], seed=1)
+    want = merged_greedy(base, path, PROMPTS[:2])
+    assert want != merged_greedy(base, None, PROMPTS[:2])
+    llm = LLM(base, dtype="float32", enable_lora=True, max_lora_rank=16)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]],
+                        SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True),
+                        lora_request=LoRARequest("nemo", 1, path))
+    assert [o.outputs[0].token_ids for o in outs] == want

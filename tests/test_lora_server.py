@@ -108,3 +108,22 @@ def test_unload_while_streaming_and_other_apis(lora_setup):
     for path, body in (("/v1/messages", {"model": "nope", "max_tokens": 2, "messages": msgs}),
                        ("/v1/responses", {"model": "nope", "input": "x"})):
         assert httpx.post(s.url + path, headers={**h, **auth}, json=body).status_code == 404
+
+
+def test_adapter_of_another_model_refused_at_load(lora_setup, checkpoint, tmp_path):
+    """/v1/load_lora_adapter with an adapter trained on another base: a 400 naming the
+    mismatch (the engine checks its tensor shapes), not a 200 and then an engine that fails on
+    the first request using it (503 for every client from then on)."""
+    base, paths, s = lora_setup
+    other = make_adapter(checkpoint("LlamaForCausalLM", hidden_size=32, num_attention_heads=2,
+                                    num_key_value_heads=1), tmp_path / "other", 8, 16, False,
+                         ["q_proj"], seed=0)
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    r = httpx.post(s.url + "/v1/load_lora_adapter", json={"lora_name": "other", "lora_path": other},
+                   headers=auth)
+    assert r.status_code == 400, r.text
+    assert "another base model" in r.json()["error"]["message"]
+    assert "other" not in {m["id"] for m in httpx.get(s.url + "/v1/models", headers=auth).json()["data"]}
+    r = httpx.post(s.url + "/v1/completions", headers=auth,
+                   json={"model": "a", "prompt": PROMPT, "max_tokens": 2})
+    assert r.status_code == 200, r.text

@@ -286,7 +286,9 @@ def build_app(ctx: ServeContext, metrics: Metrics, state: ServeState | None = No
 
     @v1.post("/load_lora_adapter")
     async def load_lora_adapter(req: LoadLoRAAdapterRequest):
-        return openai_api.load_lora_adapter(ctx, req)
+        # the engine checks the adapter's tensors against the model's layers ("" if it fits)
+        problem = await client.call("check_lora", req.lora_path) if ctx.lora_enabled else ""
+        return openai_api.load_lora_adapter(ctx, req, problem)
 
     @v1.post("/unload_lora_adapter")
     async def unload_lora_adapter(req: UnloadLoRAAdapterRequest):

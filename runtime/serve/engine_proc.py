@@ -248,6 +248,14 @@ class EngineServer:
         return {"max_model_len": c.max_model_len, "vocab_size": c.vocab_size,
                 "num_blocks": c.num_blocks, "block_size": self.cfg.cache.block_size}
 
+    def util_check_lora(self, path: str) -> str:
+        """Why the LoRA adapter at `path` cannot run on this model ("" if it can)."""
+        try:
+            self.core.check_lora(path)
+        except ValueError as e:
+            return str(e)
+        return ""
+
     def util_reset_prefix_cache(self) -> bool:
         return self.core.reset_prefix_cache()
 

@@ -521,11 +521,14 @@ def model_card(ctx: ServeContext, model_id: str | None = None) -> dict:
 
 
 # ---- LoRA adapters at runtime (vLLM's endpoints) ------------------------------------------------
-def load_lora_adapter(ctx: ServeContext, req) -> str:
+def load_lora_adapter(ctx: ServeContext, req, problem: str = "") -> str:
+    """`problem`: the engine's objection to the adapter's tensors ("" if they fit the model)."""
     if not ctx.lora_enabled:
         raise APIError("LoRA is not enabled: start the server with --enable-lora", param="lora_name")
     if req.lora_name in (ctx.model_name, ctx.model_path):
         raise APIError(f"`{req.lora_name}` is the base model's name", param="lora_name")
+    if problem:
+        raise APIError(problem, param="lora_path")
     try:
         ctx.loras.add(req.lora_name, req.lora_path, req.base_model_name)
     except ValueError as e:
