@@ -118,6 +118,7 @@ class CausalLM(nn.Module):
     # Opt in to the fused residual/norm fast path (models/fused.py); same outputs as the plain
     # blocks above, fewer kernels per layer. The MoE families inherit it.
     fused_residual = True
+    activations = {"hidden_act": ("silu", "swish")}  # config field -> what the MLP runs (loader)
 
     def __init__(self, cfg, pi: ParallelInfo, dtype: torch.dtype):
         super().__init__()

@@ -146,10 +146,21 @@ def model_class(hf_config):
     return MODELS.get(archs[0])
 
 
+def check_activations(cls, hf_config) -> None:
+    """The config's activations must be the ones the family's code runs (`cls.activations`:
+    config field -> accepted names); another one would run silently as the built-in one."""
+    for field, accepted in getattr(cls, "activations", {}).items():
+        value = getattr(hf_config, field, None)
+        if value is not None and value not in accepted:
+            raise ValueError(f"{field} {value!r} is not supported for {hf_config.architectures[0]} "
+                             f"(supported: {', '.join(accepted)})")
+
+
 def build_model(hf_config, pi: ParallelInfo, dtype: torch.dtype, device: torch.device,
                 quantization: str | None = None):
     from .quantization import apply_ignored, building, quant_config_of
     cls = model_class(hf_config)
+    check_activations(cls, hf_config)
     qconfig = quant_config_of(hf_config, quantization)
     with torch.device(device), building(qconfig):
         model = cls(hf_config, pi, dtype)

@@ -199,6 +199,7 @@ class NemotronHModel(nn.Module):
 @MODELS.register("NemotronHForCausalLM")
 class NemotronHForCausalLM(CausalLM):
     fused_residual = False
+    activations = {"mlp_hidden_act": ("relu2",), "mamba_hidden_act": ("silu", "swish")}
 
     def __init__(self, cfg, pi: ParallelInfo, dtype: torch.dtype):
         nn.Module.__init__(self)
