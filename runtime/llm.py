@@ -11,7 +11,8 @@ from tqdm import tqdm
 from . import envs, startup_clock
 from .config import DEFAULT_MODEL, EngineConfig
 from .engine_core import EngineCore
-from .inputs import TOKENIZER_FILES, engine_request, eos_token_ids_of, load_tokenizer  # noqa: F401
+from .inputs import (TOKENIZER_FILES, engine_request, eos_token_ids_of, load_tokenizer,  # noqa: F401
+                     sampling_defaults)
 from .outputs import OutputProcessor, RequestOutput, child_request_id
 from .sampling_params import SamplingParams
 
@@ -33,6 +34,11 @@ class LLM:
         self.engine = EngineCore(self.config, executor)
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` samples with when given no SamplingParams (as vLLM): the fields the
+        model's generation_config.json sets (`max_new_tokens` as `max_tokens`), the rest default."""
+        return SamplingParams(**sampling_defaults(self.config.model.model))
 
     def _to_token_ids(self, prompt) -> tuple[str | None, list[int]]:
         if self.tokenizer is None and (isinstance(prompt, str) or "prompt_token_ids" not in prompt
@@ -57,7 +63,7 @@ class LLM:
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
         if single or (isinstance(prompts, list) and not prompts):
             prompts = [prompts] if single else prompts
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         params = params if isinstance(params, list) else [params] * len(prompts)
         loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):

@@ -19,3 +19,52 @@ def test_an_activation_the_model_does_not_run_is_refused_naming_it(checkpoint, a
     path = checkpoint(arch, **{field: value})
     with pytest.raises(ValueError, match=f"{field} {value!r} is not supported"):
         LLM(path, dtype="float32", max_num_seqs=2)
+
+
+def _stories_copy(tmp_path, generation_config: dict | None, **config) -> str:
+    """stories260K with its generation_config.json replaced (None: removed) and `config` merged
+    into its config.json."""
+    import json
+    import shutil
+    from conftest import STORIES_EMBEDDED
+    path = tmp_path / "stories"
+    shutil.copytree(STORIES_EMBEDDED, path)
+    (path / "generation_config.json").unlink()
+    if generation_config is not None:
+        (path / "generation_config.json").write_text(json.dumps(generation_config))
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, **config}))
+    return str(path)
+
+
+PROMPTS = ["Once upon a time", "The little dog"]
+
+
+def test_offline_generate_without_sampling_params_takes_generation_config_defaults(tmp_path):
+    """vLLM's LLM.generate(prompts) samples with the checkpoint's generation_config.json
+    (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens), as
+    its server does for the fields a request leaves out."""
+    from rankserve import SamplingParams
+    path = _stories_copy(tmp_path, {"bos_token_id": 1, "eos_token_id": 2, "temperature": 0.7,
+                                    "top_k": 1, "max_new_tokens": 5})
+    llm = LLM(path, max_num_seqs=4)
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.max_tokens) == (0.7, 1, 5)
+    greedy = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=5))
+    for _ in range(3):  # top_k 1: the greedy tokens every time, 5 of them
+        outs = llm.generate(PROMPTS)
+        assert [o.outputs[0].token_ids for o in outs] == [g.outputs[0].token_ids for g in greedy]
+
+
+def test_eos_ids_of_config_json_stop_generation_without_a_generation_config(tmp_path):
+    """Without generation_config.json vLLM reads the generation defaults, eos ids included, from
+    config.json (GenerationConfig.from_model_config): each id of a list stops a request."""
+    from rankserve import SamplingParams
+    plain = LLM(_stories_copy(tmp_path / "a", None), max_num_seqs=4)
+    greedy = plain.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0]
+    assert len(greedy.token_ids) == 8
+    stop = greedy.token_ids[3]
+    first = greedy.token_ids.index(stop)
+    llm = LLM(_stories_copy(tmp_path / "b", None, eos_token_id=[2, stop]), max_num_seqs=4)
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0]
+    assert out.token_ids == greedy.token_ids[:first + 1] and out.finish_reason == "stop"
