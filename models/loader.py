@@ -270,7 +270,7 @@ def load_weights(model, model_dir: str, progress: bool = True) -> int:
                     except ValueError as e:  # which tensor the checkpoint cannot load
                         raise ValueError(f"{name}: {e}") from e
                     loaded.add(target)
-    missing = [n for n in params if n not in loaded and not _tied_alias(model, n, loaded)
+    missing = [n for n in params if n not in loaded and not _tied_alias(params, n, loaded)
                and not getattr(params[n], "written_by_weight", False)  # scales of --quantization fp8
                and not getattr(params[n], "optional", False)]  # e.g. GPTQ's g_idx without desc_act
     if missing and hasattr(model, "drop_missing"):  # optional parts the checkpoint lacks (MTP)
@@ -311,8 +311,10 @@ def _check_unused(name: str, target: str, params: dict) -> None:
                          "such a checkpoint is not supported")
 
 
-def _tied_alias(model, name: str, loaded: set[str]) -> bool:
-    return name == "lm_head.weight" and "model.embed_tokens.weight" in loaded
+def _tied_alias(params: dict, name: str, loaded: set[str]) -> bool:
+    """`name` is another name of a loaded parameter (a tied LM head is the embedding); an untied
+    head the checkpoint lacks is missing, not the embedding."""
+    return any(params.get(other) is params[name] for other in loaded)
 
 
 def init_dummy_weights(model, seed: int, config=None) -> None:

@@ -68,3 +68,17 @@ def test_eos_ids_of_config_json_stop_generation_without_a_generation_config(tmp_
     llm = LLM(_stories_copy(tmp_path / "b", None, eos_token_id=[2, stop]), max_num_seqs=4)
     out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0]
     assert out.token_ids == greedy.token_ids[:first + 1] and out.finish_reason == "stop"
+
+
+def test_an_untied_lm_head_missing_from_the_checkpoint_is_named(checkpoint, tmp_path):
+    """tie_word_embeddings false and no lm_head.weight: the head is not the embedding, so the
+    start fails naming it (as vLLM); it had run with an all-zero head (every token id 0)."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    path = tmp_path / "nohead"
+    shutil.copytree(checkpoint("LlamaForCausalLM"), path)
+    tensors = load_file(path / "model.safetensors")
+    del tensors["lm_head.weight"]
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"lacks weights for: \['lm_head.weight'\]"):
+        LLM(str(path), dtype="float32", max_num_seqs=2)
