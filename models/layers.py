@@ -71,7 +71,12 @@ class ColumnParallelLinear(ParallelLinear):
         return sum(self.output_sizes[:shard_id]), self.pi.tp_rank * size, size
 
     def slices(self, shard_id: int | None) -> Slices:
-        return Slices(self.shard_rows(shard_id or 0), (0, self.full_in), self.full_in)
+        return Slices(self.shard_rows(shard_id or 0), (0, self.full_in), self.full_in,
+                      self.full_rows(shard_id or 0))
+
+    def full_rows(self, shard_id: int) -> int | None:
+        """The checkpoint rows of a sub-matrix (all ranks' shards of it), None: not checked."""
+        return self.output_sizes[shard_id] * self.pi.tp_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x, self.bias)
@@ -95,7 +100,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             divide(pi.tp_size, num_kv_heads, "tensor-parallel size vs num_key_value_heads")
             self.num_kv_heads = 1
             self.kv_rank = pi.tp_rank * num_kv_heads // pi.tp_size
-        self.head_dim = head_dim
+        self.head_dim, self.total_heads = head_dim, (num_heads, num_kv_heads, num_kv_heads)
         sizes = [self.num_heads * head_dim, self.num_kv_heads * head_dim, self.num_kv_heads * head_dim]
         super().__init__(hidden, [s * pi.tp_size for s in sizes], bias, pi, dtype)
         self.output_sizes = sizes
@@ -104,6 +109,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         size = self.output_sizes[shard_id]
         rank = self.pi.tp_rank if shard_id == 0 else self.kv_rank
         return sum(self.output_sizes[:shard_id]), rank * size, size
+
+    def full_rows(self, shard_id: int) -> int:
+        return self.total_heads[shard_id] * self.head_dim
 
 
 class RowParallelLinear(ParallelLinear):
@@ -125,7 +133,7 @@ class RowParallelLinear(ParallelLinear):
 
     def slices(self, shard_id: int | None) -> Slices:
         return Slices((0, 0, self.out_features), (self.pi.tp_rank * self.in_per_rank, self.in_per_rank),
-                      self.full_in)
+                      self.full_in, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._reduce(self.linear(x))
@@ -153,6 +161,10 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param, src, shard_id=None):
+        if _shape(src)[0] != self.vocab_size:  # (rows past it would be dropped, rows short of it zero)
+            raise ValueError(f"has shape {_shape(src)} in the checkpoint where the config's "
+                             f"vocab_size is {self.vocab_size}: the config and the weights are of "
+                             "different models")
         end = min(self.start + self.per_rank, _shape(src)[0])
         if end > self.start:
             param.data[:end - self.start].copy_(_read(src, slice(self.start, end)))

@@ -82,3 +82,23 @@ def test_an_untied_lm_head_missing_from_the_checkpoint_is_named(checkpoint, tmp_
     save_file(tensors, path / "model.safetensors")
     with pytest.raises(ValueError, match=r"lacks weights for: \['lm_head.weight'\]"):
         LLM(str(path), dtype="float32", max_num_seqs=2)
+
+
+@pytest.mark.parametrize("field, value, tensor", [
+    ("num_key_value_heads", 1, "model.layers.0.self_attn.k_proj.weight"),  # 2 heads stored
+    ("vocab_size", 500, "(model.embed_tokens|lm_head).weight"),  # 512 rows stored
+    ("vocab_size", 520, "(model.embed_tokens|lm_head).weight"),
+])
+def test_a_config_the_checkpoints_shapes_do_not_fit_is_refused_naming_the_tensor(
+        checkpoint, tmp_path, field, value, tensor):
+    """config.json and the weights disagree (a config of another size, an edited vocabulary):
+    transformers refuses the sizes; reading the first rows (or leaving rows at zero) would run
+    a different model."""
+    import json
+    import shutil
+    path = tmp_path / "m"
+    shutil.copytree(checkpoint("LlamaForCausalLM"), path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, field: value}))
+    with pytest.raises(ValueError, match=f"{tensor}: has shape"):
+        LLM(str(path), dtype="float32", max_num_seqs=2)
