@@ -21,14 +21,14 @@ def test_an_activation_the_model_does_not_run_is_refused_naming_it(checkpoint, a
         LLM(path, dtype="float32", max_num_seqs=2)
 
 
-def _stories_copy(tmp_path, generation_config: dict | None, **config) -> str:
-    """stories260K with its generation_config.json replaced (None: removed) and `config` merged
-    into its config.json."""
+def _stories_copy(tmp_path, generation_config: dict | None, tokenizer: bool = True, **config) -> str:
+    """stories260K with its generation_config.json replaced (None: removed), `config` merged
+    into its config.json, and without its tokenizer unless `tokenizer`."""
     import json
     import shutil
     from conftest import STORIES_EMBEDDED
     path = tmp_path / "stories"
-    shutil.copytree(STORIES_EMBEDDED, path)
+    shutil.copytree(STORIES_EMBEDDED, path, ignore=None if tokenizer else shutil.ignore_patterns("tokenizer*"))
     (path / "generation_config.json").unlink()
     if generation_config is not None:
         (path / "generation_config.json").write_text(json.dumps(generation_config))
@@ -102,3 +102,18 @@ def test_a_config_the_checkpoints_shapes_do_not_fit_is_refused_naming_the_tensor
     (path / "config.json").write_text(json.dumps({**cfg, field: value}))
     with pytest.raises(ValueError, match=f"{tensor}: has shape"):
         LLM(str(path), dtype="float32", max_num_seqs=2)
+
+
+def test_a_model_without_a_tokenizer_stops_at_its_generation_config_eos_ids(tmp_path):
+    """A directory without tokenizer files serves token ids; its generation_config.json's eos
+    ids still end a request (vLLM with skip_tokenizer_init), instead of running to max_tokens."""
+    from rankserve import SamplingParams
+    prompt = {"prompt_token_ids": [1, 403, 407, 261, 378]}  # "Once upon a time"
+    sp = SamplingParams(temperature=0, max_tokens=8)
+    plain = LLM(_stories_copy(tmp_path / "a", None, tokenizer=False), max_num_seqs=4)
+    greedy = plain.generate(prompt, sp)[0].outputs[0].token_ids
+    assert len(greedy) == 8
+    stop = greedy[3]
+    llm = LLM(_stories_copy(tmp_path / "b", {"eos_token_id": [stop, 2]}, tokenizer=False), max_num_seqs=4)
+    out = llm.generate(prompt, sp)[0].outputs[0]
+    assert out.token_ids == greedy[:greedy.index(stop) + 1] and out.finish_reason == "stop"

@@ -425,7 +425,7 @@ class DrainingServer(uvicorn.Server):
 async def serve(settings: dict) -> int:
     args = ServerArgs(**settings["server_args"])
     tokenizer = load_tokenizer(settings["tokenizer"])
-    eos = eos_token_ids_of(tokenizer, settings["model"]) if tokenizer is not None else []
+    eos = eos_token_ids_of(tokenizer, settings["model"])
     # one engine address, or one per data-parallel replica (replica 0 first)
     addresses = settings.get("engine_addresses") or [settings["engine_address"]]
     metrics = Metrics(settings["served_model_name"], len(addresses))
