@@ -117,3 +117,29 @@ def test_a_model_without_a_tokenizer_stops_at_its_generation_config_eos_ids(tmp_
     llm = LLM(_stories_copy(tmp_path / "b", {"eos_token_id": [stop, 2]}, tokenizer=False), max_num_seqs=4)
     out = llm.generate(prompt, sp)[0].outputs[0]
     assert out.token_ids == greedy[:greedy.index(stop) + 1] and out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("arch, rope", [
+    ("Qwen3ForCausalLM", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+    ("LlamaForCausalLM", {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32,
+                          "beta_fast": 16, "beta_slow": 2}),
+    ("Qwen2ForCausalLM", {"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 128,
+                          "attention_factor": 1.3}),
+])
+def test_yarn_rope_matches_transformers(checkpoint, arch, rope):
+    """YaRN as Qwen's model cards add it to config.json (`rope_scaling`, either key spelling):
+    the frequencies blend, and cos/sin scale by the attention factor, as transformers does."""
+    import torch
+    import transformers
+    from test_parity import NEW, PROMPTS, hf_greedy, model_logits
+    from rankserve import SamplingParams
+    path = checkpoint(arch, rope_scaling=rope)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(path, dtype="float32", max_num_seqs=4)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p) for p in PROMPTS]
+    for p in PROMPTS:
+        with torch.no_grad():
+            ref = hf(torch.tensor([p])).logits[0, -1]
+        torch.testing.assert_close(model_logits(llm, p), ref, atol=1e-4, rtol=1e-4)
