@@ -43,7 +43,9 @@ class LLM:
     def _to_token_ids(self, prompt) -> tuple[str | None, list[int]]:
         if self.tokenizer is None and (isinstance(prompt, str) or "prompt_token_ids" not in prompt
                                        if isinstance(prompt, (str, dict)) else False):
-            raise ValueError("this model directory has no tokenizer; pass prompt token ids")
+            where = self.config.model.tokenizer or self.config.model.model
+            raise ValueError(f"{where!r} has no tokenizer files ({', '.join(TOKENIZER_FILES)}): give a "
+                             "tokenizer directory (--tokenizer, LLM(tokenizer=...)) or pass prompt token ids")
         if isinstance(prompt, str):
             return prompt, self.tokenizer(prompt).input_ids
         if isinstance(prompt, dict):

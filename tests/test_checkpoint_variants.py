@@ -143,3 +143,14 @@ def test_yarn_rope_matches_transformers(checkpoint, arch, rope):
         with torch.no_grad():
             ref = hf(torch.tensor([p])).logits[0, -1]
         torch.testing.assert_close(model_logits(llm, p), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_generate_cli_on_a_directory_without_a_tokenizer_names_the_flag(tmp_path):
+    """`rankserve generate DIR --prompt TEXT` where DIR has weights but no tokenizer files: the
+    error says how to give one (the CLI cannot pass token ids)."""
+    import subprocess
+    import sys
+    path = _stories_copy(tmp_path, None, tokenizer=False)
+    r = subprocess.run([sys.executable, "-m", "rankserve.launch", "generate", path, "--prompt", "Hi",
+                        "--max-tokens", "2"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "--tokenizer" in r.stderr.splitlines()[-1], r.stderr[-500:]
