@@ -45,7 +45,7 @@ from .llama import FusedDecoder, rope_params
 from .moe import FusedExperts, MoECausalLM
 from .parallel import ParallelInfo, tp_all_reduce
 from .quantization import Unquantized
-from .config_queries import without_mtp  # noqa: F401
+from .config_queries import rope_max_len, without_mtp  # noqa: F401
 from .registry import MODELS
 
 log = logging.getLogger("rankserve.models")
@@ -78,15 +78,16 @@ def mla_cos_sin(cfg) -> tuple[torch.Tensor, float]:
     """(fp32 [max_pos, R] table: cos then sin of the R/2 frequencies, times the attention factor;
     softmax scale). One table per device shared by every layer: V3's 163840 positions make it
     40 MiB, which per layer would cost 2.5 GiB."""
+    n = rope_max_len(cfg)  # the positions --max-model-len may reach
     key = (repr(sorted(rope_params(cfg).items())), cfg.qk_rope_head_dim, cfg.qk_nope_head_dim,
-           cfg.max_position_embeddings, str(torch.get_default_device()))
+           n, str(torch.get_default_device()))
     if building_on_meta():
         with torch.device("cpu"):
             inv, _, scale = mla_rope(cfg)
-        return torch.empty(cfg.max_position_embeddings, 2 * inv.numel(), dtype=torch.float32), scale
+        return torch.empty(n, 2 * inv.numel(), dtype=torch.float32), scale
     if key not in _TABLES:
         inv, attn_factor, scale = mla_rope(cfg)
-        freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32), inv)
+        freqs = torch.outer(torch.arange(n, dtype=torch.float32), inv)
         _TABLES[key] = torch.cat([freqs.cos(), freqs.sin()], -1) * attn_factor, scale
     return _TABLES[key]
 

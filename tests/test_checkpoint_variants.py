@@ -154,3 +154,24 @@ def test_generate_cli_on_a_directory_without_a_tokenizer_names_the_flag(tmp_path
     r = subprocess.run([sys.executable, "-m", "rankserve.launch", "generate", path, "--prompt", "Hi",
                         "--max-tokens", "2"], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "--tokenizer" in r.stderr.splitlines()[-1], r.stderr[-500:]
+
+
+def test_yarn_extends_the_context_past_max_position_embeddings(checkpoint):
+    """As vLLM derives it, YaRN's context is original_max_position_embeddings x factor (Qwen3:
+    32768 x 4 = 131072 against max_position_embeddings 40960): the default --max-model-len, and
+    positions past max_position_embeddings match transformers."""
+    import torch
+    import transformers
+    from test_parity import hf_greedy
+    from rankserve import SamplingParams
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 96}
+    path = checkpoint("Qwen3ForCausalLM", rope_scaling=rope, max_position_embeddings=128)
+    llm = LLM(path, dtype="float32", max_num_seqs=2)
+    assert llm.engine.executor.runner.max_model_len == 384
+    prompt = [1] + [(7 * i) % 500 + 3 for i in range(199)]  # 200 tokens, past 128
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=12,
+                                                                    ignore_eos=True))
+    assert out[0].outputs[0].token_ids == hf_greedy(hf, prompt)
+    with pytest.raises(ValueError, match="--max-model-len 400 exceeds"):
+        LLM(path, dtype="float32", max_num_seqs=2, max_model_len=400)
