@@ -175,3 +175,17 @@ def test_yarn_extends_the_context_past_max_position_embeddings(checkpoint):
     assert out[0].outputs[0].token_ids == hf_greedy(hf, prompt)
     with pytest.raises(ValueError, match="--max-model-len 400 exceeds"):
         LLM(path, dtype="float32", max_num_seqs=2, max_model_len=400)
+
+
+def test_bench_context_check_takes_the_scaled_context(checkpoint):
+    """`rankserve bench` checks that its requests fit the context the engine will serve: with
+    YaRN that is original_max_position_embeddings x factor, not max_position_embeddings."""
+    from rankserve.models.loader import load_hf_config
+    from rankserve.runtime.bench.common import check_context
+    from rankserve.runtime.config import EngineConfig
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 96}
+    path = checkpoint("Qwen3ForCausalLM", rope_scaling=rope, max_position_embeddings=128)
+    cfg = EngineConfig.from_kwargs(model=path)
+    check_context(cfg, load_hf_config(path), 300, 84)
+    with pytest.raises(ValueError, match="more than the context of 384"):
+        check_context(cfg, load_hf_config(path), 300, 85)
