@@ -22,3 +22,18 @@ def without_mtp(hf_config):
     cfg = copy.deepcopy(hf_config)
     cfg.num_nextn_predict_layers = 0
     return cfg
+
+
+def rope_max_len(cfg) -> int:
+    """The positions the model serves, as vLLM derives the context length from `rope_scaling`:
+    YaRN's original_max_position_embeddings x factor, linear scaling's max_position_embeddings x
+    factor (never fewer than max_position_embeddings); other kinds (llama3's
+    max_position_embeddings is already the long one) and per-layer-type settings (Gemma 3) keep
+    max_position_embeddings."""
+    n = cfg.max_position_embeddings
+    p = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    kind, factor = p.get("rope_type") or p.get("type"), p.get("factor")
+    if not factor or kind not in ("linear", "yarn"):
+        return n
+    base = p.get("original_max_position_embeddings") or n if kind == "yarn" else n
+    return max(n, int(base * factor))

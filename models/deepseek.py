@@ -29,7 +29,6 @@ For speculative decoding, see `DeepseekV3ForCausalLM.mtp_forward` / `mtp_store_k
 from __future__ import annotations
 
 import logging
-import math
 import re
 
 import torch
@@ -41,21 +40,17 @@ from ..kernels.quant import FP8, dequant_fp8_weight
 from .fused import FusedResidualLayer
 from .layers import (
     AttnMeta, ColumnParallelLinear, GatedMLP, ParallelLMHead, RMSNorm, RowParallelLinear, building_on_meta,
-    VocabParallelEmbedding, divide)
+    VocabParallelEmbedding, divide, yarn_mscale, yarn_rope)
 from .llama import FusedDecoder, rope_params
 from .moe import FusedExperts, MoECausalLM
 from .parallel import ParallelInfo, tp_all_reduce
 from .quantization import Unquantized
-from .config_queries import without_mtp  # noqa: F401
+from .config_queries import rope_max_len, without_mtp  # noqa: F401
 from .registry import MODELS
 
 log = logging.getLogger("rankserve.models")
 
 REPLICATED = ParallelInfo()  # layers every tensor-parallel rank holds whole (tp_size 1)
-
-
-def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def mla_rope(cfg) -> tuple[torch.Tensor, float, float]:
@@ -64,31 +59,16 @@ def mla_rope(cfg) -> tuple[torch.Tensor, float, float]:
     kind = p.get("rope_type") or p.get("type") or "default"
     dim = cfg.qk_rope_head_dim
     base = float(p.get("rope_theta", 10000.0))
-    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
     softmax_scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
     if kind == "default":
-        return 1.0 / pos_freqs, 1.0, softmax_scale
+        return 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim), 1.0, softmax_scale
     if kind != "yarn":
         raise ValueError(f"unsupported rope_type {kind!r} for DeepSeek MLA (supported: default, yarn)")
-    orig = p["original_max_position_embeddings"]
-    factor = p.get("factor") or cfg.max_position_embeddings / orig
-    attn_factor = p.get("attention_factor")
-    if attn_factor is None:
-        m, m_all = p.get("mscale"), p.get("mscale_all_dim")
-        attn_factor = yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all else yarn_mscale(factor)
-
-    def corr_dim(rot):  # the dimension whose wavelength makes `rot` turns over the original length
-        return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
-    lo, hi = corr_dim(p.get("beta_fast") or 32), corr_dim(p.get("beta_slow") or 1)
-    if p.get("truncate", True):
-        lo, hi = math.floor(lo), math.ceil(hi)
-    lo, hi = max(lo, 0), min(hi, dim - 1)
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - lo) / ((hi + 0.001 if lo == hi else hi) - lo)).clamp(0, 1)
-    extrapolate = 1 - ramp  # high frequencies keep their value, low ones are interpolated
-    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+    inv, attn_factor = yarn_rope(dim, p, cfg.max_position_embeddings)
     if p.get("mscale_all_dim"):
+        factor = p.get("factor") or cfg.max_position_embeddings / p["original_max_position_embeddings"]
         softmax_scale *= yarn_mscale(factor, p["mscale_all_dim"]) ** 2
-    return inv, float(attn_factor), softmax_scale
+    return inv, attn_factor, softmax_scale
 
 
 _TABLES: dict[tuple, tuple[torch.Tensor, float]] = {}
@@ -98,15 +78,16 @@ def mla_cos_sin(cfg) -> tuple[torch.Tensor, float]:
     """(fp32 [max_pos, R] table: cos then sin of the R/2 frequencies, times the attention factor;
     softmax scale). One table per device shared by every layer: V3's 163840 positions make it
     40 MiB, which per layer would cost 2.5 GiB."""
+    n = rope_max_len(cfg)  # the positions --max-model-len may reach
     key = (repr(sorted(rope_params(cfg).items())), cfg.qk_rope_head_dim, cfg.qk_nope_head_dim,
-           cfg.max_position_embeddings, str(torch.get_default_device()))
+           n, str(torch.get_default_device()))
     if building_on_meta():
         with torch.device("cpu"):
             inv, _, scale = mla_rope(cfg)
-        return torch.empty(cfg.max_position_embeddings, 2 * inv.numel(), dtype=torch.float32), scale
+        return torch.empty(n, 2 * inv.numel(), dtype=torch.float32), scale
     if key not in _TABLES:
         inv, attn_factor, scale = mla_rope(cfg)
-        freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32), inv)
+        freqs = torch.outer(torch.arange(n, dtype=torch.float32), inv)
         _TABLES[key] = torch.cat([freqs.cos(), freqs.sin()], -1) * attn_factor, scale
     return _TABLES[key]
 

@@ -115,6 +115,7 @@ class Gemma3Decoder(nn.Module):
 @MODELS.register("Gemma3ForCausalLM")
 class Gemma3ForCausalLM(CausalLM):
     fused_residual = False
+    activations = {"hidden_activation": ("gelu_pytorch_tanh", "gelu_new")}  # both tanh-approximate
 
     def __init__(self, cfg, pi: ParallelInfo, dtype: torch.dtype):
         nn.Module.__init__(self)

@@ -72,7 +72,12 @@ class ColumnParallelLinear(ParallelLinear):
         return sum(self.output_sizes[:shard_id]), self.pi.tp_rank * size, size
 
     def slices(self, shard_id: int | None) -> Slices:
-        return Slices(self.shard_rows(shard_id or 0), (0, self.full_in), self.full_in)
+        return Slices(self.shard_rows(shard_id or 0), (0, self.full_in), self.full_in,
+                      self.full_rows(shard_id or 0))
+
+    def full_rows(self, shard_id: int) -> int | None:
+        """The checkpoint rows of a sub-matrix (all ranks' shards of it), None: not checked."""
+        return self.output_sizes[shard_id] * self.pi.tp_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x, self.bias)
@@ -96,7 +101,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             divide(pi.tp_size, num_kv_heads, "tensor-parallel size vs num_key_value_heads")
             self.num_kv_heads = 1
             self.kv_rank = pi.tp_rank * num_kv_heads // pi.tp_size
-        self.head_dim = head_dim
+        self.head_dim, self.total_heads = head_dim, (num_heads, num_kv_heads, num_kv_heads)
         sizes = [self.num_heads * head_dim, self.num_kv_heads * head_dim, self.num_kv_heads * head_dim]
         super().__init__(hidden, [s * pi.tp_size for s in sizes], bias, pi, dtype)
         self.output_sizes = sizes
@@ -106,6 +111,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         size = self.output_sizes[shard_id]
         rank = self.pi.tp_rank if shard_id == 0 else self.kv_rank
         return sum(self.output_sizes[:shard_id]), rank * size, size
+
+    def full_rows(self, shard_id: int) -> int:
+        return self.total_heads[shard_id] * self.head_dim
 
 
 class RowParallelLinear(ParallelLinear):
@@ -127,7 +135,7 @@ class RowParallelLinear(ParallelLinear):
 
     def slices(self, shard_id: int | None) -> Slices:
         return Slices((0, 0, self.out_features), (self.pi.tp_rank * self.in_per_rank, self.in_per_rank),
-                      self.full_in)
+                      self.full_in, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._reduce(self.linear(x))
@@ -155,6 +163,10 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param, src, shard_id=None):
+        if _shape(src)[0] != self.vocab_size:  # (rows past it would be dropped, rows short of it zero)
+            raise ValueError(f"has shape {_shape(src)} in the checkpoint where the config's "
+                             f"vocab_size is {self.vocab_size}: the config and the weights are of "
+                             "different models")
         end = min(self.start + self.per_rank, _shape(src)[0])
         if end > self.start:
             param.data[:end - self.start].copy_(_read(src, slice(self.start, end)))
@@ -186,11 +198,43 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def rope_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
-    """Inverse frequencies for the RoPE variants in HF configs (default, linear, llama3)."""
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_rope(dim: int, p: dict, max_pos: int) -> tuple[torch.Tensor, float]:
+    """YaRN (transformers' _compute_yarn_parameters): inverse frequencies [dim/2] blending the
+    original (high frequencies) and the interpolated ones (low) over a linear ramp, and the
+    attention factor that scales cos and sin."""
+    base = float(p.get("rope_theta", 10000.0))
+    orig = p["original_max_position_embeddings"]
+    factor = p.get("factor") or max_pos / orig
+    attn_factor = p.get("attention_factor")
+    if attn_factor is None:
+        m, m_all = p.get("mscale"), p.get("mscale_all_dim")
+        attn_factor = yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all else yarn_mscale(factor)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+
+    def corr_dim(rot):  # the dimension whose wavelength makes `rot` turns over the original length
+        return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
+    lo, hi = corr_dim(p.get("beta_fast") or 32), corr_dim(p.get("beta_slow") or 1)
+    if p.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - lo) / ((hi + 0.001 if lo == hi else hi) - lo)).clamp(0, 1)
+    extrapolate = 1 - ramp  # high frequencies keep their value, low ones are interpolated
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+    return inv, float(attn_factor)
+
+
+def rope_inv_freq(head_dim: int, params: dict, max_pos: int = 0) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies for the RoPE variants in HF configs (default, linear, llama3, yarn) and
+    the factor cos and sin are scaled by (1 but for YaRN)."""
     theta = float(params.get("rope_theta", 10000.0))
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     kind = params.get("rope_type") or params.get("type") or "default"
+    if kind == "yarn":
+        return yarn_rope(head_dim, params, max_pos)
     if kind == "linear":
         inv = inv / float(params["factor"])
     elif kind == "llama3":
@@ -202,8 +246,8 @@ def rope_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
         mid = (wavelen <= old_len / lo) & (wavelen >= old_len / hi)
         inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
     elif kind != "default":
-        raise ValueError(f"unsupported rope_type {kind!r} (supported: default, linear, llama3)")
-    return inv.float()
+        raise ValueError(f"unsupported rope_type {kind!r} (supported: default, linear, llama3, yarn)")
+    return inv.float(), 1.0
 
 
 _COS_SIN: dict[tuple, torch.Tensor] = {}
@@ -222,13 +266,13 @@ def rope_cos_sin(head_dim: int, max_pos: int, params: dict) -> torch.Tensor:
     layers: at 128k positions it is 64 MiB, which per layer would cost an 8B model 2 GiB."""
     if building_on_meta():
         with torch.device("cpu"):
-            inv = rope_inv_freq(head_dim, params)  # its checks: an unsupported rope type raises
+            inv, _ = rope_inv_freq(head_dim, params, max_pos)  # its checks: an unsupported rope type raises
         return torch.empty(max_pos, 2 * inv.numel(), dtype=torch.float32)
     key = (head_dim, max_pos, repr(sorted(params.items())), str(torch.get_default_device()))
     if key not in _COS_SIN:
-        inv = rope_inv_freq(head_dim, params)
+        inv, attn_factor = rope_inv_freq(head_dim, params, max_pos)
         freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv.to(torch.float32))
-        _COS_SIN[key] = torch.cat([freqs.cos(), freqs.sin()], -1)
+        _COS_SIN[key] = torch.cat([freqs.cos(), freqs.sin()], -1) * attn_factor
     return _COS_SIN[key]
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from .config_queries import rope_max_len
 from .fused import FusedResidualDecoder, FusedResidualLayer
 from .layers import (
     Attention, AttnMeta, GatedMLP, ParallelInfo, ParallelLMHead, RMSNorm, VocabParallelEmbedding)
@@ -75,7 +76,7 @@ class DecoderLayer(nn.Module):
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.self_attn = Attention(
             cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim,
-            cfg.max_position_embeddings, rope_params(cfg), pi, qkv_bias,
+            rope_max_len(cfg), rope_params(cfg), pi, qkv_bias,
             cfg.rms_norm_eps if qk_norm else None, dtype, window=layer_window(cfg, layer_id))
         self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -118,6 +119,7 @@ class CausalLM(nn.Module):
     # Opt in to the fused residual/norm fast path (models/fused.py); same outputs as the plain
     # blocks above, fewer kernels per layer. The MoE families inherit it.
     fused_residual = True
+    activations = {"hidden_act": ("silu", "swish")}  # config field -> what the MLP runs (loader)
 
     def __init__(self, cfg, pi: ParallelInfo, dtype: torch.dtype):
         super().__init__()

@@ -146,10 +146,21 @@ def model_class(hf_config):
     return MODELS.get(archs[0])
 
 
+def check_activations(cls, hf_config) -> None:
+    """The config's activations must be the ones the family's code runs (`cls.activations`:
+    config field -> accepted names); another one would run silently as the built-in one."""
+    for field, accepted in getattr(cls, "activations", {}).items():
+        value = getattr(hf_config, field, None)
+        if value is not None and value not in accepted:
+            raise ValueError(f"{field} {value!r} is not supported for {hf_config.architectures[0]} "
+                             f"(supported: {', '.join(accepted)})")
+
+
 def build_model(hf_config, pi: ParallelInfo, dtype: torch.dtype, device: torch.device,
                 quantization: str | None = None):
     from .quantization import apply_ignored, building, quant_config_of
     cls = model_class(hf_config)
+    check_activations(cls, hf_config)
     qconfig = quant_config_of(hf_config, quantization)
     with torch.device(device), building(qconfig):
         model = cls(hf_config, pi, dtype)
@@ -259,7 +270,7 @@ def load_weights(model, model_dir: str, progress: bool = True) -> int:
                     except ValueError as e:  # which tensor the checkpoint cannot load
                         raise ValueError(f"{name}: {e}") from e
                     loaded.add(target)
-    missing = [n for n in params if n not in loaded and not _tied_alias(model, n, loaded)
+    missing = [n for n in params if n not in loaded and not _tied_alias(params, n, loaded)
                and not getattr(params[n], "written_by_weight", False)  # scales of --quantization fp8
                and not getattr(params[n], "optional", False)]  # e.g. GPTQ's g_idx without desc_act
     if missing and hasattr(model, "drop_missing"):  # optional parts the checkpoint lacks (MTP)
@@ -300,8 +311,10 @@ def _check_unused(name: str, target: str, params: dict) -> None:
                          "such a checkpoint is not supported")
 
 
-def _tied_alias(model, name: str, loaded: set[str]) -> bool:
-    return name == "lm_head.weight" and "model.embed_tokens.weight" in loaded
+def _tied_alias(params: dict, name: str, loaded: set[str]) -> bool:
+    """`name` is another name of a loaded parameter (a tied LM head is the embedding); an untied
+    head the checkpoint lacks is missing, not the embedding."""
+    return any(params.get(other) is params[name] for other in loaded)
 
 
 def init_dummy_weights(model, seed: int, config=None) -> None:

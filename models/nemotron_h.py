@@ -49,6 +49,9 @@ class Mamba2InProj(ColumnParallelLinear):
     def shard_rows(self, shard_id: int):
         return sum(self.output_sizes[:shard_id]), self.src_rows[shard_id], self.output_sizes[shard_id]
 
+    def full_rows(self, shard_id: int) -> None:
+        return None  # the segments are parts of one stored matrix
+
 
 class Mamba2Mixer(nn.Module):
     """Tensor parallel as in Megatron / vLLM: heads (with their dt, A, D, conv channels and norm
@@ -199,6 +202,7 @@ class NemotronHModel(nn.Module):
 @MODELS.register("NemotronHForCausalLM")
 class NemotronHForCausalLM(CausalLM):
     fused_residual = False
+    activations = {"mlp_hidden_act": ("relu2",), "mamba_hidden_act": ("silu", "swish")}
 
     def __init__(self, cfg, pi: ParallelInfo, dtype: torch.dtype):
         nn.Module.__init__(self)

@@ -78,6 +78,7 @@ class Slices:
     rows: tuple[int, int, int]
     cols: tuple[int, int]
     full_in: int  # the unsharded input size (K)
+    full_out: int | None = None  # the unsharded output rows of the part loaded (None: unchecked)
 
 
 def load_2d(param: torch.Tensor, src, s: Slices, out_axis: int, out_div: int = 1,
@@ -89,6 +90,13 @@ def load_2d(param: torch.Tensor, src, s: Slices, out_axis: int, out_div: int = 1
     off, start, n = s.rows
     c0, nc = s.cols
     shape = _shape(src)
+    if s.full_out is not None and shape[out_axis] != -(-s.full_out // out_div):
+        need = list(shape)
+        need[out_axis] = -(-s.full_out // out_div)
+        per = f", {out_div} to an entry" if out_div > 1 else ""
+        raise ValueError(f"has shape {list(shape)} in the checkpoint where this layer needs {need} "
+                         f"({s.full_out} output rows in the config{per}): a config of another "
+                         "model, or a tensor not of its weight's shape")
     r = (slice(_div(start, out_div, "output shard offset"),
                _div(start, out_div, "output shard offset") + -(-n // out_div)))
     cin = shape[1 - out_axis]

@@ -23,15 +23,42 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
+# generation_config.json fields that are sampling defaults for a request that leaves them out
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_config(model_dir: str) -> dict:
+    """The checkpoint's generation_config.json; without one, config.json (whose generation
+    fields transformers' GenerationConfig.from_model_config, and so vLLM, read instead)."""
+    import json
+    import os
+    for name in ("generation_config.json", "config.json"):
+        path = os.path.join(model_dir, name)
+        if os.path.isfile(path):
+            try:
+                with open(path) as f:
+                    data = json.load(f)
+            except (OSError, ValueError):
+                return {}
+            return data if isinstance(data, dict) else {}
+    return {}
+
+
+def sampling_defaults(model_dir: str) -> dict:
+    """The SamplingParams fields the generation config sets (vLLM's get_diff_sampling_param:
+    `max_new_tokens` becomes `max_tokens`)."""
+    gen = generation_config(model_dir)
+    out = {k: gen[k] for k in GENERATION_DEFAULTS if gen.get(k) is not None}
+    if isinstance(gen.get("max_new_tokens"), int):
+        out["max_tokens"] = gen["max_new_tokens"]
+    return out
+
+
 def eos_token_ids_of(tokenizer, model_dir: str) -> list[int]:
-    """All end-of-sequence ids (generation_config may list several, e.g. Llama 3's eot/eom)."""
-    ids: list[int] = []
-    try:
-        from transformers import GenerationConfig
-        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
-        ids = list(eos) if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else [])
-    except (OSError, ValueError):
-        pass
+    """All end-of-sequence ids (the generation config may list several, e.g. Llama 3's
+    eot/eom), then the tokenizer's."""
+    eos = generation_config(model_dir).get("eos_token_id")
+    ids = list(eos) if isinstance(eos, (list, tuple)) else ([eos] if isinstance(eos, int) else [])
     tok_eos = getattr(tokenizer, "eos_token_id", None)
     if tok_eos is not None and tok_eos not in ids:
         ids.append(tok_eos)

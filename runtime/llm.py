@@ -11,7 +11,8 @@ from tqdm import tqdm
 from . import envs, startup_clock
 from .config import DEFAULT_MODEL, EngineConfig
 from .engine_core import EngineCore
-from .inputs import TOKENIZER_FILES, engine_request, eos_token_ids_of, load_tokenizer  # noqa: F401
+from .inputs import (TOKENIZER_FILES, engine_request, eos_token_ids_of, load_tokenizer,  # noqa: F401
+                     sampling_defaults)
 from .outputs import OutputProcessor, RequestOutput, child_request_id
 from .sampling_params import SamplingParams
 
@@ -24,7 +25,7 @@ class LLM:
         self.config = config or EngineConfig.from_kwargs(model=model or DEFAULT_MODEL, **kwargs)
         m = self.config.model
         self.tokenizer = load_tokenizer(m.tokenizer or m.model)
-        self.eos_token_ids = eos_token_ids_of(self.tokenizer, m.model) if self.tokenizer else []
+        self.eos_token_ids = eos_token_ids_of(self.tokenizer, m.model)  # (no tokenizer: the config's)
         startup_clock.mark("tokenizer")
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
         if executor is None:
@@ -34,10 +35,17 @@ class LLM:
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` samples with when given no SamplingParams (as vLLM): the fields the
+        model's generation_config.json sets (`max_new_tokens` as `max_tokens`), the rest default."""
+        return SamplingParams(**sampling_defaults(self.config.model.model))
+
     def _to_token_ids(self, prompt) -> tuple[str | None, list[int]]:
         if self.tokenizer is None and (isinstance(prompt, str) or "prompt_token_ids" not in prompt
                                        if isinstance(prompt, (str, dict)) else False):
-            raise ValueError("this model directory has no tokenizer; pass prompt token ids")
+            where = self.config.model.tokenizer or self.config.model.model
+            raise ValueError(f"{where!r} has no tokenizer files ({', '.join(TOKENIZER_FILES)}): give a "
+                             "tokenizer directory (--tokenizer, LLM(tokenizer=...)) or pass prompt token ids")
         if isinstance(prompt, str):
             return prompt, self.tokenizer(prompt).input_ids
         if isinstance(prompt, dict):
@@ -57,7 +65,7 @@ class LLM:
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
         if single or (isinstance(prompts, list) and not prompts):
             prompts = [prompts] if single else prompts
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         params = params if isinstance(params, list) else [params] * len(prompts)
         loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
         for name, per_prompt in (("sampling_params", params), ("lora_request", loras),

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import gemv, pdl, quant, quant_tc, triton_attention
-from ..models.config_queries import without_mtp
+from ..models.config_queries import rope_max_len, without_mtp
 from ..models.layers import AttnMeta
 from ..models.parallel import ParallelInfo
 from ..models.loader import (
@@ -223,11 +223,13 @@ class ModelRunner:
         if cfg.spec is None or cfg.spec.method != "mtp":
             self.hf_config = without_mtp(self.hf_config)
         self.dtype = resolve_dtype(cfg.model.dtype, self.hf_config, device.type)
-        self.max_model_len = min(cfg.model.max_model_len or self.hf_config.max_position_embeddings,
-                                 self.hf_config.max_position_embeddings)
-        if cfg.model.max_model_len and cfg.model.max_model_len > self.hf_config.max_position_embeddings:
+        longest = rope_max_len(self.hf_config)  # max_position_embeddings, or RoPE scaling's
+        self.max_model_len = min(cfg.model.max_model_len or longest, longest)
+        if cfg.model.max_model_len and cfg.model.max_model_len > longest:
+            n = self.hf_config.max_position_embeddings
+            scaled = f", {longest} with its rope_scaling" if longest != n else ""
             raise ValueError(f"--max-model-len {cfg.model.max_model_len} exceeds the model's "
-                             f"max_position_embeddings ({self.hf_config.max_position_embeddings})")
+                             f"max_position_embeddings ({n}{scaled})")
         sched = cfg.scheduler
         if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < self.max_model_len:
             # (as vLLM) every prompt must fit one step: a smaller budget would cap the context

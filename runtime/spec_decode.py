@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
+from ..models.config_queries import rope_max_len
 from ..models.registry import Registry
 from .config import SpecDecodeParams
 
@@ -431,7 +432,8 @@ class DraftModelProposer(Stateful, OwnModel, Proposer):
             raise ValueError(f"--speculative-config: the draft model's vocabulary "
                              f"({self.hf_config.vocab_size}) differs from the target's "
                              f"({runner.hf_config.vocab_size}); it needs the same tokenizer")
-        if getattr(self.hf_config, "max_position_embeddings", runner.max_model_len) < runner.max_model_len:
+        if (getattr(self.hf_config, "max_position_embeddings", None) is not None
+                and rope_max_len(self.hf_config) < runner.max_model_len):  # (or its scaled length)
             raise ValueError(f"--speculative-config: the draft model's max_position_embeddings "
                              f"({self.hf_config.max_position_embeddings}) is below --max-model-len "
                              f"{runner.max_model_len}")

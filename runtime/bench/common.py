@@ -497,7 +497,8 @@ def check_context(cfg, hf_config, input_len: int, output_len: int) -> None:
     """The longest request must fit the context: the engine would end it early at max_model_len
     (ignore_eos asks for every token), which throughput counted as a shorter request and latency
     found only after the timed run."""
-    pos = getattr(hf_config, "max_position_embeddings", None)
+    from ...models.config_queries import rope_max_len
+    pos = rope_max_len(hf_config) if getattr(hf_config, "max_position_embeddings", None) else None
     limit = min(x for x in (cfg.model.max_model_len, pos) if x) if cfg.model.max_model_len or pos else None
     if limit and input_len + output_len > limit:
         raise ValueError(f"--input-len {input_len} + --output-len {output_len} = {input_len + output_len} "

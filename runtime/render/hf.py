@@ -8,7 +8,9 @@ from .base import RENDERERS, Renderer
 class HfRenderer(Renderer):
     def _render(self, messages, tools, kwargs, add_generation_prompt, continue_final_message):
         if not kwargs.get("chat_template") and not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model has no chat template; use /v1/completions")
+            raise ValueError("this model has no chat template: start the server with --chat-template "
+                             "(a file or the template itself), send chat_template in the request, "
+                             "or use /v1/completions")
         try:
             ids = self.tokenizer.apply_chat_template(
                 messages, tools=tools, add_generation_prompt=add_generation_prompt,

@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 from ... import __version__
-from ..inputs import eos_token_ids_of, load_tokenizer
+from ..inputs import eos_token_ids_of, load_tokenizer, sampling_defaults
 from . import anthropic_api, event_loop_factory, openai_api, responses_api
 from .admin_api import add_admin_routes
 from .args import ServerArgs
@@ -53,7 +53,6 @@ log = logging.getLogger("rankserve.serve")
 
 DEAD_EXIT_S = 5.0  # after the engine died: answer 503 this long, then exit
 FINAL_FLUSH_S = 2.0  # after the shutdown grace: time to send the error endings, then exit
-GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 class SafeJSONResponse(JSONResponse):
@@ -354,15 +353,14 @@ def _render_response(ctx: ServeContext, req: ResponsesRequest) -> None:
 
 def _model_files(model: str) -> tuple[str | None, dict]:
     """model_type from config.json and sampling defaults from generation_config.json."""
-    def read(name):
-        try:
-            with open(os.path.join(model, name)) as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            return {}
-    gen = read("generation_config.json")
-    return read("config.json").get("model_type"), {k: gen[k] for k in GENERATION_DEFAULTS
-                                                   if gen.get(k) is not None}
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        model_type = None
+    defaults = sampling_defaults(model)
+    defaults.pop("max_tokens", None)  # a request's max_tokens: its own, or up to the context
+    return model_type, defaults
 
 
 def public_url(host: str, port: int) -> str:
@@ -429,7 +427,7 @@ class DrainingServer(uvicorn.Server):
 async def serve(settings: dict) -> int:
     args = ServerArgs(**settings["server_args"])
     tokenizer = load_tokenizer(settings["tokenizer"])
-    eos = eos_token_ids_of(tokenizer, settings["model"]) if tokenizer is not None else []
+    eos = eos_token_ids_of(tokenizer, settings["model"])
     # one engine address, or one per data-parallel replica (replica 0 first)
     addresses = settings.get("engine_addresses") or [settings["engine_address"]]
     metrics = Metrics(settings["served_model_name"], len(addresses))
