@@ -154,7 +154,7 @@ def _skinny_kernel(a_ptr, b_ptr, nw_ptr, w_ptr, bias_ptr, y_ptr, h_out_ptr, N, K
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
-    u_ptrs = w_ptrs + N * K  # SWIGLU only
+    u_ptrs = w_ptr + (N + offs_n).to(tl.int64)[:, None] * K + offs_k[None, :]  # SWIGLU only
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # elementwise partial sums, reduced once
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     k_start = 0

@@ -644,7 +644,7 @@ def _split_decode(q, stride_qt, stride_qh, out, k_cache, v_cache, k_scale, v_sca
     if splits > 1:
         part_out = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
-    if DECODE_LPT:
+    if DECODE_LPT and B <= 65535:  # (requests on grid axis z: at most 65535)
         assert order is None or order.shape[0] == B, "decode order: one entry per request"
         grid = (KH, splits, B)
         lpt = dict(order_ptr=seq_lens if order is None else order, LPT=True,
