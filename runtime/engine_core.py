@@ -5,6 +5,7 @@ The same object serves the offline `LLM` (in-process) and the server (driven by
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import dataclasses
 import gc
@@ -42,9 +43,13 @@ def freeze_gc_heap() -> None:
     rank): what start-up left (torch, the model, compiled graphs: hundreds of thousands of
     objects) leaves the collector's sight, so that no full collection walks it again in the
     middle of a step (a pause of ~0.1-0.3 s: an ITL spike for every stream). vLLM's engine does
-    the same. Not for the LLM class: an engine dropped in a frozen heap would keep its cycles."""
+    the same. Not for the LLM class: an engine dropped in a frozen heap would keep its cycles.
+    Unfrozen at exit: objects still frozen at interpreter teardown are never freed, which
+    extension modules report (Triton's: "nanobind: leaked N instances" and a page of types)."""
     gc.collect()
     gc.freeze()
+    atexit.unregister(gc.unfreeze)  # (once, however often it is called)
+    atexit.register(gc.unfreeze)
 
 
 class EngineCore:

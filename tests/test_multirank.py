@@ -25,6 +25,9 @@ def mpi_generate(n: int, model: str, *flags: str) -> list[list[int]]:
     env = dict(os.environ, RANKSERVE_HEARTBEAT_TIMEOUT="30")
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    # a clean exit prints no teardown noise (a worker's frozen GC heap once made Triton's
+    # extension report "nanobind: leaked N instances" and a page of types at every exit)
+    assert "leaked" not in r.stderr, r.stderr[-3000:]
     lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
     assert len(lines) == len(PROMPTS), r.stdout
     return [x["token_ids"] for x in lines]
