@@ -49,7 +49,8 @@ def check_world_size(info: RankInfo, cfg: EngineConfig, env: Mapping[str, str]) 
     if need == info.world_size:
         return
     raise LaunchError(
-        f"{parallel_layout(cfg)} needs {need} ranks but the job has {info.world_size}; "
+        f"{parallel_layout(cfg)} needs {need} rank{'s' if need > 1 else ''} but the job has "
+        f"{info.world_size}; "
         f"launch with `{launch_command(info.launcher, need, env)}`", report=info.rank == 0)
 
 
