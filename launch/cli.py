@@ -614,9 +614,17 @@ def serve(**kwargs):
     cfg = build_config(kwargs)
     env = scrub_launcher_env(os.environ)  # the API child must not take itself for an MPI rank
     started = start_ranks(cfg)
+    if started is None or started[0].rank == 0:  # (the rank whose API process binds it)
+        try:
+            args.check_port()
+        except ValueError as e:
+            if started is None:
+                raise click.UsageError(str(e)) from None
+            from .failure import abort
+            abort(str(e))  # the whole job, with the message, before any rank loads weights
     if started is None:
-        from ..runtime.executor import UniprocExecutor
-        executor = UniprocExecutor(cfg)
+        from ..runtime import executor as executors
+        executor = executors.UniprocExecutor(cfg)
         try:
             sys.exit(serve_engine(cfg, args, executor, api_env=env))
         finally:

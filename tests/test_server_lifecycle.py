@@ -349,3 +349,22 @@ def test_stale_ipc_sockets_are_removed(tmp_path):
     plain.write_text("")
     assert remove_stale_sockets(str(tmp_path)) == [str(stale)]
     assert live.exists() and other.exists() and plain.exists() and not stale.exists()
+
+
+def test_port_in_use_is_refused_before_the_model_loads(monkeypatch):
+    """`serve --port P` with P taken: a clear error naming --port, before any weight loads (on
+    a cluster that can be minutes), not uvicorn's bind error after the engine started."""
+    from click.testing import CliRunner
+    from rankserve.launch.cli import main
+    from rankserve.runtime import executor
+
+    def no_engine(*a, **kw):
+        raise AssertionError("the engine started before the port was checked")
+    monkeypatch.setattr(executor, "UniprocExecutor", no_engine)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = CliRunner().invoke(main, ["serve", "--port", str(port)])
+    assert r.exit_code == 2, r.output + repr(r.exception)
+    assert f"--port {port}" in r.output and "in use" in r.output, r.output

@@ -41,6 +41,21 @@ class ServerArgs:
     uvicorn_log_level: str = opt("warning", "uvicorn's log level",
                                  choices=("critical", "error", "warning", "info", "debug"))
 
+    def check_port(self) -> None:
+        """ValueError when --host / --port cannot be bound now: checked before the model loads
+        (minutes for a large one), not found by the HTTP server once the engine is up."""
+        import socket
+        try:
+            family, kind, proto, _, addr = socket.getaddrinfo(self.host, self.port,
+                                                              type=socket.SOCK_STREAM)[0]
+            with socket.socket(family, kind, proto) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
+                s.bind(addr)
+        except OSError as e:
+            what = "in use" if getattr(e, "errno", None) == 98 else "not usable"
+            raise ValueError(f"--port {self.port} on --host {self.host} is {what} ({e.strerror or e}); "
+                             "pick another --port, or stop the process that holds it") from None
+
     def validate(self) -> ServerArgs:
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
