@@ -59,7 +59,7 @@ class InProcess:
     def __init__(self, **args):
         import uvicorn
         from rankserve.runtime.inputs import load_tokenizer
-        from rankserve.runtime.serve.app import build_app
+        from rankserve.runtime.serve.app import build_app, uvicorn_config
         from rankserve.runtime.serve.args import ServerArgs
         from rankserve.runtime.serve.client import EngineClient
         from rankserve.runtime.serve.context import ServeContext
@@ -70,10 +70,10 @@ class InProcess:
         client.model_info = {"max_model_len": 512, "vocab_size": 512}
         self.ctx = ServeContext(ServerArgs(**args), "m", str(STORIES), tok, client)
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(build_app(self.ctx, Metrics("m")),
-                                                    host="127.0.0.1", port=self.port,
-                                                    log_level="critical"))
+        self.url = f"{'https' if args.get('ssl_certfile') else 'http'}://127.0.0.1:{self.port}"
+        self.ctx.args.port = self.port
+        self.server = uvicorn.Server(uvicorn_config(build_app(self.ctx, Metrics("m")),
+                                                    self.ctx.args, log_level="critical"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         assert wait_for(lambda: self.server.started, 20)
@@ -368,3 +368,53 @@ def test_port_in_use_is_refused_before_the_model_loads(monkeypatch):
         r = CliRunner().invoke(main, ["serve", "--port", str(port)])
     assert r.exit_code == 2, r.output + repr(r.exception)
     assert f"--port {port}" in r.output and "in use" in r.output, r.output
+
+
+def test_cors_as_vllm(inproc):
+    """Browsers may call the API: any origin by default (vLLM's default), only the listed ones
+    with --allowed-origins; a preflight names the allowed methods."""
+    pre = {"Origin": "http://ui.example", "Access-Control-Request-Method": "POST"}
+    a = inproc()
+    r = httpx.options(a.url + "/v1/chat/completions", headers=pre)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    r = httpx.get(a.url + "/v1/models", headers={"Origin": "http://ui.example"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    b = inproc(allowed_origins='["http://ok.example"]', allowed_methods='["POST"]')
+    r = httpx.options(b.url + "/v1/chat/completions", headers=pre)
+    assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+    r = httpx.options(b.url + "/v1/chat/completions", headers=dict(pre, Origin="http://ok.example"))
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://ok.example"
+    assert "POST" in r.headers["access-control-allow-methods"]
+
+
+def test_root_path_and_tls(inproc, tmp_path):
+    """--root-path: the app behind a proxy that strips the prefix (its OpenAPI document names
+    it); --ssl-keyfile / --ssl-certfile: HTTPS."""
+    import shutil
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not on PATH")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    a = inproc(root_path="/llm", ssl_keyfile=str(key), ssl_certfile=str(cert))
+    assert a.url.startswith("https://")
+    r = httpx.get(a.url + "/v1/models", verify=False)
+    assert r.status_code == 200 and r.json()["data"][0]["id"] == "m"
+    r = httpx.get(a.url + "/openapi.json", verify=False)
+    assert r.json()["servers"] == [{"url": "/llm"}]
+    with pytest.raises(httpx.HTTPError):  # plain HTTP is not served
+        httpx.get(a.url.replace("https", "http") + "/v1/models", timeout=5)
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(allowed_origins="*"), "--allowed-origins must be a JSON list"),
+    (dict(allowed_headers='["a", 1]'), "--allowed-headers must be a JSON list"),
+    (dict(root_path="llm"), "--root-path must start with /"),
+    (dict(ssl_keyfile="/nonexistent"), "--ssl-keyfile and --ssl-certfile go together"),
+    (dict(ssl_keyfile="/nonexistent", ssl_certfile="/nonexistent"), "--ssl-keyfile /nonexistent: no such file"),
+])
+def test_cors_proxy_and_tls_flags_are_checked(kw, msg):
+    from rankserve.runtime.serve.args import ServerArgs
+    with pytest.raises(ValueError, match=msg):
+        ServerArgs(**kw).validate()

@@ -20,6 +20,7 @@ import msgspec
 import prometheus_client
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -220,6 +221,10 @@ def build_app(ctx: ServeContext, metrics: Metrics, state: ServeState | None = No
     """The app; /openapi.json (behind the API key) describes it (the fuzz suite reads it)."""
     app = FastAPI(title="rankserve", version=__version__, docs_url=None, redoc_url=None)
     app.router.route_class = _JSONRoute
+    cors = ctx.args.cors()
+    app.add_middleware(CORSMiddleware, allow_origins=cors["allowed_origins"],
+                       allow_methods=cors["allowed_methods"], allow_headers=cors["allowed_headers"],
+                       allow_credentials=ctx.args.allow_credentials)
     client = ctx.client
     state = state or ServeState()
     app.state.serve = state
@@ -363,10 +368,18 @@ def _model_files(model: str) -> tuple[str | None, dict]:
     return model_type, defaults
 
 
-def public_url(host: str, port: int) -> str:
+def public_url(host: str, port: int, tls: bool = False) -> str:
     if host in ("0.0.0.0", "::", ""):
         host = socket.gethostname()
-    return f"http://{host}:{port}"
+    return f"{'https' if tls else 'http'}://{host}:{port}"
+
+
+def uvicorn_config(app: FastAPI, args: ServerArgs, **kw) -> uvicorn.Config:
+    """The HTTP server of `args`: address, TLS, the path prefix behind a proxy."""
+    kw = dict(dict(log_level=args.uvicorn_log_level, timeout_graceful_shutdown=FINAL_FLUSH_S,
+                   access_log=args.uvicorn_log_level in ("info", "debug")), **kw)
+    return uvicorn.Config(app, host=args.host, port=args.port, root_path=args.root_path or "",
+                          ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, **kw)
 
 
 class DrainingServer(uvicorn.Server):
@@ -443,10 +456,7 @@ async def serve(settings: dict) -> int:
         for name, path, base in parse_lora_modules(lora["modules"]):
             ctx.loras.add(name, path, base)
     state = ServeState()
-    config = uvicorn.Config(build_app(ctx, metrics, state), host=args.host, port=args.port,
-                            log_level=args.uvicorn_log_level,
-                            timeout_graceful_shutdown=FINAL_FLUSH_S,
-                            access_log=args.uvicorn_log_level in ("info", "debug"))
+    config = uvicorn_config(build_app(ctx, metrics, state), args)
     server = DrainingServer(config, state, client, args.shutdown_timeout)
     loop = server.loop = asyncio.get_running_loop()
     client.on_dead = lambda: loop.call_later(DEAD_EXIT_S, setattr, server, "should_exit", True)
@@ -454,7 +464,7 @@ async def serve(settings: dict) -> int:
     async def announce():
         while not server.started:
             await asyncio.sleep(0.05)
-        await client.call("ready", public_url(args.host, args.port))
+        await client.call("ready", public_url(args.host, args.port, bool(args.ssl_certfile)))
     task = asyncio.create_task(announce())
     # torch, transformers and the tokenizer leave ~250k objects that live as long as the process:
     # out of the collector's sight, a full collection no longer walks them (0.2-0.3 s on a

@@ -40,6 +40,30 @@ class ServerArgs:
                                            "ipc:// socket)")
     uvicorn_log_level: str = opt("warning", "uvicorn's log level",
                                  choices=("critical", "error", "warning", "info", "debug"))
+    # as vLLM's: CORS for browsers, a path prefix behind a proxy, TLS
+    allowed_origins: str = opt('["*"]', "CORS: origins allowed to call the API, a JSON list")
+    allowed_methods: str = opt('["*"]', "CORS: HTTP methods allowed, a JSON list")
+    allowed_headers: str = opt('["*"]', "CORS: request headers allowed, a JSON list")
+    allow_credentials: bool = opt(False, "CORS: allow credentials (cookies, Authorization)")
+    root_path: str | None = opt(None, "path prefix of the API behind a path-routing proxy "
+                                      "(FastAPI's root_path), e.g. /llm")
+    ssl_keyfile: str | None = opt(None, "serve HTTPS: the private key file (with --ssl-certfile)")
+    ssl_certfile: str | None = opt(None, "serve HTTPS: the certificate file (with --ssl-keyfile)")
+
+    def cors(self) -> dict[str, list[str]]:
+        """The CORS lists, parsed (ValueError naming the flag)."""
+        import json
+        out = {}
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            raw, flag = getattr(self, name), "--" + name.replace("_", "-")
+            try:
+                value = json.loads(raw)
+            except ValueError:
+                value = None
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise ValueError(f"{flag} must be a JSON list of strings, e.g. '[\"*\"]'; got {raw!r}")
+            out[name] = value
+        return out
 
     def check_port(self) -> None:
         """ValueError when --host / --port cannot be bound now: checked before the model loads
@@ -65,6 +89,14 @@ class ServerArgs:
             raise ValueError("--shutdown-timeout must be >= 0")
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        self.cors()
+        if self.root_path is not None and not self.root_path.startswith("/"):
+            raise ValueError(f"--root-path must start with /, got {self.root_path!r}")
+        if bool(self.ssl_keyfile) != bool(self.ssl_certfile):
+            raise ValueError("--ssl-keyfile and --ssl-certfile go together: give both, or neither")
+        for flag, path in (("--ssl-keyfile", self.ssl_keyfile), ("--ssl-certfile", self.ssl_certfile)):
+            if path and not os.path.isfile(path):
+                raise ValueError(f"{flag} {path}: no such file")
         if self.engine_address and not self.engine_address.startswith(("ipc://", "tcp://")):
             raise ValueError(f"--engine-address must start with ipc:// or tcp://, "
                              f"got {self.engine_address!r}")
