@@ -50,6 +50,12 @@ class ModelConfig:
                                    "quantization_config; fp8 also quantizes a 16-bit checkpoint "
                                    "at load time", alias="q",
                                    choices=("fp8", "fbgemm_fp8", "compressed-tensors", "gptq", "awq", "modelopt"))
+    generation_config: str = opt("auto", "sampling defaults for requests that leave them out: "
+                                 "auto (the model's generation_config.json), vllm (none), or a "
+                                 "directory holding a generation_config.json")
+    override_generation_config: str | None = opt(None, "a JSON object of sampling defaults on top "
+                                                 "of --generation-config, e.g. "
+                                                 "'{\"temperature\": 0.5}'")
 
     def validate(self):
         _check(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "> 0",
@@ -61,6 +67,15 @@ class ModelConfig:
             # (transformers would take it for a hub repo id: a traceback after the model loaded)
             raise ConfigError(f"--tokenizer {self.tokenizer!r} is not a directory; pass the "
                               "tokenizer's directory")
+        if self.generation_config not in ("auto", "vllm") and not os.path.isfile(
+                os.path.join(self.generation_config, "generation_config.json")):
+            raise ConfigError(f"--generation-config {self.generation_config!r}: auto, vllm, or a "
+                              "directory holding a generation_config.json")
+        from .inputs import generation_overrides
+        try:
+            generation_overrides(self.override_generation_config)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 @dataclass(frozen=True)

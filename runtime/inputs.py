@@ -44,10 +44,33 @@ def generation_config(model_dir: str) -> dict:
     return {}
 
 
-def sampling_defaults(model_dir: str) -> dict:
+def generation_overrides(text: str | None) -> dict:
+    """--override-generation-config: a JSON object of generation_config.json's sampling fields
+    (ValueError naming the flag or the field otherwise)."""
+    if not text:
+        return {}
+    import json
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"--override-generation-config is not JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError("--override-generation-config must be a JSON object, e.g. "
+                         "'{\"temperature\": 0.5}'")
+    unknown = sorted(set(data) - set(GENERATION_DEFAULTS) - {"max_new_tokens"})
+    if unknown:
+        raise ValueError(f"--override-generation-config: {', '.join(map(repr, unknown))} not a sampling "
+                         f"field; use {', '.join(GENERATION_DEFAULTS)} or max_new_tokens")
+    return data
+
+
+def sampling_defaults(model_dir: str, source: str = "auto", override: str | None = None) -> dict:
     """The SamplingParams fields the generation config sets (vLLM's get_diff_sampling_param:
-    `max_new_tokens` becomes `max_tokens`)."""
-    gen = generation_config(model_dir)
+    `max_new_tokens` becomes `max_tokens`). `source` (--generation-config): auto, the model's;
+    vllm, none; else a directory with a generation_config.json. `override`
+    (--override-generation-config) goes on top."""
+    gen = {} if source == "vllm" else generation_config(model_dir if source == "auto" else source)
+    gen = dict(gen, **generation_overrides(override))
     out = {k: gen[k] for k in GENERATION_DEFAULTS if gen.get(k) is not None}
     if isinstance(gen.get("max_new_tokens"), int):
         out["max_tokens"] = gen["max_new_tokens"]

@@ -38,7 +38,9 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` samples with when given no SamplingParams (as vLLM): the fields the
         model's generation_config.json sets (`max_new_tokens` as `max_tokens`), the rest default."""
-        return SamplingParams(**sampling_defaults(self.config.model.model))
+        m = self.config.model
+        return SamplingParams(**sampling_defaults(m.model, m.generation_config,
+                                                  m.override_generation_config))
 
     def _to_token_ids(self, prompt) -> tuple[str | None, list[int]]:
         if self.tokenizer is None and (isinstance(prompt, str) or "prompt_token_ids" not in prompt

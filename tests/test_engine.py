@@ -337,3 +337,33 @@ def test_async_back_to_back_batches_release_runner_state():
         outs = llm.generate(ps, sps)
         assert [len(o.outputs[0].token_ids) for o in outs] == lens
     assert len(llm.engine.executor.runner.reqs) <= 4
+
+
+def test_generation_config_flags_as_vllm(tmp_path):
+    """--generation-config auto (the checkpoint's sampling defaults), vllm (none of them), or a
+    directory holding a generation_config.json; --override-generation-config on top (a JSON
+    object of sampling fields). Both reach the offline defaults and the server's."""
+    import json
+    import shutil
+
+    from rankserve.runtime.config import EngineConfig
+    from rankserve.runtime.inputs import sampling_defaults
+    model = tmp_path / "m"
+    shutil.copytree(STORIES_EMBEDDED, model)
+    (model / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.9}))
+    other = tmp_path / "gen"
+    other.mkdir()
+    (other / "generation_config.json").write_text(json.dumps({"top_k": 7, "max_new_tokens": 9}))
+    assert sampling_defaults(str(model)) == {"temperature": 0.6, "top_p": 0.9}
+    assert sampling_defaults(str(model), "vllm") == {}
+    assert sampling_defaults(str(model), str(other)) == {"top_k": 7, "max_tokens": 9}
+    assert sampling_defaults(str(model), "auto", '{"temperature": 0.2, "min_p": 0.1}') == \
+        {"temperature": 0.2, "top_p": 0.9, "min_p": 0.1}
+    llm = LLM(str(model), generation_config="vllm", override_generation_config='{"top_k": 3}')
+    sp = llm.get_default_sampling_params()
+    assert sp.top_k == 3 and sp.temperature == SamplingParams().temperature
+    for kw, msg in ((dict(generation_config=str(tmp_path / "nope")), "--generation-config"),
+                    (dict(override_generation_config='{"temprature": 1}'), "temprature"),
+                    (dict(override_generation_config="[1]"), "--override-generation-config")):
+        with pytest.raises(ConfigError, match=msg):
+            EngineConfig.from_kwargs(model=str(model), **kw).validate()

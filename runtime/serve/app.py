@@ -356,14 +356,16 @@ def _render_response(ctx: ServeContext, req: ResponsesRequest) -> None:
                     tools if choice != "none" else None, kwargs)
 
 
-def _model_files(model: str) -> tuple[str | None, dict]:
-    """model_type from config.json and sampling defaults from generation_config.json."""
+def _model_files(model: str, source: str = "auto", override: str | None = None
+                 ) -> tuple[str | None, dict]:
+    """model_type from config.json and sampling defaults from generation_config.json
+    (--generation-config, --override-generation-config)."""
     try:
         with open(os.path.join(model, "config.json")) as f:
             model_type = json.load(f).get("model_type")
     except (OSError, ValueError, AttributeError):
         model_type = None
-    defaults = sampling_defaults(model)
+    defaults = sampling_defaults(model, source, override)
     defaults.pop("max_tokens", None)  # a request's max_tokens: its own, or up to the context
     return model_type, defaults
 
@@ -446,7 +448,8 @@ async def serve(settings: dict) -> int:
     metrics = Metrics(settings["served_model_name"], len(addresses))
     client = EngineClient(addresses, tokenizer, eos, metrics, settings.get("engine_pid"))
     await client.start()
-    model_type, defaults = _model_files(settings["model"])
+    model_type, defaults = _model_files(settings["model"], settings.get("generation_config", "auto"),
+                                        settings.get("override_generation_config"))
     ctx = ServeContext(args, settings["served_model_name"], settings["model"], tokenizer, client,
                        model_type, defaults)
     lora = settings.get("lora") or {}

@@ -108,6 +108,8 @@ def start_api_process(cfg: EngineConfig, server_args: ServerArgs, connect_addres
                 "engine_addresses": [connect_address, *replicas],
                 "model": cfg.model.model, "tokenizer": cfg.model.tokenizer or cfg.model.model,
                 "served_model_name": cfg.model.served_model_name or cfg.model.model,
+                "generation_config": cfg.model.generation_config,
+                "override_generation_config": cfg.model.override_generation_config,
                 "engine_pid": os.getpid(),
                 "lora": {"enable": cfg.lora.enable_lora, "max_lora_rank": cfg.lora.max_lora_rank,
                          "modules": list(cfg.lora.lora_modules or ())}}
