@@ -238,6 +238,7 @@ def load_weights(model, model_dir: str, progress: bool = True) -> int:
     files = checkpoint_files(model_dir)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
+    parts: dict[str, set] = {}  # fused params: the shard ids (q/k/v, gate/up) loaded into them
     for path in tqdm(files, desc="Loading weights", unit="file", disable=not progress):
         with open_weights(path) as (names, get):
             for name in names:
@@ -270,9 +271,11 @@ def load_weights(model, model_dir: str, progress: bool = True) -> int:
                     except ValueError as e:  # which tensor the checkpoint cannot load
                         raise ValueError(f"{name}: {e}") from e
                     loaded.add(target)
+                    parts.setdefault(target, set()).add(shard)
     missing = [n for n in params if n not in loaded and not _tied_alias(params, n, loaded)
                and not getattr(params[n], "written_by_weight", False)  # scales of --quantization fp8
                and not getattr(params[n], "optional", False)]  # e.g. GPTQ's g_idx without desc_act
+    missing += _partly_loaded(model, params, parts)
     if missing and hasattr(model, "drop_missing"):  # optional parts the checkpoint lacks (MTP)
         missing = model.drop_missing(missing, loaded)
     if missing:
@@ -309,6 +312,22 @@ def _check_unused(name: str, target: str, params: dict) -> None:
         raise ValueError(f"{name}: the checkpoint quantizes {module}, which runs unquantized here "
                          "(a router, or a layer the quantization config lists as not converted); "
                          "such a checkpoint is not supported")
+
+
+def _partly_loaded(model, params: dict, parts: dict[str, set]) -> list[str]:
+    """Params of fused linear layers (qkv, gate_up) that the checkpoint gave only some of their
+    parts (an incomplete download whose missing file held up_proj but not gate_proj): the rest
+    of the param would stay uninitialized."""
+    from .layers import ColumnParallelLinear
+    out = []
+    for target, shards in parts.items():
+        module = model.get_submodule(target.rpartition(".")[0])
+        n = len(getattr(module, "output_sizes", ())) if isinstance(module, ColumnParallelLinear) else 0
+        p = params[target]
+        if n > 1 and None not in shards and not getattr(p, "optional", False) \
+                and not getattr(p, "written_by_weight", False):
+            out += [f"{target} (part {k} of {n} fused)" for k in range(n) if k not in shards]
+    return out
 
 
 def _tied_alias(params: dict, name: str, loaded: set[str]) -> bool:
