@@ -315,18 +315,17 @@ def _check_unused(name: str, target: str, params: dict) -> None:
 
 
 def _partly_loaded(model, params: dict, parts: dict[str, set]) -> list[str]:
-    """Params of fused linear layers (qkv, gate_up) that the checkpoint gave only some of their
-    parts (an incomplete download whose missing file held up_proj but not gate_proj): the rest
-    of the param would stay uninitialized."""
-    from .layers import ColumnParallelLinear
+    """Params that hold several checkpoint tensors (fused qkv / gate_up, stacked experts) and got
+    only some of them (an incomplete download whose missing file held up_proj but not
+    gate_proj): the rest of the param would stay uninitialized. Their module's
+    `missing_parts(param name, shard ids loaded)` says which parts are missing."""
     out = []
     for target, shards in parts.items():
-        module = model.get_submodule(target.rpartition(".")[0])
-        n = len(getattr(module, "output_sizes", ())) if isinstance(module, ColumnParallelLinear) else 0
+        module_name, _, pname = target.rpartition(".")
+        check = getattr(model.get_submodule(module_name), "missing_parts", None)
         p = params[target]
-        if n > 1 and None not in shards and not getattr(p, "optional", False) \
-                and not getattr(p, "written_by_weight", False):
-            out += [f"{target} (part {k} of {n} fused)" for k in range(n) if k not in shards]
+        if check is not None and not getattr(p, "optional", False) and not getattr(p, "written_by_weight", False):
+            out += [f"{target} ({part})" for part in check(pname, shards)]
     return out
 
 
