@@ -75,6 +75,13 @@ class ColumnParallelLinear(ParallelLinear):
         return Slices(self.shard_rows(shard_id or 0), (0, self.full_in), self.full_in,
                       self.full_rows(shard_id or 0))
 
+    def missing_parts(self, pname: str, shards: set) -> list[str]:
+        """The fused parts (shard ids) a param loaded only in part lacks (models/loader.py)."""
+        n = len(self.output_sizes)
+        if n < 2 or None in shards:  # one part, or loaded whole
+            return []
+        return [f"part {k} of {n} fused" for k in range(n) if k not in shards]
+
     def full_rows(self, shard_id: int) -> int | None:
         """The checkpoint rows of a sub-matrix (all ranks' shards of it), None: not checked."""
         return self.output_sizes[shard_id] * self.pi.tp_size

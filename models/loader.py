@@ -238,6 +238,7 @@ def load_weights(model, model_dir: str, progress: bool = True) -> int:
     files = checkpoint_files(model_dir)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
+    parts: dict[str, set] = {}  # fused params: the shard ids (q/k/v, gate/up) loaded into them
     for path in tqdm(files, desc="Loading weights", unit="file", disable=not progress):
         with open_weights(path) as (names, get):
             for name in names:
@@ -270,9 +271,11 @@ def load_weights(model, model_dir: str, progress: bool = True) -> int:
                     except ValueError as e:  # which tensor the checkpoint cannot load
                         raise ValueError(f"{name}: {e}") from e
                     loaded.add(target)
+                    parts.setdefault(target, set()).add(shard)
     missing = [n for n in params if n not in loaded and not _tied_alias(params, n, loaded)
                and not getattr(params[n], "written_by_weight", False)  # scales of --quantization fp8
                and not getattr(params[n], "optional", False)]  # e.g. GPTQ's g_idx without desc_act
+    missing += _partly_loaded(model, params, parts)
     if missing and hasattr(model, "drop_missing"):  # optional parts the checkpoint lacks (MTP)
         missing = model.drop_missing(missing, loaded)
     if missing:
@@ -309,6 +312,21 @@ def _check_unused(name: str, target: str, params: dict) -> None:
         raise ValueError(f"{name}: the checkpoint quantizes {module}, which runs unquantized here "
                          "(a router, or a layer the quantization config lists as not converted); "
                          "such a checkpoint is not supported")
+
+
+def _partly_loaded(model, params: dict, parts: dict[str, set]) -> list[str]:
+    """Params that hold several checkpoint tensors (fused qkv / gate_up, stacked experts) and got
+    only some of them (an incomplete download whose missing file held up_proj but not
+    gate_proj): the rest of the param would stay uninitialized. Their module's
+    `missing_parts(param name, shard ids loaded)` says which parts are missing."""
+    out = []
+    for target, shards in parts.items():
+        module_name, _, pname = target.rpartition(".")
+        check = getattr(model.get_submodule(module_name), "missing_parts", None)
+        p = params[target]
+        if check is not None and not getattr(p, "optional", False) and not getattr(p, "written_by_weight", False):
+            out += [f"{target} ({part})" for part in check(pname, shards)]
+    return out
 
 
 def _tied_alias(params: dict, name: str, loaded: set[str]) -> bool:

@@ -119,6 +119,17 @@ class FusedExperts(nn.Module):
         load(param.data[e], src, s)
         self.w4_loaded.add((pname, e, part))
 
+    def missing_parts(self, pname: str, shards: set) -> list[str]:
+        """(models/loader.py) The (expert, part) pieces of a stacked param not loaded: each of
+        this rank's experts needs its gate and up parts (w13...) or its down part (w2...).
+        4-bit experts check theirs in check_w4_loaded."""
+        if self.quant.spec is not None and self.quant.spec.w4 is not None:
+            return []
+        want = (2,) if pname.startswith("w2") else (0, 1)
+        return [f"expert {self.first_expert + e}'s {('gate_proj', 'up_proj', 'down_proj')[part]}"
+                for e in range(self.num_local) for part in want
+                if (self.first_expert + e, part) not in shards]
+
     def check_w4_loaded(self) -> None:
         """After a load: every expert of this rank has each part's tensors (the loader checks
         whole parameters only, and an expert left out would run on uninitialized memory)."""

@@ -189,3 +189,42 @@ def test_bench_context_check_takes_the_scaled_context(checkpoint):
     check_context(cfg, load_hf_config(path), 300, 84)
     with pytest.raises(ValueError, match="more than the context of 384"):
         check_context(cfg, load_hf_config(path), 300, 85)
+
+
+@pytest.mark.parametrize("drop, named", [
+    ("model.layers.0.mlp.up_proj.weight", r"model.layers.0.mlp.gate_up_proj.weight \(part 1 of 2"),
+    ("model.layers.1.self_attn.v_proj.weight", r"model.layers.1.self_attn.qkv_proj.weight \(part 2 of 3"),
+])
+def test_a_checkpoint_lacking_one_part_of_a_fused_layer_is_named(checkpoint, tmp_path, drop, named):
+    """An incomplete download whose missing shard held up_proj but not gate_proj: the fused
+    gate_up weight is half loaded, and the start must say so (it had run on the other half's
+    uninitialized memory)."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    path = tmp_path / "m"
+    shutil.copytree(checkpoint("LlamaForCausalLM"), path)
+    tensors = load_file(path / "model.safetensors")
+    del tensors[drop]
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ValueError, match=f"lacks weights for: .*{named}"):
+        LLM(str(path), dtype="float32", max_num_seqs=2)
+
+
+@pytest.mark.parametrize("arch, drop, named", [
+    ("Qwen3MoeForCausalLM", "model.layers.0.mlp.experts.3.up_proj.weight",
+     r"model.layers.0.mlp.experts.w13 \(expert 3's up_proj"),
+    ("MixtralForCausalLM", "model.layers.1.block_sparse_moe.experts.2.w2.weight",
+     r"model.layers.1.mlp.experts.w2 \(expert 2's down_proj"),
+])
+def test_a_checkpoint_lacking_one_expert_part_is_named(checkpoint, tmp_path, arch, drop, named):
+    """One expert's up_proj (or down_proj) left out: the stacked expert weights are loaded for
+    the other experts, and this one would run on uninitialized memory."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    path = tmp_path / "m"
+    shutil.copytree(checkpoint(arch), path)
+    tensors = load_file(path / "model.safetensors")
+    del tensors[drop]
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ValueError, match=f"lacks weights for: .*{named}"):
+        LLM(str(path), dtype="float32", max_num_seqs=2)
