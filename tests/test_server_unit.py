@@ -374,3 +374,18 @@ def test_output_loop_gives_the_handlers_a_turn(tok):
         return n, sizes
     n, sizes = asyncio.run(main())
     assert sum(sizes) == n and max(sizes) <= MAX_MESSAGES_PER_TURN and len(sizes) >= 3
+
+
+def test_generation_config_max_new_tokens_caps_a_requests_max_tokens(tmp_path):
+    """As vLLM: a generation_config.json `max_new_tokens` is the default max_tokens and caps a
+    larger one the request asks for; other defaults fill what the request leaves out."""
+    from rankserve.runtime.serve.app import _model_files
+    from rankserve.runtime.serve.protocol import CompletionRequest, sampling_params
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "generation_config.json").write_text('{"max_new_tokens": 5, "temperature": 0.4}')
+    model_type, defaults = _model_files(str(tmp_path))
+    assert model_type == "llama"
+    for asked, got in ((None, 5), (100, 5), (3, 3)):
+        sp = sampling_params(CompletionRequest(prompt="x"), defaults, asked, None)
+        assert sp.max_tokens == got and sp.temperature == 0.4
+    assert _model_files(str(tmp_path), "vllm")[1] == {}

@@ -365,9 +365,7 @@ def _model_files(model: str, source: str = "auto", override: str | None = None
             model_type = json.load(f).get("model_type")
     except (OSError, ValueError, AttributeError):
         model_type = None
-    defaults = sampling_defaults(model, source, override)
-    defaults.pop("max_tokens", None)  # a request's max_tokens: its own, or up to the context
-    return model_type, defaults
+    return model_type, sampling_defaults(model, source, override)
 
 
 def public_url(host: str, port: int, tls: bool = False) -> str:

@@ -215,6 +215,9 @@ def sampling_params(req: SamplingRequest, defaults: dict, max_tokens: int | None
     def pick(name, fallback):
         v = getattr(req, name, None)
         return v if v is not None else defaults.get(name, fallback)
+    cap = defaults.get("max_tokens")  # the generation config's max_new_tokens (vLLM: a cap)
+    if cap is not None:
+        max_tokens = cap if max_tokens is None else min(max_tokens, cap)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     sp = SamplingParams(
         n=req.n, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0),
