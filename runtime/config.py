@@ -50,6 +50,8 @@ class ModelConfig:
                                    "quantization_config; fp8 also quantizes a 16-bit checkpoint "
                                    "at load time", alias="q",
                                    choices=("fp8", "fbgemm_fp8", "compressed-tensors", "gptq", "awq", "modelopt"))
+    trust_remote_code: bool = opt(False, "let transformers run the tokenizer code a checkpoint "
+                                  "ships (auto_map); rankserve runs its own model code either way")
     generation_config: str = opt("auto", "sampling defaults for requests that leave them out: "
                                  "auto (the model's generation_config.json), vllm (none), or a "
                                  "directory holding a generation_config.json")

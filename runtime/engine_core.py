@@ -95,7 +95,8 @@ class EngineCore:
                      "ahead (async scheduling)" if use_async else "")
         # grammars compile in its threads; the tokenizer is loaded on first use
         self.structured = StructuredOutputManager(cfg.model.tokenizer or cfg.model.model,
-                                                  cfg.model.model, self.vocab_size)
+                                                  cfg.model.model, self.vocab_size,
+                                                  trust_remote_code=cfg.model.trust_remote_code)
         self.num_host_blocks = getattr(executor, "num_host_blocks", 0)
         swap_cost = None  # preemption with the host tier: swap or recompute (runtime/preemption.py)
         block_bytes = getattr(executor, "host_block_bytes", 0)  # (test executors: none)

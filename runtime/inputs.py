@@ -13,14 +13,22 @@ from .sampling_params import ParamError, SamplingParams
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tekken.json")
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, trust_remote_code: bool = False):
     """The HF tokenizer, or None for a model directory without one (e.g. a dummy-weight
-    benchmark config): such an engine takes token ids and returns token ids."""
+    benchmark config): such an engine takes token ids and returns token ids. A tokenizer that
+    ships its own code (auto_map) runs it only with --trust-remote-code."""
     import os
     if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path)
+    try:  # an explicit False: transformers would otherwise ask [y/N] on a terminal
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        if "trust_remote_code" not in str(e):
+            raise
+        raise ValueError(f"the tokenizer of {path!r} ships its own code (auto_map in "
+                         "tokenizer_config.json): pass --trust-remote-code to run it "
+                         "(LLM(trust_remote_code=True))") from None
 
 
 # generation_config.json fields that are sampling defaults for a request that leaves them out

@@ -24,7 +24,7 @@ class LLM:
         envs.check()  # a bad RANKSERVE_* value fails here, not at the first request that reads it
         self.config = config or EngineConfig.from_kwargs(model=model or DEFAULT_MODEL, **kwargs)
         m = self.config.model
-        self.tokenizer = load_tokenizer(m.tokenizer or m.model)
+        self.tokenizer = load_tokenizer(m.tokenizer or m.model, m.trust_remote_code)
         self.eos_token_ids = eos_token_ids_of(self.tokenizer, m.model)  # (no tokenizer: the config's)
         startup_clock.mark("tokenizer")
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None

@@ -233,7 +233,8 @@ _COMPILERS: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
 _COMPILERS_LOCK = threading.Lock()
 
 
-def _compiler_state(tokenizer_path: str, model_dir: str, vocab_size: int) -> tuple:
+def _compiler_state(tokenizer_path: str, model_dir: str, vocab_size: int,
+                    trust_remote_code: bool = False) -> tuple:
     """(tokenizer_info, stop ids, plain tokens, token byte lengths, GrammarCompiler)."""
     key = (os.path.realpath(tokenizer_path), os.path.realpath(model_dir), vocab_size)
     with _COMPILERS_LOCK:
@@ -242,7 +243,7 @@ def _compiler_state(tokenizer_path: str, model_dir: str, vocab_size: int) -> tup
             return _COMPILERS[key]
         import xgrammar as xgr
         from .inputs import eos_token_ids_of, load_tokenizer
-        tok = load_tokenizer(tokenizer_path)
+        tok = load_tokenizer(tokenizer_path, trust_remote_code)
         if tok is None:
             raise ValueError("structured outputs need a tokenizer; this model has none")
         stop = eos_token_ids_of(tok, model_dir)
@@ -259,8 +260,10 @@ def _compiler_state(tokenizer_path: str, model_dir: str, vocab_size: int) -> tup
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer_path: str, model_dir: str, vocab_size: int, max_workers: int = 2):
+    def __init__(self, tokenizer_path: str, model_dir: str, vocab_size: int, max_workers: int = 2,
+                 trust_remote_code: bool = False):
         self.tokenizer_path = tokenizer_path
+        self.trust_remote_code = trust_remote_code
         self.model_dir = model_dir
         self.vocab_size = vocab_size  # the logits' width: may exceed the tokenizer's vocabulary
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="grammar")
@@ -295,7 +298,8 @@ class StructuredOutputManager:
         with self._lock:  # first use builds it (a tokenizer load: ~1 s), in a pool thread
             if self._compiler is None:
                 (self.tokenizer_info, self._stop_ids, self._plain, self._token_bytes,
-                 self._compiler) = _compiler_state(self.tokenizer_path, self.model_dir, self.vocab_size)
+                 self._compiler) = _compiler_state(self.tokenizer_path, self.model_dir, self.vocab_size,
+                                                   self.trust_remote_code)
             return self._compiler
 
     def _compile(self, so: StructuredOutputsParams):

@@ -367,3 +367,30 @@ def test_generation_config_flags_as_vllm(tmp_path):
                     (dict(override_generation_config="[1]"), "--override-generation-config")):
         with pytest.raises(ConfigError, match=msg):
             EngineConfig.from_kwargs(model=str(model), **kw).validate()
+
+
+def test_trust_remote_code_gates_a_tokenizers_own_code(tmp_path):
+    """A checkpoint whose tokenizer ships its own code (tokenizer_config auto_map): refused with
+    a message naming --trust-remote-code (never transformers' interactive [y/N] prompt, which a
+    terminal would wait on), loaded with it. The model code is rankserve's either way."""
+    import json
+    import shutil
+
+    from rankserve.runtime.inputs import load_tokenizer
+    model = tmp_path / "m"
+    shutil.copytree(STORIES_EMBEDDED, model)
+    (model / "tokenization_custom.py").write_text(
+        "from transformers import PreTrainedTokenizerFast\n\n\n"
+        "class CustomTokenizer(PreTrainedTokenizerFast):\n    custom = True\n")
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    cfg.update(tokenizer_class="CustomTokenizer",
+               auto_map={"AutoTokenizer": [None, "tokenization_custom.CustomTokenizer"]})
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="--trust-remote-code"):
+        load_tokenizer(str(model))
+    with pytest.raises(ValueError, match="--trust-remote-code"):
+        LLM(str(model))
+    llm = LLM(str(model), trust_remote_code=True)
+    assert getattr(llm.tokenizer, "custom", False)
+    out = llm.generate(["Once upon"], SamplingParams(temperature=0, max_tokens=3))[0]
+    assert len(out.outputs[0].token_ids) == 3

@@ -439,7 +439,7 @@ class DrainingServer(uvicorn.Server):
 
 async def serve(settings: dict) -> int:
     args = ServerArgs(**settings["server_args"])
-    tokenizer = load_tokenizer(settings["tokenizer"])
+    tokenizer = load_tokenizer(settings["tokenizer"], settings.get("trust_remote_code", False))
     eos = eos_token_ids_of(tokenizer, settings["model"])
     # one engine address, or one per data-parallel replica (replica 0 first)
     addresses = settings.get("engine_addresses") or [settings["engine_address"]]

@@ -109,6 +109,7 @@ def start_api_process(cfg: EngineConfig, server_args: ServerArgs, connect_addres
                 "model": cfg.model.model, "tokenizer": cfg.model.tokenizer or cfg.model.model,
                 "served_model_name": cfg.model.served_model_name or cfg.model.model,
                 "generation_config": cfg.model.generation_config,
+                "trust_remote_code": cfg.model.trust_remote_code,
                 "override_generation_config": cfg.model.override_generation_config,
                 "engine_pid": os.getpid(),
                 "lora": {"enable": cfg.lora.enable_lora, "max_lora_rank": cfg.lora.max_lora_rank,
