@@ -736,6 +736,10 @@ class AWQConfig(QuantConfig):
         return MoEQuant(None, w4=self.method)
 
 
+# vLLM's kernel-named --quantization values for a checkpoint format: here, that format
+FLAG_FORMATS = {"gptq_marlin": "gptq", "awq_marlin": "awq"}
+
+
 def quant_config_of(hf_config, flag: str | None) -> QuantConfig | None:
     """The checkpoint's scheme, or `--quantization`'s; a disagreement is an error."""
     qc = getattr(hf_config, "quantization_config", None)
@@ -743,7 +747,7 @@ def quant_config_of(hf_config, flag: str | None) -> QuantConfig | None:
         qc = qc.to_dict()
     if qc:
         method = str(qc.get("quant_method", "")).lower()
-        if flag and flag != method:
+        if flag and FLAG_FORMATS.get(flag, flag) != method:
             raise ValueError(f"--quantization {flag} does not match the checkpoint's "
                              f"quantization_config (quant_method {method!r})")
         return QUANT_METHODS.get(method)(qc)

@@ -49,7 +49,8 @@ class ModelConfig:
     quantization: str | None = opt(None, "weight quantization: read from the checkpoint's "
                                    "quantization_config; fp8 also quantizes a 16-bit checkpoint "
                                    "at load time", alias="q",
-                                   choices=("fp8", "fbgemm_fp8", "compressed-tensors", "gptq", "awq", "modelopt"))
+                                   choices=("fp8", "fbgemm_fp8", "compressed-tensors", "gptq", "awq", "modelopt",
+                                            "gptq_marlin", "awq_marlin"))
     trust_remote_code: bool = opt(False, "let transformers run the tokenizer code a checkpoint "
                                   "ships (auto_map); rankserve runs its own model code either way")
     generation_config: str = opt("auto", "sampling defaults for requests that leave them out: "

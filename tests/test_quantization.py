@@ -397,6 +397,19 @@ def test_flag_disagreeing_with_checkpoint_is_an_error(base, tmp_path):
         LLM(str(tmp_path / "g"), quantization="fp8")
 
 
+def test_vllm_kernel_named_flags_take_their_format(base, tmp_path):
+    """vLLM's `--quantization gptq_marlin` / `awq_marlin` name a kernel for the GPTQ / AWQ
+    format: here they load those checkpoints (rankserve's kernels), and still must match."""
+    quantize_checkpoint(base("LlamaForCausalLM"), tmp_path / "g", "gptq-sym")
+    quantize_checkpoint(base("LlamaForCausalLM"), tmp_path / "a", "awq")
+    assert greedy(LLM(str(tmp_path / "g"), quantization="gptq_marlin")) == \
+        greedy(LLM(str(tmp_path / "g")))
+    assert greedy(LLM(str(tmp_path / "a"), quantization="awq_marlin")) == \
+        greedy(LLM(str(tmp_path / "a")))
+    with pytest.raises(ValueError, match="--quantization awq_marlin does not match"):
+        LLM(str(tmp_path / "g"), quantization="awq_marlin")
+
+
 @pytest.mark.mpi
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not on PATH")
 @pytest.mark.parametrize("arch, fmt, ep", [
