@@ -112,6 +112,9 @@ KNOBS: dict[str, Knob] = {
                                       "(default: the CPUs the engine process may use less two, at most 16)"),
     "RANKSERVE_GRAMMAR_REUSE_MASKS": Knob(True, _flag, "0 fills every structured-output mask row each "
                                           "step (default: a row known unchanged inside a JSON string is copied)"),
+    "RANKSERVE_LOG_STATS_INTERVAL": Knob(10.0, _positive, "seconds between the server engine's stats "
+                                         "lines (throughput, requests, KV cache; "
+                                         "--disable-log-stats turns them off)"),
     "RANKSERVE_STEP_LOG": Knob(None, str, "path: the server's engine appends one CSV line per step "
                                "(time, seconds since the previous step's outputs, prompt tokens, generated "
                                "tokens, running, waiting): where inter-token-latency tails come from"),

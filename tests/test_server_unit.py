@@ -389,3 +389,32 @@ def test_generation_config_max_new_tokens_caps_a_requests_max_tokens(tmp_path):
         sp = sampling_params(CompletionRequest(prompt="x"), defaults, asked, None)
         assert sp.max_tokens == got and sp.temperature == 0.4
     assert _model_files(str(tmp_path), "vllm")[1] == {}
+
+
+def test_engine_logs_throughput_every_interval_unless_disabled(caplog):
+    """As vLLM's server: every RANKSERVE_LOG_STATS_INTERVAL seconds with work, one line of
+    prompt / generation throughput, running / waiting requests, KV-cache use and prefix hits
+    (what a Slurm job's output shows); nothing while idle; --disable-log-stats: nothing."""
+    import logging
+
+    from rankserve.runtime.messages import SchedulerStats
+    from rankserve.runtime.serve.engine_proc import StatsLog
+    clock = [100.0]
+    log = StatsLog(interval=10.0, clock=lambda: clock[0])
+    with caplog.at_level(logging.INFO, logger="rankserve.serve"):
+        for i in range(20):  # 20 steps over 10 s: 400 prompt and 1000 generated tokens
+            clock[0] += 0.5
+            log.observe(SchedulerStats(num_running=50, num_waiting=3, kv_usage=0.375,
+                                       num_prompt_tokens=20, num_generation_tokens=50,
+                                       prefix_queries=100 * (i + 1), prefix_hits=25 * (i + 1)))
+        lines = [r.getMessage() for r in caplog.records if "generation throughput" in r.getMessage()]
+        assert len(lines) == 1, lines
+        line = lines[0]
+        for part in ("40.0 tokens/s prompt", "100.0 tokens/s generation throughput",
+                     "50 running", "3 waiting", "KV cache 37.5 %", "prefix cache hit rate 25.0 %"):
+            assert part in line, line
+        caplog.clear()
+        clock[0] += 60  # idle: no step, nothing logged at the next observation either
+        log.observe(SchedulerStats())
+        assert not [r for r in caplog.records if "throughput" in r.getMessage()]
+    assert ServerArgs(disable_log_stats=True).disable_log_stats

@@ -40,6 +40,9 @@ class ServerArgs:
                                            "ipc:// socket)")
     uvicorn_log_level: str = opt("warning", "uvicorn's log level",
                                  choices=("critical", "error", "warning", "info", "debug"))
+    disable_log_stats: bool = opt(False, "no periodic engine stats line (throughput, requests, "
+                                         "KV cache; every RANKSERVE_LOG_STATS_INTERVAL seconds "
+                                         "with work)")
     # as vLLM's: CORS for browsers, a path prefix behind a proxy, TLS
     allowed_origins: str = opt('["*"]', "CORS: origins allowed to call the API, a JSON list")
     allowed_methods: str = opt('["*"]', "CORS: HTTP methods allowed, a JSON list")

@@ -172,14 +172,43 @@ class HostProfile:
             log.warning("RANKSERVE_HOST_PROFILE: cannot write %s.%d (%s)", self.path, self.k, e.strerror)
 
 
+class StatsLog:
+    """vLLM's periodic stats line (what a job's output file shows): every `interval` seconds
+    with work, prompt / generation throughput since the last line, requests running / waiting,
+    KV-cache use, prefix-cache hits (--disable-log-stats: none)."""
+
+    def __init__(self, interval: float, clock=time.monotonic):
+        self.interval, self.clock = interval, clock
+        self.last = clock()
+        self.prompt = self.gen = 0
+        self.queries = self.hits = 0  # cumulative at the last line
+
+    def observe(self, s) -> None:
+        self.prompt += s.num_prompt_tokens
+        self.gen += s.num_generation_tokens
+        now = self.clock()
+        if now - self.last < self.interval:
+            return
+        dt, busy = now - self.last, self.prompt or self.gen or s.num_running or s.num_waiting
+        dq, dh = s.prefix_queries - self.queries, s.prefix_hits - self.hits
+        if busy:
+            log.info("engine: %.1f tokens/s prompt, %.1f tokens/s generation throughput; "
+                     "%d running, %d waiting requests; KV cache %.1f %%; prefix cache hit rate "
+                     "%.1f %%", self.prompt / dt, self.gen / dt, s.num_running, s.num_waiting,
+                     100 * s.kv_usage, 100 * dh / dq if dq > 0 else 0.0)
+        self.last, self.prompt, self.gen = now, 0, 0
+        self.queries, self.hits = s.prefix_queries, s.prefix_hits
+
+
 class EngineServer:
     """Drives one EngineCore from a ROUTER socket. The API's identity is learned from its first
     message (there is exactly one API process)."""
 
     def __init__(self, core: EngineCore, cfg: EngineConfig, bind_address: str | None = None,
-                 bound: tuple | None = None):
+                 bound: tuple | None = None, log_stats: bool = False):
         """Binds `bind_address`, or takes `bound` = (zmq context, ROUTER socket) listening already."""
         self.core, self.cfg = core, cfg
+        self.stats_log = StatsLog(envs.get("RANKSERVE_LOG_STATS_INTERVAL")) if log_stats else None
         if bound is not None:
             self.ctx, self.sock = bound
         else:
@@ -332,6 +361,8 @@ class EngineServer:
             if outs.outputs or outs.stats is not None:  # (a PP submit returns neither)
                 t2 = time.monotonic()
                 self.send(outs)
+                if self.stats_log is not None and outs.stats is not None:
+                    self.stats_log.observe(outs.stats)
                 if self.step_log is not None and outs.stats is not None:
                     now, s = time.monotonic(), outs.stats
                     phases = ",".join(f"{x:.6f}" for x in (t1 - t0, *self.core.last_phases, now - t2))
@@ -380,7 +411,8 @@ def serve_engine(cfg: EngineConfig, server_args: ServerArgs, executor, *,
     children.append(api)
     server = None
     try:
-        server = EngineServer(EngineCore(cfg, executor), cfg, bind)
+        server = EngineServer(EngineCore(cfg, executor), cfg, bind,
+                              log_stats=not server_args.disable_log_stats)
         try:
             return server.run(api, stop, drain_s)
         except Exception as e:  # noqa: BLE001  (tell the API, which answers 503, then exit)
