@@ -148,3 +148,16 @@ def test_message_without_content_is_400(http, message):
     r = http.post("/v1/chat/completions", json=body)
     assert r.status_code == 400, r.text
     assert "messages[0]" in r.json()["error"]["message"] and "content" in r.json()["error"]["message"]
+
+
+def test_priority_needs_the_priority_policy(http):
+    """vLLM: a request priority other than 0 on an engine scheduling first-come-first-served is
+    an error (here it was silently ignored); 0 passes."""
+    for path, body in (("/v1/completions", {"prompt": PROMPT}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        r = http.post(path, json={"model": "s", "max_tokens": 2, "priority": 5, **body})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "priority" and "--scheduling-policy priority" in err["message"]
+        assert http.post(path, json={"model": "s", "max_tokens": 2, "priority": 0,
+                                     **body}).status_code == 200

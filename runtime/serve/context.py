@@ -218,6 +218,13 @@ class ServeContext:
                 and self.loras.get(name) is None):
             raise APIError(f"The model `{name}` does not exist.", 404, "model", "model_not_found")
 
+    def check_priority(self, priority: int) -> None:
+        """As vLLM: a priority only means something to an engine that schedules by it."""
+        policy = self.client.model_info.get("scheduling_policy", "priority")
+        if priority != 0 and policy != "priority":
+            raise APIError(f"priority {priority} given, but this engine schedules {policy}: start "
+                           "it with --scheduling-policy priority", param="priority")
+
     def lora_for(self, name: str | None):
         """The LoRA adapter a request's `model` names (None: the base model)."""
         return self.loras.get(name)

@@ -246,7 +246,8 @@ class EngineServer:
     def util_get_model_info(self) -> dict:
         c = self.core
         return {"max_model_len": c.max_model_len, "vocab_size": c.vocab_size,
-                "num_blocks": c.num_blocks, "block_size": self.cfg.cache.block_size}
+                "num_blocks": c.num_blocks, "block_size": self.cfg.cache.block_size,
+                "scheduling_policy": self.cfg.scheduler.policy}
 
     def util_reset_prefix_cache(self) -> bool:
         return self.core.reset_prefix_cache()

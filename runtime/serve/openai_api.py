@@ -165,6 +165,7 @@ def prepare_completion(ctx: ServeContext, req: CompletionRequest):
     """Validate the whole request (every prompt and choice) before anything is sent."""
     ctx.check_model(req.model)
     req.check_unsupported()
+    ctx.check_priority(req.priority)
     if req.echo:  # the prompt comes back as text
         ctx.need_tokenizer()
     info = ctx.client.model_info
@@ -277,6 +278,7 @@ def prepare_chat(ctx: ServeContext, req: ChatCompletionRequest) -> tuple[list[in
     """Render and validate the whole request before anything is sent."""
     ctx.check_model(req.model)
     req.check_unsupported()
+    ctx.check_priority(req.priority)
     mode = ctx.tool_mode(req.tools, req.tool_choice, req.parallel_tool_calls)
     tools = req.tools if req.tool_choice != "none" else None
     kwargs = dict(req.chat_template_kwargs or {})
