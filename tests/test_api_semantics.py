@@ -161,3 +161,17 @@ def test_priority_needs_the_priority_policy(http):
         assert err["param"] == "priority" and "--scheduling-policy priority" in err["message"]
         assert http.post(path, json={"model": "s", "max_tokens": 2, "priority": 0,
                                      **body}).status_code == 200
+
+
+@pytest.mark.parametrize("choice", [{"type": "function", "name": "f"},
+                                    {"type": "allowed_tools", "allowed_tools": {"mode": "auto"}}])
+def test_chat_tool_choice_of_another_shape_says_which_shape(http, choice):
+    """A Responses-style flat {"type": "function", "name"} or an allowed_tools choice in a chat
+    request was refused as naming "the function None": the 400 now shows the shape chat takes."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    r = http.post("/v1/chat/completions", json={"model": "s", "max_tokens": 2, "tools": tools,
+                                                "tool_choice": choice,
+                                                "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
+    assert "None" not in r.json()["error"]["message"]
+    assert '{"type": "function", "function": {"name": ...}}' in r.json()["error"]["message"]
