@@ -214,7 +214,8 @@ async def create_completion(ctx: ServeContext, req: CompletionRequest):
             if upd.prompt_logprobs is not None:
                 plps[i] = upd.prompt_logprobs
             if echo and not echo.generate:
-                upd = Update(upd.index, "", [], [], upd.finish_reason, upd.stop_reason)
+                upd = Update(upd.index, "", [], [], upd.finish_reason, upd.stop_reason,
+                             upd.num_cached_tokens)
             texts[k].append(upd.text)
             ids[k] += upd.token_ids
             if upd.logprobs is not None and lps[k] is not None:
@@ -245,7 +246,8 @@ async def create_completion(ctx: ServeContext, req: CompletionRequest):
             if upd.prompt_logprobs is not None:
                 plps[i] = upd.prompt_logprobs
             if echo and not echo.generate:
-                upd = Update(upd.index, "", [], [], upd.finish_reason, upd.stop_reason)
+                upd = Update(upd.index, "", [], [], upd.finish_reason, upd.stop_reason,
+                             upd.num_cached_tokens)
             tokens += len(upd.token_ids)
             cached = max(cached, upd.num_cached_tokens)
             lp = aligned[k].take(upd.logprobs, upd.text, upd.finish_reason is not None) \
