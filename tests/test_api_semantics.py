@@ -31,7 +31,7 @@ def complete(client, **kw):
 
 def test_min_tokens_holds_back_stop_strings(client):
     """vLLM: stop strings (like EOS and stop_token_ids) count only once min_tokens tokens are
-    out; the greedy story has a "." after 8 tokens, and min_tokens=12 must not stop there."""
+    out; the greedy story's first "." (after "Lily") is within 12 tokens: min_tokens=12 skips it."""
     plain = complete(client, max_tokens=30, stop=["."]).choices[0]
     assert plain.text == ", there was a little girl named Lily" and plain.finish_reason == "stop"
     c = complete(client, max_tokens=30, stop=["."], extra_body={"min_tokens": 12}).choices[0]
@@ -92,10 +92,8 @@ def test_completion_echo(client, http):
     # the prompt scored from inside the sequence equals the same prompt's prompt_logprobs
     plp = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 1,
                                              "prompt_logprobs": 0}).json()
-    scored = [None] + [e[str(t)]["logprob"] for e, t in zip(plp["choices"][0]["prompt_logprobs"][1:],
-                                                             ids[1:])]
-    assert lp.token_logprobs[:5][0] is None
-    assert lp.token_logprobs[1:5] == pytest.approx(scored[1:])
+    scored = [e[str(t)]["logprob"] for e, t in zip(plp["choices"][0]["prompt_logprobs"][1:], ids[1:])]
+    assert lp.token_logprobs[1:5] == pytest.approx(scored)
     # streamed: the first chunk of each choice carries the prompt; n and batches line up
     chunks = list(complete(client, prompt=[PROMPT, "Lily"], max_tokens=4, n=2, echo=True,
                            stream=True))
