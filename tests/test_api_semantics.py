@@ -31,7 +31,7 @@ def complete(client, **kw):
 
 def test_min_tokens_holds_back_stop_strings(client):
     """vLLM: stop strings (like EOS and stop_token_ids) count only once min_tokens tokens are
-    out; the greedy story has a "." after 8 tokens, and min_tokens=12 must not stop there."""
+    out; the greedy story's first "." (after "Lily") is within 12 tokens: min_tokens=12 skips it."""
     plain = complete(client, max_tokens=30, stop=["."]).choices[0]
     assert plain.text == ", there was a little girl named Lily" and plain.finish_reason == "stop"
     c = complete(client, max_tokens=30, stop=["."], extra_body={"min_tokens": 12}).choices[0]
@@ -92,10 +92,8 @@ def test_completion_echo(client, http):
     # the prompt scored from inside the sequence equals the same prompt's prompt_logprobs
     plp = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 1,
                                              "prompt_logprobs": 0}).json()
-    scored = [None] + [e[str(t)]["logprob"] for e, t in zip(plp["choices"][0]["prompt_logprobs"][1:],
-                                                             ids[1:])]
-    assert lp.token_logprobs[:5][0] is None
-    assert lp.token_logprobs[1:5] == pytest.approx(scored[1:])
+    scored = [e[str(t)]["logprob"] for e, t in zip(plp["choices"][0]["prompt_logprobs"][1:], ids[1:])]
+    assert lp.token_logprobs[1:5] == pytest.approx(scored)
     # streamed: the first chunk of each choice carries the prompt; n and batches line up
     chunks = list(complete(client, prompt=[PROMPT, "Lily"], max_tokens=4, n=2, echo=True,
                            stream=True))
@@ -148,3 +146,30 @@ def test_message_without_content_is_400(http, message):
     r = http.post("/v1/chat/completions", json=body)
     assert r.status_code == 400, r.text
     assert "messages[0]" in r.json()["error"]["message"] and "content" in r.json()["error"]["message"]
+
+
+def test_priority_needs_the_priority_policy(http):
+    """vLLM: a request priority other than 0 on an engine scheduling first-come-first-served is
+    an error (here it was silently ignored); 0 passes."""
+    for path, body in (("/v1/completions", {"prompt": PROMPT}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        r = http.post(path, json={"model": "s", "max_tokens": 2, "priority": 5, **body})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "priority" and "--scheduling-policy priority" in err["message"]
+        assert http.post(path, json={"model": "s", "max_tokens": 2, "priority": 0,
+                                     **body}).status_code == 200
+
+
+@pytest.mark.parametrize("choice", [{"type": "function", "name": "f"},
+                                    {"type": "allowed_tools", "allowed_tools": {"mode": "auto"}}])
+def test_chat_tool_choice_of_another_shape_says_which_shape(http, choice):
+    """A Responses-style flat {"type": "function", "name"} or an allowed_tools choice in a chat
+    request was refused as naming "the function None": the 400 now shows the shape chat takes."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    r = http.post("/v1/chat/completions", json={"model": "s", "max_tokens": 2, "tools": tools,
+                                                "tool_choice": choice,
+                                                "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
+    assert "None" not in r.json()["error"]["message"]
+    assert '{"type": "function", "function": {"name": ...}}' in r.json()["error"]["message"]

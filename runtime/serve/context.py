@@ -218,6 +218,13 @@ class ServeContext:
                 and self.loras.get(name) is None):
             raise APIError(f"The model `{name}` does not exist.", 404, "model", "model_not_found")
 
+    def check_priority(self, priority: int) -> None:
+        """As vLLM: a priority only means something to an engine that schedules by it."""
+        policy = self.client.model_info.get("scheduling_policy", "priority")
+        if priority != 0 and policy != "priority":
+            raise APIError(f"priority {priority} given, but this engine schedules {policy}: start "
+                           "it with --scheduling-policy priority", param="priority")
+
     def lora_for(self, name: str | None):
         """The LoRA adapter a request's `model` names (None: the base model)."""
         return self.loras.get(name)
@@ -287,8 +294,12 @@ class ServeContext:
             schemas[fn.get("name")] = fn.get("parameters") or {"type": "object", "properties": {}}
         if tool_choice == "required":
             return ToolMode(forced="required", schema=required_calls_schema(schemas, parallel))
-        name = ((tool_choice or {}).get("function") or {}).get("name") \
-            if isinstance(tool_choice, dict) else None
+        fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if name is None:
+            raise APIError('tool_choice must be "none", "auto", "required" or {"type": "function", '
+                           f'"function": {{"name": ...}}}}, got {json.dumps(tool_choice)[:200]}',
+                           param="tool_choice")
         if name not in schemas:
             raise APIError(f"tool_choice names the function {name!r}, which is not among the "
                            f"tools ({', '.join(map(str, schemas))})", param="tool_choice")

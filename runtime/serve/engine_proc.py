@@ -278,7 +278,8 @@ class EngineServer:
     def util_get_model_info(self) -> dict:
         c = self.core
         return {"max_model_len": c.max_model_len, "vocab_size": c.vocab_size,
-                "num_blocks": c.num_blocks, "block_size": self.cfg.cache.block_size}
+                "num_blocks": c.num_blocks, "block_size": self.cfg.cache.block_size,
+                "scheduling_policy": self.cfg.scheduler.policy}
 
     def util_check_lora(self, path: str) -> str:
         """Why the LoRA adapter at `path` cannot run on this model ("" if it can)."""

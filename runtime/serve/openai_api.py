@@ -165,6 +165,7 @@ def prepare_completion(ctx: ServeContext, req: CompletionRequest):
     """Validate the whole request (every prompt and choice) before anything is sent."""
     ctx.check_model(req.model)
     req.check_unsupported()
+    ctx.check_priority(req.priority)
     if req.echo:  # the prompt comes back as text
         ctx.need_tokenizer()
     info = ctx.client.model_info
@@ -213,7 +214,8 @@ async def create_completion(ctx: ServeContext, req: CompletionRequest):
             if upd.prompt_logprobs is not None:
                 plps[i] = upd.prompt_logprobs
             if echo and not echo.generate:
-                upd = Update(upd.index, "", [], [], upd.finish_reason, upd.stop_reason)
+                upd = Update(upd.index, "", [], [], upd.finish_reason, upd.stop_reason,
+                             upd.num_cached_tokens)
             texts[k].append(upd.text)
             ids[k] += upd.token_ids
             if upd.logprobs is not None and lps[k] is not None:
@@ -244,7 +246,8 @@ async def create_completion(ctx: ServeContext, req: CompletionRequest):
             if upd.prompt_logprobs is not None:
                 plps[i] = upd.prompt_logprobs
             if echo and not echo.generate:
-                upd = Update(upd.index, "", [], [], upd.finish_reason, upd.stop_reason)
+                upd = Update(upd.index, "", [], [], upd.finish_reason, upd.stop_reason,
+                             upd.num_cached_tokens)
             tokens += len(upd.token_ids)
             cached = max(cached, upd.num_cached_tokens)
             lp = aligned[k].take(upd.logprobs, upd.text, upd.finish_reason is not None) \
@@ -277,6 +280,7 @@ def prepare_chat(ctx: ServeContext, req: ChatCompletionRequest) -> tuple[list[in
     """Render and validate the whole request before anything is sent."""
     ctx.check_model(req.model)
     req.check_unsupported()
+    ctx.check_priority(req.priority)
     mode = ctx.tool_mode(req.tools, req.tool_choice, req.parallel_tool_calls)
     tools = req.tools if req.tool_choice != "none" else None
     kwargs = dict(req.chat_template_kwargs or {})
