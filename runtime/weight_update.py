@@ -84,7 +84,7 @@ def quant_layout(config) -> dict:
 def load_from_disk(model, model_path: str) -> int:
     from ..models.loader import load_weights
     with torch.no_grad():
-        return load_weights(model, model_path, progress=False)
+        return load_weights(model, model_path, progress=False, update=True)
 
 
 def load_tensor(model, params: dict, name: str, tensor: torch.Tensor) -> bool:
