@@ -98,6 +98,11 @@ def test_refusals(ckpts, checkpoint, tmp_path):
     with pytest.raises(ValueError, match="lacks weights for"):
         llm.update_weights_from_disk(str(partial))
     assert greedy(llm) == want[a]
+    for f in glob.glob(f"{partial}/*.safetensors"):  # truncated: a bad input (400), not a 500
+        data = open(f, "rb").read()
+        open(f, "wb").write(data[:len(data) // 2])
+    with pytest.raises(ValueError, match="cannot read"):
+        llm.update_weights_from_disk(str(partial))
 
     llm = LLM(a, enable_sleep_mode=True, **SMALL)
     with pytest.raises(ValueError, match="level must be 1 or 2"):
