@@ -233,19 +233,39 @@ def checkpoint_shapes(model_dir: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def load_weights(model, model_dir: str, progress: bool = True) -> int:
-    """Copy this rank's slices into the model; returns the number of bytes of its weights."""
+def load_weights(model, model_dir: str, progress: bool = True, update: bool = False) -> int:
+    """Copy this rank's slices into the model; returns the number of bytes of its weights.
+    `update`: new weights for a serving model: a checkpoint that lacks some is refused before
+    any tensor is copied (at startup the copy runs first: its errors name a tensor)."""
     files = checkpoint_files(model_dir)
     params = dict(model.named_parameters(remove_duplicate=False))
+    # names first (tensor headers only): which parameters the checkpoint fills, and which parts
+    # (shard ids: q/k/v, gate/up) of the fused ones
     loaded: set[str] = set()
-    parts: dict[str, set] = {}  # fused params: the shard ids (q/k/v, gate/up) loaded into them
+    parts: dict[str, set] = {}
+    for path in files:
+        with open_weights(path) as (names, _):
+            for name in names:
+                for target, shard in model.map_weight(name):
+                    if target in params:
+                        loaded.add(target)
+                        parts.setdefault(target, set()).add(shard)
+                    else:  # another pipeline stage's layer, or unused
+                        _check_unused(name, target, params)
+    missing = [n for n in params if n not in loaded and not _tied_alias(params, n, loaded)
+               and not getattr(params[n], "written_by_weight", False)  # scales of --quantization fp8
+               and not getattr(params[n], "optional", False)]  # e.g. GPTQ's g_idx without desc_act
+    missing += _partly_loaded(model, params, parts)
+    if missing and hasattr(model, "drop_missing"):  # optional parts the checkpoint lacks (MTP)
+        missing = model.drop_missing(missing, loaded)
+    if missing and update:  # not a half-updated model
+        raise _lacks(model_dir, missing)
     for path in tqdm(files, desc="Loading weights", unit="file", disable=not progress):
         with open_weights(path) as (names, get):
             for name in names:
                 for target, shard in model.map_weight(name):
                     param = params.get(target)
-                    if param is None:  # another pipeline stage's layer, or unused
-                        _check_unused(name, target, params)
+                    if param is None:
                         continue
                     src = get(name)
                     loader = getattr(param, "weight_loader", None)
@@ -270,19 +290,15 @@ def load_weights(model, model_dir: str, progress: bool = True) -> int:
                             loader(param, src, shard)
                     except ValueError as e:  # which tensor the checkpoint cannot load
                         raise ValueError(f"{name}: {e}") from e
-                    loaded.add(target)
-                    parts.setdefault(target, set()).add(shard)
-    missing = [n for n in params if n not in loaded and not _tied_alias(params, n, loaded)
-               and not getattr(params[n], "written_by_weight", False)  # scales of --quantization fp8
-               and not getattr(params[n], "optional", False)]  # e.g. GPTQ's g_idx without desc_act
-    missing += _partly_loaded(model, params, parts)
-    if missing and hasattr(model, "drop_missing"):  # optional parts the checkpoint lacks (MTP)
-        missing = model.drop_missing(missing, loaded)
     if missing:
-        raise ValueError(f"checkpoint {model_dir!r} lacks weights for: {missing[:5]}"
-                         f"{' ...' if len(missing) > 5 else ''}")
+        raise _lacks(model_dir, missing)
     finalize_weights(model)
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _lacks(model_dir: str, missing: list[str]) -> ValueError:
+    return ValueError(f"checkpoint {model_dir!r} lacks weights for: {missing[:5]}"
+                      f"{' ...' if len(missing) > 5 else ''}")
 
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)

@@ -186,8 +186,12 @@ def check_adapter(path: str, model: nn.Module, layers: dict[str, nn.Module], max
     r = adapter_rank(read_adapter_config(path))
     if r > max_rank:
         raise ValueError(f"LoRA adapter {path!r} has rank {r} > --max-lora-rank {max_rank}")
-    with open_weights(_weights_file(path)) as (names, get):
-        shapes = {k: tuple(slice_shape(get(k))) for k in names}
+    f = _weights_file(path)
+    try:
+        with open_weights(f) as (names, get):
+            shapes = {k: tuple(slice_shape(get(k))) for k in names}
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file: the client's error
+        raise ValueError(f"LoRA adapter {path!r}: cannot read {os.path.basename(f)}: {e}") from None
     for _ in _matched(path, model, layers, r, shapes):
         pass
 

@@ -46,6 +46,11 @@ def check_checkpoint(current_model_dir: str, model_path: str) -> None:
         raise ValueError(f"model_path {model_path!r} has no config.json")
     if not any(f.endswith(".safetensors") for f in os.listdir(model_path)):
         raise ValueError(f"model_path {model_path!r} has no *.safetensors files")
+    from ..models.loader import checkpoint_shapes
+    try:  # the headers of every file (a truncated one is the caller's error, found here)
+        checkpoint_shapes(model_path)
+    except Exception as e:  # noqa: BLE001 - safetensors' own error type
+        raise ValueError(f"model_path {model_path!r}: cannot read its weights: {e}") from None
     old, new = load_hf_config(current_model_dir), load_hf_config(model_path)
     a, b = (getattr(old, "architectures", None) or [None])[0], (getattr(new, "architectures", None) or [None])[0]
     if a != b:
@@ -84,7 +89,7 @@ def quant_layout(config) -> dict:
 def load_from_disk(model, model_path: str) -> int:
     from ..models.loader import load_weights
     with torch.no_grad():
-        return load_weights(model, model_path, progress=False)
+        return load_weights(model, model_path, progress=False, update=True)
 
 
 def load_tensor(model, params: dict, name: str, tensor: torch.Tensor) -> bool:

@@ -72,6 +72,18 @@ def test_seeded_sampling_survives_preemption(stories_llm):
     assert llm.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == ref
     assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.num_blocks
+    # a preempted request aborted while it waits: the runner drops the generator it parked
+    from rankserve.runtime.messages import EngineCoreRequest
+    eng, parked = llm.engine, llm.engine.executor.runner.batch.parked_generators
+    for i, p in enumerate(prompts(llm)):
+        eng.add_request(EngineCoreRequest(f"x{i}", p["prompt_token_ids"], seeded[i]))
+    while not any(r.num_preemptions for r in eng.scheduler.waiting):
+        eng.step()
+    eng.abort_requests([r.request_id for r in eng.scheduler.waiting if r.num_preemptions])
+    while eng.has_work:
+        eng.step()
+    llm.generate(prompts(llm)[:1], seeded[0])  # its plan carries the last finished ids
+    assert not parked
 
 
 

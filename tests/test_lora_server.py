@@ -124,6 +124,13 @@ def test_adapter_of_another_model_refused_at_load(lora_setup, checkpoint, tmp_pa
     assert r.status_code == 400, r.text
     assert "another base model" in r.json()["error"]["message"]
     assert "other" not in {m["id"] for m in httpx.get(s.url + "/v1/models", headers=auth).json()["data"]}
+    broken = tmp_path / "broken"  # a truncated adapter_model.safetensors: 400, not 500
+    shutil.copytree(paths[0], broken)
+    st = broken / "adapter_model.safetensors"
+    st.write_bytes(st.read_bytes()[:100])
+    r = httpx.post(s.url + "/v1/load_lora_adapter", json={"lora_name": "broken", "lora_path": str(broken)},
+                   headers=auth)
+    assert r.status_code == 400 and "cannot read" in r.json()["error"]["message"], r.text
     r = httpx.post(s.url + "/v1/completions", headers=auth,
                    json={"model": "a", "prompt": PROMPT, "max_tokens": 2})
     assert r.status_code == 200, r.text

@@ -77,8 +77,8 @@ def test_sleep_wake_and_level2_weights_from_disk(ckpts):
     assert greedy(llm) == want[a]
 
 
-def test_refusals(ckpts, checkpoint):
-    a, b, _ = ckpts
+def test_refusals(ckpts, checkpoint, tmp_path):
+    a, b, want = ckpts
     llm = LLM(a, **SMALL)
     with pytest.raises(ValueError, match="--enable-sleep-mode"):
         llm.sleep(1)
@@ -86,6 +86,23 @@ def test_refusals(ckpts, checkpoint):
         llm.update_weights_from_disk(checkpoint("Qwen3ForCausalLM"))
     with pytest.raises(ValueError, match="not a directory"):
         llm.update_weights_from_disk("/no/such/dir")
+
+    # a checkpoint that lacks some tensors is refused before any tensor is copied: the model
+    # keeps serving its own weights, not a half-updated mix
+    from safetensors.torch import load_file, save_file
+    partial = tmp_path / "partial"
+    shutil.copytree(b, partial)
+    for f in glob.glob(f"{partial}/*.safetensors"):
+        save_file({k: v for k, v in load_file(f).items() if ".layers.1." not in k}, f,
+                  metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="lacks weights for"):
+        llm.update_weights_from_disk(str(partial))
+    assert greedy(llm) == want[a]
+    for f in glob.glob(f"{partial}/*.safetensors"):  # truncated: a bad input (400), not a 500
+        data = open(f, "rb").read()
+        open(f, "wb").write(data[:len(data) // 2])
+    with pytest.raises(ValueError, match="cannot read"):
+        llm.update_weights_from_disk(str(partial))
 
     llm = LLM(a, enable_sleep_mode=True, **SMALL)
     with pytest.raises(ValueError, match="level must be 1 or 2"):

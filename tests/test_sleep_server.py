@@ -88,9 +88,16 @@ def exercise(url: str, models, engine_ranks: int) -> None:
     assert metric(metrics(), "rankserve:host_prefix_cache_hits_total") - hits == 96
     assert metric(metrics(), "rankserve:host_kv_blocks_loaded_total") >= 6
 
-    # level 2, RL-style: wake the weights, load a new checkpoint, wake the KV cache
-    assert http.post("/sleep", params={"level": 2}).status_code == 200
-    assert http.post("/wake_up", params={"tags": "weights"}).status_code == 200
+    # level 2, RL-style: wake the weights, load a new checkpoint, wake the KV cache. The
+    # arguments may come as a JSON body too (not ignored: level 1 for {"level": 2} would keep
+    # the weights in host memory); an unknown field or a conflict with the query is a 400
+    r = http.post("/sleep", json={"levle": 2})
+    assert r.status_code == 400 and "levle" in r.json()["error"]["message"], r.text
+    r = http.post("/sleep", params={"level": 1}, json={"level": 2})
+    assert r.status_code == 400 and "level" in r.json()["error"]["message"], r.text
+    r = http.post("/sleep", json={"level": 2})
+    assert r.status_code == 200 and r.json()["level"] == 2, r.text
+    assert http.post("/wake_up", json={"tags": ["weights"]}).json()["asleep"] == ["kv_cache"]
     r = http.post("/update_weights_from_disk", json={"model_path": b})
     assert r.status_code == 200 and r.json()["success"], r.text
     http.post("/wake_up")

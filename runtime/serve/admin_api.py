@@ -11,10 +11,11 @@ first); 500 a failure on some rank (the message names it).
 """
 from __future__ import annotations
 
+import json
 from typing import Literal
 
-from fastapi import FastAPI, Query
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from fastapi import FastAPI, Query, Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .client import EngineClient
 from .metrics import Metrics
@@ -23,6 +24,36 @@ from .protocol import APIError, Bool
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")  # an unknown field is a 400, as elsewhere
+
+
+class SleepRequest(_Body):  # /sleep and /wake_up take their query arguments as a JSON body too
+    level: int | None = None
+
+
+class WakeUpRequest(_Body):
+    tags: list[str] | None = None
+
+
+async def _json_args(request: Request, model: type[_Body], **query):
+    """The call's arguments from the query and/or a JSON body (not ignored: a body's level 2
+    read as the default 1 would keep the weights in host memory); the same one given both
+    ways differently is a 400."""
+    raw = await request.body()
+    try:
+        body = model.model_validate(json.loads(raw)) if raw.strip() else model()
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(map(str, err["loc"])) or "body"
+        raise APIError(f"{loc}: {err['msg']}", param=loc) from None
+    except ValueError as e:  # not JSON
+        raise APIError(f"the body is not JSON: {e}") from None
+    out = {}
+    for name, q in query.items():
+        b = getattr(body, name)
+        if q is not None and b is not None and q != b:
+            raise APIError(f"{name} is {q!r} in the query and {b!r} in the body", param=name)
+        out[name] = q if q is not None else b
+    return out
 
 
 class UpdateWeightsFromDiskRequest(_Body):
@@ -82,15 +113,19 @@ def add_admin_routes(app: FastAPI, client: EngineClient, metrics: Metrics) -> No
         metrics.set_sleep_level(result.get("level", 0) if client.sleeping else 0)
 
     @app.post("/sleep")
-    async def sleep(level: int = Query(1, description="1: weights to host memory, KV cache "
-                                                      "discarded; 2: both discarded")):
-        result = await admin("sleep", level=level)
+    async def sleep(request: Request,
+                    level: int | None = Query(None, description="1 (default): weights to host "
+                                              "memory, KV cache discarded; 2: both discarded")):
+        level = (await _json_args(request, SleepRequest, level=level))["level"]
+        result = await admin("sleep", level=1 if level is None else level)
         track(result)
         return {"success": True, "is_sleeping": True, "level": result["level"]}
 
     @app.post("/wake_up")
-    async def wake_up(tags: list[str] | None = Query(None, description="weights and/or kv_cache "
+    async def wake_up(request: Request,
+                      tags: list[str] | None = Query(None, description="weights and/or kv_cache "
                                                                          "(default: both)")):
+        tags = (await _json_args(request, WakeUpRequest, tags=tags))["tags"]
         result = await admin("wake_up", tags=tags)
         track(result)
         return {"success": True, "is_sleeping": result["is_sleeping"], "asleep": result["asleep"]}
