@@ -250,7 +250,7 @@ def load_weights(model, model_dir: str, progress: bool = True, update: bool = Fa
                     if target in params:
                         loaded.add(target)
                         parts.setdefault(target, set()).add(shard)
-                    else:  # another pipeline stage's layer, or unused
+                    elif update:  # (at startup the copy below names the tensor in file order)
                         _check_unused(name, target, params)
     missing = [n for n in params if n not in loaded and not _tied_alias(params, n, loaded)
                and not getattr(params[n], "written_by_weight", False)  # scales of --quantization fp8
@@ -265,7 +265,8 @@ def load_weights(model, model_dir: str, progress: bool = True, update: bool = Fa
             for name in names:
                 for target, shard in model.map_weight(name):
                     param = params.get(target)
-                    if param is None:
+                    if param is None:  # another pipeline stage's layer, or unused
+                        _check_unused(name, target, params)
                         continue
                     src = get(name)
                     loader = getattr(param, "weight_loader", None)
