@@ -71,6 +71,7 @@ class ServerArgs:
     def check_port(self) -> None:
         """ValueError when --host / --port cannot be bound now: checked before the model loads
         (minutes for a large one), not found by the HTTP server once the engine is up."""
+        import errno
         import socket
         try:
             family, kind, proto, _, addr = socket.getaddrinfo(self.host, self.port,
@@ -79,7 +80,7 @@ class ServerArgs:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
                 s.bind(addr)
         except OSError as e:
-            what = "in use" if getattr(e, "errno", None) == 98 else "not usable"
+            what = "in use" if e.errno == errno.EADDRINUSE else "not usable"
             raise ValueError(f"--port {self.port} on --host {self.host} is {what} ({e.strerror or e}); "
                              "pick another --port, or stop the process that holds it") from None
 
