@@ -28,6 +28,7 @@ class LLM:
         self.eos_token_ids = eos_token_ids_of(self.tokenizer, m.model)  # (no tokenizer: the config's)
         startup_clock.mark("tokenizer")
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
+        self._renderer = None  # (chat; made on first use)
         if executor is None:
             from .executor import UniprocExecutor
             executor = UniprocExecutor(self.config)
@@ -108,6 +109,30 @@ class LLM:
         return [results[r] for r in order]
 
     # ---- sleep mode and weight updates (vLLM's / SGLang's names) -------------------------------
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = False, lora_request=None, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None
+             ) -> list[RequestOutput]:
+        """vLLM's offline chat: `messages` is one conversation (OpenAI chat messages) or a list
+        of them; each is rendered as the server renders chat requests (the model's chat
+        template, or `chat_template`: a path or the template itself), then generated."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer: this model directory has none (--tokenizer)")
+        if self._renderer is None:
+            import json
+            import os
+
+            from .render import get_renderer
+            with open(os.path.join(self.config.model.model, "config.json")) as f:
+                model_type = json.load(f).get("model_type")
+            self._renderer = get_renderer("auto", self.tokenizer, model_type)
+        one = not messages or isinstance(messages[0], dict)
+        prompts = [{"prompt_token_ids": self._renderer.render_chat(
+            conv, tools, chat_template_kwargs, add_generation_prompt, continue_final_message,
+            chat_template)} for conv in ([messages] if one else messages)]
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
+
     def sleep(self, level: int = 1) -> dict:
         """Give the device memory back (needs `enable_sleep_mode=True`): level 1 keeps the
         weights in pinned host memory, level 2 discards them; the KV cache is discarded.

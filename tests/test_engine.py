@@ -406,3 +406,25 @@ def test_trust_remote_code_gates_a_tokenizers_own_code(tmp_path):
     assert getattr(llm.tokenizer, "custom", False)
     out = llm.generate(["Once upon"], SamplingParams(temperature=0, max_tokens=3))[0]
     assert len(out.outputs[0].token_ids) == 3
+
+
+def test_llm_chat_as_vllm(stories_llm):
+    """LLM.chat (vLLM's offline chat): one conversation or a list of them, rendered with the
+    model's chat template (or `chat_template`), generated like LLM.generate on those ids."""
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    conv = [{"role": "system", "content": "Tell a story."},
+            {"role": "user", "content": "Once upon a time"}]
+    # (a chat template writes its own special tokens: none are added, as vLLM)
+    ids = stories_llm.tokenizer.encode("system: Tell a story.\nuser: Once upon a time\n",
+                                       add_special_tokens=False)
+    want = stories_llm.generate([{"prompt_token_ids": ids}], sp)[0]
+    got = stories_llm.chat(conv, sp, chat_template=template)
+    assert len(got) == 1 and got[0].outputs[0].token_ids == want.outputs[0].token_ids
+    assert got[0].prompt_token_ids == ids
+    two = stories_llm.chat([conv, conv[1:]], sp, chat_template=template)
+    assert len(two) == 2 and two[0].outputs[0].token_ids == want.outputs[0].token_ids
+    with pytest.raises(ValueError, match="chat template"):  # stories ships none
+        stories_llm.chat(conv, sp)
+    with pytest.raises(ValueError, match="messages"):
+        stories_llm.chat([], sp, chat_template=template)
