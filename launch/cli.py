@@ -14,8 +14,29 @@ import click
 from ..runtime.config import ConfigError, EngineConfig
 
 
+class _TokenCount(click.ParamType):
+    """An int, or vLLM's human-readable form: 32k / 1m / 1g are powers of 1000, 32K / 1M / 1G
+    of 1024."""
+    name = "integer"
+    SCALE = {"k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        text = str(value).strip()
+        scale = self.SCALE.get(text[-1:], 1)
+        number = text[:-1] if scale > 1 else text
+        try:
+            return int(float(number) * scale) if scale > 1 else int(number)
+        except ValueError:
+            self.fail(f"{value!r} is not an integer (or one like 32k = 32000, 32K = 32768)",
+                      param, ctx)
+
+
 def _click_type(f: dataclasses.Field):
     choices = f.metadata.get("choices")
+    if f.metadata.get("tokens"):
+        return _TokenCount(), int
     hint = f.type if not isinstance(f.type, str) else eval(f.type, vars(typing), {})  # noqa: S307
     base = hint
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:

@@ -43,7 +43,8 @@ class ModelConfig:
     tokenizer: str | None = opt(None, "tokenizer directory (default: the model directory)")
     dtype: str = opt("auto", "weight and activation dtype",
                      choices=("auto", "float32", "bfloat16", "float16"))
-    max_model_len: int | None = opt(None, "context length (default: from the model config)")
+    max_model_len: int | None = opt(None, "context length (default: from the model config; "
+                                    "32k = 32000, 32K = 32768, as vLLM)", tokens=True)
     seed: int = opt(0, "seed for dummy weights and unseeded sampling")
     served_model_name: str | None = opt(None, "model name reported by the API")
     quantization: str | None = opt(None, "weight quantization: read from the checkpoint's "
@@ -121,7 +122,7 @@ class SchedulerConfig:
     max_num_seqs: int = opt(256, "most requests in one step")
     # 4096, not vLLM's 8192: online W1 (H200) keeps its streams ticking (ITL p99 14 vs 30 ms) at
     # the same throughput, and offline W1 measured the same (benchmarks/2026-12-05-h200-s10)
-    max_num_batched_tokens: int = opt(4096, "token budget of one step")
+    max_num_batched_tokens: int = opt(4096, "token budget of one step", tokens=True)
     enable_chunked_prefill: bool = opt(True, "split long prompts over several steps")
     policy: str = opt("fcfs", "scheduling policy", alias="scheduling_policy",
                       choices=("fcfs", "priority"))

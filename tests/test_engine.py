@@ -428,3 +428,24 @@ def test_llm_chat_as_vllm(stories_llm):
         stories_llm.chat(conv, sp)
     with pytest.raises(ValueError, match="messages"):
         stories_llm.chat([], sp, chat_template=template)
+
+
+def test_token_counts_take_vllms_human_readable_form():
+    """--max-model-len / --max-num-batched-tokens 32k (as vLLM: k m g are powers of 1000, K M G
+    of 1024); anything else is click's error naming the flag."""
+    from click.testing import CliRunner
+
+    from rankserve.launch.cli import build_config, main
+    seen = []
+    import rankserve.launch.cli as cli
+    real = cli.build_config
+    cli.build_config = lambda kw: seen.append(kw) or real(kw)
+    try:
+        r = CliRunner().invoke(main, ["generate", "--prompt", "x", "--max-model-len", "1k",
+                                      "--max-num-batched-tokens", "2K", "--max-tokens", "1"])
+    finally:
+        cli.build_config = real
+    assert seen and seen[0]["max_model_len"] == 1000 and seen[0]["max_num_batched_tokens"] == 2048, r.output
+    r = CliRunner().invoke(main, ["generate", "--prompt", "x", "--max-model-len", "1x"])
+    assert r.exit_code == 2 and "--max-model-len" in r.output
+    assert build_config  # (the function the CLI builds its config with)
