@@ -353,7 +353,7 @@ def fused_decode_case(seq_lens, group, norm, dtype, fp8=False, window=0, softcap
     slots = torch.tensor([int(bt[i, (seq_lens[i] - 1) // bs]) * bs + (seq_lens[i] - 1) % bs
                           for i in real] + [-1] * (B - len(real)))
     inv = 1.0 / 10000 ** (torch.arange(0, D, 2) / D)
-    freqs = torch.outer(torch.arange(512).float(), inv)
+    freqs = torch.outer(torch.arange(max(512, *seq_lens)).float(), inv)  # a row per position (4000 on the GPU)
     cos_sin = torch.cat([freqs.cos(), freqs.sin()], -1)
     qn, kn = (torch.rand(D, generator=g).to(dtype) + 0.5, torch.rand(D, generator=g).to(dtype) + 0.5) \
         if norm else (None, None)
