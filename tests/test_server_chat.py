@@ -195,7 +195,8 @@ def test_anthropic_tool_history_and_count_tokens(claude, server):
     assert n == len(ids)
     m = claude.messages.create(model="q", max_tokens=4, messages=history, tools=tools,
                                tool_choice={"type": "auto"})
-    assert m.usage.input_tokens == n
+    # Anthropic counts cached prompt tokens apart (a server shared with other modules may hit)
+    assert m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) == n
 
 
 def test_anthropic_errors(claude):

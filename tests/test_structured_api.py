@@ -162,6 +162,7 @@ def test_tool_choice_required_and_named(client):
                  tool_choice={"type": "function", "function": {"name": "get_time"}})
         [c] = r.choices[0].message.tool_calls
         assert c.function.name == "get_time"
+        assert r.choices[0].finish_reason == "stop"  # OpenAI: a forced function ends with stop
         valid(c.function.arguments, SCHEMAS["get_time"])
     each(one)
     deltas = [c.choices[0].delta for c in chat(client, seed=2, tools=TOOLS, tool_choice="required",

@@ -402,6 +402,8 @@ class ChatRun:
         self.prompt_token_ids = prompt_token_ids
         self.parsers = [ctx.new_parser(prompt_token_ids, mode) for _ in range(n)]
         self.max_calls = mode.max_calls
+        # OpenAI ends a forced named function with "stop"; auto and required calls with "tool_calls"
+        self.named = mode.forced not in (None, "required")
         self.num_tokens = [0] * n
         self.finish_reasons: list[str | None] = [None] * n
         self.stop_reasons: list[int | str | None] = [None] * n
@@ -426,7 +428,7 @@ class ChatRun:
 
     def finish_reason(self, i: int) -> str | None:
         fr = self.finish_reasons[i]
-        return "tool_calls" if fr == "stop" and self.result(i).tool_calls else fr
+        return "tool_calls" if fr == "stop" and not self.named and self.result(i).tool_calls else fr
 
     def result(self, i: int) -> ParsedMessage:
         msg = self.parsers[i].result()
