@@ -418,3 +418,48 @@ def test_cors_proxy_and_tls_flags_are_checked(kw, msg):
     from rankserve.runtime.serve.args import ServerArgs
     with pytest.raises(ValueError, match=msg):
         ServerArgs(**kw).validate()
+
+
+def test_request_logging_as_vllm():
+    """--enable-log-requests: each request is logged when it arrives (id, prompt cut to
+    --max-log-len characters, token count, sampling parameters) and when it finishes; without it
+    nothing is logged per request (vLLM's default; its older --disable-log-requests says so)."""
+    prompt = "Once upon a time, " + STORIES_TEXT
+    s = Server("--enable-log-requests", "--max-log-len", "12", "--max-model-len", "256")
+    try:
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 5,
+                                                        "temperature": 0}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert wait_for(lambda: any("Finished request" in line for line in s.lines), 10), s.lines[-20:]
+    finally:
+        s.stop()
+    [got] = [line for line in s.lines if "Received request" in line]
+    import ast
+    import re
+    shown = ast.literal_eval(re.search(r"prompt: ('.*?'), prompt_tokens", got).group(1))
+    assert len(shown) == 12 and "Once upo" in shown, got  # what the model reads: BOS first
+    assert "prompt_tokens=" in got and "max_tokens=5" in got and "temperature=0" in got, got
+    [done] = [line for line in s.lines if "Finished request" in line]
+    assert "finish_reason=length" in done and "generated_tokens=5" in done, done
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--enable-log-requests", "--disable-log-requests"], "--enable-log-requests and --disable-log-requests"),
+    (["--max-log-len", "-1"], "--max-log-len must be >= 0"),
+    (["--api-server-count", "2"], "--api-server-count 2"),
+])
+def test_request_log_flags_are_checked(args, msg):
+    from click.testing import CliRunner
+    from rankserve.launch.cli import main
+    r = CliRunner().invoke(main, ["serve", *args])
+    assert r.exit_code == 2 and msg in r.output, r.output + repr(r.exception)
+
+
+def test_no_request_log_by_default(inproc, caplog):
+    a = inproc(disable_log_requests=True)  # vLLM's older flag: the default, accepted
+    with caplog.at_level("INFO", logger="rankserve.serve"):
+        try:  # the fake engine never answers
+            httpx.post(a.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=2)
+        except httpx.TimeoutException:
+            pass
+    assert not [r for r in caplog.records if "request" in r.getMessage().lower()]

@@ -43,6 +43,13 @@ class ServerArgs:
     disable_log_stats: bool = opt(False, "no periodic engine stats line (throughput, requests, "
                                          "KV cache; every RANKSERVE_LOG_STATS_INTERVAL seconds "
                                          "with work)")
+    enable_log_requests: bool = opt(False, "log each request when it arrives (id, prompt, token "
+                                           "count, sampling parameters) and when it finishes")
+    disable_log_requests: bool = opt(False, "log no request (the default; vLLM's older flag)")
+    max_log_len: int | None = opt(None, "with --enable-log-requests: at most this many prompt "
+                                        "characters (or token ids) a log line (default: all)")
+    api_server_count: int = opt(1, "API server processes (vLLM's flag): rankserve runs one, "
+                                   "which streams W1's 256 requests at offline speed")
     # as vLLM's: CORS for browsers, a path prefix behind a proxy, TLS
     allowed_origins: str = opt('["*"]', "CORS: origins allowed to call the API, a JSON list")
     allowed_methods: str = opt('["*"]', "CORS: HTTP methods allowed, a JSON list")
@@ -93,6 +100,13 @@ class ServerArgs:
             raise ValueError("--shutdown-timeout must be >= 0")
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        if self.enable_log_requests and self.disable_log_requests:
+            raise ValueError("--enable-log-requests and --disable-log-requests contradict: give one")
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ValueError(f"--max-log-len must be >= 0, got {self.max_log_len}")
+        if self.api_server_count != 1:
+            raise ValueError(f"--api-server-count {self.api_server_count}: rankserve runs one API "
+                             "process; for more engines behind it use --data-parallel-size")
         self.cors()
         if self.root_path is not None and not self.root_path.startswith("/"):
             raise ValueError(f"--root-path must start with /, got {self.root_path!r}")

@@ -180,6 +180,9 @@ class EngineClient:
         self.on_dead = None  # callback: the app schedules its own shutdown
         self.model_info: dict = {}
         self.sleeping = False  # as the last sleep / wake-up call left it (the engine checks too)
+        # --enable-log-requests: a line per request and per finished choice; the int is
+        # --max-log-len (-1: the whole prompt), None: no request is logged
+        self.log_requests: int | None = None
 
     @property
     def num_engines(self) -> int:
@@ -216,6 +219,15 @@ class EngineClient:
             raise EngineSleepingError(SLEEPING)
         rid = request_id or uuid.uuid4().hex
         child_ids = self.processor.add_request(rid, prompt, prompt_token_ids, params)
+        if self.log_requests is not None:
+            cut = None if self.log_requests < 0 else self.log_requests
+            tok = self.processor.tokenizer
+            if prompt is None and tok is not None:  # chat / token prompts: the text they decode to
+                prompt = tok.decode(prompt_token_ids if cut is None else prompt_token_ids[:cut])
+            shown = f"prompt: {prompt[:cut]!r}" if prompt is not None else \
+                f"prompt_token_ids: {prompt_token_ids[:cut]}"
+            log.info("Received request %s: %s, prompt_tokens=%d, params: %s, lora: %s", rid, shown,
+                     len(prompt_token_ids), params, lora_request and lora_request.lora_name)
         stream = RequestStream(self, rid, child_ids)
         self.streams[rid] = stream
         # the choices of one request stay together: they share the prompt's KV blocks
@@ -351,6 +363,10 @@ class EngineClient:
                 self.balancer.finished(child.engine)
                 em.record_finished(out.finish_reason, child.num_prompt, len(out.token_ids),
                                    now - stream.arrival, child.timing)
+                if self.log_requests is not None:
+                    log.info("Finished request %s: finish_reason=%s, prompt_tokens=%d, "
+                             "generated_tokens=%d, e2e %.3f s", o.request_id, out.finish_reason,
+                             child.num_prompt, len(out.token_ids), now - stream.arrival)
         for e, values in itls.items():
             observe_many(self.metrics.engines[e].itl, values)
         for e, n in delivered.items():

@@ -153,6 +153,8 @@ class ServeContext:
                  generation_defaults: dict | None = None):
         self.args, self.model_name, self.model_path = args, model_name, model_path
         self.tokenizer, self.client = tokenizer, client
+        if client is not None and args.enable_log_requests:
+            client.log_requests = -1 if args.max_log_len is None else args.max_log_len
         from ..lora import LoRATable  # LoRA adapters served as models (runtime/lora.py)
         self.loras = LoRATable(16)
         self.lora_enabled = False
