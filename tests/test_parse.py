@@ -194,6 +194,16 @@ def test_qwen3_reasoning_only_and_tools_only(qwen3):
 
 
 @needs_shared
+def test_qwen3_text_on_both_sides_of_a_call_keeps_its_separator(qwen3):
+    """Content before and after a tool call is one text: the whitespace that opens the second
+    part stays ("Sure.Done here." ran the sentences together)."""
+    call = f'<tool_call>\n{{"name": "get_weather", "arguments": {ARGS1}}}\n</tool_call>'
+    check(lambda: make_parser(qwen3.tok, "hermes", "qwen3"), qwen3,
+          qwen3.ids(f"Sure.\n{call}\nDone here.\n{call}\n\nAnd more."),
+          ("Sure.\nDone here.\n\nAnd more.", None, [("get_weather", ARGS1)] * 2))
+
+
+@needs_shared
 def test_qwen3_plain_marker_text_is_content(qwen3):
     # the model spelling "<tool_call>" in ordinary tokens is not the special token
     text = "Use the <tool_call> tag."

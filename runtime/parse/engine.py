@@ -205,8 +205,12 @@ class StreamingParser:
 
     def _text(self, kind: str, text: str) -> None:
         if self._lstrip:
-            text = text.lstrip()
-            self._lstrip = not text
+            body = text.lstrip()
+            if self._content if kind == "content" else self._reasoning:
+                # text resumed after a tool call: its opening whitespace separates it from the
+                # text before (held, so a terminal right after still drops it)
+                self._held_ws += text[:len(text) - len(body)]
+            text, self._lstrip = body, not body
         body = text.rstrip()
         if body:
             cls = ContentDelta if kind == "content" else ReasoningDelta
