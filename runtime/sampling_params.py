@@ -25,6 +25,9 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):
     # the constraint starts after this token (a reasoning model's end-of-reasoning token): the
     # reasoning itself is free text; None: from the first output token
     start_after_token_id: int | None = None
+    # with start_after_token_id: the token that opens the reasoning. An output whose first token
+    # is another one has no reasoning, and the constraint holds from that first token
+    reasoning_start_token_id: int | None = None
 
     KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
@@ -124,9 +127,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         if self.structured_outputs is not None:
             so = self.structured_outputs
             so.kind  # noqa: B018 - raises unless exactly one constraint is set
-            if so.start_after_token_id is not None and not 0 <= so.start_after_token_id < hi:
-                raise ParamError(f"structured_outputs.start_after_token_id must be in [0, {hi})",
-                                 "structured_outputs")
+            for name in ("start_after_token_id", "reasoning_start_token_id"):
+                t = getattr(so, name)
+                if t is not None and not 0 <= t < hi:
+                    raise ParamError(f"structured_outputs.{name} must be in [0, {hi})",
+                                     "structured_outputs")
 
     @property
     def greedy(self) -> bool:

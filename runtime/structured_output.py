@@ -199,6 +199,7 @@ class RequestGrammar:
         self.matcher = None  # set once compiled
         self.active = so.start_after_token_id is None  # constrained from the first output token?
         self.start_after = so.start_after_token_id
+        self.opener = so.reasoning_start_token_id if not self.active else None
         self.num_seen = 0
         self.failed = False  # a token the grammar rejects (the mask makes it impossible)
         self.string_rules: frozenset[int] = frozenset()  # (grammar_state.py) set with the matcher
@@ -209,8 +210,24 @@ class RequestGrammar:
     def ready(self) -> bool:
         return self.matcher is not None
 
+    @property
+    def choosing(self) -> bool:
+        """At the first output token, which may open the reasoning (`opener`) or begin the
+        constrained answer: its mask is the grammar's plus the opener."""
+        return not self.active and self.num_seen == 0 and self.opener is not None
+
+    @property
+    def masked(self) -> bool:
+        return self.active or self.choosing
+
+    def begin(self, token: int) -> None:
+        """Before a token is accepted: a first token other than the opener begins the answer."""
+        if self.choosing and token != self.opener:
+            self.active = True
+
     def accept(self, token: int) -> bool:
         """Advance over a sampled token; False if the grammar rejects it."""
+        self.begin(token)
         self.num_seen += 1
         if not self.active:
             self.active = token == self.start_after
@@ -373,6 +390,10 @@ class StructuredOutputManager:
                 rows[i] = g.row
             elif g.string_rules and at_string_start(g.matcher, g.string_rules, g.num_bytes):
                 g.row = rows[i].copy()
+        for i in live:  # (after the rows kept for reuse: the opener is allowed once)
+            if grammars[i].choosing:
+                op = grammars[i].opener
+                rows.view(np.uint32)[i, op >> 5] |= np.uint32(1 << (op & 31))
         self.rows_filled += len(fill)
         self.rows_reused += len(live) - len(fill)
         if len(live) < n:  # through numpy: the runner's buffer is an inference tensor (made in
@@ -386,6 +407,7 @@ class StructuredOutputManager:
         t0 = time.perf_counter()
         batch = []
         for g, tok in pairs:
+            g.begin(tok)
             if g.active and not g.failed:
                 batch.append((g, tok))
             else:

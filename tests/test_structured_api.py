@@ -121,6 +121,20 @@ def test_constraint_starts_after_the_reasoning(client):
     valid(r.choices[0].message.content, CLOSED)
 
 
+def test_constraint_holds_when_the_model_does_not_think(client):
+    """Thinking on (the real template's default), but the model answers without opening a
+    reasoning block (<think> banned here): the output is the answer, so the schema holds from
+    its first token (it waited for a </think> that never came: free text came back)."""
+    def one(seed):
+        r = client.chat.completions.create(
+            model="q", messages=MESSAGES, max_tokens=300, temperature=1.0, seed=seed,
+            logit_bias={str(THINK_END - 1): -100}, response_format={  # <think>
+                "type": "json_schema", "json_schema": {"name": "f", "schema": CLOSED}})
+        assert getattr(r.choices[0].message, "reasoning_content", None) is None
+        valid(r.choices[0].message.content, CLOSED)
+    each(one)
+
+
 def test_completions_structured_outputs_and_guided_aliases(server):
     url = server.url + "/v1/completions"
     base = {"prompt": "Answer:", "max_tokens": 300, "temperature": 1.0}

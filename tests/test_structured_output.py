@@ -163,6 +163,14 @@ def test_start_after_token(qwen):
     for o in qwen.generate(["Think:"] * 3, sps):
         c = o.outputs[0]
         assert c.token_ids[0] == 151668 and re.fullmatch(r"[0-9]{3}", qwen.tokenizer.decode(c.token_ids[1:-1]))
+    # with the opener (<think>): a first token that opens the reasoning leaves it free until
+    # </think>; any other first token begins the answer, constrained from there
+    so = SO(regex="[0-9]{3}", start_after_token_id=151668, reasoning_start_token_id=151667)
+    thinks, answers = qwen.generate(["Think:"] * 2, [SamplingParams(
+        temperature=1.0, seed=0, max_tokens=8, structured_outputs=so, logit_bias={151667: b})
+        for b in (100.0, -100.0)])
+    assert thinks.outputs[0].token_ids == [151667] * 8
+    assert re.fullmatch(r"[0-9]{3}", answers.outputs[0].text), answers.outputs[0].text
 
 
 def test_logit_bias_and_allowed_token_ids(qwen):

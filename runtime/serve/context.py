@@ -335,7 +335,11 @@ class ServeContext:
         last = lambda t: max((i for i, x in enumerate(prompt_token_ids) if x == t), default=-1)  # noqa: E731
         if start is not None and last(end) > last(start):
             return params  # the template closed the reasoning block: constrain from the start
-        return msgspec.structs.replace(params, start_after_token_id=end)
+        # the template opened it: the output begins inside it; else the model may open it with
+        # its first token, or answer at once (then constrained from that token)
+        opener = start if last(start) < 0 else None
+        return msgspec.structs.replace(params, start_after_token_id=end,
+                                       reasoning_start_token_id=opener)
 
     def with_bad_words(self, params: SamplingParams) -> SamplingParams:
         """bad_words → token id sequences (the engine bans token ids)."""
