@@ -259,6 +259,24 @@ def test_forced_tool_choice_refusals(client):
         chat(client, tools=TOOLS, tool_choice="required", response_format={"type": "json_object"})
 
 
+def test_include_stop_str_in_output_leaves_the_eos_out(client):
+    """include_stop_str_in_output keeps stop strings; the EOS that ends a chat answer is still no
+    text (its '<|im_end|>' was in the content, and made a forced call unreadable: calls lost)."""
+    inc = {**NO_THINK, "include_stop_str_in_output": True}
+    r = chat(client, extra_body={**inc, "structured_outputs": {"choice": ["yes", "no"]}})
+    assert r.choices[0].message.content in ("yes", "no") and r.choices[0].finish_reason == "stop"
+    text = "".join(c.choices[0].delta.content or "" for c in chat(
+        client, stream=True, extra_body={**inc, "structured_outputs": {"choice": ["yes", "no"]}}))
+    assert text in ("yes", "no")
+
+    def one(seed):
+        c = chat(client, seed=seed, tools=TOOLS, extra_body=inc, tool_choice={
+            "type": "function", "function": {"name": "get_time"}}).choices[0]
+        assert c.finish_reason == "stop" and len(c.message.tool_calls or []) == 1, c
+        valid(c.message.tool_calls[0].function.arguments, SCHEMAS["get_time"])
+    each(one, range(3))
+
+
 def test_strict_tools_under_auto(client):
     """Free text, but a call, once the model begins one, follows its function's schema (a bias
     makes the random model open calls; the last one may be cut by max_tokens and is dropped)."""

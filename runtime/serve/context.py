@@ -415,10 +415,18 @@ class ChatRun:
         self.stop_reasons: list[int | str | None] = [None] * n
         self.num_cached_tokens = 0
         self.tool_calls_seen = [False] * n
+        self.eos = {t: ctx.token_text(t) for t in ctx.client.eos_token_ids}
 
     def update(self, upd: Update) -> list[Delta]:
         p = self.parsers[upd.index]
-        deltas = p.feed(upd.token_ids, upd.text)
+        text = upd.text
+        if upd.finish_reason == "stop" and upd.stop_reason is None and upd.token_ids:
+            # the EOS that ended the answer is no text, even with include_stop_str_in_output
+            # (that keeps stop strings): its marker would end up in the content or a call's JSON
+            end = self.eos.get(upd.token_ids[-1])
+            if end and text.endswith(end):
+                text = text[:-len(end)]
+        deltas = p.feed(upd.token_ids, text)
         self.num_tokens[upd.index] += len(upd.token_ids)
         self.num_cached_tokens = upd.num_cached_tokens
         if upd.finish_reason is not None:
