@@ -141,6 +141,14 @@ def test_bad_chat_requests(server, body, status, needle):
     assert needle in r.json()["error"]["message"]
 
 
+def test_bad_tool_names_the_tools_param(server):
+    for url, tools in (("/v1/chat/completions", [{"type": "custom", "custom": {"name": "x"}}]),
+                       ("/v1/responses", [{"type": "function", "parameters": {}}])):
+        body = {"messages": MESSAGES, "max_tokens": 2} if "chat" in url else {"input": "hi"}
+        r = httpx.post(server.url + url, json={**body, "tools": tools})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+
+
 # ---- Anthropic --------------------------------------------------------------------------------
 def test_anthropic_messages(claude):
     m = claude.messages.create(model="q", max_tokens=8, system="You are terse.",

@@ -265,8 +265,8 @@ class ServeContext:
                 return self.renderer.render_chat(messages, tools, template_kwargs,
                                                  add_generation_prompt, continue_final_message,
                                                  chat_template)
-            except ValueError as e:
-                raise APIError(str(e), param="messages") from None
+            except ValueError as e:  # (a tool the template cannot take is the tools' fault)
+                raise APIError(str(e), param="tools" if str(e).startswith("tools") else "messages") from None
         renders = _RENDERS.get()
         key = ("chat", messages, tools, template_kwargs, add_generation_prompt,
                continue_final_message, chat_template)
