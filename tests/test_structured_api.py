@@ -135,6 +135,22 @@ def test_constraint_holds_when_the_model_does_not_think(client):
     each(one)
 
 
+def test_a_tool_loop_may_think_again_before_the_constrained_answer(client):
+    """An earlier turn's reasoning stays in the prompt of a tool loop (<think>…</think> before its
+    call): that block is closed, but the new turn may open its own. It was read as 'thinking
+    disabled': the constraint held from the first token and <think> was masked out."""
+    history = MESSAGES + [
+        {"role": "assistant", "content": "", "reasoning_content": "I should call it.",
+         "tool_calls": [{"id": "c1", "type": "function", "function": {
+             "name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    r = client.chat.completions.create(
+        model="q", messages=history, tools=TOOLS, max_tokens=4, temperature=1.0, seed=0,
+        logit_bias={str(THINK_END - 1): 100}, response_format={  # <think>
+            "type": "json_schema", "json_schema": {"name": "f", "schema": CLOSED}})
+    assert getattr(r.choices[0].message, "reasoning_content", None), r.choices[0].message
+
+
 def test_completions_structured_outputs_and_guided_aliases(server):
     url = server.url + "/v1/completions"
     base = {"prompt": "Answer:", "max_tokens": 300, "temperature": 1.0}

@@ -332,12 +332,15 @@ class ServeContext:
         start, end = token_id(self.tokenizer, "<think>"), token_id(self.tokenizer, "</think>")
         if end is None:
             return params
-        last = lambda t: max((i for i, x in enumerate(prompt_token_ids) if x == t), default=-1)  # noqa: E731
-        if start is not None and last(end) > last(start):
+        # the generation prompt's own tag, if any: the tail after the last turn's end (an earlier
+        # turn's closed block, kept in a tool loop, says nothing about this turn)
+        turn_ends = set(self.tokenizer.all_special_ids) | set(self.client.eos_token_ids)
+        tag = next((t for t in reversed(prompt_token_ids) if t in (start, end) or t in turn_ends), None)
+        if tag == end:
             return params  # the template closed the reasoning block: constrain from the start
         # the template opened it: the output begins inside it; else the model may open it with
         # its first token, or answer at once (then constrained from that token)
-        opener = start if last(start) < 0 else None
+        opener = start if tag != start else None
         return msgspec.structs.replace(params, start_after_token_id=end,
                                        reasoning_start_token_id=opener)
 
