@@ -325,7 +325,7 @@ class Scheduler:
                 if self._miss_pause(req, True, self.spec_long_pause):
                     out.spec_pause_on_miss.add(req.request_id)
             req.spec_token_ids = []  # scheduled now, or stale
-            if self._commit(req, n, new_blocks, new, out, len(spec or ())) and req.grammar and req.grammar.masked:
+            if self._commit(req, n, new_blocks, new, out, len(spec or ())) and req.grammar:
                 constrained.append(req)
         if constrained:
             out.grammar_req_ids = [r.request_id for r in constrained]

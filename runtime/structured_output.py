@@ -376,6 +376,8 @@ class StructuredOutputManager:
             self._batch = xgr.BatchGrammarMatcher(fill_threads())
         live, fill = [], []
         for i, g in enumerate(grammars):  # (a known row is a string's: neither ended nor failed)
+            if not g.masked:  # not begun (reasoning): free; planned anyway, as under async
+                continue  # scheduling the token that begins it may be accepted only just now
             if g.row is not None or (not g.failed and not g.matcher.is_terminated()):
                 live.append(i)
                 if g.row is None:
