@@ -334,7 +334,7 @@ class ServeContext:
             return params
         # the generation prompt's own tag, if any: the tail after the last turn's end (an earlier
         # turn's closed block, kept in a tool loop, says nothing about this turn)
-        turn_ends = set(self.tokenizer.all_special_ids) | set(self.client.eos_token_ids)
+        turn_ends = set(getattr(self.tokenizer, "all_special_ids", ())) | set(self.client.eos_token_ids)
         tag = next((t for t in reversed(prompt_token_ids) if t in (start, end) or t in turn_ends), None)
         if tag == end:
             return params  # the template closed the reasoning block: constrain from the start
