@@ -149,6 +149,18 @@ def test_bad_tool_names_the_tools_param(server):
         assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
 
 
+def test_unknown_reasoning_settings_are_400(server):
+    """As chat's reasoning_effort: an effort or thinking type the API does not have is refused,
+    not read as 'thinking on'."""
+    r = httpx.post(server.url + "/v1/responses", json={"input": "hi", "max_output_tokens": 2,
+                                                          "reasoning": {"effort": "max"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning.effort", r.text
+    r = httpx.post(server.url + "/v1/messages", json={
+        "model": "q", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}],
+        "thinking": {"type": "on"}})
+    assert r.status_code == 400 and "thinking.type" in r.json()["error"]["message"], r.text
+
+
 # ---- Anthropic --------------------------------------------------------------------------------
 def test_anthropic_messages(claude):
     m = claude.messages.create(model="q", max_tokens=8, system="You are terse.",

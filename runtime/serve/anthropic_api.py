@@ -127,7 +127,10 @@ def _render(ctx: ServeContext, req) -> tuple[list[int], ToolMode]:
     choice = _tool_choice(req.tool_choice)
     counting = isinstance(req, CountTokensRequest)  # counting calls nothing
     mode = ToolMode() if counting else _tool_mode(ctx, tools, choice, req.tool_choice)
-    thinking = (req.thinking or {}).get("type") not in (None, "disabled")  # enabled, adaptive
+    kind = (req.thinking or {}).get("type")
+    if req.thinking is not None and kind not in ("enabled", "disabled", "adaptive"):
+        raise APIError(f"thinking.type must be enabled, disabled or adaptive; got {kind!r}")
+    thinking = kind not in (None, "disabled")
     ids = ctx.render_chat(to_chat(req.system, req.messages), tools if choice != "none" else None,
                           {"enable_thinking": thinking})
     return ids, mode

@@ -542,4 +542,8 @@ class ResponsesRequest(Request):
     def check_unsupported(self) -> None:
         if self.store:
             raise APIError("store=true is not supported: responses are not stored", param="store")
+        effort = (self.reasoning or {}).get("effort")
+        if effort not in (None, "none", "minimal", "low", "medium", "high"):
+            raise APIError(f"reasoning.effort must be none, minimal, low, medium or high; got "
+                           f"{effort!r}", param="reasoning.effort")
         check_tool_schemas(self.tools, where="tools[{i}].parameters")
