@@ -161,6 +161,18 @@ def test_unknown_reasoning_settings_are_400(server):
     assert r.status_code == 400 and "thinking.type" in r.json()["error"]["message"], r.text
 
 
+def test_responses_tool_choice_errors_speak_responses(server):
+    """Chat's {"type": "function", "function": {...}} sent to Responses: the 400 shows the
+    Responses form (it showed chat's, with the name read as null)."""
+    tools = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
+    r = httpx.post(server.url + "/v1/responses", json={
+        "input": "hi", "max_output_tokens": 2, "tools": tools,
+        "tool_choice": {"type": "function", "function": {"name": "f"}}})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "tool_choice", r.text
+    assert '{"type": "function", "name": ...}' in err["message"] and "null" not in err["message"]
+
+
 # ---- Anthropic --------------------------------------------------------------------------------
 def test_anthropic_messages(claude):
     m = claude.messages.create(model="q", max_tokens=8, system="You are terse.",

@@ -4,6 +4,7 @@ Input items become a chat for the renderer; the parser's deltas become output it
 message (output_text) and function_call."""
 from __future__ import annotations
 
+import json
 from typing import AsyncIterator
 
 from ..parse import ContentDelta, Delta, ReasoningDelta, ToolCallDelta
@@ -95,9 +96,12 @@ def to_tools(tools: list[dict] | None) -> list[dict] | None:
 
 
 def _tool_choice(tc):
-    if isinstance(tc, dict) and tc.get("type") == "function":
-        return {"type": "function", "function": {"name": tc.get("name")}}
-    return tc
+    if tc is None or isinstance(tc, str):  # (the literals are checked by the request's model)
+        return tc
+    if tc.get("type") == "function" and isinstance(tc.get("name"), str) and len(tc) == 2:
+        return {"type": "function", "function": {"name": tc["name"]}}
+    raise APIError('tool_choice must be "none", "auto", "required" or {"type": "function", '
+                   f'"name": ...}}, got {json.dumps(tc)}', param="tool_choice")
 
 
 def message_item(item_id: str, text: str, status: str = "completed") -> dict:
