@@ -650,6 +650,11 @@ def serve(**kwargs):
             sys.exit(serve_engine(cfg, args, executor, api_env=env))
         finally:
             executor.shutdown()
-    from ..runtime.serve.engine_proc import serve_replica
-    sys.exit(run_multi_rank(cfg, started, lambda ex: serve_engine(cfg, args, ex, api_env=env),
+    from . import failure
+    from ..runtime.serve.engine_proc import DRAIN_MARGIN_S, serve_replica
+    # a signal drains (rank 0 finishes the requests in flight, then stops the workers) rather
+    # than ending every rank at once; a rank still there this much later shuts down anyway
+    failure.drain_on_signal(args.shutdown_timeout + 2 * DRAIN_MARGIN_S + 10)
+    sys.exit(run_multi_rank(cfg, started,
+                            lambda ex: serve_engine(cfg, args, ex, api_env=env, on_drain=failure.on_drain),
                             lambda ex: serve_replica(cfg, ex)))
