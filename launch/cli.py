@@ -104,7 +104,11 @@ class _Group(click.Group):
     def invoke(self, ctx):
         from .preflight import LaunchError, report
         try:
-            return super().invoke(ctx)
+            try:
+                return super().invoke(ctx)
+            except (click.ClickException, LaunchError, ValueError) as e:
+                _tell_the_other_ranks(e)
+                raise
         except LaunchError as e:  # the same on every rank: one line, from one rank
             sys.exit(report(e))
         except ValueError as e:
@@ -112,6 +116,27 @@ class _Group(click.Group):
             if detect_launcher(os.environ) != "single":
                 raise
             raise click.ClickException(str(e)) from None
+
+
+_STARTS_RANKS = ("serve", "generate", "bench throughput", "bench latency", "bench sleep",
+                 "bench multiturn", "bench comm")
+
+
+def _tell_the_other_ranks(e: Exception) -> None:
+    """A rank of an MPI job whose command failed before start_ranks (a flag error, or a model
+    directory missing on its node): the others would wait for it in MPI_Init or the rendezvous
+    forever. It joins their startup agreement with its error instead, which raises a LaunchError
+    (rank 0 prints it, naming this rank) on every rank."""
+    from .discovery import detect_launcher, discover
+    from .preflight import _agreed, agree
+    words = [a for a in sys.argv[1:] if not a.startswith("-")][:2]
+    command = " ".join(words[:2] if words[:1] == ["bench"] else words[:1])
+    if _agreed or command not in _STARTS_RANKS or detect_launcher(os.environ) != "mpi":
+        return
+    message = e.format_message() if isinstance(e, click.ClickException) else str(e)
+    if isinstance(e, click.UsageError) and e.ctx is not None:
+        message = f"{e.ctx.command_path}: {message}"
+    agree(discover(), message)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -650,6 +675,11 @@ def serve(**kwargs):
             sys.exit(serve_engine(cfg, args, executor, api_env=env))
         finally:
             executor.shutdown()
-    from ..runtime.serve.engine_proc import serve_replica
-    sys.exit(run_multi_rank(cfg, started, lambda ex: serve_engine(cfg, args, ex, api_env=env),
+    from . import failure
+    from ..runtime.serve.engine_proc import DRAIN_MARGIN_S, serve_replica
+    # a signal drains (rank 0 finishes the requests in flight, then stops the workers) rather
+    # than ending every rank at once; a rank still there this much later shuts down anyway
+    failure.drain_on_signal(args.shutdown_timeout + 2 * DRAIN_MARGIN_S + 10)
+    sys.exit(run_multi_rank(cfg, started,
+                            lambda ex: serve_engine(cfg, args, ex, api_env=env, on_drain=failure.on_drain),
                             lambda ex: serve_replica(cfg, ex)))

@@ -19,9 +19,13 @@ right after `init_distributed`). It installs:
   `RANKSERVE_HEARTBEAT=0` turns it off (MPI launchers, torchrun and `srun --kill-on-bad-exit`
   also kill the job when a process dies; the heartbeat adds the message and covers lost nodes).
 - SIGTERM/SIGINT (Slurm time limit, scancel, Ctrl-C): the registered shutdown callbacks run once,
-  then the process exits with 128+signal. The signal is also seen by the heartbeat thread through
-  `signal.set_wakeup_fd`, so shutdown starts even while the main thread is stuck inside a C call
-  (a blocking collective). Callbacks may therefore run on that thread; keep them thread-safe.
+  then the process exits with 128+signal. A server (`drain_on_signal`) drains instead: rank 0's
+  `on_drain` callback stops taking requests and lets those in flight finish, then shuts the
+  workers down as usual; a worker that got the signal tells rank 0 (`T`), and any rank still
+  there when the grace period is over (or at a second signal) shuts down as above. The signal
+  is also seen by the heartbeat thread through `signal.set_wakeup_fd` (which then handles it
+  alone), so shutdown starts even while the main thread is stuck inside a C call (a blocking
+  collective). Callbacks may therefore run on that thread; keep them thread-safe.
 - faulthandler (multi-rank): a rank that dies by SIGABRT or SIGSEGV prints its Python stacks.
 - An exit teardown (atexit, multi-rank): goodbye, process group destroyed, MPI finalized
   with the heartbeat still watching, done (`_exit_teardown`).
@@ -54,6 +58,8 @@ _callbacks: list = []
 _shutdown_lock = threading.Lock()
 _heartbeat: "_Heartbeat | None" = None
 _keep: list = []  # the signal wakeup socket must stay open
+_drain: dict = {"grace_s": None, "begin": [], "timer": None, "signals": 0}  # see drain_on_signal
+_drain_lock = threading.Lock()
 
 
 def install_failure_handlers(info: RankInfo, control, on_shutdown=None) -> None:
@@ -87,6 +93,43 @@ def install_failure_handlers(info: RankInfo, control, on_shutdown=None) -> None:
 def register_shutdown(callback) -> None:
     """Run `callback()` once on SIGTERM/SIGINT (or a peer's shutdown), before exiting."""
     _callbacks.append(callback)
+
+
+def drain_on_signal(grace_s: float) -> None:
+    """SIGTERM/SIGINT (or a peer's `T`) start a drain instead of an immediate shutdown (serve,
+    on every rank): `on_drain` callbacks run (rank 0 without one shuts down at once: it is still
+    starting), and whatever still runs `grace_s` later, or at a second signal, shuts down."""
+    _drain["grace_s"] = grace_s
+
+
+def on_drain(callback) -> None:
+    """Run `callback()` when a drain starts (rank 0's engine: stop the API, finish requests)."""
+    _drain["begin"].append(callback)
+
+
+def _signal(signum: int, peer: str = "") -> None:
+    """A signal (or a peer's drain notice, `peer` naming it): drain or shut down."""
+    rank0 = _info is None or _info.rank == 0
+    with _drain_lock:
+        started = _drain["timer"] is not None
+        _drain["signals"] += not peer
+        drain = _drain["grace_s"] is not None and not started and (_drain["begin"] or not rank0)
+        if drain:
+            timer = threading.Timer(_drain["grace_s"], _shutdown, (signum, "drain time is over"))
+            timer.daemon = True
+            _drain["timer"] = timer
+    if not drain:
+        # a second signal to this rank: now (its own first one may come after a peer's notice)
+        if not started or _drain["signals"] > 1:
+            _shutdown(signum, peer)
+        return
+    log.warning("%s: %s%s, draining (at most %.0f s)", _where(), signal.Signals(signum).name,
+                f" ({peer})" if peer else "", _drain["grace_s"])
+    timer.start()
+    for cb in _drain["begin"]:
+        cb()
+    if _heartbeat and not rank0:  # rank 0 runs the drain
+        _heartbeat.say(b"T")
 
 
 def abort(msg: str, code: int = 1) -> None:
@@ -147,6 +190,8 @@ def _exit_teardown() -> None:
     heartbeat keeps watching: a peer whose process ends after its goodbye but before its done
     ends this rank too, with a message naming it.
     """
+    if _drain["timer"] is not None:  # drained: this is the normal exit
+        _drain["timer"].cancel()
     hb = _heartbeat
     if hb is not None:
         hb.begin_exit()
@@ -190,7 +235,8 @@ def _c_mpi_finalize():
 
 
 def _on_signal(signum, frame) -> None:
-    _shutdown(signum)
+    if not _keep:  # else the heartbeat thread takes it from the wakeup fd: one handler per signal
+        _signal(signum)
 
 
 def _shutdown(signum: int, reason: str = "") -> None:
@@ -309,7 +355,7 @@ class _Heartbeat:
                 if key.fileobj is self.wake_r:
                     signum = self.wake_r.recv(1)[0]
                     if signum in (signal.SIGTERM, signal.SIGINT):
-                        _shutdown(signum)
+                        _signal(signum)
                 elif not self.leaving:  # leave() owns the sockets now
                     self._read(key.fileobj, sel)
             now = time.monotonic()
@@ -344,6 +390,8 @@ class _Heartbeat:
             self._lost(peer[0], peer[1], "it reported a failure (traceback in its log)")
         if b"S" in data:
             _shutdown(signal.SIGTERM, f"rank {peer[0]} on {peer[1]} is shutting down")
+        if b"T" in data:
+            _signal(signal.SIGTERM, f"rank {peer[0]} on {peer[1]} got a signal")
 
     def _lost(self, rank: int, host: str, why: str) -> None:
         log.critical("%s: lost rank %d on %s: %s; ending the job", _where(), rank, host, why)

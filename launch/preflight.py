@@ -24,6 +24,32 @@ class LaunchError(Exception):
         self.report = report
 
 
+_agreed = False  # this rank has been through `agree`
+
+
+def agree(info: RankInfo, error: str | None) -> None:
+    """Under MPI, before any rendezvous: every rank says whether its start failed. Collective.
+
+    start_ranks calls it with None; a rank whose command line failed before that (a model
+    directory missing on its node, a cache dir it cannot write) calls it from the CLI's error
+    handler instead of exiting, so the other ranks never wait for it in MPI_Init or the
+    rendezvous. Raises one LaunchError on every rank, printed by rank 0, naming the rank."""
+    global _agreed
+    if _agreed or info.launcher != "mpi" or info.world_size == 1:
+        return
+    _agreed = True
+    from mpi4py import MPI
+    failed = [(r, host, e) for r, (host, e) in
+              enumerate(MPI.COMM_WORLD.allgather((info.host, error))) if e is not None]
+    if not failed:
+        return
+    rank, host, msg = failed[0]
+    if len(failed) < info.world_size or len({e for *_, e in failed}) > 1:
+        more = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
+        msg = f"rank {rank} on {host}{more}: {msg}"
+    raise LaunchError(msg, report=info.rank == 0)
+
+
 def launch_command(launcher: str, n: int, env: Mapping[str, str]) -> str:
     """How to start n ranks with the launcher this job came from."""
     in_step = "SLURM_STEP_ID" in env or "SLURM_STEPID" in env  # srun, with or without MPI

@@ -30,9 +30,10 @@ def start_ranks(cfg: EngineConfig):
     a single process without parallelism. Raises `preflight.LaunchError` before any rendezvous
     when the job cannot work (wrong rank count, missing device, mismatched MPI)."""
     from .discovery import discover, mpi_library
-    from .preflight import check_mpi_world, check_world_size, resolve_device
+    from .preflight import agree, check_mpi_world, check_world_size, resolve_device
     info = discover()
     check_mpi_world(info, os.environ, mpi_library())
+    agree(info, None)  # every rank got this far (one that failed before says so here)
     if info.world_size == 1 and cfg.parallel.total_ranks == 1:
         return None
     check_world_size(info, cfg, os.environ)

@@ -161,6 +161,10 @@ def build_model(hf_config, pi: ParallelInfo, dtype: torch.dtype, device: torch.d
     from .quantization import apply_ignored, building, quant_config_of
     cls = model_class(hf_config)
     check_activations(cls, hf_config)
+    heads = getattr(hf_config, "num_attention_heads", None)
+    if isinstance(heads, int) and heads % pi.tp_size:  # before any layer's own, vaguer split error
+        raise ValueError(f"the model's num_attention_heads ({heads}) is not divisible by "
+                         f"--tensor-parallel-size {pi.tp_size}; use a TP size that divides it")
     qconfig = quant_config_of(hf_config, quantization)
     with torch.device(device), building(qconfig):
         model = cls(hf_config, pi, dtype)

@@ -31,6 +31,13 @@ class UniprocExecutor:
                 "one engine per replica on ranks of their own: serve it with `mpirun -np N rankserve "
                 "serve --data-parallel-size ...` (N = TP × PP × DP); the offline LLM, generate and "
                 "the benches run one engine")
+        n = cfg.parallel.world_size
+        if pi is None and n > 1:  # never a silent TP 1: the other ranks come from the launcher
+            raise ConfigError(
+                f"tensor_parallel_size {cfg.parallel.tensor_parallel_size} × pipeline_parallel_size "
+                f"{cfg.parallel.pipeline_parallel_size} needs {n} ranks, but the offline LLM runs in "
+                f"one process: launch `mpirun -np {n} rankserve generate|serve|bench ... --tp/--pp` "
+                "(or srun -n / torchrun), where rank 0 drives the engine and the others are its workers")
         if device is None:
             device = torch.device(cfg.device.resolve(0))
             if device.type == "cuda":

@@ -136,3 +136,14 @@ def test_start_path_uses_the_reader_and_leaves_the_rest_to_transformers(tmp_path
                   rope_parameters={"full_attention": {"rope_type": "default"}})
     assert config_readers.read(nested, str(model)) is None
     assert config_readers.read(dict(nested, model_type="kimi_k2"), str(model)) is None
+
+
+def test_tp_size_that_does_not_divide_the_heads_names_them():
+    """`mpiexec -n 3 ... --tp 3` on a 4-head model: the error names the heads and the flag (as
+    vLLM's does), not the first layer that happened to fail ("output size (128)")."""
+    import transformers
+    hf = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    hf.architectures = ["LlamaForCausalLM"]
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) .*--tensor-parallel-size 3"):
+        build_model(hf, ParallelInfo(tp_size=3), torch.float32, torch.device("meta"))

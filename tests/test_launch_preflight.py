@@ -89,3 +89,14 @@ def test_mixed_mpi_build_message_in_a_real_process():
         pytest.skip("mpi4py not installed")
     assert r.returncode == 2
     assert "OMPI_COMM_WORLD_SIZE=2) but MPI sees a world of 1" in _one_error_line(r.stderr)
+
+
+@pytest.mark.parametrize("kw", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+def test_offline_llm_with_tp_in_one_process_is_refused(kw):
+    """vLLM's `LLM(model, tensor_parallel_size=2)` in a plain script (or in every rank of
+    `mpirun -np 2 python script.py`) ran one full engine per process, silently at TP 1: refused,
+    naming the flag and the launch that runs it."""
+    from rankserve import LLM
+    from rankserve.runtime.config import ConfigError
+    with pytest.raises(ConfigError, match=r"needs 2 ranks.*one process.*mpirun -np 2 rankserve"):
+        LLM(str(STORIES_EMBEDDED), **kw)

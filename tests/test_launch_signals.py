@@ -21,11 +21,11 @@ pytestmark = [pytest.mark.mpi, pytest.mark.slow,
 
 
 class Job:
-    def __init__(self):
+    def __init__(self, *flags: str):
         self.port = free_port()
         self.proc = subprocess.Popen(
             ["mpiexec", "-n", "2", sys.executable, "-m", "rankserve.launch", "serve",
-             str(STORIES_EMBEDDED), "--tp", "2", "--port", str(self.port)],
+             str(STORIES_EMBEDDED), "--tp", "2", "--port", str(self.port), *flags],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
             env=dict(os.environ, RANKSERVE_HEARTBEAT_TIMEOUT="20"))
         self.lines: list[str] = []
@@ -42,13 +42,14 @@ class Job:
     def pid(self, rank: int) -> int:
         return int(re.search(rf"rank {rank}/2 host=\S+ pid=(\d+)", self.text).group(1))
 
-    def stream(self) -> tuple[threading.Thread, dict]:
-        """A long streaming completion; returns (thread, result) once its first token arrived."""
+    def stream(self, max_tokens: int = 480) -> tuple[threading.Thread, dict]:
+        """A streaming completion; returns (thread, result) once its first token arrived."""
         result: dict = {"events": []}
         first = threading.Event()
 
         def run():
-            body = {"prompt": "Once upon a time", "max_tokens": 480, "ignore_eos": True, "stream": True}
+            body = {"prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True,
+                    "stream": True}
             try:
                 with httpx.stream("POST", f"http://127.0.0.1:{self.port}/v1/completions", json=body,
                                   timeout=60) as r:
@@ -98,3 +99,20 @@ def test_ctrl_c_under_mpiexec_no_traceback_and_streams_end_with_an_event():
     assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]
     t.join(30)
     assert "cut" not in result, f"stream cut: {result['cut']}\n{log[-3000:]}"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_under_mpiexec_drains_requests_in_flight(sig):
+    """scancel / the time limit (SIGTERM) or Ctrl-C (SIGINT, which mpiexec passes to every rank)
+    give a multi-rank server's requests in flight --shutdown-timeout to finish, as one process
+    does: no new requests, the stream ends normally, every rank exits 0."""
+    job = Job("--shutdown-timeout", "30")
+    t, result = job.stream(max_tokens=60)
+    job.proc.send_signal(sig)  # to mpiexec, as scancel / a terminal does
+    log = job.finish()
+    t.join(30)
+    events = result["events"]
+    assert "cut" not in result and events[-1] == "[DONE]", log[-3000:]
+    last = json.loads(events[-2])
+    assert "error" not in last and last["choices"][0]["finish_reason"] == "length", (events[-3:], log[-3000:])
+    assert job.proc.returncode == 0, log[-3000:]

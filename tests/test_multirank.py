@@ -209,3 +209,17 @@ def test_a_user_error_at_start_is_one_line_per_rank():
     assert r.returncode != 0, out[-3000:]
     assert "failed: ValueError: --max-model-len 100000 exceeds" in out, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
+
+
+def test_a_rank_whose_start_fails_alone_ends_the_job_naming_it(tmp_path):
+    """The model directory is missing on rank 1's node only: rank 1's command line fails before
+    MPI is up, and rank 0 used to wait for it in MPI_Init forever (MPICH does not end the job).
+    Now the job ends at once, rank 0 printing the error with rank 1's name."""
+    common = ["-m", "rankserve.launch", "generate", "--tp", "2", "--prompt", "x", "--max-tokens", "2"]
+    cmd = ["mpiexec", "-n", "1", sys.executable, *common, str(STORIES_EMBEDDED),
+           ":", "-n", "1", sys.executable, *common, str(tmp_path / "not-on-this-node")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out[-3000:]
+    lines = [x for x in out.splitlines() if "rankserve: error:" in x]
+    assert len(lines) == 1 and "rank 1 on" in lines[0] and "not-on-this-node" in lines[0], out[-3000:]

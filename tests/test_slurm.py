@@ -282,3 +282,51 @@ def test_rank_aborting_at_exit_under_pmi2_does_not_hang_rank_0(slurm, tmp_path):
     assert proc.returncode != 0 and time.monotonic() - start < 30, log[-3000:]
     assert "rank 0 on node1: lost rank 1 on node2" in log, log[-3000:]
     assert re.search(r"Fatal Python error:\s*Aborted", log), log[-3000:]  # and rank 1 said where
+
+
+# ---- serve.sbatch's layout, with srun / scontrol stubbed (no cluster needed) -----------------
+def _serve_sbatch_srun_args(tmp_path, *args, nodes=1, per_node=8) -> list[str]:
+    """The `rankserve serve` arguments serve.sbatch hands to srun in an allocation of `nodes`
+    nodes x `per_node` tasks."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    for name, body in (("srun", 'printf "%s\\n" "$@" > "$SRUN_ARGS"'), ("scontrol", "echo node1"),
+                       ("curl", "exit 1")):
+        (bin_ / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_ / name).chmod(0o755)
+    out = tmp_path / "srun.args"
+    env = dict(os.environ, PATH=f"{bin_}:{os.environ['PATH']}", SRUN_ARGS=str(out),
+               SLURM_JOB_ID="7", SLURM_JOB_NODELIST="node1", SLURM_JOB_NUM_NODES=str(nodes),
+               SLURM_NTASKS_PER_NODE=str(per_node), RANKSERVE_PORT="8000",
+               RANKSERVE_HEALTH_TIMEOUT="0")
+    r = subprocess.run(["bash", str(REPO / "slurm" / "serve.sbatch"), *args], env=env, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    argv = out.read_text().split("\n")[:-1]
+    return argv[argv.index("serve") + 1:]
+
+
+def _layout(argv: list[str]) -> tuple[int, int, int]:
+    """(tp, pp, dp) as rankserve reads them: the last of each flag wins."""
+    got = {"tp": 1, "pp": 1, "dp": 1}
+    names = {"--tp": "tp", "--tensor-parallel-size": "tp", "--pp": "pp",
+             "--pipeline-parallel-size": "pp", "--dp": "dp", "--data-parallel-size": "dp"}
+    argv = [part for a in argv for part in (a.split("=", 1) if a.startswith("--") else [a])]
+    for flag, value in zip(argv, argv[1:]):
+        if flag in names:
+            got[names[flag]] = int(value)
+    return got["tp"], got["pp"], got["dp"]
+
+
+@pytest.mark.parametrize("nodes, args, layout", [
+    (1, [], (8, 1, 1)),                                   # TP = tasks per node, PP = nodes
+    (2, [], (8, 2, 1)),
+    (2, ["--tp", "4"], (4, 1, 1)),                        # the user's --tp as given
+    (1, ["--pp", "2"], (4, 2, 1)),                        # the user's --pp kept, TP fills the rest
+    (2, ["--pipeline-parallel-size=4"], (4, 4, 1)),
+    (1, ["--dp", "2"], (4, 1, 2)),                        # replicas share the tasks
+    (2, ["--data-parallel-size", "2"], (8, 1, 2)),
+])
+def test_serve_sbatch_keeps_the_users_layout(tmp_path, nodes, args, layout):
+    argv = _serve_sbatch_srun_args(tmp_path, "/models/m", *args, nodes=nodes)
+    assert _layout(argv) == layout, argv

@@ -385,14 +385,16 @@ class EngineServer:
 
 
 def serve_engine(cfg: EngineConfig, server_args: ServerArgs, executor, *,
-                 api_env: dict[str, str] | None = None) -> int:
+                 api_env: dict[str, str] | None = None, on_drain=None) -> int:
     """Serve `cfg`'s model over HTTP until SIGINT/SIGTERM; returns the exit code.
 
     Runs the EngineCore on `executor` (UniprocExecutor, or an MPI executor whose workers run on the
     other ranks) in this process and the API server in a child process. `api_env` is the child's
     environment: pass it scrubbed of MPI/PMI/Slurm variables (launch.discovery.scrub_launcher_env)
     so that the child never takes itself for an MPI rank. The caller owns `executor` (and shuts
-    it down). Exit code 0 after a signal, 1 when the engine failed or the API process died."""
+    it down). Exit code 0 after a signal, 1 when the engine failed or the API process died.
+    `on_drain(callback)`: multi-rank, where the launcher's failure handlers take every rank's
+    signals (launch/failure.py); `callback()` then starts the drain instead of a handler here."""
     server_args = server_args.validate().resolve_api_key()
     drain_s = server_args.shutdown_timeout + DRAIN_MARGIN_S
     for path in remove_stale_sockets():
@@ -407,7 +409,11 @@ def serve_engine(cfg: EngineConfig, server_args: ServerArgs, executor, *,
         if stop[0] and signum == signal.SIGINT and children:  # the second Ctrl-C: now
             children[0].send_signal(signal.SIGINT)  # (the API is in its own session)
         stop[0] = True
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    old = {}
+    if on_drain is not None:
+        on_drain(lambda: stop.__setitem__(0, True))
+    else:
+        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     api = start_api_process(cfg, server_args, connect, api_env, replicas)  # loads its tokenizer meanwhile
     children.append(api)
     server = None
