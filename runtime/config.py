@@ -7,6 +7,7 @@ The CLI flags are generated from these fields (`launch/cli.py`): field `max_num_
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,7 +110,8 @@ class CacheConfig:
                self.gpu_memory_utilization)
         _check(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override > 0,
                "num_gpu_blocks_override", "> 0", self.num_gpu_blocks_override)
-        _check(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", "> 0", self.kv_cache_memory_gb)
+        _check(0 < self.kv_cache_memory_gb < math.inf, "kv_cache_memory_gb", "a finite number > 0",
+               self.kv_cache_memory_gb)
 
     @property
     def fp8_kv(self) -> bool:
@@ -290,7 +292,8 @@ class OffloadConfig:
                                  "copied back on a hit (0: off)")
 
     def validate(self):
-        _check(self.kv_offload_size >= 0, "kv_offload_size", ">= 0", self.kv_offload_size)
+        _check(0 <= self.kv_offload_size < math.inf, "kv_offload_size", "a finite number >= 0",
+               self.kv_offload_size)
 
 
 @dataclass(frozen=True)
