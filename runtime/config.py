@@ -7,6 +7,7 @@ The CLI flags are generated from these fields (`launch/cli.py`): field `max_num_
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,7 +110,8 @@ class CacheConfig:
                self.gpu_memory_utilization)
         _check(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override > 0,
                "num_gpu_blocks_override", "> 0", self.num_gpu_blocks_override)
-        _check(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", "> 0", self.kv_cache_memory_gb)
+        _check(0 < self.kv_cache_memory_gb < math.inf, "kv_cache_memory_gb", "a finite number > 0",
+               self.kv_cache_memory_gb)
 
     @property
     def fp8_kv(self) -> bool:
@@ -290,7 +292,8 @@ class OffloadConfig:
                                  "copied back on a hit (0: off)")
 
     def validate(self):
-        _check(self.kv_offload_size >= 0, "kv_offload_size", ">= 0", self.kv_offload_size)
+        _check(0 <= self.kv_offload_size < math.inf, "kv_offload_size", "a finite number >= 0",
+               self.kv_offload_size)
 
 
 @dataclass(frozen=True)
@@ -511,10 +514,18 @@ class EngineConfig:
         if self.offload.enable_sleep_mode:
             raise ConfigError(f"{flag} does not work with --enable-sleep-mode yet")
 
-    def check_kv_capacity(self, num_blocks: int, max_model_len: int) -> None:
+    def check_kv_capacity(self, num_blocks: int, max_model_len: int, sliding_window: int = 0) -> None:
         """A request may grow to max_model_len tokens: a KV cache smaller than that would leave
-        it waiting forever, so refuse the configuration (as vLLM does)."""
-        capacity = num_blocks * self.cache.block_size
+        it waiting forever, so refuse the configuration (as vLLM does). With a sliding window on
+        every layer a request holds at most its window and one step's tokens (as vLLM counts:
+        window - 1 + --max-num-batched-tokens, one block more for the window's first straddling
+        block, one for the null block)."""
+        bs = self.cache.block_size
+        capacity = num_blocks * bs
+        if sliding_window:
+            live = min(max_model_len, sliding_window - 1 + self.scheduler.max_num_batched_tokens)
+            if num_blocks >= -(-live // bs) + 2:
+                return
         if capacity < max_model_len:
             raise ConfigError(
                 f"the KV cache holds {capacity} tokens ({num_blocks} blocks of "

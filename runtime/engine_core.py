@@ -79,7 +79,13 @@ class EngineCore:
                 except ValueError as e:
                     raise ConfigError(f"--lora-modules: {e}") from None
         num_blocks = executor.determine_num_blocks()
-        cfg.check_kv_capacity(num_blocks, executor.max_model_len)
+        window = getattr(executor, "kv_sliding_window", None)  # (test executors set it)
+        if window is None:  # every layer windowed alike: out-of-window blocks are released
+            window = kv_sliding_window(hf_config)
+        if window >= executor.max_model_len:  # nothing ever leaves the window
+            window = 0
+        cfg.check_kv_capacity(num_blocks, executor.max_model_len, window)
+        self.sliding_window = window
         executor.initialize(num_blocks)
         self.timings = dict(executor.timings)  # startup phases in seconds
         self.max_model_len = executor.max_model_len
@@ -104,11 +110,6 @@ class EngineCore:
             swap_cost = build_cost_model(hf_config, cfg.cache.block_size, block_bytes, executor.device)
             log.info("%s", swap_cost.describe())
         cache_cfg = cfg.cache
-        window = getattr(executor, "kv_sliding_window", None)  # (test executors set it)
-        if window is None:  # every layer windowed alike: out-of-window blocks are released
-            window = kv_sliding_window(hf_config)
-        if window >= self.max_model_len:  # nothing ever leaves the window
-            window = 0
         if recurrent and cfg.cache.enable_prefix_caching:
             # a prefix hit would skip tokens whose recurrent state was never computed; states
             # checkpointed at block boundaries would allow it (not done yet)
@@ -172,7 +173,7 @@ class EngineCore:
         if sp.structured_outputs is not None:
             self.structured.validate(sp.structured_outputs)  # parse only: compiling comes later
         capacity = self.num_blocks * self.cfg.cache.block_size
-        if n + 1 > capacity:
+        if n + 1 > capacity and not self.sliding_window:  # (a window holds only its last tokens)
             raise ValueError(f"the prompt has {n} tokens, more than the KV cache holds ({capacity})")
         if not self.cfg.scheduler.enable_chunked_prefill and n > self.cfg.scheduler.max_num_batched_tokens:
             raise ValueError(f"the prompt has {n} tokens, more than --max-num-batched-tokens "

@@ -14,6 +14,7 @@ import torch
 
 from ..models.parallel import ParallelInfo
 from .config import ConfigError, EngineConfig
+from .kv_offload import num_host_blocks
 from .model_runner import ModelRunner
 from .model_runner import ModelRunnerOutput
 from .rpc import RunnerRPC, raise_errors
@@ -64,7 +65,7 @@ class UniprocExecutor:
         gib = self.cfg.offload.kv_offload_size
         if gib > 0:  # the host tier (runtime/kv_offload.py)
             self.host_block_bytes = self.rpc.rpc_host_kv_bytes_per_block()
-            self.num_host_blocks = int(gib * 2**30) // self.host_block_bytes
+            self.num_host_blocks = num_host_blocks(gib, self.host_block_bytes)
             self.rpc.rpc_init_host_kv(self.num_host_blocks)
         self.runner.compile()
 

@@ -39,6 +39,8 @@ from collections import OrderedDict
 
 import torch
 
+from .config import ConfigError
+
 log = logging.getLogger("rankserve.kv_offload")
 
 
@@ -234,6 +236,16 @@ def kv_tensors(model) -> list[torch.Tensor]:
     return out
 
 
+def num_host_blocks(gib: float, block_bytes: int) -> int:
+    """Blocks of `block_bytes` (every rank's shard together) in `--kv-offload-size` GiB; a size
+    that holds none is refused (it would be no host tier at all, and no swap)."""
+    n = int(gib * 2**30) // block_bytes
+    if n == 0:
+        raise ConfigError(f"--kv-offload-size {gib} GiB holds no KV block (one takes {block_bytes} "
+                          f"bytes of host memory): give at least {block_bytes / 2**30:.3g}, or 0 for no host tier")
+    return n
+
+
 def bytes_per_block(model) -> int:
     return sum(t[0].numel() * t.element_size() for t in kv_tensors(model))
 
@@ -248,7 +260,13 @@ class HostKVCache:
         self.device = device
         self.cuda = device.type == "cuda"
         self.bind(model)
-        self.buffer = HostBuffer(num_blocks * self.block_bytes, self.cuda)
+        nbytes = num_blocks * self.block_bytes
+        try:
+            self.buffer = HostBuffer(nbytes, self.cuda)
+        except (MemoryError, RuntimeError) as e:
+            raise ConfigError(f"--kv-offload-size {nbytes / 2**30:.1f} GiB: cannot allocate that much "
+                              f"host memory for this rank's share of the host KV tier "
+                              f"({str(e).splitlines()[0]})") from None
         self.host = self.buffer.tensor.view(num_blocks, self.block_bytes)
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.last_event = None  # copies of an earlier step a forward has not waited for yet

@@ -27,7 +27,7 @@ from ..models.loader import (
     build_model, init_dummy_weights, load_hf_config, load_weights, quant_summary, resolve_dtype)
 from . import envs, startup_clock
 from .compilation import CompiledModel
-from .config import EngineConfig
+from .config import ConfigError, EngineConfig
 from .input_batch import InputBatch, ReqState
 from .sampler import SamplingMetadata, gather_logprobs, sample, target_probs
 from .sampling_metadata import SamplingMetadataBuilder
@@ -407,10 +407,17 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.num_blocks = num_blocks
         self.allocate_states()
-        for a in self.model.attention_layers():
-            k_shape, v_shape = self._kv_shapes(a, num_blocks)
-            a.k_cache = cache_zeros(k_shape, self.kv_dtype, self.device)
-            a.v_cache = cache_zeros(v_shape, self.kv_dtype, self.device)
+        try:
+            for a in self.model.attention_layers():
+                k_shape, v_shape = self._kv_shapes(a, num_blocks)
+                a.k_cache = cache_zeros(k_shape, self.kv_dtype, self.device)
+                a.v_cache = cache_zeros(v_shape, self.kv_dtype, self.device)
+        except (MemoryError, RuntimeError) as e:  # (torch's OutOfMemoryError is a RuntimeError)
+            flags = ("--kv-cache-memory-gb" if self.device.type == "cpu"
+                     else "--num-gpu-blocks-override or --gpu-memory-utilization")
+            raise ConfigError(f"cannot allocate the KV cache ({num_blocks} blocks, "
+                              f"{num_blocks * self.kv_bytes_per_block() / 2**30:.1f} GiB on "
+                              f"{self.device.type}): lower {flags} ({str(e).splitlines()[0]})") from None
         if self.proposer is not None:
             self.proposer.allocate_kv_cache(num_blocks)
         if num_blocks > 1:  # not the memory profile's placeholder

@@ -13,6 +13,7 @@ from ..models.parallel import ParallelInfo
 from . import envs
 from .config import EngineConfig
 from .engine_core import freeze_gc_heap
+from .kv_offload import num_host_blocks
 from .model_runner import ModelRunner
 from .parallel import global_rank, recv_hidden, send_hidden
 from .model_runner import ModelRunnerOutput
@@ -45,8 +46,8 @@ class Worker:
         gib = self.cfg.offload.kv_offload_size
         if gib > 0:  # the host tier: --kv-offload-size GiB over every rank's shard of a block
             sizes = self.control.gather(self.rpc.rpc_host_kv_bytes_per_block())
-            self.host_block_bytes = sum(sizes) if sizes else 0
-            self.num_host_blocks = self.control.bcast(int(gib * 2**30) // sum(sizes) if sizes else None)
+            self.host_block_bytes = self.control.bcast(sum(sizes) if sizes else None)
+            self.num_host_blocks = num_host_blocks(gib, self.host_block_bytes)  # (every rank refuses 0)
             self.rpc.rpc_init_host_kv(self.num_host_blocks)
         self.runner.compile()
         return num_blocks

@@ -3,6 +3,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from rankserve import LLM, SamplingParams
 from rankserve.runtime.config import ConfigError
@@ -203,6 +204,22 @@ def test_kv_cache_smaller_than_one_request_is_refused():
     out = llm.generate({"prompt_token_ids": list(range(3, 13))},
                        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].outputs[0]
     assert (len(out.token_ids), out.finish_reason) == (6, "length")
+
+
+@pytest.mark.parametrize("kwargs, msg", [
+    (dict(kv_cache_memory_gb=float("inf")), r"--kv-cache-memory-gb must be a finite number > 0, got inf"),
+    (dict(kv_offload_size=float("inf")), r"--kv-offload-size must be a finite number >= 0, got inf"),
+    # more memory than the host has: the flag and the size, not numpy's / torch's allocator error
+    pytest.param(dict(kv_cache_memory_gb=1e5), r"cannot allocate the KV cache .*--kv-cache-memory-gb",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU flag")),
+    (dict(kv_offload_size=1e5), r"--kv-offload-size 100000.0 GiB: cannot allocate"),
+    # a host tier too small for one block would silently be no tier at all (no swap either)
+    (dict(kv_offload_size=1e-9, preemption_mode="swap"),
+     r"--kv-offload-size 1e-09 GiB holds no KV block .*\d+ bytes"),
+])
+def test_kv_memory_sizes_the_host_cannot_give_are_refused(kwargs, msg):
+    with pytest.raises(ConfigError, match=msg):
+        LLM(str(STORIES_EMBEDDED), **kwargs)
 
 
 def test_device_ids_pick_the_device_of_a_single_process(monkeypatch):

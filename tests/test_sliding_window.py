@@ -71,3 +71,24 @@ def test_gemma3_parity(checkpoint):
         with torch.no_grad():
             ref = hf(torch.tensor([p])).logits[0, -1]
         torch.testing.assert_close(model_logits(LLM_cache(path), p), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_cache_smaller_than_the_context_serves_a_window_model(checkpoint):
+    """Every layer windowed (Mistral, window 16): a request holds at most its window and one
+    step's tokens, so a KV cache far below --max-model-len serves prompts longer than the cache
+    (as vLLM sizes it), with the same greedy tokens and no block left held; a cache below even
+    that is refused at startup."""
+    from rankserve.runtime.config import ConfigError
+    path = checkpoint("MistralForCausalLM", sliding_window=16)
+    prompts = [{"prompt_token_ids": [3 + (i * 37 + j) % 500 for j in range(n)]}
+               for i, n in enumerate((200, 30, 120))]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(path, max_model_len=256).generate(prompts, params)]
+    # window 15 + 8 step tokens: 3 blocks of 8, one more for the straddling block, the null block
+    tight = dict(max_model_len=256, block_size=8, max_num_batched_tokens=8)
+    llm = LLM(path, num_gpu_blocks_override=5, **tight)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.scheduler.kv.num_blocks
+    with pytest.raises(ConfigError, match="holds 32 tokens"):
+        LLM(path, num_gpu_blocks_override=4, **tight)
