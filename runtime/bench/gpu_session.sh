@@ -73,6 +73,9 @@
 #   s13tests          session 13's code, never run on a GPU when written: --cudagraph-mode auto across
 #                     the families (mixed graphs vs eager tokens), prepare_qkv head blocks, the fused
 #                     decode attention (kernel and end to end), the 4-bit MoE kernel
+#   moetests          the fused-MoE GPU tests (bf16, FP8 per channel / block, 4-bit); moediag: the
+#                     block-FP8 MoE against its reference per tile config (session 16: its GPU test
+#                     failed at T = 64 / 1024 on an H100; benchmarks/2026-12-05-s16/moe_fp8_diag.py)
 #   s14tests          session 14's: the SwiGLU epilogue (kernel, engine tokens), the split-KV
 #                     decode that skips empty segments, the LPT decode order
 #   w1lpt             W1 with RANKSERVE_DECODE_LPT=1 (decode programs longest context first); compare
@@ -100,6 +103,9 @@ set -u
 OUT=${OUT:-bench_results}; mkdir -p "$OUT"
 CACHE=${RANKSERVE_CACHE_DIR:-/tmp/rankserve-cache}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# every GPU-test stage names each test as it finishes and explains its failures: a stage cut by
+# its time limit (session 16's s13tests) still says which test ran last and what failed
+export PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} -vv -rfE --tb=short --durations=10"
 # Python bytecode (issue #21): W2's warm `imports` (3-3.9 s) ran torch's large modules ~7x slower
 # than its small ones against a CPU machine's run: their sources compiled again in every process
 # (no .pyc the image's Python can use, none written: PYTHONDONTWRITEBYTECODE or a read-only
@@ -151,7 +157,10 @@ serve_w1() { local name=$1; shift; local d; d=$(mktemp -d); cp runtime/bench/con
 for stage in "$@"; do case $stage in
   s13tests) run s13tests 400 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_mixed_graphs.py \
           tests/test_kernels.py tests/test_quant_kernels.py tests/test_quant_moe_w4.py tests/test_gpu.py \
-          -k "default_mode or mixed_graphs or prepare or fused or w4a16 or match_eager" ;;
+          -k "default_mode or mixed_graphs or prepare or fused_decode or w4a16_linear or match_eager" ;;
+  moetests) run moetests 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_quant_kernels.py \
+          tests/test_quant_moe_w4.py tests/test_kernels.py -k "fused_moe or moe_w4" ;;
+  moediag) run moediag 200 python3 benchmarks/2026-12-05-s16/moe_fp8_diag.py ;;
   layers) run layers 200 python3 benchmarks/2026-12-04-h200-s12/gemv_chain.py --mode layers \
           --out "$OUT/layers.json" ;;
   s14tests) run s14tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gemv.py \
