@@ -1,6 +1,8 @@
 """thinking_token_budget: the end of reasoning is forced once the budget is spent (engine level on
 stories260K, with two of its tokens standing in for the reasoning tags; HTTP level on a tiny
 Qwen3 with the real tokenizer)."""
+import json
+
 import pytest
 import torch
 
@@ -135,3 +137,103 @@ def test_refused_without_reasoning_tags(stories_llm):
         stories_llm.generate("Once upon a time", SamplingParams(thinking_token_budget=4))
     with pytest.raises(ValueError, match="thinking_token_budget"):
         stories_llm.generate("Once upon a time", think(-1))
+
+
+# ---- HTTP ----------------------------------------------------------------------------------------
+THINK, UNTHINK, NL2 = 151667, 151668, 271  # Qwen3's <think>, </think>, "\n\n"
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_chat_dir, tmp_path_factory):
+    """The tiny random Qwen3 (it never closes its reasoning by itself) with a template that opens
+    the reasoning in the generation prompt, as Qwen3-*-Thinking-2507's and DeepSeek-R1's do."""
+    from test_server import Server
+    template = (qwen3_chat_dir / "chat_template.jinja").read_text()
+    opened = template.replace("{{- '<|im_start|>assistant\\n' }}\n    {%- if enable_thinking",
+                              "{{- '<|im_start|>assistant\\n' }}\n    {%- if enable_thinking is "
+                              "not defined or enable_thinking %}{{- '<think>\\n' }}{%- endif %}"
+                              "\n    {%- if enable_thinking")
+    assert opened != template
+    path = tmp_path_factory.mktemp("tmpl") / "thinking.jinja"
+    path.write_text(opened)
+    s = Server(str(qwen3_chat_dir), "--served-model-name", "q", "--max-model-len", "1024",
+               "--reasoning-parser", "qwen3", "--chat-template", str(path))
+    yield s
+    s.stop()
+
+
+def post(server, path, body):
+    import requests
+    return requests.post(server.url + path, json=body, timeout=120)
+
+
+def test_anthropic_budget_cuts_the_thinking_and_the_answer_follows(server, qwen3_chat_dir):
+    import transformers
+    tok = transformers.AutoTokenizer.from_pretrained(qwen3_chat_dir)
+    body = {"model": "q", "max_tokens": 60, "temperature": 0,
+            "messages": [{"role": "user", "content": "Why is the sky blue?"}]}
+    free = post(server, "/v1/messages", {**body, "thinking": {"type": "enabled"}}).json()
+    assert [b["type"] for b in free["content"]] == ["thinking"]  # thinks to max_tokens
+    assert free["stop_reason"] == "max_tokens"
+    for stream in (False, True):
+        r = post(server, "/v1/messages", {**body, "stream": stream,
+                                          "thinking": {"type": "enabled", "budget_tokens": 16}})
+        assert r.status_code == 200, r.text
+        if stream:
+            events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+            blocks = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
+            thinking = "".join(e["delta"].get("thinking", "") for e in events
+                               if e["type"] == "content_block_delta")
+            text = "".join(e["delta"].get("text", "") for e in events if e["type"] == "content_block_delta")
+        else:
+            msg = r.json()
+            blocks = [b["type"] for b in msg["content"]]
+            thinking, text = msg["content"][0]["thinking"], msg["content"][1]["text"]
+        assert blocks == ["thinking", "text"], r.text
+        assert len(tok.encode(thinking)) <= 16 + 2 and thinking in free["content"][0]["thinking"]
+        assert text.strip()
+    bad = post(server, "/v1/messages", {**body, "thinking": {"type": "enabled", "budget_tokens": -1}})
+    assert bad.status_code == 400 and "budget_tokens" in bad.text
+    bad = post(server, "/v1/messages", {**body, "thinking": {"type": "disabled", "budget_tokens": 8}})
+    assert bad.status_code == 400 and "budget_tokens" in bad.text
+
+
+def test_chat_and_completions_take_thinking_token_budget(server):
+    body = {"model": "q", "max_tokens": 30, "temperature": 0, "return_token_ids": True,
+            "messages": [{"role": "user", "content": "Why is the sky blue?"}]}
+    r = post(server, "/v1/chat/completions", {**body, "thinking_token_budget": 10})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    ids = choice["token_ids"]
+    assert UNTHINK not in ids[:10] and ids[10:12] == [UNTHINK, NL2]
+    assert choice["message"]["reasoning"] and choice["message"]["content"]
+    # 0: the answer at once; completions: the prompt opened the reasoning
+    r = post(server, "/v1/chat/completions", {**body, "thinking_token_budget": 0})
+    assert r.json()["choices"][0]["token_ids"][:2] == [UNTHINK, NL2]
+    r = post(server, "/v1/completions", {"model": "q", "prompt": [1, 2, 3, THINK, 198],
+                                         "max_tokens": 10, "temperature": 0,
+                                         "return_token_ids": True, "thinking_token_budget": 3})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"][3:5] == [UNTHINK, NL2]
+    r = post(server, "/v1/chat/completions", {**body, "thinking_token_budget": -1})
+    assert r.status_code == 400 and "thinking_token_budget" in r.text
+
+
+def test_budget_needs_a_reasoning_parser():
+    """Without --reasoning-parser the engine cannot tell where the reasoning ends: a 400."""
+    import transformers
+    from rankserve.runtime.serve.args import ServerArgs
+    from rankserve.runtime.serve.context import ServeContext
+    from rankserve.runtime.serve.protocol import APIError
+    from conftest import SHARED
+    tok = transformers.AutoTokenizer.from_pretrained(SHARED / "tokenizers" / "qwen3")
+    ctx = ServeContext(ServerArgs(), "m", "/m", tok, None)
+    with pytest.raises(APIError, match="--reasoning-parser") as e:
+        ctx.with_thinking(SamplingParams(), 8, "thinking.budget_tokens")
+    assert e.value.status == 400 and e.value.param == "thinking.budget_tokens"
+    ctx = ServeContext(ServerArgs(reasoning_parser="qwen3"), "m", "/m", tok, None)
+    sp = ctx.with_thinking(SamplingParams(), 8)
+    assert (sp.thinking_token_budget, sp.thinking_start_token_id, sp.thinking_end_token_ids) == \
+        (8, THINK, [UNTHINK, NL2])
+    so = StructuredOutputsParams(json_object=True)
+    assert ctx.with_thinking(SamplingParams(structured_outputs=so), 8).thinking_end_token_ids == [UNTHINK]
