@@ -334,7 +334,7 @@ class Scheduler:
             if req.grammar:
                 constrained.append(req)
             if req.thinking is not None and known:
-                req.thinking.read(req.output_token_ids)
+                req.thinking.read(req.all_token_ids, req.num_prompt_tokens)
                 forced = req.thinking.forced(spec or [])
                 if forced is not None:
                     out.forced_token_ids[req.request_id] = forced
@@ -425,7 +425,7 @@ class Scheduler:
 
     @staticmethod
     def _thinking_free(req: Request) -> bool:
-        req.thinking.read(req.output_token_ids)
+        req.thinking.read(req.all_token_ids, req.num_prompt_tokens)
         return req.thinking.can_run_ahead(req.num_pending)
 
     def _drafts(self, req: Request, n: int, budget: int) -> list[int]:

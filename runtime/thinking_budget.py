@@ -51,13 +51,14 @@ class ThinkingBudget:
             return self.end[closing]
         return self.end[0] if is_open and count >= self.budget else -1
 
-    def read(self, output_token_ids: list[int]) -> None:
-        """Advance over the output tokens not read yet (the known ones)."""
+    def read(self, token_ids: list[int], num_prompt_tokens: int) -> None:
+        """Advance over the request's output tokens not read yet (`token_ids`: prompt + known
+        outputs; only the new ones are copied)."""
         s = self.state()
-        for tok in output_token_ids[self.num_seen:]:
+        for tok in token_ids[num_prompt_tokens + self.num_seen:]:
             s = self._step(s, tok)
         self.open, self.count, self.closing = s
-        self.num_seen = len(output_token_ids)
+        self.num_seen = len(token_ids) - num_prompt_tokens
 
     def forced(self, drafts: list[int]) -> list[int] | None:
         """The token each sampled row must take (-1: free): the row after the known tokens, then

@@ -55,17 +55,17 @@ def test_state_machine():
     sp = think(2)
     b = ThinkingBudget(sp, [1, 2])  # the prompt did not open the reasoning
     assert not b.open and b.forced([]) is None and not b.can_run_ahead(3) and b.can_run_ahead(2)
-    b.read([START, 7])
+    b.read([START, 7], 0)
     assert b.forced([]) is None and b.forced([8]) == [-1, END]
-    b.read([START, 7, 8])
+    b.read([START, 7, 8], 0)
     assert b.forced([]) == [END] and not b.can_run_ahead(1)
-    b.read([START, 7, 8, END])
+    b.read([START, 7, 8, END], 0)
     assert b.forced([SEP, 9]) == [SEP, -1, -1]
-    b.read([START, 7, 8, END, SEP])
+    b.read([START, 7, 8, END, SEP], 0)
     assert b.forced([START, 5]) == [-1, END, END] and not b.can_run_ahead(1)  # (spent)
     # the model closes on its own: no separator forced
     b = ThinkingBudget(sp, [1, START])
-    b.read([7, END])
+    b.read([7, END], 0)
     assert b.forced([]) is None and b.count == 1
 
 
