@@ -237,3 +237,10 @@ def test_budget_needs_a_reasoning_parser():
         (8, THINK, [UNTHINK, NL2])
     so = StructuredOutputsParams(json_object=True)
     assert ctx.with_thinking(SamplingParams(structured_outputs=so), 8).thinking_end_token_ids == [UNTHINK]
+
+
+def test_offline_llm_takes_the_tags_from_the_tokenizer(qwen3_chat_dir):
+    llm = LLM(str(qwen3_chat_dir), max_model_len=256, **CUDA)
+    sp = SamplingParams(temperature=0, max_tokens=8, thinking_token_budget=3)
+    out = llm.generate({"prompt_token_ids": [1, 2, 3, THINK, 198]}, sp)[0].outputs[0]
+    assert list(out.token_ids)[3:5] == [UNTHINK, NL2]
