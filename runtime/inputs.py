@@ -116,12 +116,16 @@ def engine_request(request_id: str, prompt_token_ids: list[int], params: Samplin
                    index: int = 0, tokenizer=None, lora_request=None) -> EngineCoreRequest:
     """The EngineCoreRequest for choice `index` of a request: extra EOS ids become stop tokens,
     seeded choices get seed + index so they still differ from each other, and `bad_words` are
-    tokenized (with `tokenizer`) into `bad_words_token_ids`."""
+    tokenized (with `tokenizer`) into `bad_words_token_ids`, and a thinking_token_budget given
+    without its tags gets the tokenizer's <think> / </think>."""
     changes = {}
     if params.bad_words and not params.bad_words_token_ids:
         if tokenizer is None:
             raise ValueError("bad_words need a tokenizer; pass bad_words_token_ids instead")
         changes["bad_words_token_ids"] = bad_words_token_ids(tokenizer, params.bad_words)
+    if params.thinking_token_budget is not None and not params.thinking_end_token_ids:
+        from .parse.families import with_thinking_tags  # (offline: the tokenizer's <think> tags)
+        params = with_thinking_tags(params, tokenizer)
     if len(eos_token_ids) > 1 and not params.ignore_eos:
         extra = [t for t in eos_token_ids[1:] if t not in params.stop_token_ids]
         if extra:

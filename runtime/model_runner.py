@@ -195,6 +195,7 @@ class StepInputs:
     new: np.ndarray | None = None  # [B] bool: the request (re)starts on this rank
     known: np.ndarray | None = None  # [B] tokens the host knows (the rest are placeholders)
     pause_on_miss: np.ndarray | None = None  # [B] bool: pauses drafting if it accepts nothing
+    forced: dict[str, list[int]] | None = None  # thinking_token_budget: the plan's forced tokens
 
 
 class ModelRunner:
@@ -555,7 +556,8 @@ class ModelRunner:
                           ns if ns.any() else None, (seq_lens - nspec)[sample_mask],
                           np.flatnonzero(sample_mask), rows, seq_lens, start, paused, new,
                           np.array([s.num_tokens for s in states], dtype=np.int64),
-                          np.array([rid in plan.spec_pause_on_miss for rid in req_ids], dtype=bool))
+                          np.array([rid in plan.spec_pause_on_miss for rid in req_ids], dtype=bool),
+                          plan.forced_token_ids or None)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput,
@@ -599,7 +601,8 @@ class ModelRunner:
             self._verify(inp, hidden, out)
         elif inp.sample_req_ids:
             logits = self.logits(hidden[inp.logits_indices])
-            md = self.sampling.build(inp.sample_req_ids, inp.sample_out_counts, inp.grammar)
+            md = self.sampling.build(inp.sample_req_ids, inp.sample_out_counts, inp.grammar,
+                                     forced=inp.forced)
             ids = self._sampled(inp, logits, md, self._logprob_nums(inp, md), out)
             if self.proposer is not None:
                 self._propose(inp, hidden, out, ids[:, None], None)
@@ -612,7 +615,8 @@ class ModelRunner:
         (everything read from the request states), prompt logprobs; the rest, returned, needs
         only the masks."""
         logits = self.logits(hidden[inp.logits_indices])
-        md = self.sampling.build(inp.sample_req_ids, inp.sample_out_counts, inp.grammar, defer_bits=True)
+        md = self.sampling.build(inp.sample_req_ids, inp.sample_out_counts, inp.grammar,
+                                 defer_bits=True, forced=inp.forced)
         nums = self._logprob_nums(inp, md)
         self._prompt_logprobs(inp, hidden, out)
 
@@ -656,7 +660,7 @@ class ModelRunner:
         first = np.concatenate([[0], np.cumsum(ns + 1)[:-1]])
         offset = np.arange(len(rids)) - np.repeat(first, ns + 1)  # draft index of each row
         md = self.sampling.build(rids, np.repeat(inp.sample_out_counts, ns + 1) + offset,
-                                 inp.grammar, extra_tokens=offset)
+                                 inp.grammar, extra_tokens=offset, forced=inp.forced)
         probs, greedy = target_probs(logits, md)
         K = int(ns.max())
         rows = np.array([self.reqs[r].row for r in inp.sample_req_ids], dtype=np.int64)

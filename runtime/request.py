@@ -5,6 +5,7 @@ import enum
 
 from .messages import EngineCoreRequest, FinishReason
 from .sampling_params import SamplingParams
+from .thinking_budget import ThinkingBudget
 
 
 class RequestStatus(enum.IntEnum):
@@ -48,6 +49,9 @@ class Request:
         self.prompt_logprobs: list = []
         # structured outputs: compilation future, then the grammar matcher (structured_output.py)
         self.grammar = None
+        # thinking_token_budget: the reasoning tokens so far (the scheduler reads the outputs in)
+        self.thinking = (ThinkingBudget(sp, self.prompt_token_ids)
+                         if sp.thinking_token_budget is not None else None)
         # speculative decoding: the proposer's guesses of the next tokens, verified next step
         self.spec_token_ids: list[int] = []
         self.spec_misses = 0  # verify passes in a row that accepted nothing

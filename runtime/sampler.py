@@ -33,11 +33,13 @@ class SamplingMetadata:
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None
     # (rows, [len(rows), ceil(V / 32)] int32 bits) structured outputs' allowed tokens
     grammar: tuple[torch.Tensor, torch.Tensor] | None = None
+    # (rows, token ids): each of these rows must take its token (thinking_token_budget)
+    forced: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def masks_logits(self) -> bool:
         return (self.banned is not None or self.logit_bias is not None or self.allowed is not None
-                or self.grammar is not None)
+                or self.grammar is not None or self.forced is not None)
 
 
 def unpack_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -72,6 +74,14 @@ def apply_token_masks(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tenso
     if md.banned is not None:
         logits = logits.index_put(md.banned, torch.tensor(float("-inf"), device=logits.device))
     return logits
+
+
+def force_tokens(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Each row of `rows` keeps only its token (logit 0, the rest -inf): whatever the other
+    masks, penalties, temperature and top-k / top-p, it is sampled (and greedily chosen)."""
+    one = torch.full((len(rows), logits.shape[-1]), float("-inf"), dtype=logits.dtype,
+                     device=logits.device).scatter_(1, tokens[:, None], 0.0)
+    return logits.index_put((rows,), one)
 
 
 def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -158,6 +168,8 @@ def target_probs(logits: torch.Tensor, md: SamplingMetadata
         logits = apply_token_masks(logits, md)
     if md.output_counts is not None:
         logits = apply_penalties(logits, md)
+    if md.forced is not None:  # last: it overrides the masks and penalties
+        logits = force_tokens(logits, *md.forced)
     greedy = _argmax(logits)
     if md.all_greedy:
         return None, greedy

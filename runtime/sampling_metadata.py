@@ -83,12 +83,14 @@ class SamplingMetadataBuilder:
 
     def build(self, req_ids: list[str], out_counts: np.ndarray,
               grammar: tuple[list[str], Callable[[], np.ndarray]] | None = None,
-              extra_tokens: np.ndarray | None = None, defer_bits: bool = False) -> SamplingMetadata:
+              extra_tokens: np.ndarray | None = None, defer_bits: bool = False,
+              forced: dict[str, list[int]] | None = None) -> SamplingMetadata:
         """Metadata for sampling `req_ids` (in order); `out_counts`: their outputs so far;
         `grammar`: the plan's structured-output bitmask rows and their request ids (`defer_bits`:
         the rows' index only; the caller sets the bits, `bits_to_device`, before sampling).
         `extra_tokens` (speculative decoding: a request has a row per draft): row i samples
-        after that many tokens past the request's known ones, which sit in its token ids."""
+        after that many tokens past the request's known ones, which sit in its token ids.
+        `forced` (thinking_token_budget): per request, the token each of its rows must take."""
         reqs, stage, dev = self.batch.reqs, self.batch.stage, self.device
         rows = np.array([reqs[r].row for r in req_ids], dtype=np.int64)
         p = self.row_params[rows]
@@ -124,6 +126,12 @@ class SamplingMetadataBuilder:
                         banned_toks.append(tok)
         if banned_rows:
             md.banned = (torch.tensor(banned_rows, device=dev), torch.tensor(banned_toks, device=dev))
+        if forced:
+            pairs = [(i, forced[r][0 if extra_tokens is None else int(extra_tokens[i])])
+                     for i, r in enumerate(req_ids) if r in forced]
+            pairs = [(i, t) for i, t in pairs if t >= 0]
+            if pairs:
+                md.forced = tuple(torch.tensor(x, device=dev) for x in zip(*pairs))
         max_lp = p[:, P_LOGPROBS].max()
         md.max_num_logprobs = int(max_lp) if max_lp >= 0 else None
         return md

@@ -66,6 +66,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words: list[str] = []  # never generated (as words; the frontend tokenizes them)
     bad_words_token_ids: list[list[int]] = []  # filled by the frontend from bad_words
+    # reasoning tokens allowed before the end of reasoning is forced (runtime/thinking_budget.py;
+    # None: no limit). The tags are the reasoning parser's, filled by the frontend (or by
+    # `LLM` from the tokenizer's <think> / </think>): the opening tag (None: only the prompt opens
+    # the reasoning) and the sequence forced, whose first token is the closing tag
+    thinking_token_budget: int | None = None
+    thinking_start_token_id: int | None = None
+    thinking_end_token_ids: list[int] = []
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -124,6 +131,17 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             raise ParamError("bad_words must be non-empty words (not only whitespace)", "bad_words")
         if any(not w or any(not 0 <= t < hi for t in w) for w in self.bad_words_token_ids):
             raise ParamError(f"bad_words must be non-empty words of token ids in [0, {hi})", "bad_words")
+        if self.thinking_token_budget is not None:
+            if not 0 <= self.thinking_token_budget <= INT64_MAX:
+                bad("thinking_token_budget", ">= 0")
+            if not self.thinking_end_token_ids:
+                raise ParamError("thinking_token_budget needs a reasoning model: the server's "
+                                 "--reasoning-parser (or thinking_end_token_ids) tells where the "
+                                 "reasoning ends", "thinking_token_budget")
+        ids = self.thinking_end_token_ids + [t for t in [self.thinking_start_token_id] if t is not None]
+        if any(not 0 <= t < hi for t in ids):
+            raise ParamError(f"thinking_start_token_id / thinking_end_token_ids must be token ids "
+                             f"in [0, {hi})", "thinking_token_budget")
         if self.structured_outputs is not None:
             so = self.structured_outputs
             so.kind  # noqa: B018 - raises unless exactly one constraint is set

@@ -88,6 +88,9 @@ class SchedulerOutput:
     # requests whose drafts this plan verifies and which pause if none is accepted: then the
     # proposer skips their proposals (the scheduler would drop them)
     spec_pause_on_miss: set[str] = field(default_factory=set)
+    # thinking_token_budget (runtime/thinking_budget.py): per request whose sampling is forced,
+    # the token each of its sampled rows must take (one row, or one per draft and one more; -1: free)
+    forced_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     def bitmask(self) -> np.ndarray | None:
         """The grammar rows, filled on first use (or by the fill `fill_async` started). On one
@@ -325,8 +328,16 @@ class Scheduler:
                 if self._miss_pause(req, True, self.spec_long_pause):
                     out.spec_pause_on_miss.add(req.request_id)
             req.spec_token_ids = []  # scheduled now, or stale
-            if self._commit(req, n, new_blocks, new, out, len(spec or ())) and req.grammar:
+            known = req.num_pending == 0  # (else it runs ahead, where nothing is forced)
+            if not self._commit(req, n, new_blocks, new, out, len(spec or ())):
+                continue
+            if req.grammar:
                 constrained.append(req)
+            if req.thinking is not None and known:
+                req.thinking.read(req.all_token_ids, req.num_prompt_tokens)
+                forced = req.thinking.forced(spec or [])
+                if forced is not None:
+                    out.forced_token_ids[req.request_id] = forced
         if constrained:
             out.grammar_req_ids = [r.request_id for r in constrained]
             out.grammar_fill = lambda background=False, out=None: self._fill_bitmask(constrained, background, out)
@@ -407,8 +418,15 @@ class Scheduler:
                 and not any(len(w) > 1 for w in sp.bad_words_token_ids)
                 and req.num_output_tokens + req.num_pending < req.max_tokens
                 and req.num_tokens + req.num_pending < self.max_model_len
+                # a thinking budget: only while no token can be forced at the next position
+                and (req.thinking is None or self._thinking_free(req))
                 # speculative decoding: only a request that is not drafting (backoff) runs ahead
                 and (not self.spec_enabled or (req.spec_pause > 0 and not req.spec_in_flight)))
+
+    @staticmethod
+    def _thinking_free(req: Request) -> bool:
+        req.thinking.read(req.all_token_ids, req.num_prompt_tokens)
+        return req.thinking.can_run_ahead(req.num_pending)
 
     def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
         """The proposed tokens `req` verifies this step (after its n known ones): only for a

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import msgspec
 from typing import Any, Callable
 
 from ...models.registry import Registry
@@ -93,6 +95,34 @@ PARSERS.register("deepseek_v3", "deepseek_v31")(Family(think_tags, deepseek_v31_
 PARSERS.register("deepseek_r1")(Family(think_tags, None))
 
 
+ANSWER_SEP = "\n\n"  # what the templates (Qwen3, DeepSeek-R1) put between </think> and the answer
+
+
+def reasoning_tags(tokenizer: Any, reasoning_parser: str) -> tuple[int | None, int | None]:
+    """(opening, closing) tag token ids of a parser's reasoning block."""
+    fam = PARSERS.get(reasoning_parser)
+    if fam.reasoning is None:
+        raise ValueError(f"parser {reasoning_parser!r} has no reasoning format")
+    piece = fam.reasoning(tokenizer)
+    return (piece.states["content"].rules[0].on.token_id,
+            piece.states["reasoning"].rules[0].on.token_id)
+
+
+def with_thinking_tags(params, tokenizer: Any, reasoning_parser: str = "qwen3"):
+    """SamplingParams with a thinking_token_budget get the tags the engine needs: the opening
+    tag, and the sequence forced once the budget is spent (the closing tag, then the answer's
+    separator unless a structured output constrains the answer). Unchanged where the tokenizer
+    has no such tags (the engine then refuses the budget)."""
+    if params.thinking_token_budget is None or params.thinking_end_token_ids or tokenizer is None:
+        return params
+    start, end = reasoning_tags(tokenizer, reasoning_parser)
+    if end is None:
+        return params
+    sep = [] if params.structured_outputs else tokenizer.encode(ANSWER_SEP, add_special_tokens=False)
+    return msgspec.structs.replace(params, thinking_start_token_id=start,
+                                   thinking_end_token_ids=[end, *sep])
+
+
 def make_parser(tokenizer: Any, tool_parser: str | None = None,
                 reasoning_parser: str | None = None, *, starts_in_reasoning: bool | None = None,
                 prompt_token_ids: list[int] | None = None) -> StreamingParser:
@@ -114,8 +144,7 @@ def make_parser(tokenizer: Any, tool_parser: str | None = None,
     start = None
     if reasoning is not None:
         if starts_in_reasoning is None and prompt_token_ids:
-            opener = reasoning.states["content"].rules[0].on.token_id
-            closer = reasoning.states["reasoning"].rules[0].on.token_id
+            opener, closer = reasoning_tags(tokenizer, reasoning_parser)
             last = {t: i for i, t in enumerate(prompt_token_ids) if t in (opener, closer)}
             starts_in_reasoning = last.get(opener, -1) > last.get(closer, -1)
         if starts_in_reasoning:

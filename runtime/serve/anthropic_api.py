@@ -9,6 +9,7 @@ from typing import AsyncIterator
 
 from ..parse import ContentDelta, Delta, ParsedMessage, ReasoningDelta, ToolCallDelta
 from .context import ChatRun, ServeContext, ToolMode, sse
+from ..sampling_params import INT64_MAX
 from .protocol import (APIError, CountTokensRequest, MessagesRequest, SamplingRequest,
                        check_prompts, check_tool_schemas, random_id, sampling_params)
 
@@ -120,6 +121,20 @@ def _tool_mode(ctx: ServeContext, tools, choice, tc: dict | None) -> ToolMode:
         raise
 
 
+def thinking_budget(thinking: dict | None) -> int | None:
+    """`thinking.budget_tokens` (type enabled only): the engine's thinking_token_budget."""
+    budget = (thinking or {}).get("budget_tokens")
+    if budget is None:
+        return None
+    if thinking.get("type") != "enabled":
+        raise APIError("thinking.budget_tokens is only allowed with thinking.type enabled",
+                       param="thinking.budget_tokens")
+    if type(budget) is not int or not 0 <= budget <= INT64_MAX:
+        raise APIError(f"thinking.budget_tokens must be an integer >= 0, got {budget!r}",
+                       param="thinking.budget_tokens")
+    return budget
+
+
 def _render(ctx: ServeContext, req) -> tuple[list[int], ToolMode]:
     ctx.check_model(req.model)
     check_tool_schemas(req.tools, "input_schema", "tools[{i}].input_schema")
@@ -130,6 +145,7 @@ def _render(ctx: ServeContext, req) -> tuple[list[int], ToolMode]:
     kind = (req.thinking or {}).get("type")
     if req.thinking is not None and kind not in ("enabled", "disabled", "adaptive"):
         raise APIError(f"thinking.type must be enabled, disabled or adaptive; got {kind!r}")
+    thinking_budget(req.thinking)  # (checked here: count_tokens refuses a bad one too)
     thinking = kind not in (None, "disabled")
     ids = ctx.render_chat(to_chat(req.system, req.messages), tools if choice != "none" else None,
                           {"enable_thinking": thinking})
@@ -216,10 +232,11 @@ async def create_message(ctx: ServeContext, req: MessagesRequest):
     run = ChatRun(ctx, prompt_ids, 1, mode)
     sreq = SamplingRequest(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                            stop=req.stop_sequences)
-    params = sampling_params(sreq, ctx.defaults, req.max_tokens, None,
-                             run.parsers[0].skip_special_tokens,
-                             ctx.client.model_info.get("vocab_size"),
-                             ctx.constraint(mode.structured(), prompt_ids))
+    params = ctx.with_thinking(sampling_params(sreq, ctx.defaults, req.max_tokens, None,
+                                               run.parsers[0].skip_special_tokens,
+                                               ctx.client.model_info.get("vocab_size"),
+                                               ctx.constraint(mode.structured(), prompt_ids)),
+                               thinking_budget(req.thinking), "thinking.budget_tokens")
     stream = ctx.client.generate(prompt_ids, params, lora_request=ctx.lora_for(req.model))
     mid = random_id("msg_")
 

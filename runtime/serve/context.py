@@ -16,7 +16,7 @@ import msgspec
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..parse import ContentDelta, Delta, ParsedMessage, ToolCallDelta, make_parser
-from ..parse.families import token_id
+from ..parse.families import token_id, with_thinking_tags
 from ..parse.types import ToolCall, new_tool_call_id
 from ..inputs import bad_words_token_ids
 from ..sampling_params import SamplingParams, StructuredOutputsParams
@@ -343,6 +343,22 @@ class ServeContext:
         opener = start if tag != start else None
         return msgspec.structs.replace(params, start_after_token_id=end,
                                        reasoning_start_token_id=opener)
+
+    def with_thinking(self, params: SamplingParams, budget: int | None,
+                      param: str = "thinking_token_budget") -> SamplingParams:
+        """The request's thinking budget, with the reasoning parser's tags (the engine forces
+        the end of reasoning with them); without a reasoning parser it is a 400."""
+        if budget is None:
+            return params
+        if not self.args.reasoning_parser:
+            raise APIError(f"{param} needs a reasoning model: start the server with "
+                           "--reasoning-parser (e.g. qwen3)", param=param)
+        out = with_thinking_tags(msgspec.structs.replace(params, thinking_token_budget=budget),
+                                 self.tokenizer, self.args.reasoning_parser)
+        if not out.thinking_end_token_ids:
+            raise APIError(f"{param}: the tokenizer has no reasoning tags of --reasoning-parser "
+                           f"{self.args.reasoning_parser}", param=param)
+        return out
 
     def with_bad_words(self, params: SamplingParams) -> SamplingParams:
         """bad_words → token id sequences (the engine bans token ids)."""

@@ -172,9 +172,9 @@ def prepare_completion(ctx: ServeContext, req: CompletionRequest):
     max_tokens = 1 if req.max_tokens == 0 else req.max_tokens  # (0: echo alone, as vLLM)
     prompts = check_prompts(completion_prompts(ctx, req.prompt), info, max_tokens, req.n,
                             truncate=req.truncate_prompt_tokens)
-    params = ctx.with_bad_words(sampling_params(req, ctx.defaults, max_tokens, req.logprobs,
-                                                vocab_size=info.get("vocab_size"),
-                                                structured=structured_from(req)))
+    params = ctx.with_thinking(ctx.with_bad_words(sampling_params(
+        req, ctx.defaults, max_tokens, req.logprobs, vocab_size=info.get("vocab_size"),
+        structured=structured_from(req))), req.thinking_token_budget)
     if req.echo and req.logprobs is not None:  # the prompt's logprobs come back with it
         params.prompt_logprobs = max(params.prompt_logprobs or 0, req.logprobs)
     return prompts, params
@@ -306,9 +306,9 @@ def chat_sampling_params(ctx: ServeContext, req: ChatCompletionRequest, run_pars
         raise APIError("the tools constrain the output already (tool_choice required / named, or "
                        "strict tools); drop response_format / structured_outputs", param="tool_choice")
     structured = ctx.constraint(structured or mode.structured(), prompt_ids)
-    return ctx.with_bad_words(sampling_params(
+    return ctx.with_thinking(ctx.with_bad_words(sampling_params(
         req, ctx.defaults, req.max_completion_tokens or req.max_tokens, logprobs, skip,
-        ctx.client.model_info.get("vocab_size"), structured))
+        ctx.client.model_info.get("vocab_size"), structured)), req.thinking_token_budget)
 
 
 def echo_text(req: ChatCompletionRequest) -> str:

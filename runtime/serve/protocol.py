@@ -193,6 +193,9 @@ class SamplingRequest(Request):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: Literal["xgrammar", "auto"] | None = None
+    # reasoning tokens before the end of reasoning is forced (vLLM's; needs --reasoning-parser;
+    # ServeContext.with_thinking)
+    thinking_token_budget: Int64 | None = Field(None, ge=0)
 
     @property
     def include_usage(self) -> bool:
