@@ -76,6 +76,7 @@
 #   moetests          the fused-MoE GPU tests (bf16, FP8 per channel / block, 4-bit); moediag: the
 #                     block-FP8 MoE against its reference per tile config (session 16: its GPU test
 #                     failed at T = 64 / 1024 on an H100; benchmarks/2026-12-05-s16/moe_fp8_diag.py)
+#   thinktests        the thinking-token budget tests on CUDA (async scheduling, graphs: written on CPU)
 #   s14tests          session 14's: the SwiGLU epilogue (kernel, engine tokens), the split-KV
 #                     decode that skips empty segments, the LPT decode order
 #   w1lpt             W1 with RANKSERVE_DECODE_LPT=1 (decode programs longest context first); compare
@@ -160,6 +161,7 @@ for stage in "$@"; do case $stage in
           -k "default_mode or mixed_graphs or prepare or fused_decode or w4a16_linear or match_eager" ;;
   moetests) run moetests 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_quant_kernels.py \
           tests/test_quant_moe_w4.py tests/test_kernels.py -k "fused_moe or moe_w4" ;;
+  thinktests) run thinktests 200 python3 -m pytest -q -p no:cacheprovider tests/test_thinking_budget.py ;;
   moediag) run moediag 200 python3 benchmarks/2026-12-05-s16/moe_fp8_diag.py ;;
   layers) run layers 200 python3 benchmarks/2026-12-04-h200-s12/gemv_chain.py --mode layers \
           --out "$OUT/layers.json" ;;
