@@ -26,7 +26,7 @@ CHAT = [{"role": "user", "content": "Once upon a time"}]
 @pytest.fixture(scope="module")
 def server():
     s = Server("--chat-template", TEMPLATE, "--max-num-seqs", "64", "--served-model-name",
-               "stories260K")
+               "stories260K", "--max-logprobs", "30")
     yield s
     assert s.stop() == 0
 
@@ -393,3 +393,41 @@ def test_models_retrieve(client):
     with pytest.raises(openai.NotFoundError) as e:
         client.models.retrieve("gpt-17")
     assert e.value.body["code"] == "model_not_found"
+
+
+# ---- --max-logprobs (vLLM's flag) ---------------------------------------------------------------
+def test_max_logprobs_flag_sets_the_request_limit(http):
+    """The server runs with --max-logprobs 30: 30 passes, 31 is a 400 naming the field, for every
+    logprobs field of both endpoints (streamed too)."""
+    cases = (("/v1/completions", {"prompt": "Once"}, "logprobs", {}),
+             ("/v1/completions", {"prompt": "Once"}, "prompt_logprobs", {}),
+             ("/v1/chat/completions", {"messages": CHAT}, "top_logprobs", {"logprobs": True}),
+             ("/v1/chat/completions", {"messages": CHAT}, "prompt_logprobs", {}))
+    for path, body, field, more in cases:
+        for stream in (False, True):
+            body = {**body, **more, "max_tokens": 2, "stream": stream}
+            r = post(http, path, {**body, field: 30})
+            assert r.status_code == 200, (path, field, r.text)
+            err = bad(post(http, path, {**body, field: 31}), field)
+            assert "30" in err["message"] and "--max-logprobs" in err["message"], err
+    r = post(http, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1, "logprobs": True,
+                                            "top_logprobs": 25}).json()
+    assert len(r["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 25
+    alive(http)
+
+
+def test_max_logprobs_offline_and_flag_values():
+    from rankserve.runtime.config import ConfigError, EngineConfig
+    from rankserve.runtime.llm import LLM
+    assert EngineConfig().model.max_logprobs == 20  # vLLM's default
+    with pytest.raises(ConfigError, match="--max-logprobs"):
+        EngineConfig.from_kwargs(max_logprobs=-2)
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=21).validate(512, max_logprobs=20)
+    llm = LLM(max_logprobs=-1, device="cpu")  # -1: the vocabulary size (512)
+    out = llm.generate(["Once upon"], SamplingParams(max_tokens=1, logprobs=512))
+    assert len(out[0].outputs[0].logprobs[0].token_ids) == 513  # the sampled one, then the top
+    with pytest.raises(ValueError, match="logprobs"):
+        llm.generate(["Once upon"], SamplingParams(max_tokens=1, logprobs=513))
+    with pytest.raises(ValueError, match="logprobs"):
+        LLM(device="cpu").generate(["Once"], SamplingParams(max_tokens=1, logprobs=21))

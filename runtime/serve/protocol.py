@@ -179,7 +179,7 @@ class SamplingRequest(Request):
     skip_special_tokens: Bool = True
     include_stop_str_in_output: Bool = False
     priority: Int64 = 0
-    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    prompt_logprobs: int | None = Field(None, ge=0)
     return_token_ids: Bool = False
     truncate_prompt_tokens: Int64 | None = Field(None, ge=-1)  # -1: max_model_len
     # token masks (OpenAI's logit_bias: token id → bias in [-100, 100]; vLLM's extras)
@@ -236,6 +236,15 @@ def sampling_params(req: SamplingRequest, defaults: dict, max_tokens: int | None
     except ValueError as e:
         raise APIError(str(e), param=getattr(e, "param", None)) from None
     return sp
+
+
+def check_logprobs(info: dict, **fields: int | None) -> None:
+    """The engine's --max-logprobs (vLLM's): a request asking more is a 400 naming the field."""
+    most = info.get("max_logprobs", 20)
+    for name, value in fields.items():
+        if value is not None and value > most:
+            raise APIError(f"{name} is {value}, more than this server allows (--max-logprobs "
+                           f"{most})", param=name)
 
 
 def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -409,7 +418,7 @@ class CompletionRequest(SamplingRequest):
     prompt: Annotated[str | list[str] | list[Int64] | list[list[Int64]],
                       WrapValidator(_plain_token_ids)]
     max_tokens: Int64 | None = Field(16, ge=0)  # 0: with echo only (the prompt, scored)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0)
     echo: Bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -429,7 +438,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_tokens: Int64 | None = Field(None, ge=1)
     max_completion_tokens: Int64 | None = Field(None, ge=1)
     logprobs: Bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: Bool = True
