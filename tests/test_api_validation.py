@@ -431,3 +431,22 @@ def test_max_logprobs_offline_and_flag_values():
         llm.generate(["Once upon"], SamplingParams(max_tokens=1, logprobs=513))
     with pytest.raises(ValueError, match="logprobs"):
         LLM(device="cpu").generate(["Once"], SamplingParams(max_tokens=1, logprobs=21))
+
+
+# ---- response_format json_schema: name (OpenAI: required, [a-zA-Z0-9_-]{1,64}) -----------------
+@pytest.mark.parametrize("name,ok", [(None, False), ("", False), ("a b", False), ("x" * 65, False),
+                                     (3, False), ("Weather_v2-x", True), ("x" * 64, True)])
+def test_json_schema_format_needs_a_valid_name(http, name, ok):
+    spec = {"schema": {"type": "object"}} | ({} if name is None else {"name": name})
+    nested = {"response_format": {"type": "json_schema", "json_schema": spec}, "max_tokens": 2}
+    for path, body, param in (
+            ("/v1/chat/completions", {"messages": CHAT, **nested}, "response_format.json_schema.name"),
+            ("/v1/completions", {"prompt": "Once", **nested}, "response_format.json_schema.name"),
+            ("/v1/responses", {"input": "hi", "max_output_tokens": 2,
+                               "text": {"format": {"type": "json_schema", **spec}}},
+             "text.format.name")):
+        r = post(http, path, body)
+        if ok:
+            assert r.status_code == 200, (path, r.text)
+        else:
+            assert "name" in bad(r, param)["message"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import secrets
 import time
 from typing import Annotated, Any, ClassVar, Literal
@@ -315,6 +316,7 @@ def structured_from(req: SamplingRequest, fmt_param: str = "response_format",
 
 
 JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
+_FORMAT_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for json_schema.name
 
 
 def _json_schema_format(fmt: dict, fmt_param: str) -> dict:
@@ -336,6 +338,10 @@ def _json_schema_format(fmt: dict, fmt_param: str) -> dict:
     schema = spec.get("schema")
     if not isinstance(schema, dict):
         raise APIError(f"{where}.schema must be a JSON schema object", param=f"{where}.schema")
+    name = spec.get("name")
+    if not isinstance(name, str) or not _FORMAT_NAME.fullmatch(name):
+        raise APIError(f"{where}.name is required: 1 to 64 of a-z, A-Z, 0-9, _ and -; got "
+                       f"{json.dumps(name)[:80]}", param=f"{where}.name")
     return schema
 
 
