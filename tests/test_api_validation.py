@@ -450,3 +450,53 @@ def test_json_schema_format_needs_a_valid_name(http, name, ok):
             assert r.status_code == 200, (path, r.text)
         else:
             assert "name" in bad(r, param)["message"]
+
+
+# ---- Anthropic Messages: what Anthropic refuses ------------------------------------------------
+WEATHER = {"name": "get_weather", "input_schema": {"type": "object"}}
+
+
+def anthropic_bad(server, body: dict, words: str, path: str = "/v1/messages") -> None:
+    body = {"model": "stories260K", "messages": CHAT, **body}
+    if path == "/v1/messages":
+        body.setdefault("max_tokens", 2048)
+    r = httpx.post(server.url + path, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()
+    assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error", err
+    assert words in err["error"]["message"], err
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_anthropic_tools_need_an_input_schema(server, path):
+    anthropic_bad(server, {"tools": [WEATHER, {"name": "f"}], "tool_choice": {"type": "none"}},
+                  "tools[1].input_schema", path)
+
+
+@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}])
+@pytest.mark.parametrize("thinking", [{"type": "enabled", "budget_tokens": 1024},
+                                      {"type": "adaptive"}])
+def test_anthropic_forced_tool_use_with_thinking_is_400(server, choice, thinking):
+    anthropic_bad(server, {"tools": [WEATHER], "tool_choice": choice, "thinking": thinking},
+                  "Thinking may not be enabled when tool_choice forces tool use")
+
+
+@pytest.mark.parametrize("thinking,max_tokens,words", [
+    ({"type": "enabled", "budget_tokens": 1023}, 2048, "thinking.budget_tokens"),
+    ({"type": "enabled", "budget_tokens": 1024}, 1024, "greater than `thinking.budget_tokens`"),
+    ({"type": "enabled"}, 2048, "thinking.budget_tokens"),
+    ({"type": "enabled", "budget_tokens": "many"}, 2048, "thinking.budget_tokens"),
+    ({"type": "disabled", "budget_tokens": 2000}, 4000, "thinking"),
+])
+def test_anthropic_thinking_budget_is_checked(server, thinking, max_tokens, words):
+    anthropic_bad(server, {"thinking": thinking, "max_tokens": max_tokens}, words)
+
+
+def test_anthropic_thinking_and_tools_that_anthropic_allows(claude):
+    m = claude.messages.create(model="stories260K", max_tokens=3, messages=CHAT,
+                               thinking={"type": "adaptive"}, tools=[WEATHER],
+                               tool_choice={"type": "none"})
+    assert m.stop_reason == "max_tokens"
+    m = claude.messages.create(model="stories260K", max_tokens=3, messages=CHAT, tools=[WEATHER],
+                               tool_choice={"type": "any"}, thinking={"type": "disabled"})
+    assert m.stop_reason in ("tool_use", "max_tokens")
