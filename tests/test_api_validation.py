@@ -320,16 +320,21 @@ def test_parser_keeps_whitespace_content():
     assert msg.reasoning == "a" and msg.content == "Hi\n"
 
 
-def test_stop_inside_a_tool_call_drops_the_partial_call():
-    cut = 'Sure.\n<tool_call>\n{"name": "get_weather", "argum'
-    p = make_parser(None, "hermes")
-    p.feed([], cut)
-    p.finish(truncated=True)
-    msg = p.result()
-    assert msg.content == "Sure." and msg.tool_calls == []
-    p = make_parser(None, "hermes")  # the model itself ended there: its text is given back
-    msg = p.parse([], cut)
-    assert "<tool_call>" in msg.content
+@pytest.mark.parametrize("family,cut", [
+    ("hermes", 'Sure.\n<tool_call>\n{"name": "get_weather", "argum'),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Pa'),
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"ci'),
+    ("deepseek_v3", 'x<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"ci'),
+])
+def test_a_cut_tool_call_comes_back_as_content(family, cut):
+    """Cut by a stop string or max_tokens inside a call, or ended there by the model: the text
+    is the content either way (vLLM's parsers), never lost."""
+    for truncated in (True, False):
+        p = make_parser(None, family)
+        p.feed([], cut)
+        p.finish(truncated=truncated)
+        msg = p.result()
+        assert msg.content == cut and msg.tool_calls == []
 
 
 @pytest.mark.parametrize("schema", [{"type": "banana"}, {"properties": 3}, "string"])
