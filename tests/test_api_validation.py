@@ -505,3 +505,28 @@ def test_anthropic_thinking_and_tools_that_anthropic_allows(claude):
     m = claude.messages.create(model="stories260K", max_tokens=3, messages=CHAT, tools=[WEATHER],
                                tool_choice={"type": "any"}, thinking={"type": "disabled"})
     assert m.stop_reason in ("tool_use", "max_tokens")
+
+
+def test_logprobs_minus_one_is_the_vocabulary_and_top_logprobs_zero_alone_passes(http):
+    """vLLM: -1 asks the whole vocabulary (then held to --max-logprobs); top_logprobs 0 without
+    logprobs asks nothing, so it is no error (above 0 it is)."""
+    for path, body, field in (("/v1/completions", {"prompt": "Once"}, "logprobs"),
+                              ("/v1/completions", {"prompt": "Once"}, "prompt_logprobs"),
+                              ("/v1/chat/completions", {"messages": CHAT, "logprobs": True},
+                               "top_logprobs")):
+        err = bad(post(http, path, {**body, "max_tokens": 1, field: -1}), field)
+        assert "512" in err["message"] and "--max-logprobs 30" in err["message"], err
+        bad(post(http, path, {**body, "max_tokens": 1, field: -2}), field)
+    r = post(http, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1, "top_logprobs": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None, r.text
+    bad(post(http, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1, "top_logprobs": 1}),
+        "top_logprobs")
+    from rankserve.runtime.serve import openai_api
+    from rankserve.runtime.serve.protocol import CompletionRequest
+    from test_server_unit import make_ctx
+    ctx = make_ctx(None, reasoning_parser=None, tool_call_parser=None,
+                   enable_auto_tool_choice=False)
+    ctx.client.model_info = {"vocab_size": 512, "max_model_len": 256, "max_logprobs": 512}
+    _, params = openai_api.prepare_completion(ctx, CompletionRequest(
+        prompt=[1, 2], logprobs=-1, prompt_logprobs=-1))
+    assert params.logprobs == params.prompt_logprobs == 512

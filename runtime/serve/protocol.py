@@ -180,7 +180,7 @@ class SamplingRequest(Request):
     skip_special_tokens: Bool = True
     include_stop_str_in_output: Bool = False
     priority: Int64 = 0
-    prompt_logprobs: int | None = Field(None, ge=0)
+    prompt_logprobs: int | None = Field(None, ge=-1)  # -1: the vocabulary
     return_token_ids: Bool = False
     truncate_prompt_tokens: Int64 | None = Field(None, ge=-1)  # -1: max_model_len
     # token masks (OpenAI's logit_bias: token id → bias in [-100, 100]; vLLM's extras)
@@ -239,10 +239,15 @@ def sampling_params(req: SamplingRequest, defaults: dict, max_tokens: int | None
     return sp
 
 
-def check_logprobs(info: dict, **fields: int | None) -> None:
-    """The engine's --max-logprobs (vLLM's): a request asking more is a 400 naming the field."""
+def check_logprobs(req: Request, info: dict, *names: str) -> None:
+    """The engine's --max-logprobs (vLLM's): a request asking more is a 400 naming the field.
+    -1 (vLLM's) asks the whole vocabulary: the field is set to its size."""
     most = info.get("max_logprobs", 20)
-    for name, value in fields.items():
+    for name in names:
+        value = getattr(req, name)
+        if value == -1 and info.get("vocab_size"):
+            value = info["vocab_size"]
+            setattr(req, name, value)
         if value is not None and value > most:
             raise APIError(f"{name} is {value}, more than this server allows (--max-logprobs "
                            f"{most})", param=name)
@@ -424,7 +429,7 @@ class CompletionRequest(SamplingRequest):
     prompt: Annotated[str | list[str] | list[Int64] | list[list[Int64]],
                       WrapValidator(_plain_token_ids)]
     max_tokens: Int64 | None = Field(16, ge=0)  # 0: with echo only (the prompt, scored)
-    logprobs: int | None = Field(None, ge=0)
+    logprobs: int | None = Field(None, ge=-1)
     echo: Bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -444,7 +449,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_tokens: Int64 | None = Field(None, ge=1)
     max_completion_tokens: Int64 | None = Field(None, ge=1)
     logprobs: Bool = False
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: int | None = Field(None, ge=-1)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: Bool = True
