@@ -530,3 +530,21 @@ def test_logprobs_minus_one_is_the_vocabulary_and_top_logprobs_zero_alone_passes
     _, params = openai_api.prepare_completion(ctx, CompletionRequest(
         prompt=[1, 2], logprobs=-1, prompt_logprobs=-1))
     assert params.logprobs == params.prompt_logprobs == 512
+
+
+def test_explicit_nulls_are_the_defaults(http):
+    """OpenAI's (and vLLM's) optional fields are nullable: a client that sends every field, null
+    where unset (`"logprobs": null`, `"n": null`, `"stream": null`), gets the defaults, not a 400."""
+    nulls = {"logprobs": None, "n": None, "stream": None, "echo": None,
+             "presence_penalty": None, "frequency_penalty": None}
+    r = post(http, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, **nulls,
+                                            "top_logprobs": None, "parallel_tool_calls": None})
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"]
+    assert len(c) == 1 and c[0]["logprobs"] is None
+    r = post(http, "/v1/completions", {"prompt": "Once", "max_tokens": 2, **nulls})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+    r = post(http, "/v1/responses", {"input": "hi", "max_output_tokens": 2, "stream": None,
+                                     "parallel_tool_calls": None})
+    assert r.status_code == 200, r.text
+    bad(post(http, "/v1/chat/completions", {"messages": None, "max_tokens": 2}), "messages")

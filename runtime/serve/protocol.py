@@ -135,7 +135,11 @@ class Request(BaseModel):
             if data[name] not in NO_OP:
                 raise APIError(f"{name} is not supported by this server: "
                                f"{cls.UNSUPPORTED[name]}", param=name)
-        return {k: v for k, v in data.items() if k not in cls.UNSUPPORTED}
+        # an explicit null is "not given" (OpenAI's optional fields are nullable, as vLLM's):
+        # the field's default; a required field is then missing
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if k not in cls.UNSUPPORTED
+                and not (v is None and k in fields and fields[k].default is not None)}
 
 
 SAMPLING_UNSUPPORTED = {
