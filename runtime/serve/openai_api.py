@@ -13,8 +13,7 @@ from .client import RequestStream, Update
 from .context import SSE_DONE, ChatRun, ServeContext, ToolMode, sse, usage
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DerenderRequest,
                        DetokenizeRequest, TokenizeRequest, check_logprobs, check_prompts,
-                       check_token_ids, now,
-                       random_id, sampling_params, structured_from)
+                       check_token_ids, now, random_id, sampling_params, structured_from)
 
 
 # ---- logprobs ---------------------------------------------------------------------------------

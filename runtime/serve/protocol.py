@@ -344,7 +344,7 @@ def _json_schema_format(fmt: dict, fmt_param: str) -> dict:
             raise APIError(f"{at}: unknown field(s) {extra}", param=f"{at}.{extra[0]}")
     if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
         raise APIError(f"{where}.strict must be a boolean", param=f"{where}.strict")
-    if not isinstance(spec.get("description", ""), str):
+    if not isinstance(spec.get("description") or "", str):
         raise APIError(f"{where}.description must be a string", param=f"{where}.description")
     schema = spec.get("schema")
     if not isinstance(schema, dict):
