@@ -544,6 +544,8 @@ def test_explicit_nulls_are_the_defaults(http):
     assert len(c) == 1 and c[0]["logprobs"] is None
     r = post(http, "/v1/completions", {"prompt": "Once", "max_tokens": 2, **nulls})
     assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+    r = post(http, "/v1/completions", {"prompt": "Once", "max_tokens": None, "ignore_eos": True})
+    assert r.json()["usage"]["completion_tokens"] > 16  # null is a value here: no limit (vLLM)
     r = post(http, "/v1/responses", {"input": "hi", "max_output_tokens": 2, "stream": None,
                                      "parallel_tool_calls": None})
     assert r.status_code == 200, r.text

@@ -7,7 +7,7 @@ import json
 import re
 import secrets
 import time
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, WrapValidator, model_validator
@@ -136,10 +136,11 @@ class Request(BaseModel):
                 raise APIError(f"{name} is not supported by this server: "
                                f"{cls.UNSUPPORTED[name]}", param=name)
         # an explicit null is "not given" (OpenAI's optional fields are nullable, as vLLM's):
-        # the field's default; a required field is then missing
+        # the field's default, unless null is a value of the field (completions' max_tokens:
+        # no limit); a required field is then missing
         fields = cls.model_fields
         return {k: v for k, v in data.items() if k not in cls.UNSUPPORTED
-                and not (v is None and k in fields and fields[k].default is not None)}
+                and not (v is None and k in fields and type(None) not in get_args(fields[k].annotation))}
 
 
 SAMPLING_UNSUPPORTED = {
