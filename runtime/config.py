@@ -61,10 +61,14 @@ class ModelConfig:
     override_generation_config: str | None = opt(None, "a JSON object of sampling defaults on top "
                                                  "of --generation-config, e.g. "
                                                  "'{\"temperature\": 0.5}'")
+    max_logprobs: int = opt(20, "most logprobs a request may ask (logprobs, top_logprobs, "
+                            "prompt_logprobs; vLLM's flag); -1: the vocabulary size")
 
     def validate(self):
         _check(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "> 0",
                self.max_model_len)
+        _check(self.max_logprobs >= -1, "max_logprobs", ">= 0 (or -1: the vocabulary size)",
+               self.max_logprobs)
         if not os.path.isfile(os.path.join(self.model, "config.json")):
             raise ConfigError(f"MODEL {self.model!r} is not a model directory (no config.json); "
                               "pass a Hugging Face checkpoint directory")

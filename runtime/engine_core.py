@@ -169,7 +169,7 @@ class EngineCore:
         if req.lora_request is not None:
             self._validate_lora(req.lora_request)
         sp = req.sampling_params
-        sp.validate(self.vocab_size)  # ids out of range would crash the sampler
+        sp.validate(self.vocab_size, self.cfg.model.max_logprobs)  # (bad ids crash the sampler)
         if sp.structured_outputs is not None:
             self.structured.validate(sp.structured_outputs)  # parse only: compiling comes later
         capacity = self.num_blocks * self.cfg.cache.block_size

@@ -80,9 +80,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         if self.top_k == -1:
             self.top_k = 0
 
-    def validate(self, vocab_size: int | None = None) -> None:
+    def validate(self, vocab_size: int | None = None, max_logprobs: int | None = None) -> None:
         """Raise ValueError (ParamError) naming the field and the allowed range. With the
-        vocabulary size, token ids are checked too: an id out of range would crash the sampler."""
+        vocabulary size, token ids are checked too: an id out of range would crash the sampler.
+        `max_logprobs`: the engine's --max-logprobs (-1: the vocabulary size; None: unchecked)."""
         def bad(name, rule):
             raise ParamError(f"{name} must be {rule}, got {getattr(self, name)!r}", name)
         if self.n < 1:
@@ -107,10 +108,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             bad("min_tokens", ">= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"<= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            bad("logprobs", "in [0, 20]")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
-            bad("prompt_logprobs", "in [0, 20]")
+        most = INT64_MAX if max_logprobs is None else max_logprobs
+        if most == -1:
+            most = vocab_size or INT64_MAX
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) <= most:
+                bad(name, f"in [0, {most}] (--max-logprobs)" if max_logprobs is not None else ">= 0")
         if any(not s for s in self.stop):
             raise ParamError("stop strings must be non-empty", "stop")
         if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX - self.n:

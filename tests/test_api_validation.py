@@ -26,7 +26,7 @@ CHAT = [{"role": "user", "content": "Once upon a time"}]
 @pytest.fixture(scope="module")
 def server():
     s = Server("--chat-template", TEMPLATE, "--max-num-seqs", "64", "--served-model-name",
-               "stories260K")
+               "stories260K", "--max-logprobs", "30")
     yield s
     assert s.stop() == 0
 
@@ -320,16 +320,21 @@ def test_parser_keeps_whitespace_content():
     assert msg.reasoning == "a" and msg.content == "Hi\n"
 
 
-def test_stop_inside_a_tool_call_drops_the_partial_call():
-    cut = 'Sure.\n<tool_call>\n{"name": "get_weather", "argum'
-    p = make_parser(None, "hermes")
-    p.feed([], cut)
-    p.finish(truncated=True)
-    msg = p.result()
-    assert msg.content == "Sure." and msg.tool_calls == []
-    p = make_parser(None, "hermes")  # the model itself ended there: its text is given back
-    msg = p.parse([], cut)
-    assert "<tool_call>" in msg.content
+@pytest.mark.parametrize("family,cut", [
+    ("hermes", 'Sure.\n<tool_call>\n{"name": "get_weather", "argum'),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Pa'),
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"ci'),
+    ("deepseek_v3", 'x<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"ci'),
+])
+def test_a_cut_tool_call_comes_back_as_content(family, cut):
+    """Cut by a stop string or max_tokens inside a call, or ended there by the model: the text
+    is the content either way (vLLM's parsers), never lost."""
+    for truncated in (True, False):
+        p = make_parser(None, family)
+        p.feed([], cut)
+        p.finish(truncated=truncated)
+        msg = p.result()
+        assert msg.content == cut and msg.tool_calls == []
 
 
 @pytest.mark.parametrize("schema", [{"type": "banana"}, {"properties": 3}, "string"])
@@ -393,3 +398,155 @@ def test_models_retrieve(client):
     with pytest.raises(openai.NotFoundError) as e:
         client.models.retrieve("gpt-17")
     assert e.value.body["code"] == "model_not_found"
+
+
+# ---- --max-logprobs (vLLM's flag) ---------------------------------------------------------------
+def test_max_logprobs_flag_sets_the_request_limit(http):
+    """The server runs with --max-logprobs 30: 30 passes, 31 is a 400 naming the field, for every
+    logprobs field of both endpoints (streamed too)."""
+    cases = (("/v1/completions", {"prompt": "Once"}, "logprobs", {}),
+             ("/v1/completions", {"prompt": "Once"}, "prompt_logprobs", {}),
+             ("/v1/chat/completions", {"messages": CHAT}, "top_logprobs", {"logprobs": True}),
+             ("/v1/chat/completions", {"messages": CHAT}, "prompt_logprobs", {}))
+    for path, body, field, more in cases:
+        for stream in (False, True):
+            body = {**body, **more, "max_tokens": 2, "stream": stream}
+            r = post(http, path, {**body, field: 30})
+            assert r.status_code == 200, (path, field, r.text)
+            err = bad(post(http, path, {**body, field: 31}), field)
+            assert "30" in err["message"] and "--max-logprobs" in err["message"], err
+    r = post(http, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1, "logprobs": True,
+                                            "top_logprobs": 25}).json()
+    assert len(r["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 25
+    alive(http)
+
+
+def test_max_logprobs_offline_and_flag_values():
+    from rankserve.runtime.config import ConfigError, EngineConfig
+    from rankserve.runtime.llm import LLM
+    assert EngineConfig().model.max_logprobs == 20  # vLLM's default
+    with pytest.raises(ConfigError, match="--max-logprobs"):
+        EngineConfig.from_kwargs(max_logprobs=-2)
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=21).validate(512, max_logprobs=20)
+    llm = LLM(max_logprobs=-1, device="cpu")  # -1: the vocabulary size (512)
+    out = llm.generate(["Once upon"], SamplingParams(max_tokens=1, logprobs=512))
+    assert len(out[0].outputs[0].logprobs[0].token_ids) == 513  # the sampled one, then the top
+    with pytest.raises(ValueError, match="logprobs"):
+        llm.generate(["Once upon"], SamplingParams(max_tokens=1, logprobs=513))
+    with pytest.raises(ValueError, match="logprobs"):
+        LLM(device="cpu").generate(["Once"], SamplingParams(max_tokens=1, logprobs=21))
+
+
+# ---- response_format json_schema: name (OpenAI: required, [a-zA-Z0-9_-]{1,64}) -----------------
+@pytest.mark.parametrize("name,ok", [(None, False), ("", False), ("a b", False), ("x" * 65, False),
+                                     (3, False), ("Weather_v2-x", True), ("x" * 64, True)])
+def test_json_schema_format_needs_a_valid_name(http, name, ok):
+    spec = {"schema": {"type": "object"}} | ({} if name is None else {"name": name})
+    nested = {"response_format": {"type": "json_schema", "json_schema": spec}, "max_tokens": 2}
+    for path, body, param in (
+            ("/v1/chat/completions", {"messages": CHAT, **nested}, "response_format.json_schema.name"),
+            ("/v1/completions", {"prompt": "Once", **nested}, "response_format.json_schema.name"),
+            ("/v1/responses", {"input": "hi", "max_output_tokens": 2,
+                               "text": {"format": {"type": "json_schema", **spec}}},
+             "text.format.name")):
+        r = post(http, path, body)
+        if ok:
+            assert r.status_code == 200, (path, r.text)
+        else:
+            assert "name" in bad(r, param)["message"]
+
+
+# ---- Anthropic Messages: what Anthropic refuses ------------------------------------------------
+WEATHER = {"name": "get_weather", "input_schema": {"type": "object"}}
+
+
+def anthropic_bad(server, body: dict, words: str, path: str = "/v1/messages") -> None:
+    body = {"model": "stories260K", "messages": CHAT, **body}
+    if path == "/v1/messages":
+        body.setdefault("max_tokens", 2048)
+    r = httpx.post(server.url + path, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()
+    assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error", err
+    assert words in err["error"]["message"], err
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_anthropic_tools_need_an_input_schema(server, path):
+    anthropic_bad(server, {"tools": [WEATHER, {"name": "f"}], "tool_choice": {"type": "none"}},
+                  "tools[1].input_schema", path)
+
+
+@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}])
+@pytest.mark.parametrize("thinking", [{"type": "enabled", "budget_tokens": 1024},
+                                      {"type": "adaptive"}])
+def test_anthropic_forced_tool_use_with_thinking_is_400(server, choice, thinking):
+    anthropic_bad(server, {"tools": [WEATHER], "tool_choice": choice, "thinking": thinking},
+                  "Thinking may not be enabled when tool_choice forces tool use")
+
+
+@pytest.mark.parametrize("thinking,max_tokens,words", [
+    ({"type": "enabled", "budget_tokens": 1023}, 2048, "thinking.budget_tokens"),
+    ({"type": "enabled", "budget_tokens": 1024}, 1024, "greater than `thinking.budget_tokens`"),
+    ({"type": "enabled"}, 2048, "thinking.budget_tokens"),
+    ({"type": "enabled", "budget_tokens": "many"}, 2048, "thinking.budget_tokens"),
+    ({"type": "disabled", "budget_tokens": 2000}, 4000, "thinking"),
+])
+def test_anthropic_thinking_budget_is_checked(server, thinking, max_tokens, words):
+    anthropic_bad(server, {"thinking": thinking, "max_tokens": max_tokens}, words)
+
+
+def test_anthropic_thinking_and_tools_that_anthropic_allows(claude):
+    m = claude.messages.create(model="stories260K", max_tokens=3, messages=CHAT,
+                               thinking={"type": "adaptive"}, tools=[WEATHER],
+                               tool_choice={"type": "none"})
+    assert m.stop_reason == "max_tokens"
+    m = claude.messages.create(model="stories260K", max_tokens=3, messages=CHAT, tools=[WEATHER],
+                               tool_choice={"type": "any"}, thinking={"type": "disabled"})
+    assert m.stop_reason in ("tool_use", "max_tokens")
+
+
+def test_logprobs_minus_one_is_the_vocabulary_and_top_logprobs_zero_alone_passes(http):
+    """vLLM: -1 asks the whole vocabulary (then held to --max-logprobs); top_logprobs 0 without
+    logprobs asks nothing, so it is no error (above 0 it is)."""
+    for path, body, field in (("/v1/completions", {"prompt": "Once"}, "logprobs"),
+                              ("/v1/completions", {"prompt": "Once"}, "prompt_logprobs"),
+                              ("/v1/chat/completions", {"messages": CHAT, "logprobs": True},
+                               "top_logprobs")):
+        err = bad(post(http, path, {**body, "max_tokens": 1, field: -1}), field)
+        assert "512" in err["message"] and "--max-logprobs 30" in err["message"], err
+        bad(post(http, path, {**body, "max_tokens": 1, field: -2}), field)
+    r = post(http, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1, "top_logprobs": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None, r.text
+    bad(post(http, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1, "top_logprobs": 1}),
+        "top_logprobs")
+    from rankserve.runtime.serve import openai_api
+    from rankserve.runtime.serve.protocol import CompletionRequest
+    from test_server_unit import make_ctx
+    ctx = make_ctx(None, reasoning_parser=None, tool_call_parser=None,
+                   enable_auto_tool_choice=False)
+    ctx.client.model_info = {"vocab_size": 512, "max_model_len": 256, "max_logprobs": 512}
+    _, params = openai_api.prepare_completion(ctx, CompletionRequest(
+        prompt=[1, 2], logprobs=-1, prompt_logprobs=-1))
+    assert params.logprobs == params.prompt_logprobs == 512
+
+
+def test_explicit_nulls_are_the_defaults(http):
+    """OpenAI's (and vLLM's) optional fields are nullable: a client that sends every field, null
+    where unset (`"logprobs": null`, `"n": null`, `"stream": null`), gets the defaults, not a 400."""
+    nulls = {"logprobs": None, "n": None, "stream": None, "echo": None,
+             "presence_penalty": None, "frequency_penalty": None}
+    r = post(http, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, **nulls,
+                                            "top_logprobs": None, "parallel_tool_calls": None})
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"]
+    assert len(c) == 1 and c[0]["logprobs"] is None
+    r = post(http, "/v1/completions", {"prompt": "Once", "max_tokens": 2, **nulls})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+    r = post(http, "/v1/completions", {"prompt": "Once", "max_tokens": None, "ignore_eos": True})
+    assert r.json()["usage"]["completion_tokens"] > 16  # null is a value here: no limit (vLLM)
+    r = post(http, "/v1/responses", {"input": "hi", "max_output_tokens": 2, "stream": None,
+                                     "parallel_tool_calls": None})
+    assert r.status_code == 200, r.text
+    bad(post(http, "/v1/chat/completions", {"messages": None, "max_tokens": 2}), "messages")

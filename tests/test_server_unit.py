@@ -418,3 +418,33 @@ def test_engine_logs_throughput_every_interval_unless_disabled(caplog):
         log.observe(SchedulerStats())
         assert not [r for r in caplog.records if "throughput" in r.getMessage()]
     assert ServerArgs(disable_log_stats=True).disable_log_stats
+
+
+@pytest.mark.parametrize("parser,mode,text", [
+    ("llama3_json", ToolMode(parse=True), '{"name": "get_weather", "parameters": {"city": "Par'),
+    ("llama3_json", ToolMode(parse=True), '{"na'),
+    ("hermes", ToolMode(parse=True),
+     'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'),
+    ("hermes", ToolMode(forced="get_weather"), '{"city": "Pa'),
+    ("hermes", ToolMode(forced="required"), '[{"name": "get_weather", "parameters": {"ci'),
+])
+def test_a_tool_call_cut_by_max_tokens_comes_back_as_content(tok, parser, mode, text):
+    """Output cut by max_tokens inside a tool call: finish_reason length and the text as content
+    (vLLM, whose parsers give unparsable output back as content), streamed or not."""
+    async def main(streamed: bool):
+        ctx = make_ctx(tok, tool_call_parser=parser, reasoning_parser=None)
+        run = ChatRun(ctx, [1, 2], 1, mode)
+        stream = ctx.client.generate([1, 2], SamplingParams(max_tokens=100), request_id="r")
+        feed(ctx.client, "r", tok.encode(text), finish=FinishReason.LENGTH)
+        if streamed:
+            req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], stream=True)
+            return await collect(chat_events(ctx, run, stream, "c", 0, None, req)), run
+        async for upd in stream:
+            run.update(upd)
+        return None, run
+    _, run = asyncio.run(main(False))
+    assert run.result(0).content == text and run.finish_reason(0) == "length"
+    chunks, run = asyncio.run(main(True))
+    choices = [d["choices"][0] for _, d in sse_events(chunks)[:-1]]
+    assert "".join(c["delta"].get("content") or "" for c in choices) == text
+    assert choices[-1]["finish_reason"] == "length"

@@ -81,6 +81,8 @@ def test_supported_schema_keywords_still_work(server):
      "response_format.json_schema.strict"),
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "shcema": {}}},
      "response_format.json_schema.shcema"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "description": 5}},
+     "response_format.json_schema.description"),
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}}, "strict": True},
      "response_format.strict"),
     ({"type": "json_schema", "schema": {"type": "integer"}}, "response_format.schema"),

@@ -58,8 +58,9 @@ class StreamingParser:
         return self._take()
 
     def finish(self, truncated: bool = False) -> list[Delta]:
-        """End of output. `truncated`: it was cut (stop string, max_tokens), so an unfinished
-        tool call is dropped rather than given back as text (its markup is no answer)."""
+        """End of output. An unfinished tool call, whether the model stopped there or the output
+        was cut (`truncated`: stop string, max_tokens), is given back as content, as vLLM's
+        parsers do: the text is never lost (finish_reason tells the client it was cut)."""
         self._run(final=True)
         st = self.g.states[self.state]
         if st.emit in TOOL_KINDS:
@@ -67,10 +68,7 @@ class StreamingParser:
                 for act in self._reader.finish():
                     self._act(act)
             complete = self._reader is not None and self._reader.done and self._call is None
-            if truncated and not complete:
-                self._raw, self._call, self._reader = None, None, None
-                self._enter("content")
-            elif self._broken or not complete:
+            if self._broken or not complete:
                 self._break()
         elif st.emit in TEXT_KINDS and self._held_ws:  # no terminal followed: it is text
             cls = ContentDelta if st.emit == "content" else ReasoningDelta

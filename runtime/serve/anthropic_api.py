@@ -9,7 +9,6 @@ from typing import AsyncIterator
 
 from ..parse import ContentDelta, Delta, ParsedMessage, ReasoningDelta, ToolCallDelta
 from .context import ChatRun, ServeContext, ToolMode, sse
-from ..sampling_params import INT64_MAX
 from .protocol import (APIError, CountTokensRequest, MessagesRequest, SamplingRequest,
                        check_prompts, check_tool_schemas, random_id, sampling_params)
 
@@ -17,6 +16,8 @@ TOOL_CHOICE = {"auto": "auto", "none": "none", "any": "required"}
 # the fields of each tool_choice type (Anthropic's); any other is a 400, not dropped
 TOOL_CHOICE_FIELDS = {"auto": {"disable_parallel_tool_use"}, "any": {"disable_parallel_tool_use"},
                       "tool": {"name", "disable_parallel_tool_use"}, "none": set()}
+THINKING_FIELDS = {"enabled": {"type", "budget_tokens"}, "disabled": {"type"}, "adaptive": {"type"}}
+MIN_THINKING_BUDGET = 1024  # Anthropic's
 
 
 def _text(content, where: str) -> str:
@@ -82,9 +83,13 @@ def to_tools(tools: list[dict] | None) -> list[dict] | None:
         if not isinstance(t, dict) or not t.get("name") or t.get("type") not in (None, "custom"):
             raise APIError(f"tools[{i}]: only custom tools with a name and an input_schema are "
                            "supported")
+        schema = t.get("input_schema")
+        if schema is None:  # (Anthropic: required)
+            raise APIError(f"tools[{i}].input_schema: Field required", param="tools")
+        if schema.get("type") != "object":
+            raise APIError(f"tools[{i}].input_schema.type: Input should be 'object'", param="tools")
         out.append({"type": "function", "function": {
-            "name": t["name"], "description": t.get("description", ""),
-            "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}})
+            "name": t["name"], "description": t.get("description", ""), "parameters": schema}})
     return out
 
 
@@ -122,17 +127,38 @@ def _tool_mode(ctx: ServeContext, tools, choice, tc: dict | None) -> ToolMode:
 
 
 def thinking_budget(thinking: dict | None) -> int | None:
-    """`thinking.budget_tokens` (type enabled only): the engine's thinking_token_budget."""
-    budget = (thinking or {}).get("budget_tokens")
-    if budget is None:
-        return None
-    if thinking.get("type") != "enabled":
-        raise APIError("thinking.budget_tokens is only allowed with thinking.type enabled",
-                       param="thinking.budget_tokens")
-    if type(budget) is not int or not 0 <= budget <= INT64_MAX:
-        raise APIError(f"thinking.budget_tokens must be an integer >= 0, got {budget!r}",
-                       param="thinking.budget_tokens")
-    return budget
+    """`thinking.budget_tokens` (type enabled; checked by _thinking): the engine's
+    thinking_token_budget."""
+    return (thinking or {}).get("budget_tokens") if (thinking or {}).get("type") == "enabled" else None
+
+
+def _thinking(req, forced: bool) -> bool:
+    """Whether thinking is on, after Anthropic's checks: the fields of each type, a budget of
+    at least 1024 tokens below max_tokens (the engine cuts the reasoning at it: thinking_budget),
+    no thinking while tool_choice forces a tool."""
+    if req.thinking is None:
+        return False
+    kind = req.thinking.get("type")
+    if kind not in THINKING_FIELDS:
+        raise APIError(f"thinking.type must be enabled, disabled or adaptive; got {kind!r}")
+    extra = sorted(req.thinking.keys() - THINKING_FIELDS[kind])
+    if extra:
+        raise APIError(f"thinking.{extra[0]}: Extra inputs are not permitted (thinking type "
+                       f"{kind!r})", param="thinking")
+    if kind == "enabled":
+        budget = req.thinking.get("budget_tokens")
+        if type(budget) is not int or budget < MIN_THINKING_BUDGET:
+            raise APIError("thinking.budget_tokens: an integer of at least "
+                           f"{MIN_THINKING_BUDGET} is required, got {json.dumps(budget)[:40]}",
+                           param="thinking")
+        max_tokens = getattr(req, "max_tokens", None)  # (count_tokens has none)
+        if max_tokens is not None and max_tokens <= budget:
+            raise APIError(f"`max_tokens` must be greater than `thinking.budget_tokens` ({budget}), "
+                           f"got {max_tokens}", param="max_tokens")
+    if kind != "disabled" and forced:
+        raise APIError("Thinking may not be enabled when tool_choice forces tool use.",
+                       param="tool_choice")
+    return kind != "disabled"
 
 
 def _render(ctx: ServeContext, req) -> tuple[list[int], ToolMode]:
@@ -140,13 +166,9 @@ def _render(ctx: ServeContext, req) -> tuple[list[int], ToolMode]:
     check_tool_schemas(req.tools, "input_schema", "tools[{i}].input_schema")
     tools = to_tools(req.tools)
     choice = _tool_choice(req.tool_choice)
+    thinking = _thinking(req, forced=choice == "required" or isinstance(choice, dict))
     counting = isinstance(req, CountTokensRequest)  # counting calls nothing
     mode = ToolMode() if counting else _tool_mode(ctx, tools, choice, req.tool_choice)
-    kind = (req.thinking or {}).get("type")
-    if req.thinking is not None and kind not in ("enabled", "disabled", "adaptive"):
-        raise APIError(f"thinking.type must be enabled, disabled or adaptive; got {kind!r}")
-    thinking_budget(req.thinking)  # (checked here: count_tokens refuses a bad one too)
-    thinking = kind not in (None, "disabled")
     ids = ctx.render_chat(to_chat(req.system, req.messages), tools if choice != "none" else None,
                           {"enable_thinking": thinking})
     return ids, mode

@@ -118,6 +118,7 @@ class ForcedToolParser:
         self.skip_special_tokens = inner.skip_special_tokens
         self.text: list[str] = []
         self.calls: list[ToolCall] = []
+        self.content: str | None = None
 
     def _split(self, deltas: list[Delta]) -> list[Delta]:
         self.text += [d.text for d in deltas if isinstance(d, ContentDelta)]
@@ -129,12 +130,15 @@ class ForcedToolParser:
     def finish(self, truncated: bool = False) -> list[Delta]:
         out = self._split(self.inner.finish(truncated))
         text = "".join(self.text).strip()
-        if truncated or not text:
-            return out  # an unfinished call is dropped, as with the parsers
+        if not text:
+            return out
         try:
-            value = json.loads(text)
-        except ValueError:
-            return out + [ContentDelta(text)]  # cannot happen under the constraint; keep the text
+            value = None if truncated else json.loads(text)
+        except ValueError:  # (cannot happen under the constraint)
+            value = None
+        if value is None:  # an unfinished call: its text is the content, as with the parsers
+            self.content = text
+            return out + [ContentDelta(text)]
         if self.forced == "required":
             self.calls = [ToolCall(new_tool_call_id(), c["name"],
                                    json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
@@ -144,7 +148,7 @@ class ForcedToolParser:
 
     def result(self) -> ParsedMessage:
         msg = self.inner.result()
-        return ParsedMessage(None, msg.reasoning, list(self.calls))
+        return ParsedMessage(self.content, msg.reasoning, list(self.calls))
 
 
 class ServeContext:
@@ -449,7 +453,7 @@ class ChatRun:
         self.num_tokens[upd.index] += len(upd.token_ids)
         self.num_cached_tokens = upd.num_cached_tokens
         if upd.finish_reason is not None:
-            # cut by a stop string or max_tokens: an unfinished tool call is dropped
+            # cut by a stop string or max_tokens: an unfinished tool call becomes content
             deltas += p.finish(upd.finish_reason == "length" or isinstance(upd.stop_reason, str))
             self.finish_reasons[upd.index] = upd.finish_reason
             self.stop_reasons[upd.index] = upd.stop_reason

@@ -279,7 +279,9 @@ class EngineServer:
         c = self.core
         return {"max_model_len": c.max_model_len, "vocab_size": c.vocab_size,
                 "num_blocks": c.num_blocks, "block_size": self.cfg.cache.block_size,
-                "scheduling_policy": self.cfg.scheduler.policy}
+                "scheduling_policy": self.cfg.scheduler.policy,
+                "max_logprobs": self.cfg.model.max_logprobs if self.cfg.model.max_logprobs >= 0
+                else c.vocab_size}
 
     def util_check_lora(self, path: str) -> str:
         """Why the LoRA adapter at `path` cannot run on this model ("" if it can)."""

@@ -12,8 +12,8 @@ from ..parse import (ContentDelta, Delta, ParsedMessage, ReasoningDelta,
 from .client import RequestStream, Update
 from .context import SSE_DONE, ChatRun, ServeContext, ToolMode, sse, usage
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DerenderRequest,
-                       DetokenizeRequest, TokenizeRequest, check_prompts, check_token_ids, now,
-                       random_id, sampling_params, structured_from)
+                       DetokenizeRequest, TokenizeRequest, check_logprobs, check_prompts,
+                       check_token_ids, now, random_id, sampling_params, structured_from)
 
 
 # ---- logprobs ---------------------------------------------------------------------------------
@@ -170,6 +170,7 @@ def prepare_completion(ctx: ServeContext, req: CompletionRequest):
         ctx.need_tokenizer()
     info = ctx.client.model_info
     max_tokens = 1 if req.max_tokens == 0 else req.max_tokens  # (0: echo alone, as vLLM)
+    check_logprobs(req, info, "logprobs", "prompt_logprobs")
     prompts = check_prompts(completion_prompts(ctx, req.prompt), info, max_tokens, req.n,
                             truncate=req.truncate_prompt_tokens)
     params = ctx.with_thinking(ctx.with_bad_words(sampling_params(
@@ -297,9 +298,10 @@ def prepare_chat(ctx: ServeContext, req: ChatCompletionRequest) -> tuple[list[in
 
 def chat_sampling_params(ctx: ServeContext, req: ChatCompletionRequest, run_parser,
                          mode: ToolMode, prompt_ids: list[int]) -> object:
-    logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    if req.top_logprobs is not None and not req.logprobs:
+    if req.top_logprobs and not req.logprobs:  # (0 asks nothing: no error, as vLLM)
         raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+    check_logprobs(req, ctx.client.model_info, "top_logprobs", "prompt_logprobs")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
     skip = run_parser.skip_special_tokens  # markers such as <tool_call> are special tokens
     structured = structured_from(req)
     if structured is not None and mode.structured() is not None:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import secrets
 import time
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, WrapValidator, model_validator
@@ -134,7 +135,12 @@ class Request(BaseModel):
             if data[name] not in NO_OP:
                 raise APIError(f"{name} is not supported by this server: "
                                f"{cls.UNSUPPORTED[name]}", param=name)
-        return {k: v for k, v in data.items() if k not in cls.UNSUPPORTED}
+        # an explicit null is "not given" (OpenAI's optional fields are nullable, as vLLM's):
+        # the field's default, unless null is a value of the field (completions' max_tokens:
+        # no limit); a required field is then missing
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if k not in cls.UNSUPPORTED
+                and not (v is None and k in fields and type(None) not in get_args(fields[k].annotation))}
 
 
 SAMPLING_UNSUPPORTED = {
@@ -179,7 +185,7 @@ class SamplingRequest(Request):
     skip_special_tokens: Bool = True
     include_stop_str_in_output: Bool = False
     priority: Int64 = 0
-    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    prompt_logprobs: int | None = Field(None, ge=-1)  # -1: the vocabulary
     return_token_ids: Bool = False
     truncate_prompt_tokens: Int64 | None = Field(None, ge=-1)  # -1: max_model_len
     # token masks (OpenAI's logit_bias: token id → bias in [-100, 100]; vLLM's extras)
@@ -239,6 +245,20 @@ def sampling_params(req: SamplingRequest, defaults: dict, max_tokens: int | None
     except ValueError as e:
         raise APIError(str(e), param=getattr(e, "param", None)) from None
     return sp
+
+
+def check_logprobs(req: Request, info: dict, *names: str) -> None:
+    """The engine's --max-logprobs (vLLM's): a request asking more is a 400 naming the field.
+    -1 (vLLM's) asks the whole vocabulary: the field is set to its size."""
+    most = info.get("max_logprobs", 20)
+    for name in names:
+        value = getattr(req, name)
+        if value == -1 and info.get("vocab_size"):
+            value = info["vocab_size"]
+            setattr(req, name, value)
+        if value is not None and value > most:
+            raise APIError(f"{name} is {value}, more than this server allows (--max-logprobs "
+                           f"{most})", param=name)
 
 
 def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -309,6 +329,7 @@ def structured_from(req: SamplingRequest, fmt_param: str = "response_format",
 
 
 JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
+_FORMAT_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for json_schema.name
 
 
 def _json_schema_format(fmt: dict, fmt_param: str) -> dict:
@@ -327,9 +348,15 @@ def _json_schema_format(fmt: dict, fmt_param: str) -> dict:
             raise APIError(f"{at}: unknown field(s) {extra}", param=f"{at}.{extra[0]}")
     if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
         raise APIError(f"{where}.strict must be a boolean", param=f"{where}.strict")
+    if not isinstance(spec.get("description") or "", str):
+        raise APIError(f"{where}.description must be a string", param=f"{where}.description")
     schema = spec.get("schema")
     if not isinstance(schema, dict):
         raise APIError(f"{where}.schema must be a JSON schema object", param=f"{where}.schema")
+    name = spec.get("name")
+    if not isinstance(name, str) or not _FORMAT_NAME.fullmatch(name):
+        raise APIError(f"{where}.name is required: 1 to 64 of a-z, A-Z, 0-9, _ and -; got "
+                       f"{json.dumps(name)[:80]}", param=f"{where}.name")
     return schema
 
 
@@ -412,7 +439,7 @@ class CompletionRequest(SamplingRequest):
     prompt: Annotated[str | list[str] | list[Int64] | list[list[Int64]],
                       WrapValidator(_plain_token_ids)]
     max_tokens: Int64 | None = Field(16, ge=0)  # 0: with echo only (the prompt, scored)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=-1)
     echo: Bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -432,7 +459,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_tokens: Int64 | None = Field(None, ge=1)
     max_completion_tokens: Int64 | None = Field(None, ge=1)
     logprobs: Bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=-1)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: Bool = True
