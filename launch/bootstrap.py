@@ -347,7 +347,7 @@ def _slurm_store(info: RankInfo, timeout_s: float):
     with rank 0's beacon; a LaunchError on every rank when one of them failed to start."""
     import torch.distributed as dist
 
-    from .preflight import job_failed
+    from .preflight import job_failed, met
     from .rendezvous import Beacon, RankLost, StartupFailed, join
 
     host, token, candidates = _slurm_rendezvous(info)
@@ -364,6 +364,7 @@ def _slurm_store(info: RankInfo, timeout_s: float):
         raise job_failed(e.failures, info) from None
     except (RankLost, TimeoutError) as e:  # this rank's own view: it prints it
         raise job_failed([(info.rank, info.host, str(e))], info, report=True) from None
+    met()
     return store, f"{host}:{port}"
 
 

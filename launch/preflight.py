@@ -53,6 +53,13 @@ def agree(info: RankInfo, error: str | None) -> None:
         raise job_failed(failed, info)
 
 
+def met() -> None:
+    """The ranks have met without MPI (plain srun's rendezvous): a later failure of a rank is
+    the failure handlers' (launch/failure.py), not a startup agreement's."""
+    global _agreed
+    _agreed = True
+
+
 def job_failed(failed: list[tuple[int, str, str]], info: RankInfo,
                report: bool | None = None) -> LaunchError:
     """The LaunchError of a start that failed on the ranks `failed` ((rank, host, error), in

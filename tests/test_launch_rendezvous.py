@@ -250,3 +250,17 @@ def test_plain_srun_ranks_still_meet_and_generate(tmp_path):
     rcs, outs, secs = _finish(_srun_ranks(2, lambda r: args), timeout=120)
     assert rcs == [0, 0], "\n".join(outs)[-3000:]
     assert "rank 1: torch.distributed gloo rendezvous at localhost:" in outs[1], outs[1][-3000:]
+
+
+def test_a_rank_failing_after_the_ranks_met_is_named_at_once():
+    """Rank 1 fails after the rendezvous (a flag only its command line has, found when its engine
+    is built): the failure handlers end the job, as before; it must not look for a rendezvous
+    that is over (that made it wait 60 s for a rank 0 to tell)."""
+    def args(r):
+        return ["generate", str(STORIES_EMBEDDED), "--tp", "2", "--prompt", "x", "--max-tokens", "2",
+                *(["--max-model-len", "100000"] if r == 1 else [])]
+    rcs, outs, secs = _finish(_srun_ranks(2, args), timeout=90)
+    log = "\n".join(outs)
+    assert rcs == [1, 1] and secs < 30, (rcs, secs, log[-3000:])
+    assert "rank 1 on " in outs[1] and "failed: ValueError: --max-model-len 100000" in outs[1], log[-3000:]
+    assert "lost rank 1 on " in outs[0], log[-3000:]
