@@ -170,7 +170,8 @@ class Beacon:
             _send_close(conn, self._failed_line())
 
     def _failed_line(self) -> str:
-        return "\t".join(["failed", *map(str, self.failures[0])])
+        rank, host, error = self.failures[0]
+        return "\t".join(["failed", str(rank), _field(host), _field(error)])
 
     def _check_settled(self) -> None:
         if not self.arrived.issuperset(range(1, self.world_size)):

@@ -120,11 +120,11 @@ def test_a_failed_rank_is_told_to_all_ranks_waiting_and_arriving():
 
 def test_a_failed_rank_0_tells_the_others_and_lingers_only_until_all_know():
     free, token = _free_ports(2), slurm_token(_env(10, 0))
-    beacon = Beacon(token, free, 3, None, (0, "node1", "bad flag"))
+    beacon = Beacon(token, free, 3, None, (0, "node1", "bad\tflag\n  --tp"))
     for r in (1, 2):
         with pytest.raises(StartupFailed) as e:
             _join(token, free, 5, rank=r)
-        assert e.value.failures == [(0, "node1", "bad flag")]
+        assert e.value.failures == [(0, "node1", "bad flag --tp")]
     t0 = time.monotonic()
     with pytest.raises(StartupFailed):
         beacon.wait(30)
