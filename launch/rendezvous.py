@@ -24,12 +24,15 @@ while the step runs.
 """
 from __future__ import annotations
 
+import logging
 import selectors
 import socket
 import threading
 import time
 import zlib
 from typing import Mapping
+
+log = logging.getLogger(__name__)
 
 _BASE, _SPAN, _STRIDE = 15000, 15000, 7919  # below Linux's ephemeral range (32768+); 7919 is prime
 NUM_CANDIDATES = 32
@@ -97,11 +100,17 @@ class Beacon:
     def wait(self, timeout_s: float, linger_s: float = LINGER_S) -> None:
         """Until every rank has checked in and got the payload. Raises StartupFailed once every
         rank has heard of a failure (or `linger_s` after it), TimeoutError after `timeout_s`."""
-        deadline = time.monotonic() + timeout_s
+        deadline, said = time.monotonic() + timeout_s, False
         while not self.settled.wait(0.1):
             now = time.monotonic()
             if now > deadline or (self.failed_at is not None and now > self.failed_at + linger_s):
                 break
+            if self.failed_at is not None and now > self.failed_at + 2 and not said:
+                said = True  # the error line waits until every rank knows: say why meanwhile
+                missing = sorted(set(range(1, self.world_size)) - self.arrived)
+                log.warning("rank %d on %s failed to start (%s); telling rank(s) %s when they "
+                            "check in (at most %.0f s)", *self.failures[0],
+                            ", ".join(map(str, missing)), linger_s)
         self.close()
         if self.failures:
             raise StartupFailed(sorted(self.failures))
