@@ -12,7 +12,9 @@ Rendezvous:
 - Slurm without MPI: `MASTER_ADDR/MASTER_PORT` if set; else rank 0 (on the first host of
   `SLURM_STEP_NODELIST`, via `scontrol show hostnames` when available) starts the store on port 0
   and the other ranks learn that port from its rendezvous beacon, which answers only ranks of the
-  same job step (launch/rendezvous.py): no port can collide, no rank can join another job.
+  same job step (launch/rendezvous.py): no port can collide, no rank can join another job. The
+  beacon answers once every rank has checked in, or tells every rank that one failed to start
+  (`slurm_startup_failure`), so no rank waits for one that is gone.
 - torchrun / deepspeed launcher: `env://` (MASTER_ADDR/MASTER_PORT, or torchrun's agent store).
 
 Idle waiting: `ControlChannel.bcast_idle` is the call workers sit in between requests. It posts a
@@ -280,11 +282,9 @@ def init_distributed(info: RankInfo, device: str, timeout_s: float = 600.0) -> C
         return control
 
     if info.launcher == "slurm" and not master_env(os.environ):
-        store, addr, beacon = _slurm_store(info, timeout_s)
+        store, addr = _slurm_store(info, timeout_s)
         log.info("rank %d: torch.distributed %s rendezvous at %s", info.rank, backend, addr)
         dist.init_process_group(store=store, **kwargs)
-        if beacon is not None:
-            beacon.close()  # every rank has joined the store
         atexit.register(_destroy_process_group)
         return GlooControl()
     if info.launcher == "slurm":
@@ -329,11 +329,9 @@ def _master_store(host: str, world_size: int, timeout):
     return dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
 
 
-def _slurm_store(info: RankInfo, timeout_s: float):
-    """(store, "host:port", beacon or None) for srun-launched ranks without MPI."""
-    import torch.distributed as dist
-
-    from .rendezvous import Beacon, candidate_ports, find, slurm_token
+def _slurm_rendezvous(info: RankInfo) -> tuple[str, str, list[int]]:
+    """(rank 0's host, the step's token, candidate ports) for srun-launched ranks without MPI."""
+    from .rendezvous import candidate_ports, slurm_token
 
     env = os.environ
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
@@ -341,17 +339,53 @@ def _slurm_store(info: RankInfo, timeout_s: float):
         raise RuntimeError("srun without MPI: SLURM_STEP_NODELIST/SLURM_JOB_NODELIST is not set")
     host = envs.get("RANKSERVE_MASTER_ADDR") or first_host(nodelist)  # where rank 0 runs
     token = slurm_token(env)
-    candidates = candidate_ports(token)
+    return host, token, candidate_ports(token)
+
+
+def _slurm_store(info: RankInfo, timeout_s: float):
+    """(store, "host:port") for srun-launched ranks without MPI, once every rank has checked in
+    with rank 0's beacon; a LaunchError on every rank when one of them failed to start."""
+    import torch.distributed as dist
+
+    from .preflight import job_failed, met
+    from .rendezvous import Beacon, RankLost, StartupFailed, join
+
+    host, token, candidates = _slurm_rendezvous(info)
     timeout = datetime.timedelta(seconds=timeout_s)
-    beacon = None
-    if info.rank == 0:
-        store = _master_store(host, info.world_size, timeout)
-        port = store.port
-        beacon = Beacon(token, candidates, str(port))
-    else:
-        port = int(find(host, token, candidates, timeout_s))
-        store = dist.TCPStore(host, port, info.world_size, is_master=False, timeout=timeout)
-    return store, f"{host}:{port}", beacon
+    try:
+        if info.rank == 0:
+            store = _master_store(host, info.world_size, timeout)
+            port = store.port
+            Beacon(token, candidates, info.world_size, str(port)).wait(timeout_s)
+        else:
+            port = int(join(host, token, candidates, info.rank, info.host, timeout_s))
+            store = dist.TCPStore(host, port, info.world_size, is_master=False, timeout=timeout)
+    except StartupFailed as e:
+        raise job_failed(e.failures, info) from None
+    except (RankLost, TimeoutError) as e:  # this rank's own view: it prints it
+        raise job_failed([(info.rank, info.host, str(e))], info, report=True) from None
+    met()
+    return store, f"{host}:{port}"
+
+
+def slurm_startup_failure(info: RankInfo, error: str) -> Exception:
+    """This srun rank (no MPI) failed to start with `error`: tell the others through the
+    rendezvous (rank 0 prints it, naming this rank; see launch/rendezvous.py) and return the
+    LaunchError to raise. Without a rank 0 to tell, the rank prints it itself."""
+    from .preflight import job_failed
+    from .rendezvous import LINGER_S, NOTICE_S, Beacon, StartupFailed, join
+
+    try:
+        host, token, candidates = _slurm_rendezvous(info)
+        if info.rank == 0:
+            Beacon(token, candidates, info.world_size, None, (0, info.host, error)).wait(LINGER_S)
+        else:
+            join(host, token, candidates, info.rank, info.host, NOTICE_S, error)
+    except StartupFailed as e:
+        return job_failed(e.failures, info)
+    except Exception as e:  # nobody to tell: the others end by their own rendezvous timeout
+        log.warning("rank %d: could not tell the other ranks that this rank failed: %s", info.rank, e)
+    return job_failed([(info.rank, info.host, error)], info, report=True)
 
 
 def master_env(env) -> str | None:

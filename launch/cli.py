@@ -123,15 +123,16 @@ _STARTS_RANKS = ("serve", "generate", "bench throughput", "bench latency", "benc
 
 
 def _tell_the_other_ranks(e: Exception) -> None:
-    """A rank of an MPI job whose command failed before start_ranks (a flag error, or a model
-    directory missing on its node): the others would wait for it in MPI_Init or the rendezvous
-    forever. It joins their startup agreement with its error instead, which raises a LaunchError
-    (rank 0 prints it, naming this rank) on every rank."""
+    """A rank of an MPI or plain srun job whose command failed before the rendezvous (a flag
+    error, or a model directory missing on its node): the others would wait for it in MPI_Init
+    or the rendezvous (600 s, or forever). It joins their startup agreement with its error
+    instead (under srun: the rendezvous), which raises a LaunchError (rank 0 prints it, naming
+    this rank) on every rank."""
     from .discovery import detect_launcher, discover
     from .preflight import _agreed, agree
     words = [a for a in sys.argv[1:] if not a.startswith("-")][:2]
     command = " ".join(words[:2] if words[:1] == ["bench"] else words[:1])
-    if _agreed or command not in _STARTS_RANKS or detect_launcher(os.environ) != "mpi":
+    if _agreed or command not in _STARTS_RANKS or detect_launcher(os.environ) not in ("mpi", "slurm"):
         return
     message = e.format_message() if isinstance(e, click.ClickException) else str(e)
     if isinstance(e, click.UsageError) and e.ctx is not None:

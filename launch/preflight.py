@@ -28,26 +28,50 @@ _agreed = False  # this rank has been through `agree`
 
 
 def agree(info: RankInfo, error: str | None) -> None:
-    """Under MPI, before any rendezvous: every rank says whether its start failed. Collective.
+    """Before any rendezvous: every rank says whether its start failed. Collective under MPI.
 
     start_ranks calls it with None; a rank whose command line failed before that (a model
     directory missing on its node, a cache dir it cannot write) calls it from the CLI's error
     handler instead of exiting, so the other ranks never wait for it in MPI_Init or the
-    rendezvous. Raises one LaunchError on every rank, printed by rank 0, naming the rank."""
+    rendezvous. Raises one LaunchError on every rank, printed by rank 0, naming the rank.
+    Under plain srun the rendezvous itself carries the failure (bootstrap.slurm_startup_failure)."""
     global _agreed
-    if _agreed or info.launcher != "mpi" or info.world_size == 1:
+    if _agreed or info.world_size == 1:
+        return
+    if info.launcher == "slurm" and error is not None:
+        from .bootstrap import master_env, slurm_startup_failure
+        if not master_env(os.environ):
+            _agreed = True
+            raise slurm_startup_failure(info, error)
+    if info.launcher != "mpi":
         return
     _agreed = True
     from mpi4py import MPI
     failed = [(r, host, e) for r, (host, e) in
               enumerate(MPI.COMM_WORLD.allgather((info.host, error))) if e is not None]
-    if not failed:
-        return
+    if failed:
+        raise job_failed(failed, info)
+
+
+def met() -> None:
+    """The ranks have met without MPI (plain srun's rendezvous): a later failure of a rank is
+    the failure handlers' (launch/failure.py), not a startup agreement's."""
+    global _agreed
+    _agreed = True
+
+
+def job_failed(failed: list[tuple[int, str, str]], info: RankInfo,
+               report: bool | None = None) -> LaunchError:
+    """The LaunchError of a start that failed on the ranks `failed` ((rank, host, error), in
+    rank order), once every rank knows (by default rank 0 prints it): the error, with the first
+    failing rank's name unless every rank failed alike."""
+    global _agreed
+    _agreed = True
     rank, host, msg = failed[0]
     if len(failed) < info.world_size or len({e for *_, e in failed}) > 1:
         more = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
         msg = f"rank {rank} on {host}{more}: {msg}"
-    raise LaunchError(msg, report=info.rank == 0)
+    return LaunchError(msg, report=info.rank == 0 if report is None else report)
 
 
 def launch_command(launcher: str, n: int, env: Mapping[str, str]) -> str:

@@ -260,6 +260,24 @@ def test_killed_rank_ends_the_job_naming_it(slurm, tmp_path):
     assert "lost rank 1 on node2" in text, text[-3000:]
 
 
+@pytest.mark.parametrize("bad", [1, 0])
+def test_a_rank_whose_start_fails_alone_ends_the_step_in_seconds(slurm, tmp_path, bad):
+    """Plain `srun` (no MPI, no --kill-on-bad-exit: srun leaves the other ranks running) where
+    MODEL is missing on one rank's node: the others used to wait for it for the rendezvous
+    timeout (600 s). Now the failure crosses to the other node through the rendezvous and the
+    step ends in seconds, exit 2, rank 0 printing it once with the failing rank's name."""
+    model = f'm={STORIES_EMBEDDED}; [ "$SLURM_PROCID" = {bad} ] && m={tmp_path}/not-on-this-node'
+    start = time.monotonic()
+    r = _run(slurm, ["srun", "-N", "2", "-n", "2", "bash", "-c",
+                     f'{model}; exec {RANKSERVE} generate "$m" --tp 2 --prompt x --max-tokens 2'],
+             cwd=tmp_path, timeout=120)
+    secs, log = time.monotonic() - start, r.stdout + r.stderr
+    lines = [x for x in log.splitlines() if "rankserve: error:" in x]
+    assert r.returncode == 2 and secs < 30, (r.returncode, secs, log[-3000:])
+    assert len(lines) == 1 and f"rank {bad} on node{bad + 1}: " in lines[0], log[-3000:]
+    assert "not-on-this-node" in lines[0] and "Traceback" not in log, log[-3000:]
+
+
 def test_rank_aborting_at_exit_under_pmi2_does_not_hang_rank_0(slurm, tmp_path):
     """CI once saw `srun --mpi=pmi2` rank 1 die by SIGABRT at exit after every token was printed,
     and rank 0 wait in MPI finalize for it until the test timed out (srun, unlike mpiexec, leaves
