@@ -448,3 +448,25 @@ def test_a_tool_call_cut_by_max_tokens_comes_back_as_content(tok, parser, mode, 
     choices = [d["choices"][0] for _, d in sse_events(chunks)[:-1]]
     assert "".join(c["delta"].get("content") or "" for c in choices) == text
     assert choices[-1]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("parser", [None, "qwen3"])
+def test_anthropic_budget_reaches_the_engine_only_with_a_reasoning_parser(tok, parser):
+    """Anthropic clients send budget_tokens with every enabled thinking: without
+    --reasoning-parser no output is reasoning (nothing to cut), so it is no 400; with one, the
+    engine gets it as thinking_token_budget."""
+    from rankserve.runtime.serve.protocol import MessagesRequest
+    ctx = make_ctx(tok, reasoning_parser=parser)
+    ctx.client.model_info = {"vocab_size": len(tok), "max_model_len": 4096}
+    req = MessagesRequest(model="m", max_tokens=2000, messages=[{"role": "user", "content": "hi"}],
+                          thinking={"type": "enabled", "budget_tokens": 1024})
+
+    async def main():
+        task = asyncio.ensure_future(anthropic_api.create_message(ctx, req))
+        await asyncio.sleep(0.05)
+        task.cancel()
+    asyncio.run(main())
+    adds = [msgspec.msgpack.decode(p, type=EngineCoreRequest) for k, p in ctx.client.sent
+            if k == EngineCoreRequestType.ADD]
+    assert len(adds) == 1
+    assert adds[0].sampling_params.thinking_token_budget == (1024 if parser else None)

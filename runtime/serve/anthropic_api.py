@@ -258,7 +258,10 @@ async def create_message(ctx: ServeContext, req: MessagesRequest):
                                                run.parsers[0].skip_special_tokens,
                                                ctx.client.model_info.get("vocab_size"),
                                                ctx.constraint(mode.structured(), prompt_ids)),
-                               thinking_budget(req.thinking), "thinking.budget_tokens")
+                               # without a reasoning parser no output is reasoning: nothing to
+                               # cut (and Anthropic clients send budget_tokens with every enabled)
+                               thinking_budget(req.thinking) if ctx.args.reasoning_parser else None,
+                               "thinking.budget_tokens")
     stream = ctx.client.generate(prompt_ids, params, lora_request=ctx.lora_for(req.model))
     mid = random_id("msg_")
 
