@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 
+import msgspec
 from tqdm import tqdm
 
 from . import envs, startup_clock
@@ -75,6 +76,9 @@ class LLM:
                                  ("priority", priority)):
             if per_prompt is not None and len(per_prompt) != len(prompts):
                 raise ValueError(f"{name}: {len(per_prompt)} entries for {len(prompts)} prompts")
+        vocab = self.engine.vocab_size  # logprobs -1: the whole vocabulary (vLLM's), held to max_logprobs
+        params = [msgspec.structs.replace(sp, **{f: vocab for f in ("logprobs", "prompt_logprobs")
+                                                 if getattr(sp, f) == -1}) for sp in params]
         reqs = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
             text, ids = self._to_token_ids(p)

@@ -434,6 +434,10 @@ def test_max_logprobs_offline_and_flag_values():
     assert len(out[0].outputs[0].logprobs[0].token_ids) == 513  # the sampled one, then the top
     with pytest.raises(ValueError, match="logprobs"):
         llm.generate(["Once upon"], SamplingParams(max_tokens=1, logprobs=513))
+    out = llm.generate(["Once upon"], SamplingParams(max_tokens=1, logprobs=-1, prompt_logprobs=-1))
+    assert len(out[0].outputs[0].logprobs[0].token_ids) == 513  # -1: the vocabulary, as vLLM's
+    with pytest.raises(ValueError, match="logprobs"):  # -1 is held to max_logprobs too
+        LLM(device="cpu").generate(["Once"], SamplingParams(max_tokens=1, logprobs=-1))
     with pytest.raises(ValueError, match="logprobs"):
         LLM(device="cpu").generate(["Once"], SamplingParams(max_tokens=1, logprobs=21))
 
