@@ -470,3 +470,19 @@ def test_anthropic_budget_reaches_the_engine_only_with_a_reasoning_parser(tok, p
             if k == EngineCoreRequestType.ADD]
     assert len(adds) == 1
     assert adds[0].sampling_params.thinking_token_budget == (1024 if parser else None)
+
+
+def test_responses_stream_marks_a_cut_call_incomplete():
+    """A call cut by max_output_tokens comes back as text after its streamed item: that
+    function_call item is `incomplete` (its arguments are no JSON), never `completed` (a
+    client would run it); a whole call followed by text stays `completed`."""
+    for args, status in (('{"city": "Par', "incomplete"), ('{"city": "Paris"}', "completed")):
+        items = responses_api.ItemStream()
+        events = [d for _, d in sse_events(
+            items.feed([ToolCallDelta(0, "call_1", "get_weather", args),
+                        ContentDelta('<tool_call>{"name": "get_weather", "arguments": ')])
+            + items.close("incomplete"))]
+        done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+        assert [(i["type"], i["status"]) for i in done] == [("function_call", status),
+                                                             ("message", "incomplete")]
+        assert items.items[0]["status"] == status

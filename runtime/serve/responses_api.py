@@ -121,6 +121,14 @@ def call_item(item_id: str, call_id: str, name: str, arguments: str,
             "arguments": arguments, "status": status}
 
 
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False
+
+
 class ItemStream:
     """Parser deltas → Responses streaming events; collects the output items on the way."""
 
@@ -191,8 +199,9 @@ class ItemStream:
                                   output_index=idx, content_index=0, text=text))
             out.append(self.event("response.content_part.done", item_id=item["id"],
                                   output_index=idx, content_index=0, part=done["content"][0]))
-        else:
-            done = call_item(item["id"], item["call_id"], item["name"], text, status)
+        else:  # a call cut short (its text then comes back as a message) is no call to run
+            done = call_item(item["id"], item["call_id"], item["name"], text,
+                             status if _is_json(text) else "incomplete")
             out.append(self.event("response.function_call_arguments.done", item_id=item["id"],
                                   output_index=idx, name=item["name"], arguments=text))
         self.items[idx] = done
