@@ -132,6 +132,11 @@ class LinearMethod:
     def describe(self) -> str:
         return type(self).__name__
 
+    def dense_weight(self, layer: nn.Module) -> torch.Tensor:
+        """The layer's weight [N, K] in fp32, dequantized (for code that needs the matrix
+        itself: MLA's absorbed kv_b_proj, models/deepseek.py)."""
+        raise ValueError(f"{self.describe()} weights cannot be dequantized")
+
     # The decode-layer prologues (models/fused.py, RowParallelLinear.silu_mul_forward), one entry
     # point per prologue for every method: a `dense` method (16-bit weights, LoRA folded into
     # them) runs the prologue inside its GEMM (kernels/gemv.py) on `fused_operands`, then
@@ -228,6 +233,9 @@ class Fp8Linear(LinearMethod):
 
     def scale(self, layer):
         return getattr(layer, self.scale_name)
+
+    def dense_weight(self, layer):
+        return q.dequant_fp8_weight(layer.weight, self.scale(layer), self.block)
 
     def apply(self, layer, x, bias):
         return q.fp8_linear(x, layer.weight, self.scale(layer), bias, self.block)
@@ -400,6 +408,11 @@ class W4A16(LinearMethod):
     def after_loading(self, layer):
         if not self.desc_act and hasattr(layer, "g_idx"):
             del layer.g_idx  # rows in order: group k // group_size, no index needed
+
+    def dense_weight(self, layer):
+        return q.dequant_w4(getattr(layer, self.qweight), getattr(layer, self.scales),
+                            getattr(layer, self.qzeros, None), getattr(layer, self.g_idx, None),
+                            layer.group_size_k)
 
     def apply(self, layer, x, bias):
         return q.w4a16_linear(x, getattr(layer, self.qweight), getattr(layer, self.scales),

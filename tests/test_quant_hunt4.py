@@ -1,0 +1,37 @@
+"""Quantized checkpoints, fourth hunt (issue #14): layouts of published exports that the earlier
+hunts (test_quant_hunt*.py, test_quant_edge.py) did not write. Writers and references come from
+tests/test_quantization.py and tests/test_quant_moe_w4.py (they never call rankserve's code)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rankserve import LLM
+
+import test_quantization as tq
+from conftest import make_checkpoint
+from test_quant_edge import assert_matches
+from test_quant_moe_w4 import write
+
+MLA = ("kv_a_proj_with_mqa", "q_a_proj", "q_b_proj", "kv_b_proj")
+
+
+@pytest.mark.parametrize("arch, fmt", [("DeepseekV2ForCausalLM", "gptq-zp-actorder"),
+                                       ("DeepseekV3ForCausalLM", "awq")])
+def test_deepseek_4bit_kv_b_proj_is_dequantized_for_mla(tmp_path, monkeypatch, arch, fmt):
+    """GPTQModel's and AutoAWQ's DeepSeek exports quantize every attention projection, kv_b_proj
+    included; MLA's absorbed form needs kv_b_proj's weight itself, so it is dequantized once
+    (as an FP8 one is), not refused."""
+    monkeypatch.setattr(tq, "LINEARS", tq.LINEARS + MLA)
+    src = make_checkpoint(tmp_path / "src", arch, hidden_size=256, intermediate_size=512,
+                          moe_intermediate_size=256, **({"q_lora_rank": 64} if "V3" in arch else {}))
+    writer, qc = tq.FORMATS[fmt]
+    group = {"group_size": 32, "modules_to_not_convert": ["gate"]}
+    w = (lambda t: tq.write_gptq(t, group=32, sym=False, desc_act=True)) if fmt.startswith("gptq") else \
+        (lambda t: tq.write_awq(t, group=32))
+    ref, names = write(src, tmp_path / "q", (w, {**qc, **group}))
+    assert any(n.endswith("kv_b_proj.weight") for n in names)
+    llm = LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=4)
+    attn = llm.engine.executor.runner.model.model.layers["1"].self_attn
+    assert attn.kv_b_proj.qweight.dtype == torch.int32 and attn.w_kv_b is not None
+    assert_matches(llm, ref, names, False)
