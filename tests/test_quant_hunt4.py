@@ -10,7 +10,7 @@ from rankserve import LLM
 
 import test_quantization as tq
 from conftest import make_checkpoint
-from test_quant_edge import assert_matches
+from test_quant_edge import assert_matches, write_checkpoint
 from test_quant_moe_w4 import write
 
 MLA = ("kv_a_proj_with_mqa", "q_a_proj", "q_b_proj", "kv_b_proj")
@@ -35,3 +35,25 @@ def test_deepseek_4bit_kv_b_proj_is_dequantized_for_mla(tmp_path, monkeypatch, a
     attn = llm.engine.executor.runner.model.model.layers["1"].self_attn
     assert attn.kv_b_proj.qweight.dtype == torch.int32 and attn.w_kv_b is not None
     assert_matches(llm, ref, names, False)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("llama"), "LlamaForCausalLM", **tq.SIZES)
+
+
+@pytest.mark.parametrize("fmt, stored, reads", [("fp8-block", "weight_scale", "weight_scale_inv"),
+                                                ("fp8-tensor", "weight_scale_inv", "weight_scale")])
+def test_fp8_scales_under_the_other_layouts_name_are_named(llama, tmp_path, fmt, stored, reads):
+    """Block scales stored as `weight_scale` (or per-tensor ones as `weight_scale_inv`): the
+    error says which tensors the layer reads, not that the layer runs unquantized."""
+    writer, qc = tq.FORMATS[fmt]
+
+    def renamed(w):
+        tensors, deq = writer(w)
+        return {stored if k.startswith("weight_scale") else k: v for k, v in tensors.items()}, deq
+    write_checkpoint(llama, tmp_path / "q", renamed, qc, reference=False)
+    with pytest.raises(ValueError, match=rf"\.{stored}: is not a tensor .* reads \(input_scale, weight, {reads}\)"
+                       if fmt == "fp8-tensor" else rf"\.{stored}: is not a tensor .* reads \(weight, {reads}\)") as e:
+        LLM(str(tmp_path / "q"), dtype="float32")
+    assert "runs unquantized" not in str(e.value)
