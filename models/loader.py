@@ -329,7 +329,8 @@ def _check_unused(name: str, target: str, params: dict) -> None:
         raise ValueError(f"{name}: the checkpoint quantizes these MoE experts, which run unquantized "
                          "here (the quantization config lists them as not converted); such a "
                          "checkpoint is not supported")
-    if suffix in _QUANT_SUFFIXES and f"{module}.weight" in params and getattr(params[f"{module}.weight"], "dtype", None) in _FP8:
+    weight = params.get(f"{module}.weight")
+    if suffix in _QUANT_SUFFIXES and getattr(weight, "dtype", None) in _FP8:
         reads = sorted(n.rpartition(".")[2] for n in params if n.rpartition(".")[0] == module)
         raise ValueError(f"{name}: is not a tensor {module}'s FP8 layout reads ({', '.join(reads)}): the "
                          "checkpoint's tensors do not follow its quantization_config (quant_method fp8 "

@@ -760,6 +760,9 @@ def quant_config_of(hf_config, flag: str | None) -> QuantConfig | None:
         qc = qc.to_dict()
     if qc:
         method = str(qc.get("quant_method", "")).lower()
+        if not method:
+            raise ValueError(f"the checkpoint's quantization_config has no quant_method (its fields: "
+                             f"{', '.join(sorted(qc))}); supported: {', '.join(QUANT_METHODS.names())}")
         if flag and FLAG_FORMATS.get(flag, flag) != method:
             raise ValueError(f"--quantization {flag} does not match the checkpoint's "
                              f"quantization_config (quant_method {method!r})")

@@ -57,3 +57,12 @@ def test_fp8_scales_under_the_other_layouts_name_are_named(llama, tmp_path, fmt,
                        if fmt == "fp8-tensor" else rf"\.{stored}: is not a tensor .* reads \(weight, {reads}\)") as e:
         LLM(str(tmp_path / "q"), dtype="float32")
     assert "runs unquantized" not in str(e.value)
+
+
+def test_a_quantization_config_without_quant_method_says_so(tmp_path):
+    """A config.json `quantization_config` that names no `quant_method` (a hand-merged AutoGPTQ
+    `quantize_config.json`) is refused saying that, not as "unsupported quantization method ''"."""
+    from test_quantization import assert_config_refused
+    assert_config_refused(tmp_path, {"bits": 4, "group_size": 128, "desc_act": False},
+                          r"quantization_config has no quant_method \(its fields: bits, desc_act, "
+                          r"group_size\); supported: awq, compressed-tensors")
