@@ -286,9 +286,7 @@ def load_weights(model, model_dir: str, progress: bool = True, update: bool = Fa
                                                  "so its weights cannot be read (--quantization fp8 "
                                                  "quantizes 16-bit checkpoints only)")
                             raise ValueError(f"is stored as fp8 but {target} is {str(param.dtype)[6:]}: "
-                                             "this module runs unquantized here (routers, "
-                                             "embeddings, norms and layers the config lists as "
-                                             "not converted take 16-bit weights only)")
+                                             f"this module runs unquantized here ({_DENSE_ONLY})")
                         if loader is None:
                             param.data.copy_(src[:])
                         else:
@@ -307,6 +305,8 @@ def _lacks(model_dir: str, missing: list[str]) -> ValueError:
 
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_DENSE_ONLY = ("the embedding, the LM head, norms and MoE routers take 16-bit weights only, as do layers "
+               "the quantization config lists as not converted")
 # tensors that exist only beside a quantized weight: one whose module this rank runs dense
 # (its `.weight` a parameter, no such tensor) would be dropped, and the weight read without it
 _QUANT_SUFFIXES = ("weight_scale", "weight_scale_inv", "qweight", "qzeros", "scales", "g_idx",
@@ -338,8 +338,7 @@ def _check_unused(name: str, target: str, params: dict) -> None:
                          "weight_scale)")
     if suffix in _QUANT_SUFFIXES and f"{module}.weight" in params:
         raise ValueError(f"{name}: the checkpoint quantizes {module}, which runs unquantized here "
-                         "(a router, or a layer the quantization config lists as not converted); "
-                         "such a checkpoint is not supported")
+                         f"({_DENSE_ONLY}); such a checkpoint is not supported")
 
 
 def _partly_loaded(model, params: dict, parts: dict[str, set]) -> list[str]:

@@ -66,3 +66,18 @@ def test_a_quantization_config_without_quant_method_says_so(tmp_path):
     assert_config_refused(tmp_path, {"bits": 4, "group_size": 128, "desc_act": False},
                           r"quantization_config has no quant_method \(its fields: bits, desc_act, "
                           r"group_size\); supported: awq, compressed-tensors")
+
+
+@pytest.mark.parametrize("fmt", ["ct-w4a16", "fp8-block"])
+def test_a_quantized_lm_head_is_refused_naming_the_lm_head(llama, tmp_path, monkeypatch, fmt):
+    """An export that quantized lm_head too (compressed-tensors with an empty ignore list, or
+    block FP8 without lm_head in modules_to_not_convert): the error names the LM head as what
+    runs 16-bit only, not a router or a layer listed as not converted."""
+    writer, qc = tq.FORMATS[fmt]
+    qc = {**qc, "ignore": []} if "ignore" in qc else qc
+    is_linear = tq.is_linear
+    monkeypatch.setattr(tq, "is_linear", lambda name: is_linear(name) or name == "lm_head.weight")
+    write_checkpoint(llama, tmp_path / "q", writer, qc, reference=False)
+    with pytest.raises(ValueError, match=r"lm_head\.\w+: .*lm_head.*the embedding, the LM head, norms and "
+                                         r"MoE routers take 16-bit weights only"):
+        LLM(str(tmp_path / "q"), dtype="float32")
