@@ -97,6 +97,8 @@ def load_2d(param: torch.Tensor, src, s: Slices, out_axis: int, out_div: int = 1
         raise ValueError(f"has shape {list(shape)} in the checkpoint where this layer needs {need} "
                          f"({s.full_out} output rows in the config{per}): a config of another "
                          "model, or a tensor not of its weight's shape")
+    if unpacks:  # whole packed words: a word read for part of its values would not fit the param
+        _div(n, out_div, "output shard size")
     r = (slice(_div(start, out_div, "output shard offset"),
                _div(start, out_div, "output shard offset") + -(-n // out_div)))
     cin = shape[1 - out_axis]

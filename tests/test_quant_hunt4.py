@@ -3,6 +3,10 @@ hunts (test_quant_hunt*.py, test_quant_edge.py) did not write. Writers and refer
 tests/test_quantization.py and tests/test_quant_moe_w4.py (they never call rankserve's code)."""
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -81,3 +85,24 @@ def test_a_quantized_lm_head_is_refused_naming_the_lm_head(llama, tmp_path, monk
     with pytest.raises(ValueError, match=r"lm_head\.\w+: .*lm_head.*the embedding, the LM head, norms and "
                                          r"MoE routers take 16-bit weights only"):
         LLM(str(tmp_path / "q"), dtype="float32")
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not on PATH")
+def test_tp2_cut_through_packed_zero_points_names_the_cut_on_every_rank(tmp_path, monkeypatch):
+    """Nemotron-H's in_proj ends in a dt section of one row per Mamba head: 8 heads at --tp 2
+    give each rank 4 rows, half of a packed zero-point word. Rank 1's offset (772) was named;
+    rank 0 (offset 768, aligned) read the whole word and failed with a shape mismatch that
+    blamed the checkpoint's tensor instead."""
+    monkeypatch.setattr(tq, "LINEARS", tq.LINEARS + ("in_proj", "out_proj"))
+    src = make_checkpoint(tmp_path / "src", "NemotronHForCausalLM", hidden_size=256, intermediate_size=512,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, mamba_num_heads=8,
+                          mamba_head_dim=32, n_groups=2, ssm_state_size=64)
+    write_checkpoint(src, tmp_path / "q", tq.FORMATS["gptq-zp-actorder"][0], tq.FORMATS["gptq-zp-actorder"][1],
+                     reference=False)
+    r = subprocess.run(["mpiexec", "-n", "2", sys.executable, "-m", "rankserve.launch", "generate",
+                        str(tmp_path / "q"), "--tp", "2", "--dtype", "float32", "--max-tokens", "2",
+                        "--prompt", "Once"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "in_proj.qzeros: output shard size (4) is not a multiple of 8" in r.stderr, r.stderr[-3000:]
+    assert "does not fit this layer" not in r.stderr, r.stderr[-3000:]
