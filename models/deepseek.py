@@ -36,7 +36,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..kernels.mla import mla_attention, store_latent_ref
-from ..kernels.quant import FP8, dequant_fp8_weight
 from .fused import FusedResidualLayer
 from .layers import (
     AttnMeta, ColumnParallelLinear, GatedMLP, ParallelLMHead, RMSNorm, RowParallelLinear, building_on_meta,
@@ -132,7 +131,7 @@ class MLAAttention(nn.Module):
         # the latent cache, bound by the model runner; v_cache stays empty (width 0)
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
-        self.w_kv_b: torch.Tensor | None = None  # dense kv_b_proj when the checkpoint's is FP8
+        self.w_kv_b: torch.Tensor | None = None  # dense kv_b_proj when the checkpoint's is quantized
         # fp8 latent cache (--kv-cache-dtype fp8): one scale for c_kv and k_pe (stored = x /
         # k_scale), from the checkpoint's self_attn.k_scale when it has one, else 1.0
         self.register_buffer("k_scale", torch.ones((), dtype=torch.float32), persistent=False)
@@ -142,12 +141,11 @@ class MLAAttention(nn.Module):
         return (num_blocks, block_size, 1, self.L + self.R), (num_blocks, block_size, 1, 0)
 
     def after_loading(self) -> None:
-        """The absorbed form needs kv_b_proj's weight itself: dequantize an FP8 one once."""
+        """The absorbed form needs kv_b_proj's weight itself: dequantize a quantized one (FP8,
+        or 4-bit as GPTQModel's / AutoAWQ's DeepSeek exports store it) once."""
         proj = self.kv_b_proj
         if not proj.quant.dense:
-            if not hasattr(proj.quant, "scale") or proj.weight.dtype != FP8:
-                raise ValueError(f"MLA needs kv_b_proj dense or FP8, not {proj.quant.describe()}")
-            w = dequant_fp8_weight(proj.weight, proj.quant.scale(proj), proj.quant.block).to(self.dtype)
+            w = proj.quant.dense_weight(proj).to(self.dtype)
             if self.w_kv_b is not None and self.w_kv_b.shape == w.shape and self.w_kv_b.device == w.device:
                 self.w_kv_b.copy_(w)  # new weights: in place, where captured CUDA graphs read it
             else:

@@ -286,9 +286,7 @@ def load_weights(model, model_dir: str, progress: bool = True, update: bool = Fa
                                                  "so its weights cannot be read (--quantization fp8 "
                                                  "quantizes 16-bit checkpoints only)")
                             raise ValueError(f"is stored as fp8 but {target} is {str(param.dtype)[6:]}: "
-                                             "this module runs unquantized here (routers, "
-                                             "embeddings, norms and layers the config lists as "
-                                             "not converted take 16-bit weights only)")
+                                             f"this module runs unquantized here ({_DENSE_ONLY})")
                         if loader is None:
                             param.data.copy_(src[:])
                         else:
@@ -307,6 +305,8 @@ def _lacks(model_dir: str, missing: list[str]) -> ValueError:
 
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_DENSE_ONLY = ("the embedding, the LM head, norms and MoE routers take 16-bit weights only, as do layers "
+               "the quantization config lists as not converted")
 # tensors that exist only beside a quantized weight: one whose module this rank runs dense
 # (its `.weight` a parameter, no such tensor) would be dropped, and the weight read without it
 _QUANT_SUFFIXES = ("weight_scale", "weight_scale_inv", "qweight", "qzeros", "scales", "g_idx",
@@ -329,10 +329,16 @@ def _check_unused(name: str, target: str, params: dict) -> None:
         raise ValueError(f"{name}: the checkpoint quantizes these MoE experts, which run unquantized "
                          "here (the quantization config lists them as not converted); such a "
                          "checkpoint is not supported")
+    weight = params.get(f"{module}.weight")
+    if suffix in _QUANT_SUFFIXES and getattr(weight, "dtype", None) in _FP8:
+        reads = sorted(n.rpartition(".")[2] for n in params if n.rpartition(".")[0] == module)
+        raise ValueError(f"{name}: is not a tensor {module}'s FP8 layout reads ({', '.join(reads)}): the "
+                         "checkpoint's tensors do not follow its quantization_config (quant_method fp8 "
+                         "names block scales (weight_block_size) weight_scale_inv, per-tensor ones "
+                         "weight_scale)")
     if suffix in _QUANT_SUFFIXES and f"{module}.weight" in params:
         raise ValueError(f"{name}: the checkpoint quantizes {module}, which runs unquantized here "
-                         "(a router, or a layer the quantization config lists as not converted); "
-                         "such a checkpoint is not supported")
+                         f"({_DENSE_ONLY}); such a checkpoint is not supported")
 
 
 def _partly_loaded(model, params: dict, parts: dict[str, set]) -> list[str]:

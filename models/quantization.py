@@ -97,6 +97,8 @@ def load_2d(param: torch.Tensor, src, s: Slices, out_axis: int, out_div: int = 1
         raise ValueError(f"has shape {list(shape)} in the checkpoint where this layer needs {need} "
                          f"({s.full_out} output rows in the config{per}): a config of another "
                          "model, or a tensor not of its weight's shape")
+    if unpacks:  # whole packed words: a word read for part of its values would not fit the param
+        _div(n, out_div, "output shard size")
     r = (slice(_div(start, out_div, "output shard offset"),
                _div(start, out_div, "output shard offset") + -(-n // out_div)))
     cin = shape[1 - out_axis]
@@ -131,6 +133,11 @@ class LinearMethod:
 
     def describe(self) -> str:
         return type(self).__name__
+
+    def dense_weight(self, layer: nn.Module) -> torch.Tensor:
+        """The layer's weight [N, K] in fp32, dequantized (for code that needs the matrix
+        itself: MLA's absorbed kv_b_proj, models/deepseek.py)."""
+        raise ValueError(f"{self.describe()} weights cannot be dequantized")
 
     # The decode-layer prologues (models/fused.py, RowParallelLinear.silu_mul_forward), one entry
     # point per prologue for every method: a `dense` method (16-bit weights, LoRA folded into
@@ -228,6 +235,9 @@ class Fp8Linear(LinearMethod):
 
     def scale(self, layer):
         return getattr(layer, self.scale_name)
+
+    def dense_weight(self, layer):
+        return q.dequant_fp8_weight(layer.weight, self.scale(layer), self.block)
 
     def apply(self, layer, x, bias):
         return q.fp8_linear(x, layer.weight, self.scale(layer), bias, self.block)
@@ -400,6 +410,11 @@ class W4A16(LinearMethod):
     def after_loading(self, layer):
         if not self.desc_act and hasattr(layer, "g_idx"):
             del layer.g_idx  # rows in order: group k // group_size, no index needed
+
+    def dense_weight(self, layer):
+        return q.dequant_w4(getattr(layer, self.qweight), getattr(layer, self.scales),
+                            getattr(layer, self.qzeros, None), getattr(layer, self.g_idx, None),
+                            layer.group_size_k)
 
     def apply(self, layer, x, bias):
         return q.w4a16_linear(x, getattr(layer, self.qweight), getattr(layer, self.scales),
@@ -747,6 +762,9 @@ def quant_config_of(hf_config, flag: str | None) -> QuantConfig | None:
         qc = qc.to_dict()
     if qc:
         method = str(qc.get("quant_method", "")).lower()
+        if not method:
+            raise ValueError(f"the checkpoint's quantization_config has no quant_method (its fields: "
+                             f"{', '.join(sorted(qc))}); supported: {', '.join(QUANT_METHODS.names())}")
         if flag and FLAG_FORMATS.get(flag, flag) != method:
             raise ValueError(f"--quantization {flag} does not match the checkpoint's "
                              f"quantization_config (quant_method {method!r})")

@@ -251,7 +251,7 @@ def test_4bit_experts_where_the_config_says_dense_are_named(moe, tmp_path):
 @pytest.mark.parametrize("arch", ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"])
 def test_deepseek_4bit_routed_and_shared_experts(tmp_path, monkeypatch, arch):
     """DeepSeek's always-on shared experts (a GatedMLP) and its routed experts in 4 bits, MLA's
-    projections too but kv_b_proj (listed as not converted: MLA takes it dense or FP8 only)."""
+    projections too but kv_b_proj (listed as not converted; a 4-bit kv_b_proj: test_quant_hunt4.py)."""
     monkeypatch.setattr(tq, "LINEARS", tq.LINEARS + ("kv_a_proj_with_mqa", "q_a_proj", "q_b_proj"))
     src = make_checkpoint(tmp_path / "src", arch, hidden_size=256, intermediate_size=512,
                           moe_intermediate_size=256, **({"q_lora_rank": 64} if "V3" in arch else {}))

@@ -323,7 +323,7 @@ def byte_widths(runner) -> dict:
     their scales), per KV-cache element and (hybrid models) per SSM-state element, measured on
     the runner's model, for the floor."""
     nbytes = logical = 0
-    # MLA streams a dequantized 16-bit copy of an FP8 kv_b_proj (models/deepseek.py), not its own
+    # MLA streams a dequantized 16-bit copy of a quantized kv_b_proj (models/deepseek.py), not its own
     dense = {id(a.kv_b_proj): a.w_kv_b for a in runner.model.modules()
              if getattr(a, "w_kv_b", None) is not None}
     for mod in runner.model.modules():
