@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import re
 
 import torch
 from tqdm import tqdm
@@ -204,13 +205,18 @@ def quant_summary(model) -> str:
     return f"weights {size(nbytes)} on this rank{extra}; linear layers: {layers}"
 
 
+# a trainer's files saved beside the weights (transformers' Trainer, accelerate): never weights
+_NOT_WEIGHTS = re.compile(r"(training_args|optimizer|scheduler|scaler|rng_state.*)\.bin")
+
+
 def checkpoint_files(model_dir: str) -> list[str]:
-    """The weight files of a checkpoint: *.safetensors, else pytorch_model*.bin (as some heads,
-    e.g. the EAGLE repository's, ship)."""
+    """The weight files of a checkpoint: *.safetensors, else *.bin (pytorch_model*.bin, older
+    AutoGPTQ's gptq_model-4bit-128g.bin, the EAGLE repository's heads), as vLLM reads them."""
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
-    files = files or sorted(glob.glob(os.path.join(model_dir, "pytorch_model*.bin")))
+    files = files or sorted(f for f in glob.glob(os.path.join(model_dir, "*.bin"))
+                            if not _NOT_WEIGHTS.fullmatch(os.path.basename(f)))
     if not files:
-        raise ValueError(f"no *.safetensors (or pytorch_model*.bin) files in {model_dir!r} (use "
+        raise ValueError(f"no *.safetensors (or *.bin) weight files in {model_dir!r} (use "
                          "--load-format dummy to run with random weights)")
     return files
 
