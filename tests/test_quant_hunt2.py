@@ -195,9 +195,8 @@ def test_bench_floor_counts_mlas_dequantized_kv_b_proj(checkpoint, tmp_path):
     assert byte_widths(runner)["linear"] == pytest.approx(nbytes / logical)
 
 
-def test_kv_scales_of_a_bin_checkpoint_are_loaded(tmp_path):
-    """Weights load from pytorch_model*.bin where a checkpoint has no safetensors, but the fp8
-    cache's k/v scales were looked for in *.safetensors only: 1.0 silently took their place."""
+def bin_checkpoint(tmp_path, file_name: str, extra: dict | None = None):
+    """stories260K with its weights (and `extra` tensors) in one torch .bin file."""
     from conftest import STORIES_EMBEDDED
     path = tmp_path / "bin"
     path.mkdir()
@@ -207,12 +206,33 @@ def test_kv_scales_of_a_bin_checkpoint_are_loaded(tmp_path):
     state = {}
     for f in STORIES_EMBEDDED.glob("*.safetensors"):
         state.update(load_file(str(f)))
-    state.update({"model.layers.0.self_attn.k_scale": torch.tensor(0.5),
-                  "model.layers.1.self_attn.v_scale": torch.tensor(0.25)})
-    torch.save(state, path / "pytorch_model.bin")
+    torch.save({**state, **(extra or {})}, path / file_name)
+    return path
+
+
+def test_kv_scales_of_a_bin_checkpoint_are_loaded(tmp_path):
+    """Weights load from pytorch_model*.bin where a checkpoint has no safetensors, but the fp8
+    cache's k/v scales were looked for in *.safetensors only: 1.0 silently took their place."""
+    path = bin_checkpoint(tmp_path, "pytorch_model.bin",
+                          {"model.layers.0.self_attn.k_scale": torch.tensor(0.5),
+                           "model.layers.1.self_attn.v_scale": torch.tensor(0.25)})
     llm = LLM(str(path), kv_cache_dtype="fp8", max_num_seqs=2, kv_cache_memory_gb=0.01)
     got = [(float(a.k_scale), float(a.v_scale)) for a in llm.engine.executor.runner.model.attention_layers()]
     assert got[:3] == [(0.5, 1.0), (1.0, 0.25), (1.0, 1.0)]
+
+
+def test_bin_weight_files_of_any_name_load(tmp_path):
+    """AutoGPTQ's older checkpoints name their weights gptq_model-4bit-128g.bin: only
+    pytorch_model*.bin was looked for (vLLM loads any *.bin but a trainer's own files)."""
+    from conftest import STORIES_EMBEDDED
+    from rankserve.models.loader import checkpoint_files
+    path = bin_checkpoint(tmp_path, "gptq_model-4bit-128g.bin")
+    for junk in ("training_args.bin", "optimizer.bin", "scheduler.bin", "rng_state_0.bin"):
+        (path / junk).write_bytes(b"not weights")  # a trainer's files beside them: never read
+    assert checkpoint_files(str(path)) == [str(path / "gptq_model-4bit-128g.bin")]
+    got = LLM(str(path), max_num_seqs=2).generate(["Once upon"], SamplingParams(max_tokens=4))
+    ref = LLM(str(STORIES_EMBEDDED), max_num_seqs=2).generate(["Once upon"], SamplingParams(max_tokens=4))
+    assert got[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
 
 
 def test_expert_parallelism_on_a_dense_model_is_refused(llama):

@@ -107,31 +107,3 @@ def test_tp2_cut_through_packed_zero_points_names_the_cut_on_every_rank(tmp_path
     assert "in_proj.qzeros: output shard size (4) is not a multiple of 8" in r.stderr, r.stderr[-3000:]
     assert "does not fit this layer" not in r.stderr, r.stderr[-3000:]
 
-
-def test_bin_weight_files_of_any_name_load(tmp_path):
-    """AutoGPTQ's older checkpoints name their weights gptq_model-4bit-128g.bin: only
-    pytorch_model*.bin was looked for (vLLM loads any *.bin but a trainer's own files)."""
-    import shutil
-
-    import torch
-    from safetensors.torch import load_file
-
-    from conftest import STORIES_EMBEDDED
-    from rankserve.models.loader import checkpoint_files
-    path = tmp_path / "bin"
-    path.mkdir()
-    for f in STORIES_EMBEDDED.iterdir():
-        if not f.name.endswith(".safetensors"):
-            shutil.copy(f, path / f.name)
-    state = {}
-    for f in STORIES_EMBEDDED.glob("*.safetensors"):
-        state.update(load_file(str(f)))
-    torch.save(state, path / "gptq_model-4bit-128g.bin")
-    for junk in ("training_args.bin", "optimizer.bin", "scheduler.bin", "rng_state_0.bin"):
-        (path / junk).write_bytes(b"not weights")  # a trainer's files beside them: never read
-    assert checkpoint_files(str(path)) == [str(path / "gptq_model-4bit-128g.bin")]
-    from rankserve.runtime.llm import LLM
-    from rankserve.runtime.sampling_params import SamplingParams
-    got = LLM(str(path), max_num_seqs=2).generate(["Once upon"], SamplingParams(max_tokens=4))
-    ref = LLM(str(STORIES_EMBEDDED), max_num_seqs=2).generate(["Once upon"], SamplingParams(max_tokens=4))
-    assert got[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
