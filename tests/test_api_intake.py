@@ -108,11 +108,22 @@ def app():
     return ctx, build_app(ctx, Metrics("m", 1), ServeState())
 
 
-def post(app, path, content: bytes):
+def post(app, path, content: bytes, content_type="application/json"):
     async def go():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as h:
-            return await h.post(path, content=content, headers={"content-type": "application/json"})
+            return await h.post(path, content=content, headers={"content-type": content_type})
     return asyncio.run(go())
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/load_lora_adapter", "/v1/messages"])
+def test_a_json_body_without_the_json_content_type_is_named(app, path):
+    """`curl URL -d '{...}'` sends application/x-www-form-urlencoded: FastAPI then validates the
+    raw bytes and said only "Input should be a valid dictionary"; the 400 names the header."""
+    r = post(app[1], path, b'{"prompt": "x", "lora_name": "a"}', "application/x-www-form-urlencoded")
+    assert r.status_code == 400, r.text
+    body = r.json()
+    msg = (body["error"]["message"])
+    assert "Content-Type: application/json" in msg and "x-www-form-urlencoded" in msg, body
 
 
 def test_token_ids_skip_the_tokenizer_threads(app, monkeypatch):

@@ -72,9 +72,13 @@ def error_response(path: str, err: APIError) -> JSONResponse:
     return SafeJSONResponse(body, status_code=err.status)
 
 
-def validation_message(exc: RequestValidationError) -> str:
+def validation_message(exc: RequestValidationError, content_type: str = "") -> str:
     msgs = []
     for e in exc.errors():
+        if tuple(e.get("loc", ())) == ("body",) and isinstance(e.get("input"), bytes):
+            # FastAPI parses JSON only under a JSON content type (curl -d sends a form's)
+            return ("the request body must be JSON sent with Content-Type: application/json, "
+                    f"got Content-Type: {content_type or 'none'}")
         if e.get("type") == "json_invalid":
             return f"the request body is not valid JSON: {e.get('ctx', {}).get('error', e['msg'])}"
         loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
@@ -235,7 +239,8 @@ def build_app(ctx: ServeContext, metrics: Metrics, state: ServeState | None = No
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
-        return error_response(request.url.path, APIError(validation_message(exc),
+        message = validation_message(exc, request.headers.get("content-type", ""))
+        return error_response(request.url.path, APIError(message,
                                                          param=validation_param(exc.errors())))
 
     @app.exception_handler(StarletteHTTPException)
