@@ -138,7 +138,9 @@ def test_token_ids_skip_the_tokenizer_threads(app, monkeypatch):
 
 
 @pytest.mark.parametrize("raw,status,message,param", [
-    (b'{"prompt": [1, 2,]}', 400, "the request body is not valid JSON: Expecting value", "17"),
+    # param names a field; where JSON breaks (a character offset) goes in the message
+    (b'{"prompt": [1, 2,]}', 400,
+     "the request body is not valid JSON: Expecting value (at character 17)", None),
     (b'{"prompt": NaN}', 400, "prompt.str: Input should be a valid string", "prompt.str"),
     (b'{"prompt": "\\ud800"}', 400, "prompt: the text contains a lone surrogate", "prompt"),
     (b'{"prompt": [1, 9223372036854775808]}', 400, "prompt.str: Input should be a valid string",

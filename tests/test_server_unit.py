@@ -24,7 +24,7 @@ from rankserve.runtime.serve.context import ChatRun, ServeContext, ToolMode
 from rankserve.runtime.serve.engine_proc import engine_addresses
 from rankserve.runtime.serve.metrics import Metrics
 from rankserve.runtime.serve.openai_api import chat_events
-from rankserve.runtime.serve.protocol import APIError, ChatCompletionRequest
+from rankserve.runtime.serve.protocol import APIError, ChatCompletionRequest, validation_param
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 EOS = 151645
@@ -304,7 +304,9 @@ def test_anthropic_and_responses_inputs_become_chats():
 def test_validation_message_and_addresses():
     exc = RequestValidationError([{"type": "json_invalid", "loc": ("body", 5),
                                    "msg": "JSON decode error", "ctx": {"error": "Expecting value"}}])
-    assert validation_message(exc) == "the request body is not valid JSON: Expecting value"
+    assert validation_message(exc) == ("the request body is not valid JSON: Expecting value "
+                                       "(at character 5)")
+    assert validation_param(exc.errors()) is None  # not "5": an offset is no field
     exc = RequestValidationError([{"type": "greater_than_equal", "loc": ("body", "max_tokens"),
                                    "msg": "Input should be greater than or equal to 1"}])
     assert validation_message(exc) == "max_tokens: Input should be greater than or equal to 1"

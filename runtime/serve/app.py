@@ -80,7 +80,9 @@ def validation_message(exc: RequestValidationError, content_type: str = "") -> s
             return ("the request body must be JSON sent with Content-Type: application/json, "
                     f"got Content-Type: {content_type or 'none'}")
         if e.get("type") == "json_invalid":
-            return f"the request body is not valid JSON: {e.get('ctx', {}).get('error', e['msg'])}"
+            at = [x for x in e.get("loc", ()) if isinstance(x, int)]
+            return (f"the request body is not valid JSON: {e.get('ctx', {}).get('error', e['msg'])}"
+                    + (f" (at character {at[0]})" if at else ""))
         loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
         msgs.append(f"{loc}: {e['msg']}" if loc else e["msg"])
     return "; ".join(msgs) or "invalid request"

@@ -428,6 +428,8 @@ def check_tool_schemas(tools: list[dict] | None, key: str = "parameters",
 def validation_param(errors: list[dict]) -> str | None:
     """The field a pydantic validation error is about, for the error body's `param`."""
     for e in errors:
+        if e.get("type") == "json_invalid":
+            return None  # its loc is a character offset, not a field
         loc = [str(x) for x in e.get("loc", ()) if x != "body"]
         if loc:
             return ".".join(loc)
