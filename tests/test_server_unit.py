@@ -323,6 +323,23 @@ def test_validation_message_and_addresses():
         ServerArgs(renderer="nope").validate()
 
 
+@pytest.mark.parametrize("flag,name,listed,unlisted", [
+    ("reasoning_parser", "mistral", "deepseek_r1", "llama3_json"),  # no reasoning format
+    ("reasoning_parser", "nope", "qwen3", "mistral"),
+    ("tool_call_parser", "deepseek_r1", "llama3_json", "deepseek_r1"),  # no tool-call format
+])
+def test_a_parser_without_that_format_is_refused_at_the_cli(flag, name, listed, unlisted):
+    """`serve --reasoning-parser mistral` passed the CLI and failed only once the model had loaded
+    (on every rank), without naming the flag; the CLI listed tool-call parsers as reasoning ones."""
+    with pytest.raises(ValueError) as e:
+        ServerArgs(**{flag: name}).validate()
+    msg = str(e.value)
+    assert msg.startswith("--" + flag.replace("_", "-")) and repr(name) in msg, msg
+    supported = msg.split("supported: ")[1].split(", ")
+    assert listed in supported and unlisted not in supported, msg
+    ServerArgs(**{flag: listed}).validate()
+
+
 def test_engine_death_mid_stream_ends_the_stream_with_an_error(tok):
     from rankserve.runtime.serve.context import _guarded
     from rankserve.runtime.serve.protocol import APIError as E
