@@ -137,6 +137,19 @@ def test_token_ids_skip_the_tokenizer_threads(app, monkeypatch):
     assert r.status_code == 418 and len(trips) == 1  # text is still tokenized off the loop
 
 
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": [1] * 300}, "prompt"),  # the fixture's max_model_len is 256
+    ({"prompt": [1] * 10, "max_tokens": 250}, "max_tokens"),
+])
+def test_a_context_overflow_carries_openais_code(app, body, param):
+    """OpenAI's code for a prompt (or prompt + max_tokens) over the context, which clients test
+    to trim a conversation; the character pre-check had it, the token checks had null."""
+    r = post(app[1], "/v1/completions", json.dumps(body).encode())
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == param, err
+    assert err["code"] == "context_length_exceeded", err
+
+
 @pytest.mark.parametrize("raw,status,message,param", [
     # param names a field; where JSON breaks (a character offset) goes in the message
     (b'{"prompt": [1, 2,]}', 400,
