@@ -245,6 +245,11 @@ def _bench_config(kwargs: dict):
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     name = kwargs.get("model") if named else None
+    for key, flag in (("generation_config", "--generation-config"),
+                      ("override_generation_config", "--override-generation-config")):
+        if kwargs.get(key) not in (None, "auto"):  # never silently ignored
+            raise click.UsageError(f"{flag}: a bench's requests set their own sampling; the "
+                                   "generation config's defaults apply to generate and serve")
     kwargs = dict(kwargs, model=path)
     spec = kwargs.get("speculative_config")
     if spec:  # a draft model may name a shipped config too (dummy weights, like MODEL)
