@@ -165,10 +165,13 @@ def main():
 @main.command()
 @engine_options
 @click.option("--prompt", "prompts", multiple=True, required=True, help="prompt text (repeatable)")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True)
-@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True)
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0)
-@click.option("--top-k", type=int, default=0)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=None,
+              help="default: the generation config's max_new_tokens, else 64")
+@click.option("--temperature", type=click.FloatRange(min=0), default=None,
+              help="default: the generation config's, else 0 (greedy)")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None,
+              help="default: the generation config's, else 1")
+@click.option("--top-k", type=int, default=None, help="default: the generation config's, else 0 (off)")
 @click.option("--sampling-seed", type=int, default=None, help="per-request sampling seed")
 @click.option("--ignore-eos", is_flag=True)
 @click.option("--json", "as_json", is_flag=True, help="print token ids, text and finish reasons as JSON")
@@ -190,7 +193,15 @@ def generate(prompts, max_tokens, temperature, top_p, top_k, sampling_seed, igno
             so.kind  # noqa: B018 - raises unless exactly one is given
         except ValueError:
             raise click.UsageError("give --regex or --json-schema, not both") from None
-    sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+    # the fields these flags leave out: --generation-config / --override-generation-config
+    # (the model's generation_config.json by default), as LLM.generate and the server take them
+    from ..runtime.inputs import sampling_defaults
+    m = cfg.model
+    given = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
+    sp = SamplingParams(**{"max_tokens": 64, "temperature": 0.0,
+                           **sampling_defaults(m.model, m.generation_config,
+                                               m.override_generation_config),
+                           **{k: v for k, v in given.items() if v is not None}},
                         seed=sampling_seed, ignore_eos=ignore_eos, structured_outputs=so)
 
     loras = None
@@ -234,6 +245,11 @@ def _bench_config(kwargs: dict):
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     name = kwargs.get("model") if named else None
+    for key, flag in (("generation_config", "--generation-config"),
+                      ("override_generation_config", "--override-generation-config")):
+        if kwargs.get(key) not in (None, "auto"):  # never silently ignored
+            raise click.UsageError(f"{flag}: a bench's requests set their own sampling; the "
+                                   "generation config's defaults apply to generate and serve")
     kwargs = dict(kwargs, model=path)
     spec = kwargs.get("speculative_config")
     if spec:  # a draft model may name a shipped config too (dummy weights, like MODEL)

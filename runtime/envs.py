@@ -162,5 +162,10 @@ def check(env: Mapping[str, str] | None = None) -> list[str]:
             near = difflib.get_close_matches(name, KNOBS, n=1)
             warnings.append(f"{name} is not a rankserve environment variable (ignored)"
                             + (f"; did you mean {near[0]}?" if near else ""))
-            logging.getLogger("rankserve.envs").warning("%s", warnings[-1])
+            if warnings[-1] not in _WARNED:  # the CLI and LLM() both check: log it once
+                _WARNED.add(warnings[-1])
+                logging.getLogger("rankserve.envs").warning("%s", warnings[-1])
     return warnings
+
+
+_WARNED: set[str] = set()

@@ -108,11 +108,22 @@ def app():
     return ctx, build_app(ctx, Metrics("m", 1), ServeState())
 
 
-def post(app, path, content: bytes):
+def post(app, path, content: bytes, content_type="application/json"):
     async def go():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as h:
-            return await h.post(path, content=content, headers={"content-type": "application/json"})
+            return await h.post(path, content=content, headers={"content-type": content_type})
     return asyncio.run(go())
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/load_lora_adapter", "/v1/messages"])
+def test_a_json_body_without_the_json_content_type_is_named(app, path):
+    """`curl URL -d '{...}'` sends application/x-www-form-urlencoded: FastAPI then validates the
+    raw bytes and said only "Input should be a valid dictionary"; the 400 names the header."""
+    r = post(app[1], path, b'{"prompt": "x", "lora_name": "a"}', "application/x-www-form-urlencoded")
+    assert r.status_code == 400, r.text
+    body = r.json()
+    msg = (body["error"]["message"])
+    assert "Content-Type: application/json" in msg and "x-www-form-urlencoded" in msg, body
 
 
 def test_token_ids_skip_the_tokenizer_threads(app, monkeypatch):
@@ -126,8 +137,23 @@ def test_token_ids_skip_the_tokenizer_threads(app, monkeypatch):
     assert r.status_code == 418 and len(trips) == 1  # text is still tokenized off the loop
 
 
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": [1] * 300}, "prompt"),  # the fixture's max_model_len is 256
+    ({"prompt": [1] * 10, "max_tokens": 250}, "max_tokens"),
+])
+def test_a_context_overflow_carries_openais_code(app, body, param):
+    """OpenAI's code for a prompt (or prompt + max_tokens) over the context, which clients test
+    to trim a conversation; the character pre-check had it, the token checks had null."""
+    r = post(app[1], "/v1/completions", json.dumps(body).encode())
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == param, err
+    assert err["code"] == "context_length_exceeded", err
+
+
 @pytest.mark.parametrize("raw,status,message,param", [
-    (b'{"prompt": [1, 2,]}', 400, "the request body is not valid JSON: Expecting value", "17"),
+    # param names a field; where JSON breaks (a character offset) goes in the message
+    (b'{"prompt": [1, 2,]}', 400,
+     "the request body is not valid JSON: Expecting value (at character 17)", None),
     (b'{"prompt": NaN}', 400, "prompt.str: Input should be a valid string", "prompt.str"),
     (b'{"prompt": "\\ud800"}', 400, "prompt: the text contains a lone surrogate", "prompt"),
     (b'{"prompt": [1, 9223372036854775808]}', 400, "prompt.str: Input should be a valid string",

@@ -217,6 +217,27 @@ def test_shipped_configs_build_on_meta(name, billions, arch):
         assert 3.0e9 < stats.active_params_per_token + stats.head_params < 3.4e9  # "A3B"
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc")
+def test_an_output_path_no_file_can_be_made_in_is_refused_before_the_run():
+    """os.access says yes to root everywhere, /proc included: the run went ahead and its JSON
+    was lost to a FileNotFoundError at the end."""
+    from rankserve.runtime.bench.common import check_writable
+    with pytest.raises(ValueError, match="--output-json /proc/x/y.json: cannot write there"):
+        check_writable("/proc/x/y.json", "--output-json")
+    check_writable(os.path.join(os.path.dirname(__file__), "new-dir", "y.json"), "--output-json")
+
+
+@pytest.mark.parametrize("bench", ["throughput", "latency", "sleep", "multiturn"])
+@pytest.mark.parametrize("flags", [["--generation-config", "vllm"],
+                                   ["--override-generation-config", '{"temperature": 0.5}']])
+def test_generation_config_flags_are_refused_by_the_benches(bench, flags):
+    """A bench's requests set their own sampling, so these engine flags (in every bench's --help)
+    changed nothing: refused by name before the run, never silently ignored."""
+    from rankserve.launch.cli import main
+    r = CliRunner().invoke(main, ["bench", bench, STORIES, *flags, *SMALL])
+    assert r.exit_code == 2 and flags[0] in r.output and "generate and serve" in r.output, r.output
+
+
 def test_named_model_implies_dummy_weights_and_bad_names_fail():
     from rankserve.launch.cli import _bench_config, main
     cfg, name = _bench_config({"model": "llama-3.1-8b"})

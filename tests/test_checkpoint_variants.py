@@ -56,6 +56,32 @@ def test_offline_generate_without_sampling_params_takes_generation_config_defaul
         assert [o.outputs[0].token_ids for o in outs] == [g.outputs[0].token_ids for g in greedy]
 
 
+def test_cli_generate_takes_generation_config_defaults_for_flags_left_out(tmp_path):
+    """`rankserve generate` showed --generation-config / --override-generation-config but always
+    sampled greedily with 64 tokens: the flags did nothing. Now the fields its own flags leave
+    out come from them (as LLM.generate and the server), else greedy and 64 tokens."""
+    import json
+    from click.testing import CliRunner
+    from rankserve.launch.cli import main
+    path = _stories_copy(tmp_path, {"bos_token_id": 1, "eos_token_id": 2, "max_new_tokens": 5})
+
+    def run(*flags):
+        r = CliRunner().invoke(main, ["generate", path, "--prompt", "Once upon a time", "--json",
+                                      "--ignore-eos", *flags])
+        assert r.exit_code == 0, r.output
+        out = r.output  # stderr's progress bar may share the JSON's line
+        return json.loads(out[out.rindex('{"prompt"'):].splitlines()[0])["token_ids"]
+    greedy = run("--max-tokens", "9")
+    assert len(greedy) == 9
+    assert run() == greedy[:5]  # max_new_tokens, greedy without a temperature anywhere
+    assert len(run("--override-generation-config", '{"max_new_tokens": 7}')) == 7
+    assert len(run("--generation-config", "vllm")) == 64
+    hot = '{"temperature": 50.0}'
+    sampled = [run("--override-generation-config", hot, "--sampling-seed", str(s)) for s in (1, 2)]
+    assert sampled[0] != sampled[1] and greedy[:5] not in sampled
+    assert run("--override-generation-config", hot, "--temperature", "0") == greedy[:5]
+
+
 def test_eos_ids_of_config_json_stop_generation_without_a_generation_config(tmp_path):
     """Without generation_config.json vLLM reads the generation defaults, eos ids included, from
     config.json (GenerationConfig.from_model_config): each id of a list stops a request."""

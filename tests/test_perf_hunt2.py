@@ -206,6 +206,14 @@ def test_a_misspelt_knob_is_warned_about():
                         "did you mean RANKSERVE_PRECOMPILE?"]
 
 
+def test_a_misspelt_knob_is_logged_once_per_process(caplog):
+    """`rankserve generate` checks at the CLI and again in LLM(): the warning came twice."""
+    env = {"RANKSERVE_GRAMMAR_THREAD": "3"}
+    with caplog.at_level("WARNING", logger="rankserve.envs"):
+        assert envs.check(env) == envs.check(env) != []  # still returned each time
+    assert sum("RANKSERVE_GRAMMAR_THREAD " in r.getMessage() for r in caplog.records) == 1
+
+
 # ---- bench latency: one batch --------------------------------------------------------------------------
 def test_latency_batch_larger_than_max_num_seqs_is_refused():
     r = CliRunner().invoke(main, ["bench", "latency", STORIES, "--max-num-seqs", "2", "--batch-size", "3",

@@ -24,7 +24,7 @@ from rankserve.runtime.serve.context import ChatRun, ServeContext, ToolMode
 from rankserve.runtime.serve.engine_proc import engine_addresses
 from rankserve.runtime.serve.metrics import Metrics
 from rankserve.runtime.serve.openai_api import chat_events
-from rankserve.runtime.serve.protocol import APIError, ChatCompletionRequest
+from rankserve.runtime.serve.protocol import APIError, ChatCompletionRequest, validation_param
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 EOS = 151645
@@ -304,7 +304,9 @@ def test_anthropic_and_responses_inputs_become_chats():
 def test_validation_message_and_addresses():
     exc = RequestValidationError([{"type": "json_invalid", "loc": ("body", 5),
                                    "msg": "JSON decode error", "ctx": {"error": "Expecting value"}}])
-    assert validation_message(exc) == "the request body is not valid JSON: Expecting value"
+    assert validation_message(exc) == ("the request body is not valid JSON: Expecting value "
+                                       "(at character 5)")
+    assert validation_param(exc.errors()) is None  # not "5": an offset is no field
     exc = RequestValidationError([{"type": "greater_than_equal", "loc": ("body", "max_tokens"),
                                    "msg": "Input should be greater than or equal to 1"}])
     assert validation_message(exc) == "max_tokens: Input should be greater than or equal to 1"
@@ -319,6 +321,23 @@ def test_validation_message_and_addresses():
         ServerArgs(reasoning_parser="nope").validate()
     with pytest.raises(ValueError, match="--renderer"):
         ServerArgs(renderer="nope").validate()
+
+
+@pytest.mark.parametrize("flag,name,listed,unlisted", [
+    ("reasoning_parser", "mistral", "deepseek_r1", "llama3_json"),  # no reasoning format
+    ("reasoning_parser", "nope", "qwen3", "mistral"),
+    ("tool_call_parser", "deepseek_r1", "llama3_json", "deepseek_r1"),  # no tool-call format
+])
+def test_a_parser_without_that_format_is_refused_at_the_cli(flag, name, listed, unlisted):
+    """`serve --reasoning-parser mistral` passed the CLI and failed only once the model had loaded
+    (on every rank), without naming the flag; the CLI listed tool-call parsers as reasoning ones."""
+    with pytest.raises(ValueError) as e:
+        ServerArgs(**{flag: name}).validate()
+    msg = str(e.value)
+    assert msg.startswith("--" + flag.replace("_", "-")) and repr(name) in msg, msg
+    supported = msg.split("supported: ")[1].split(", ")
+    assert listed in supported and unlisted not in supported, msg
+    ServerArgs(**{flag: listed}).validate()
 
 
 def test_engine_death_mid_stream_ends_the_stream_with_an_error(tok):

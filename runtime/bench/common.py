@@ -435,6 +435,11 @@ def check_writable(path: str, flag: str, directory: bool = False) -> None:
             why = f"{parent} is not a directory"
         elif not os.access(parent, os.W_OK | os.X_OK):
             why = f"{parent} is not writable"
+        else:
+            try:  # os.access says yes to root everywhere, but /proc, /sys take no files
+                tempfile.TemporaryFile(dir=parent).close()  # unnamed: nothing is left behind
+            except OSError as e:
+                why = f"{parent}: {e.strerror}"
     if why:
         raise ValueError(f"{flag} {path}: cannot write there ({why})")
 

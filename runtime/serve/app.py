@@ -72,11 +72,17 @@ def error_response(path: str, err: APIError) -> JSONResponse:
     return SafeJSONResponse(body, status_code=err.status)
 
 
-def validation_message(exc: RequestValidationError) -> str:
+def validation_message(exc: RequestValidationError, content_type: str = "") -> str:
     msgs = []
     for e in exc.errors():
+        if tuple(e.get("loc", ())) == ("body",) and isinstance(e.get("input"), bytes):
+            # FastAPI parses JSON only under a JSON content type (curl -d sends a form's)
+            return ("the request body must be JSON sent with Content-Type: application/json, "
+                    f"got Content-Type: {content_type or 'none'}")
         if e.get("type") == "json_invalid":
-            return f"the request body is not valid JSON: {e.get('ctx', {}).get('error', e['msg'])}"
+            at = [x for x in e.get("loc", ()) if isinstance(x, int)]
+            return (f"the request body is not valid JSON: {e.get('ctx', {}).get('error', e['msg'])}"
+                    + (f" (at character {at[0]})" if at else ""))
         loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
         msgs.append(f"{loc}: {e['msg']}" if loc else e["msg"])
     return "; ".join(msgs) or "invalid request"
@@ -235,7 +241,8 @@ def build_app(ctx: ServeContext, metrics: Metrics, state: ServeState | None = No
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
-        return error_response(request.url.path, APIError(validation_message(exc),
+        message = validation_message(exc, request.headers.get("content-type", ""))
+        return error_response(request.url.path, APIError(message,
                                                          param=validation_param(exc.errors())))
 
     @app.exception_handler(StarletteHTTPException)

@@ -122,14 +122,18 @@ class ServerArgs:
         from ..render import RENDERERS, load_chat_template
         if self.chat_template:
             load_chat_template(self.chat_template)  # an unreadable path fails at the CLI
-        for flag, registry, name in (("--renderer", RENDERERS, self.renderer),
-                                     ("--tool-call-parser", PARSERS, self.tool_call_parser),
-                                     ("--reasoning-parser", PARSERS, self.reasoning_parser)):
-            if name and name != "auto":
-                try:
-                    registry.get(name)
-                except ValueError as e:
-                    raise ValueError(f"{flag}: {e}") from None
+        if self.renderer and self.renderer != "auto":
+            try:
+                RENDERERS.get(self.renderer)
+            except ValueError as e:
+                raise ValueError(f"--renderer: {e}") from None
+        for flag, fmt, name in (("--tool-call-parser", "tools", self.tool_call_parser),
+                                ("--reasoning-parser", "reasoning", self.reasoning_parser)):
+            # only the parsers that have this format (deepseek_r1 has no tool calls, ...)
+            names = [n for n in PARSERS.names() if getattr(PARSERS.get(n), fmt) is not None]
+            if name and name not in names:
+                raise ValueError(f"{flag}: unsupported parser {name!r}; supported: "
+                                 f"{', '.join(names)}")
         return self
 
     def resolve_api_key(self, environ: dict | None = None) -> ServerArgs:

@@ -382,12 +382,14 @@ def check_prompts(prompts: list[list[int]], info: dict, max_tokens: int | None, 
         if limit and len(p) >= limit:
             raise APIError(f"This model's maximum context length (max_model_len) is {limit} "
                            f"tokens, but the prompt has {len(p)} tokens; it must leave room for "
-                           "at least one new token", param=prompt_param)
+                           "at least one new token", param=prompt_param,
+                           code="context_length_exceeded")
         if limit and max_tokens is not None and len(p) + max_tokens > limit:
             raise APIError(f"This model's maximum context length (max_model_len) is {limit} "
                            f"tokens. However, you requested {len(p) + max_tokens} tokens "
                            f"({len(p)} in the prompt, {max_tokens} for the completion). Reduce "
-                           f"the prompt or {tokens_param}.", param=tokens_param)
+                           f"the prompt or {tokens_param}.", param=tokens_param,
+                           code="context_length_exceeded")
     return prompts
 
 
@@ -428,6 +430,8 @@ def check_tool_schemas(tools: list[dict] | None, key: str = "parameters",
 def validation_param(errors: list[dict]) -> str | None:
     """The field a pydantic validation error is about, for the error body's `param`."""
     for e in errors:
+        if e.get("type") == "json_invalid":
+            return None  # its loc is a character offset, not a field
         loc = [str(x) for x in e.get("loc", ()) if x != "body"]
         if loc:
             return ".".join(loc)
