@@ -146,3 +146,13 @@ def test_budget_below_max_model_len_without_chunked_prefill_is_a_cli_error():
 def test_requests_longer_than_the_context_are_refused_before_the_run(args, needle):
     r = CliRunner().invoke(main, ["bench", args[0], STORIES, *SMALL, *args[1:]])
     assert r.exit_code == 1 and needle in r.output, r.output[-2000:] + repr(r.exception)
+
+
+def test_profile_window_line_names_the_steps_it_recorded(tmp_path):
+    """--profile-steps 2 3 records steps 2, 3 and 4: the summary said "steps 2..5" (one past the
+    window), unlike the cut-to-fit note and the README, which count both ends."""
+    r = CliRunner().invoke(main, ["bench", "latency", STORIES, *SMALL, "--input-len", "8",
+                                  "--output-len", "8", "--num-iters", "1", "--num-iters-warmup", "0",
+                                  "--profile-dir", str(tmp_path / "prof"), "--profile-steps", "2", "3"])
+    assert r.exit_code == 0, r.output[-3000:] + repr(r.exception)
+    assert "profile window: steps 2..4 of" in r.output, r.output[-2000:]

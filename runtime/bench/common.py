@@ -557,7 +557,7 @@ def profile_steps(llm, run, total_steps: int, out_dir: str, label: str, row_limi
     steps = max(0, last - start + 1)
     summary = dict(first_step=start, steps=steps, wall_s=window, device_busy_s=busy,
                    device_busy_fraction=busy / window if window else None)
-    print(f"profile window: steps {start}..{start + steps} of {len(marks)}, wall {window * 1e3:.1f} ms "
+    print(f"profile window: steps {start}..{start + steps - 1} of {len(marks)}, wall {window * 1e3:.1f} ms "
           f"({window * 1e3 / max(steps, 1):.2f} ms/step), device kernels {busy * 1e3:.1f} ms"
           + (f" ({100 * busy / window:.0f}% busy; profiling slows the host)" if window and cuda else ""))
     os.makedirs(out_dir, exist_ok=True)
