@@ -260,3 +260,18 @@ def test_warns_when_chunks_are_not_tokens(tmp_path, capsys):
                               ignore_eos=True)
         assert run(args) == 0
     assert "3 output chunks for 48 tokens" in capsys.readouterr().err
+
+
+def test_saved_record_has_vllm_keys(server, tmp_path):
+    """vLLM's result JSON also has `date` (its file-name stamp), `generated_texts` and
+    `max_output_tokens_per_s`: scripts written against `vllm bench serve` read them."""
+    import re
+    code, rec, _ = bench(server, tmp_path, num_prompts=4, random_input_len=8, random_output_len=6,
+                         ignore_eos=True, random_prompt_format="text")
+    assert code == 0, rec["errors"]
+    assert re.fullmatch(r"\d{8}-\d{6}", rec["date"]), rec.get("date")
+    texts = rec["generated_texts"]
+    assert len(texts) == 4 and all(isinstance(t, str) and t for t in texts)
+    peak = rec["max_output_tokens_per_s"]
+    # a peak per whole second: at least the tokens of the busiest second, at most all of them
+    assert 0 < peak <= rec["total_output_tokens"]

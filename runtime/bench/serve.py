@@ -288,6 +288,7 @@ class RequestResult:
     start: float = 0.0  # seconds since the benchmark started
     finish_reason: str | None = None
     chunks: int = 0  # stream chunks that carried output
+    text: str = ""  # the generated text (vLLM's generated_texts)
 
 
 def _payload(args: ServeBenchArgs, model: str, req: SampleRequest) -> dict:
@@ -353,6 +354,8 @@ async def send_request(client, url: str, body: dict, req: SampleRequest, chat: b
                             res.itl.append(now - last)
                         last = now
                         chunks += 1
+                        res.text += (choice.get("delta") or {}).get("content") or "" if chat \
+                            else choice.get("text") or ""
                         if choice.get("finish_reason"):
                             res.finish_reason = choice["finish_reason"]
     except Exception as e:  # noqa: BLE001  (a lost connection is a failed request, not a crash)
@@ -446,7 +449,7 @@ def summarize(args: ServeBenchArgs, results: list[RequestResult], duration: floa
                total_input_tokens=total_in, total_output_tokens=total_out,
                request_throughput=len(ok) / duration, output_throughput=total_out / duration,
                total_token_throughput=(total_in + total_out) / duration,
-               max_concurrent_requests=_max_concurrent(ok))
+               max_concurrent_requests=_max_concurrent(ok), max_output_tokens_per_s=_peak_tokens_per_s(ok))
     if args.goodput:
         out["request_goodput"] = sum(_good(r, args.goodput) for r in ok) / duration
     values = per_request_values(results)
@@ -458,6 +461,12 @@ def summarize(args: ServeBenchArgs, results: list[RequestResult], duration: floa
         for p in args.metric_percentiles:
             out[f"p{p:g}_{m}_ms"] = float(np.percentile(ms, p)) if ms.size else 0.0
     return out
+
+
+def _peak_tokens_per_s(ok: list[RequestResult]) -> float:
+    """vLLM's max_output_tokens_per_s: output chunks that arrived in the busiest whole second."""
+    times = [t for r in ok for t in np.cumsum([r.start + r.ttft, *r.itl])]
+    return float(np.bincount(np.floor(times).astype(int)).max()) if times else 0.0
 
 
 def _max_concurrent(ok: list[RequestResult]) -> int:
@@ -611,7 +620,8 @@ def run(args: ServeBenchArgs) -> int:
     s = summarize(args, results, duration)
     errors = [r.error for r in results if not r.success]
     print(format_summary(args, s, errors), flush=True)
-    record = dict(kind="serve", env=_environment(), backend="openai-chat" if args.chat else "openai",
+    record = dict(kind="serve", date=datetime.datetime.now().strftime("%Y%m%d-%H%M%S"),
+                  env=_environment(), backend="openai-chat" if args.chat else "openai",
                   base_url=args.base_url, endpoint=args.endpoint, model_id=model,
                   tokenizer_id=args.tokenizer, num_prompts=len(requests), request_rate=args.request_rate,
                   burstiness=args.burstiness, max_concurrency=args.max_concurrency,
@@ -619,6 +629,7 @@ def run(args: ServeBenchArgs) -> int:
                   workload=workload(args), **s,
                   input_lens=[r.prompt_len for r in results], output_lens=[r.output_tokens for r in results],
                   ttfts=[r.ttft for r in results], itls=[r.itl for r in results],
+                  generated_texts=[r.text for r in results],
                   errors=errors, args={k: v for k, v in asdict(args).items() if k != "api_key"})
     if args.save_result or args.result_dir or args.result_filename:
         name = args.result_filename or (
