@@ -173,3 +173,14 @@ def test_scheduler_records_queued_and_first_scheduled_times(monkeypatch):
         assert r.scheduled_ts == first_scheduled[rid] > queued[rid]  # not the rescheduling time
         q, s, t = first_outputs[rid]
         assert (q, s) == (queued[rid], r.scheduled_ts) and t > s
+
+
+def test_request_success_series_exist_from_the_start():
+    """As vLLM's: every documented finished_reason has its series (at 0) before a request, so a
+    dashboard's rate(...{finished_reason="stop"}) reads 0, not "no data", on an idle server."""
+    text = Metrics("tiny", num_engines=2).exposition().decode()
+    for engine in ("0", "1"):
+        for reason in ("stop", "length", "abort"):
+            line = (f'rankserve:request_success_total{{engine="{engine}",finished_reason="{reason}",'
+                    'model_name="tiny"} 0.0')
+            assert line in text, text[:3000]

@@ -61,6 +61,8 @@ class EngineMetrics:
         for attr, parent in parents.items():
             setattr(self, attr, parent.labels(model_name, str(engine)))
         self._success = success
+        for reason in ("stop", "length", "abort"):  # at 0 from the start, as vLLM's
+            success.labels(model_name, str(engine), reason)
         self._spec_per_pos = spec_per_pos
         self._swap = preempt_kind.labels(model_name, str(engine), "swap")
         self._recompute = preempt_kind.labels(model_name, str(engine), "recompute")
