@@ -514,7 +514,7 @@ def bench_multiturn(num_conversations, prefix_len, turns, turn_len, output_len, 
 @click.option("--metric-percentiles", default="99", show_default=True, help="comma-separated, e.g. 50,90,99")
 @click.option("--goodput", multiple=True, help='SLOs in ms, e.g. --goodput "ttft:500 tpot:50" (ttft, tpot, '
               "itl, e2el)")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--save-result", is_flag=True, help="write the JSON record (to --result-dir)")
 @click.option("--result-dir", type=click.Path(file_okay=False), default=None)
 @click.option("--result-filename", default=None)

@@ -156,3 +156,10 @@ def test_profile_window_line_names_the_steps_it_recorded(tmp_path):
                                   "--profile-dir", str(tmp_path / "prof"), "--profile-steps", "2", "3"])
     assert r.exit_code == 0, r.output[-3000:] + repr(r.exception)
     assert "profile window: steps 2..4 of" in r.output, r.output[-2000:]
+
+
+def test_bench_serve_negative_seed_names_the_flag():
+    """numpy's "expected non-negative integer" reached the user without the flag's name."""
+    r = CliRunner().invoke(main, ["bench", "serve", "--port", "1", "--random-vocab-size", "100",
+                                  "--model", "m", "--disable-tqdm", "--seed", "-1"])
+    assert r.exit_code == 2 and "--seed" in r.output and "Traceback" not in r.output, r.output
