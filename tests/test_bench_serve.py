@@ -275,3 +275,4 @@ def test_saved_record_has_vllm_keys(server, tmp_path):
     peak = rec["max_output_tokens_per_s"]
     # a peak per whole second: at least the tokens of the busiest second, at most all of them
     assert 0 < peak <= rec["total_output_tokens"]
+    assert rec["request_goodput"] is None  # no --goodput: the key is there, as vLLM's (null)

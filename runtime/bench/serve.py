@@ -450,8 +450,7 @@ def summarize(args: ServeBenchArgs, results: list[RequestResult], duration: floa
                request_throughput=len(ok) / duration, output_throughput=total_out / duration,
                total_token_throughput=(total_in + total_out) / duration,
                max_concurrent_requests=_max_concurrent(ok), max_output_tokens_per_s=_peak_tokens_per_s(ok))
-    if args.goodput:
-        out["request_goodput"] = sum(_good(r, args.goodput) for r in ok) / duration
+    out["request_goodput"] = sum(_good(r, args.goodput) for r in ok) / duration if args.goodput else None
     values = per_request_values(results)
     for m in args.percentile_metrics:
         ms = np.asarray(values[m], dtype=float) * 1e3
@@ -492,7 +491,7 @@ def format_summary(args: ServeBenchArgs, s: dict, errors: list[str]) -> str:
     row("Total input tokens:", s["total_input_tokens"])
     row("Total generated tokens:", s["total_output_tokens"])
     row("Request throughput (req/s):", s["request_throughput"], "{:<10.2f}")
-    if "request_goodput" in s:
+    if s["request_goodput"] is not None:
         row("Request goodput (req/s):", s["request_goodput"], "{:<10.2f}")
     row("Output token throughput (tok/s):", s["output_throughput"], "{:<10.2f}")
     row("Total token throughput (tok/s):", s["total_token_throughput"], "{:<10.2f}")
