@@ -112,7 +112,7 @@ def test_latency_cli_rankserve_and_hf(tmp_path):
             "--output-json", str(out_json), "--profile-dir", str(tmp_path / "prof"))
     rec = json.loads(out_json.read_text())
     check_env(rec, "latency")
-    prof = rec["results"]["rankserve"]["profile"]  # 6 steps: the window is steps 1..4
+    prof = rec["results"]["rankserve"]["profile"]  # 6 steps: the window is steps 1..3
     assert prof["first_step"] == 1 and prof["steps"] == 3 and prof["wall_s"] > 0
     assert (tmp_path / "prof" / "trace-latency.json.gz").stat().st_size > 1000
     for _name, r in rec["results"].items():

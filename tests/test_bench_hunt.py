@@ -163,3 +163,16 @@ def test_bench_serve_negative_seed_names_the_flag():
     r = CliRunner().invoke(main, ["bench", "serve", "--port", "1", "--random-vocab-size", "100",
                                   "--model", "m", "--disable-tqdm", "--seed", "-1"])
     assert r.exit_code == 2 and "--seed" in r.output and "Traceback" not in r.output, r.output
+
+
+def test_profile_of_a_one_step_run_times_that_step(tmp_path):
+    """--output-len 1: the run is one engine step, which the profiler recorded, but the summary
+    said "steps 1..0", 0 steps in 0 ms (the last step was timed up to a next step that never came)."""
+    out_json = tmp_path / "l.json"
+    r = CliRunner().invoke(main, ["bench", "latency", STORIES, *SMALL, "--input-len", "8",
+                                  "--output-len", "1", "--num-iters", "1", "--num-iters-warmup", "0",
+                                  "--output-json", str(out_json), "--profile-dir", str(tmp_path / "prof")])
+    assert r.exit_code == 0, r.output[-3000:] + repr(r.exception)
+    prof = json.loads(out_json.read_text())["results"]["rankserve"]["profile"]
+    assert prof["first_step"] == 1 and prof["steps"] == 1 and prof["wall_s"] > 0, prof
+    assert "profile window: steps 1..1 of 1" in r.output

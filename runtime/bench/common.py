@@ -524,9 +524,9 @@ def profile_steps(llm, run, total_steps: int, out_dir: str, label: str, row_limi
     if window and start + active > total_steps:
         # a window past the end would record nothing (torch.profiler then has no trace to give):
         # keep it inside the run and say so, rather than losing the timed results to a traceback.
-        # (A step is timed up to the next one's start: the last step of the run is not.)
-        start = max(1, min(start, total_steps - 1))
-        active = max(1, min(active, total_steps - start))
+        if start > total_steps:  # the last COUNT steps
+            start = max(1, total_steps - active + 1)
+        active = max(1, min(active, total_steps - start + 1))
         print(f"--profile-steps {window[0]} {window[1]}: the run has {total_steps} engine steps; "
               f"profiling steps {start}..{start + active - 1}", flush=True)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -540,21 +540,21 @@ def profile_steps(llm, run, total_steps: int, out_dir: str, label: str, row_limi
     try:
         with prof:
             run()
+            end = time.perf_counter()  # the run's last step is timed up to here
     finally:
         llm.engine.step_hooks.remove(hook)
     if len(marks) < start:  # (a run of fewer steps than the timed one): nothing was recorded
         print(f"profile: the run took {len(marks)} engine steps, none from step {start}; no trace",
               flush=True)
         return dict(first_step=start, steps=0, wall_s=0.0, device_busy_s=0.0, device_busy_fraction=None)
-    # active steps start..start+active-1 run from step() call #start to #start+active, and call
-    # #k happens at marks[k - 1]
-    last = min(start + active, len(marks)) - 1
-    window = marks[last] - marks[start - 1] if last > start - 1 else 0.0
+    # step k runs from step() call #k (at marks[k - 1]) to the next call, or to the run's end
+    last = min(start + active - 1, len(marks))
+    window = (marks[last] if last < len(marks) else end) - marks[start - 1]
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=row_limit))
     busy = _union_seconds((e.time_range.start, e.time_range.end) for e in prof.events()
                           if e.device_type.name == "CUDA")
-    steps = max(0, last - start + 1)
+    steps = last - start + 1
     summary = dict(first_step=start, steps=steps, wall_s=window, device_busy_s=busy,
                    device_busy_fraction=busy / window if window else None)
     print(f"profile window: steps {start}..{start + steps - 1} of {len(marks)}, wall {window * 1e3:.1f} ms "
