@@ -276,3 +276,15 @@ def test_saved_record_has_vllm_keys(server, tmp_path):
     # a peak per whole second: at least the tokens of the busiest second, at most all of them
     assert 0 < peak <= rec["total_output_tokens"]
     assert rec["request_goodput"] is None  # no --goodput: the key is there, as vLLM's (null)
+
+
+def test_plotted_tokens_per_second_follow_token_arrivals():
+    """The plot's tok/s over time booked every token of a request at its end: one 10 s request
+    of 100 tokens drew a spike at 10 s and nothing before. Its tokens arrive as it streams."""
+    from rankserve.runtime.bench.serve import RequestResult, tokens_over_time
+    r = RequestResult(success=True, output_tokens=100, start=0.0, ttft=0.1, itl=[0.1] * 99,
+                      latency=10.0, chunks=100)
+    edges = np.linspace(0, 10, 11)
+    rate = tokens_over_time([r], edges)
+    assert rate.sum() == pytest.approx(100)  # 1 s bins: tokens per bin = tok/s
+    assert rate.min() >= 9 and rate.max() <= 11  # ~10 tok/s all along

@@ -464,7 +464,7 @@ def summarize(args: ServeBenchArgs, results: list[RequestResult], duration: floa
 
 def _peak_tokens_per_s(ok: list[RequestResult]) -> float:
     """vLLM's max_output_tokens_per_s: output chunks that arrived in the busiest whole second."""
-    times = [t for r in ok for t in np.cumsum([r.start + r.ttft, *r.itl])]
+    times = [t for r in ok for t in _chunk_times(r)]
     return float(np.bincount(np.floor(times).astype(int)).max()) if times else 0.0
 
 
@@ -511,6 +511,19 @@ def format_summary(args: ServeBenchArgs, s: dict, errors: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _chunk_times(r: RequestResult) -> np.ndarray:
+    """Seconds since the benchmark started at which the request's output chunks arrived."""
+    return np.cumsum([r.start + r.ttft, *r.itl])
+
+
+def tokens_over_time(ok: list[RequestResult], edges: np.ndarray) -> np.ndarray:
+    """Output tokens per second in each bin, a request's tokens spread over its chunks' arrivals."""
+    times = [_chunk_times(r) for r in ok]
+    weights = [np.full(len(t), r.output_tokens / len(t)) for r, t in zip(ok, times)]
+    sums, _ = np.histogram(np.concatenate(times), bins=edges, weights=np.concatenate(weights))
+    return sums / np.diff(edges)
+
+
 def plot(path: str, results: list[RequestResult], s: dict) -> bool:
     """TTFT / TPOT / ITL histograms and output tokens/s over time; False without matplotlib."""
     try:
@@ -530,12 +543,9 @@ def plot(path: str, results: list[RequestResult], s: dict) -> bool:
     ax = axes.flat[3]
     ok = [r for r in results if r.success]
     if ok:
-        ends = np.asarray([r.start + r.latency for r in ok])
-        toks = np.asarray([r.output_tokens for r in ok])
         edges = np.linspace(0, max(s["duration"], 1e-9), 41)
-        sums, _ = np.histogram(ends, bins=edges, weights=toks)
-        ax.step(edges[1:], sums / np.diff(edges), where="pre")
-    ax.set_title("output tok/s (by request completion)", fontsize=9)
+        ax.step(edges[1:], tokens_over_time(ok, edges), where="pre")
+    ax.set_title("output tok/s (by chunk arrival)", fontsize=9)
     ax.set_xlabel("seconds")
     fig.suptitle(f"{s['completed']} requests, {s['output_throughput']:.0f} output tok/s", fontsize=10)
     fig.tight_layout()
