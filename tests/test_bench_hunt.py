@@ -176,3 +176,19 @@ def test_profile_of_a_one_step_run_times_that_step(tmp_path):
     prof = json.loads(out_json.read_text())["results"]["rankserve"]["profile"]
     assert prof["first_step"] == 1 and prof["steps"] == 1 and prof["wall_s"] > 0, prof
     assert "profile window: steps 1..1 of 1" in r.output
+
+
+def test_cpu_profile_claims_no_device_time(tmp_path):
+    """Without a GPU there are no device kernels: "device kernels 0.0 ms" and a busy fraction of
+    0.0 read as an idle GPU."""
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("CPU only")
+    out_json = tmp_path / "l.json"
+    r = CliRunner().invoke(main, ["bench", "latency", STORIES, *SMALL, "--input-len", "8",
+                                  "--output-len", "4", "--num-iters", "1", "--num-iters-warmup", "0",
+                                  "--output-json", str(out_json), "--profile-dir", str(tmp_path / "prof")])
+    assert r.exit_code == 0, r.output[-3000:] + repr(r.exception)
+    prof = json.loads(out_json.read_text())["results"]["rankserve"]["profile"]
+    assert prof["device_busy_s"] is None and prof["device_busy_fraction"] is None, prof
+    assert "device kernels" not in r.output

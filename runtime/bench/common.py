@@ -546,19 +546,21 @@ def profile_steps(llm, run, total_steps: int, out_dir: str, label: str, row_limi
     if len(marks) < start:  # (a run of fewer steps than the timed one): nothing was recorded
         print(f"profile: the run took {len(marks)} engine steps, none from step {start}; no trace",
               flush=True)
-        return dict(first_step=start, steps=0, wall_s=0.0, device_busy_s=0.0, device_busy_fraction=None)
+        return dict(first_step=start, steps=0, wall_s=0.0, device_busy_s=None, device_busy_fraction=None)
     # step k runs from step() call #k (at marks[k - 1]) to the next call, or to the run's end
     last = min(start + active - 1, len(marks))
     window = (marks[last] if last < len(marks) else end) - marks[start - 1]
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=row_limit))
+    # device time on a GPU only (on the CPU there is no device apart from the host)
     busy = _union_seconds((e.time_range.start, e.time_range.end) for e in prof.events()
-                          if e.device_type.name == "CUDA")
+                          if e.device_type.name == "CUDA") if cuda else None
     steps = last - start + 1
     summary = dict(first_step=start, steps=steps, wall_s=window, device_busy_s=busy,
-                   device_busy_fraction=busy / window if window else None)
+                   device_busy_fraction=busy / window if window and cuda else None)
     print(f"profile window: steps {start}..{start + steps - 1} of {len(marks)}, wall {window * 1e3:.1f} ms "
-          f"({window * 1e3 / max(steps, 1):.2f} ms/step), device kernels {busy * 1e3:.1f} ms"
+          f"({window * 1e3 / max(steps, 1):.2f} ms/step)"
+          + (f", device kernels {busy * 1e3:.1f} ms" if cuda else "")
           + (f" ({100 * busy / window:.0f}% busy; profiling slows the host)" if window and cuda else ""))
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"trace-{label}.json.gz")
