@@ -288,3 +288,15 @@ def test_plotted_tokens_per_second_follow_token_arrivals():
     rate = tokens_over_time([r], edges)
     assert rate.sum() == pytest.approx(100)  # 1 s bins: tokens per bin = tok/s
     assert rate.min() >= 9 and rate.max() <= 11  # ~10 tok/s all along
+
+
+def test_summary_prints_vllms_peak_rows():
+    """vLLM's summary has "Peak output token throughput" and "Peak concurrent requests"."""
+    from rankserve.runtime.bench.serve import RequestResult, format_summary, summarize
+    args = ServeBenchArgs(percentile_metrics=("ttft",), metric_percentiles=(99.0,))
+    rs = [RequestResult(success=True, prompt_len=4, output_tokens=3, start=0.1 * i, ttft=0.2,
+                        itl=[0.1, 0.1], latency=0.4, chunks=3) for i in range(3)]
+    text = format_summary(args, summarize(args, rs, 1.0), [])
+    import re
+    assert re.search(r"^Peak output token throughput \(tok/s\): +9\.00 *$", text, re.M), text
+    assert re.search(r"^Peak concurrent requests: +3 *$", text, re.M), text

@@ -494,6 +494,8 @@ def format_summary(args: ServeBenchArgs, s: dict, errors: list[str]) -> str:
     if s["request_goodput"] is not None:
         row("Request goodput (req/s):", s["request_goodput"], "{:<10.2f}")
     row("Output token throughput (tok/s):", s["output_throughput"], "{:<10.2f}")
+    row("Peak output token throughput (tok/s):", s["max_output_tokens_per_s"], "{:<10.2f}")
+    row("Peak concurrent requests:", s["max_concurrent_requests"])
     row("Total token throughput (tok/s):", s["total_token_throughput"], "{:<10.2f}")
     names = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
              "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
