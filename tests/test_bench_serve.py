@@ -276,6 +276,12 @@ def test_saved_record_has_vllm_keys(server, tmp_path):
     # a peak per whole second: at least the tokens of the busiest second, at most all of them
     assert 0 < peak <= rec["total_output_tokens"]
     assert rec["request_goodput"] is None  # no --goodput: the key is there, as vLLM's (null)
+    # strict JSON (JavaScript's JSON.parse, jq --strict): the default infinite rate is vLLM's
+    # string "inf", never the token Infinity
+    def no_constants(c):
+        raise ValueError(f"not JSON: {c}")
+    strict = json.loads((tmp_path / "r.json").read_text(), parse_constant=no_constants)
+    assert strict["request_rate"] == "inf" and strict["workload"]["request_rate"] == "inf"
 
 
 def test_plotted_tokens_per_second_follow_token_arrivals():

@@ -108,7 +108,7 @@ def workload_label(kind: str, w: dict) -> str:
     if kind == "serve":
         rate = w.get("request_rate")
         how = (f"max concurrency {w['max_concurrency']}" if w.get("max_concurrency") else "") + (
-            "" if rate in (None, float("inf")) else f"{', ' if w.get('max_concurrency') else ''}{rate:g} req/s")
+            "" if rate in (None, float("inf"), "inf") else f"{', ' if w.get('max_concurrency') else ''}{rate:g} req/s")
         return f"{w.get('num_prompts')} {w.get('dataset')} requests online, {how or 'all at once'}"
     if kind == "latency":
         return f"batch {w.get('batch_size')}, {w.get('input_len')} in / {w.get('output_len')} out"

@@ -597,6 +597,17 @@ def warm_up(runner: asyncio.Runner, args: ServeBenchArgs, model: str, tokenizer)
     print(f"warm-up done in {seconds:.1f} s", flush=True)
 
 
+
+def _inf_as_string(x):
+    """The infinite default rate as vLLM writes it ("inf"): strict JSON has no Infinity."""
+    if isinstance(x, float) and x == float("inf"):
+        return "inf"
+    if isinstance(x, dict):
+        return {k: _inf_as_string(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_inf_as_string(v) for v in x]
+    return x
+
 def run(args: ServeBenchArgs) -> int:
     """Run the benchmark, print the summary, save JSON / plot; 0, or 1 when requests failed."""
     args.validate()
@@ -650,7 +661,7 @@ def run(args: ServeBenchArgs) -> int:
         path = os.path.join(args.result_dir or ".", name)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
-            json.dump(record, f, indent=2, default=str)  # inf rate → "Infinity" is valid for json.load
+            json.dump(_inf_as_string(record), f, indent=2, default=str)
         print(f"wrote {path}")
     if args.plot:
         if plot(args.plot, results, s):
