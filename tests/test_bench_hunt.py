@@ -165,15 +165,21 @@ def test_bench_serve_negative_seed_names_the_flag():
     assert r.exit_code == 2 and "--seed" in r.output and "Traceback" not in r.output, r.output
 
 
+def profiled_latency(tmp_path, output_len: int):
+    """(CLI result, the saved profile record) of a profiled one-iteration `bench latency`."""
+    out_json = tmp_path / "l.json"
+    r = CliRunner().invoke(main, ["bench", "latency", STORIES, *SMALL, "--input-len", "8",
+                                  "--output-len", str(output_len), "--num-iters", "1",
+                                  "--num-iters-warmup", "0", "--output-json", str(out_json),
+                                  "--profile-dir", str(tmp_path / "prof")])
+    assert r.exit_code == 0, r.output[-3000:] + repr(r.exception)
+    return r, json.loads(out_json.read_text())["results"]["rankserve"]["profile"]
+
+
 def test_profile_of_a_one_step_run_times_that_step(tmp_path):
     """--output-len 1: the run is one engine step, which the profiler recorded, but the summary
     said "steps 1..0", 0 steps in 0 ms (the last step was timed up to a next step that never came)."""
-    out_json = tmp_path / "l.json"
-    r = CliRunner().invoke(main, ["bench", "latency", STORIES, *SMALL, "--input-len", "8",
-                                  "--output-len", "1", "--num-iters", "1", "--num-iters-warmup", "0",
-                                  "--output-json", str(out_json), "--profile-dir", str(tmp_path / "prof")])
-    assert r.exit_code == 0, r.output[-3000:] + repr(r.exception)
-    prof = json.loads(out_json.read_text())["results"]["rankserve"]["profile"]
+    r, prof = profiled_latency(tmp_path, 1)
     assert prof["first_step"] == 1 and prof["steps"] == 1 and prof["wall_s"] > 0, prof
     assert "profile window: steps 1..1 of 1" in r.output
 
@@ -184,11 +190,6 @@ def test_cpu_profile_claims_no_device_time(tmp_path):
     import torch
     if torch.cuda.is_available():
         pytest.skip("CPU only")
-    out_json = tmp_path / "l.json"
-    r = CliRunner().invoke(main, ["bench", "latency", STORIES, *SMALL, "--input-len", "8",
-                                  "--output-len", "4", "--num-iters", "1", "--num-iters-warmup", "0",
-                                  "--output-json", str(out_json), "--profile-dir", str(tmp_path / "prof")])
-    assert r.exit_code == 0, r.output[-3000:] + repr(r.exception)
-    prof = json.loads(out_json.read_text())["results"]["rankserve"]["profile"]
+    r, prof = profiled_latency(tmp_path, 4)
     assert prof["device_busy_s"] is None and prof["device_busy_fraction"] is None, prof
     assert "device kernels" not in r.output
