@@ -220,7 +220,13 @@ def generate(prompts, max_tokens, temperature, top_p, top_k, sampling_seed, igno
         loras = [None if n == "base" else table.adapters[n] for n in names]
 
     def body(llm):
+        profiling = cfg.profiler.params is not None  # --profiler-config: the whole generation
+        if profiling:
+            llm.start_profile()
         outs = llm.generate(list(prompts), sp, lora_request=loras)
+        if profiling:
+            for t in llm.stop_profile()["traces"]:
+                click.echo(f"trace: {t}", err=True)
         for o in outs:
             c = o.outputs[0]
             if as_json:
@@ -250,6 +256,9 @@ def _bench_config(kwargs: dict):
         if kwargs.get(key) not in (None, "auto"):  # never silently ignored
             raise click.UsageError(f"{flag}: a bench's requests set their own sampling; the "
                                    "generation config's defaults apply to generate and serve")
+    if kwargs.get("profiler_config"):  # never silently ignored
+        raise click.UsageError("--profiler-config profiles a server (POST /start_profile) or "
+                               "`generate`; a bench profiles its own run with --profile-dir")
     kwargs = dict(kwargs, model=path)
     spec = kwargs.get("speculative_config")
     if spec:  # a draft model may name a shipped config too (dummy weights, like MODEL)
@@ -522,6 +531,8 @@ def bench_multiturn(num_conversations, prefix_len, turns, turn_len, output_len, 
               "bench scaling), repeatable")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None,
               help="histograms and tok/s over time, PNG (needs matplotlib)")
+@click.option("--profile", is_flag=True, help="profile the server during the measured run (POST "
+              "/start_profile, /stop_profile: a server started with --profiler-config)")
 @click.option("--disable-tqdm", is_flag=True)
 def bench_serve(goodput, percentile_metrics, metric_percentiles, metadata, host, port, **kwargs):
     """Online benchmark against a running server: Poisson (bursty) arrivals or fixed concurrency;

@@ -421,6 +421,24 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class ProfilerConfig:
+    """Profiling a running engine (runtime/profiler.py)."""
+    profiler_config: str | dict | None = opt(
+        None, "profile the engine between POST /start_profile and /stop_profile (LLM.start_profile / "
+        "stop_profile), as a JSON object with vLLM's keys: profiler (torch, cuda), torch_profiler_dir, "
+        "torch_profiler_with_stack, _with_flops, _use_gzip, _dump_cuda_time_total, _record_shapes, "
+        "_with_memory; e.g. '{\"profiler\": \"torch\", \"torch_profiler_dir\": \"./traces\"}'")
+
+    @property
+    def params(self):
+        from .profiler import parse_profiler_config
+        return parse_profiler_config(self.profiler_config)
+
+    def validate(self):
+        self.params  # noqa: B018 - parse errors name the flag
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     load: LoadConfig = field(default_factory=LoadConfig)
@@ -432,9 +450,10 @@ class EngineConfig:
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
 
     SECTIONS = ("model", "load", "cache", "scheduler", "parallel", "compilation", "device", "offload",
-                "lora", "speculative")
+                "lora", "speculative", "profiler")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

@@ -130,6 +130,7 @@ class EngineCore:
         # steps kept in flight: one per pipeline stage, or two to overlap host and device work
         self.depth = max(executor.max_in_flight, 2 if use_async else 1)
         self.in_flight: collections.deque = collections.deque()  # (plan, executor handle)
+        self.profile_tag: str | None = None  # while profiling: the traces' name
         # observers of every plan that runs a forward, called before it is submitted (benchmarks)
         self.step_hooks: list[Callable[[SchedulerOutput], None]] = []
         self.last_phases = (0.0, 0.0, 0.0, 0.0)  # step(): schedule, submit, collect, update (s)
@@ -251,6 +252,33 @@ class EngineCore:
         # step's results, update (RANKSERVE_STEP_LOG writes them)
         self.last_phases = (t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
         return outs
+
+    # ---- profiling (runtime/profiler.py) -------------------------------------------------------
+    def _check_profiler(self) -> None:
+        from .profiler import FLAG
+        if self.cfg.profiler.params is None:
+            raise ValueError(f"profiling is not enabled: start the engine with {FLAG} "
+                             "'{\"profiler\": \"torch\", \"torch_profiler_dir\": \"DIR\"}'")
+
+    def start_profile(self) -> dict:
+        """Start profiling every rank (needs --profiler-config); requests may be running."""
+        from .profiler import new_tag
+        self._check_profiler()
+        if self.profile_tag is not None:
+            raise ValueError("the profiler is running already: stop it first (POST /stop_profile)")
+        tag = new_tag()
+        self.executor.profile("start", tag)
+        self.profile_tag = tag
+        return {"profiling": True}
+
+    def stop_profile(self) -> dict:
+        """Stop it; every rank's trace is written before this returns (their paths)."""
+        self._check_profiler()
+        if self.profile_tag is None:
+            raise ValueError("the profiler is not running: start it first (POST /start_profile)")
+        tag, self.profile_tag = self.profile_tag, None
+        traces = [t for t in self.executor.profile("stop", tag) if t]
+        return {"profiling": False, "traces": traces}
 
     # ---- sleep mode and weight updates (runtime/sleep.py, runtime/weight_update.py) ----------
     def _check_idle(self, what: str) -> None:

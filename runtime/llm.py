@@ -137,6 +137,14 @@ class LLM:
             chat_template)} for conv in ([messages] if one else messages)]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
+    def start_profile(self) -> dict:
+        """Profile every rank from here (needs `profiler_config`, vLLM's keys: runtime/profiler.py)."""
+        return self.engine.start_profile()
+
+    def stop_profile(self) -> dict:
+        """Stop; {"traces": every rank's trace path} (torch profiler)."""
+        return self.engine.stop_profile()
+
     def sleep(self, level: int = 1) -> dict:
         """Give the device memory back (needs `enable_sleep_mode=True`): level 1 keeps the
         weights in pinned host memory, level 2 discards them; the KV cache is discarded.

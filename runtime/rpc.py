@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 
 from .kv_offload import HostKVCache, bytes_per_block
+from .parallel import global_rank
+from .profiler import RankProfiler
 from .sleep import RunnerSleep
 from .weight_update import WeightsUpdateGroup, load_from_disk, receive_weights
 
@@ -22,6 +24,8 @@ class RunnerRPC:
         self.rank = rank
         self.sleep_state = RunnerSleep(runner)
         self.groups: dict[str, WeightsUpdateGroup] = {}
+        params, pi = runner.cfg.profiler.params, runner.pi
+        self.profiler = RankProfiler(params, global_rank(pi, pi.pp_rank), runner.device) if params else None
 
     def call(self, method: str, args: tuple) -> tuple:
         """("ok", result) or ("error", exception type name, message)."""
@@ -38,6 +42,12 @@ class RunnerRPC:
     def rpc_init_host_kv(self, num_blocks: int) -> None:
         r = self.runner
         r.host_kv = HostKVCache(r.model, num_blocks, r.device) if num_blocks > 0 else None
+
+    # ---- profiling (runtime/profiler.py): not collective, it travels with the step plans ----
+    def rpc_profile(self, action: str, tag: str) -> str | None:
+        if action == "start":
+            return self.profiler.start(tag)
+        return self.profiler.stop()
 
     # ---- sleep mode -------------------------------------------------------------------------
     def rpc_sleep(self, level: int) -> dict:

@@ -106,6 +106,8 @@ def run_worker(cfg: EngineConfig, control, pi: ParallelInfo, device: torch.devic
             worker.step(payload)
         elif kind == "rpc":
             worker.collective_rpc(*payload)
+        elif kind == "profile":  # (not gathered: a failure is logged on this rank)
+            worker.rpc.call("profile", payload)
         elif kind == "shutdown":
             log.info("rank %d: shutdown", control.rank)
             return 0

@@ -88,6 +88,7 @@ class ServeBenchArgs:
     metadata: dict[str, str] = field(default_factory=dict)
     plot: str | None = None
     disable_tqdm: bool = False
+    profile: bool = False  # POST /start_profile before the measured run, /stop_profile after
     api_key: str | None = None
     request_timeout: float = 6 * 3600.0
 
@@ -574,6 +575,21 @@ def _server_model(args: ServeBenchArgs) -> str:
                          "(or pass --model)") from None
 
 
+async def _profile_call(args: ServeBenchArgs, action: str) -> dict:
+    """POST /start_profile or /stop_profile (vLLM's); the server's error, if any, as a ValueError."""
+    import aiohttp
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+
+    # (stopping waits for every rank's trace to be written)
+    async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=1800)) as s:
+        async with s.post(args.base_url.rstrip("/") + f"/{action}_profile") as r:
+            body = await r.json(content_type=None)
+            if r.status != 200:
+                msg = body.get("error", {}).get("message") if isinstance(body, dict) else body
+                raise ValueError(f"--profile: POST /{action}_profile answered {r.status}: {msg}")
+            return body
+
+
 def _environment() -> dict:
     return dict(date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                 host=platform.node(), python=platform.python_version(),
@@ -638,7 +654,13 @@ def run(args: ServeBenchArgs) -> int:
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:  # uvloop: a cheaper client
         if args.num_warmups:
             warm_up(runner, args, model, tokenizer)
+        if args.profile:
+            runner.run(_profile_call(args, "start"))
+            print("profiling the server (POST /start_profile)", flush=True)
         results, duration = runner.run(run_requests(args, model, requests, rng))
+        if args.profile:
+            for t in runner.run(_profile_call(args, "stop")).get("traces", []):
+                print(f"trace: {t}", flush=True)
     s = summarize(args, results, duration)
     errors = [r.error for r in results if not r.success]
     print(format_summary(args, s, errors), flush=True)

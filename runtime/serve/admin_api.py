@@ -1,4 +1,5 @@
-"""Admin endpoints: sleep mode (vLLM's `/sleep`, `/wake_up`, `/is_sleeping`) and weight updates
+"""Admin endpoints: profiling (vLLM's `/start_profile`, `/stop_profile`), sleep mode (vLLM's
+`/sleep`, `/wake_up`, `/is_sleeping`) and weight updates
 (SGLang's `/update_weights_from_disk`, `/init_weights_update_group`,
 `/update_weights_from_distributed`, `/destroy_weights_update_group`). Each is one utility call
 to the engine (`EngineServer.util_admin`), which runs it on every rank. Behind the API key like
@@ -111,6 +112,16 @@ def add_admin_routes(app: FastAPI, client: EngineClient, metrics: Metrics) -> No
     def track(result: dict) -> None:
         client.sleeping = bool(result.get("is_sleeping"))
         metrics.set_sleep_level(result.get("level", 0) if client.sleeping else 0)
+
+    @app.post("/start_profile")
+    async def start_profile():
+        """Profile every rank until /stop_profile (needs --profiler-config)."""
+        return await admin("start_profile")
+
+    @app.post("/stop_profile")
+    async def stop_profile():
+        """Stop; answers once every rank's trace is written, with their paths."""
+        return await admin("stop_profile")
 
     @app.post("/sleep")
     async def sleep(request: Request,

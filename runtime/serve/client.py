@@ -273,7 +273,11 @@ class EngineClient:
         if method == "reset_prefix_cache":
             return all(results)
         if method == "admin":  # the first replica that refused or failed speaks for all
-            return next((r for r in results if r.get("status") != 200), results[0])
+            bad = next((r for r in results if r.get("status") != 200), None)
+            if bad is None and args[0] == "stop_profile":  # every replica's traces
+                return dict(results[0], result=dict(results[0]["result"], traces=[
+                    t for r in results for t in r["result"]["traces"]]))
+            return bad or results[0]
         return dict(results[0], num_engines=self.num_engines)
 
     async def _call(self, engine: int, method: str, args, timeout: float | None):

@@ -294,8 +294,8 @@ class EngineServer:
     def util_reset_prefix_cache(self) -> bool:
         return self.core.reset_prefix_cache()
 
-    ADMIN = ("sleep", "wake_up", "is_sleeping", "update_weights_from_disk",
-             "init_weights_update_group", "update_weights_from_distributed",
+    ADMIN = ("start_profile", "stop_profile", "sleep", "wake_up", "is_sleeping",
+             "update_weights_from_disk", "init_weights_update_group", "update_weights_from_distributed",
              "destroy_weights_update_group")
 
     def util_admin(self, method: str, kwargs: dict) -> dict:
