@@ -103,6 +103,10 @@ class ControlChannel:
         pass
 
     def send(self, obj: Any, dest: int) -> None:
+        """Send without waiting for the receive: a rank that sends a step's result moves on to
+        the next step, whose input the receiver may be sending it meanwhile (a blocking send
+        of a large message would wait for that receiver: a deadlock). Sends to one peer arrive
+        in order."""
         raise ValueError(f"send to rank {dest}: single-process run has no peers")
 
     def recv(self, source: int) -> Any:
@@ -172,7 +176,8 @@ class MPIControl(ControlChannel):
         self.comm.barrier()
 
     def send(self, obj, dest):
-        self.comm.send(obj, dest=dest)
+        self._sending = [r for r in getattr(self, "_sending", []) if not r.Test()]
+        self._sending.append(self.comm.isend(obj, dest=dest))  # (the request holds the pickle)
 
     def recv(self, source):
         return self.comm.recv(source=source)
@@ -239,12 +244,21 @@ class GlooControl(ControlChannel):
         self._dist.barrier(group=self.group)
 
     def send(self, obj, dest):
-        self._dist.send_object_list([obj], dst=self.ranks[dest], group=self.group)
+        torch, dist = self._torch, self._dist
+        data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
+        # the tensors live until their sends completed
+        self._sending = [(w, t) for w, t in getattr(self, "_sending", []) if not all(x.is_completed() for x in w)]
+        self._sending.append(([dist.isend(t, dst=self.ranks[dest], group=self.group) for t in (size, data)],
+                              (size, data)))
 
     def recv(self, source):
-        box = [None]
-        self._dist.recv_object_list(box, src=self.ranks[source], group=self.group)
-        return box[0]
+        torch, dist, src = self._torch, self._dist, self.ranks[source]
+        size = torch.empty(1, dtype=torch.int64)
+        dist.recv(size, src=src, group=self.group)
+        data = torch.empty(int(size), dtype=torch.uint8)
+        dist.recv(data, src=src, group=self.group)
+        return pickle.loads(data.numpy().tobytes())
 
 
 def init_distributed(info: RankInfo, device: str, timeout_s: float = 600.0) -> ControlChannel:

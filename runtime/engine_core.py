@@ -267,7 +267,7 @@ class EngineCore:
         if self.profile_tag is not None:
             raise ValueError("the profiler is running already: stop it first (POST /stop_profile)")
         tag = new_tag()
-        self.executor.profile("start", tag)
+        self.executor.profile("start", tag, len(self.in_flight))
         self.profile_tag = tag
         return {"profiling": True}
 
@@ -277,7 +277,7 @@ class EngineCore:
         if self.profile_tag is None:
             raise ValueError("the profiler is not running: start it first (POST /start_profile)")
         tag, self.profile_tag = self.profile_tag, None
-        traces = [t for t in self.executor.profile("stop", tag) if t]
+        traces = [t for t in self.executor.profile("stop", tag, len(self.in_flight)) if t]
         return {"profiling": False, "traces": traces}
 
     # ---- sleep mode and weight updates (runtime/sleep.py, runtime/weight_update.py) ----------

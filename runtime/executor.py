@@ -77,7 +77,7 @@ class UniprocExecutor:
         """An admin call (runtime/rpc.py) on the runner; [its result]."""
         return raise_errors([self.rpc.call(method, args)])
 
-    def profile(self, action: str, tag: str) -> list[str | None]:
+    def profile(self, action: str, tag: str, in_flight: int = 0) -> list[str | None]:
         """Start or stop the profiler (runtime/profiler.py); [the trace path] on stop."""
         return raise_errors([self.rpc.call("profile", (action, tag))])
 
@@ -139,18 +139,12 @@ class MultiRankExecutor:
         self.control.bcast_idle(("rpc", (method, args)))
         return raise_errors(self.worker.collective_rpc(method, args))
 
-    def profile(self, action: str, tag: str) -> list[str | None]:
-        """Start or stop the profiler on every rank (runtime/profiler.py). Not a gathering
-        collective: it goes out like a step plan, so each rank toggles between the same two steps
-        while steps are still in flight; a rank that fails logs it. On stop: every rank's trace
-        path (they are named by job-wide rank)."""
-        self.control.bcast_idle(("profile", (action, tag)))
-        mine = raise_errors([self.worker.rpc.call("profile", (action, tag))])[0]
-        if action != "stop" or mine is None:
-            return [mine]
-        from .profiler import trace_path
-        first = self.worker.pi.dp_rank * self.world_size  # this replica's first job-wide rank
-        return [trace_path(self.worker.rpc.profiler.params, tag, first + r) for r in range(self.world_size)]
+    def profile(self, action: str, tag: str, in_flight: int = 0) -> list[str | None]:
+        """Start or stop the profiler on every rank (runtime/profiler.py), between the same two
+        steps while `in_flight` steps are still running; on stop, every rank's trace path once
+        all are written."""
+        self.control.bcast_idle(("profile", (action, tag, in_flight)))
+        return raise_errors(self.worker.profile(action, tag, in_flight))
 
     @property
     def max_in_flight(self) -> int:

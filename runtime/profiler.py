@@ -2,7 +2,8 @@
 and /stop_profile (or LLM.start_profile / stop_profile, `bench serve --profile`).
 
 Every rank of every replica profiles itself between the two calls: the toggle travels to the
-ranks with the step plans (runtime/executor.py), so it lands between two steps on each. The
+ranks with the step plans (runtime/executor.py), so it lands between the same two steps on each,
+with steps still in flight. The
 "torch" profiler writes one Chrome / Perfetto trace per rank, named by rank, and (by default) a
 table of the busiest ops beside it; "cuda" brackets the window with cudaProfilerStart / Stop for
 `nsys profile --capture-range=cudaProfilerApi`.

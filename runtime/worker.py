@@ -5,6 +5,7 @@ The same `Worker` object serves rank 0 (inside `MultiRankExecutor`) and the othe
 """
 from __future__ import annotations
 
+import collections
 import logging
 
 import torch
@@ -30,6 +31,7 @@ class Worker:
         self.cfg = cfg
         self.runner = ModelRunner(cfg, pi, device)
         self.rpc = RunnerRPC(self.runner, control.rank)
+        self.received: collections.deque = collections.deque()  # step results taken early
         self.num_host_blocks = 0
         self.host_block_bytes = 0  # every rank's shard of a block (rank 0's cost model)
         # the rank whose sampled ids go back to rank 0: TP rank 0 of the last stage (ranks on
@@ -78,7 +80,24 @@ class Worker:
         """On rank 0: the result of the oldest submitted step (results arrive in order)."""
         if self.result_rank == 0:
             return local
+        if self.received:
+            return self.received.popleft()
         return self.control.recv(source=self.result_rank)
+
+    def receive_pending(self, in_flight: int) -> None:
+        """On rank 0, before a gather while steps are in flight: take their results off the
+        last stage now (its send may wait for this receive, while rank 0 would wait in the gather)."""
+        if self.result_rank != 0:
+            while len(self.received) < in_flight:
+                self.received.append(self.control.recv(source=self.result_rank))
+
+    def profile(self, action: str, tag: str, in_flight: int = 0) -> list:
+        """Collective: start / stop the profiler between two steps on every rank (runtime/profiler.py);
+        rank 0 gets every rank's result. Steps may be in flight (rank 0: `in_flight` of them)."""
+        mine = self.rpc.call("profile", (action, tag))
+        if self.control.rank == 0:
+            self.receive_pending(in_flight)
+        return self.control.gather(mine)
 
 
 def _fault_step(rank: int) -> int | None:
@@ -106,8 +125,8 @@ def run_worker(cfg: EngineConfig, control, pi: ParallelInfo, device: torch.devic
             worker.step(payload)
         elif kind == "rpc":
             worker.collective_rpc(*payload)
-        elif kind == "profile":  # (not gathered: a failure is logged on this rank)
-            worker.rpc.call("profile", payload)
+        elif kind == "profile":
+            worker.profile(*payload)
         elif kind == "shutdown":
             log.info("rank %d: shutdown", control.rank)
             return 0

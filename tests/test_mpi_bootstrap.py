@@ -39,9 +39,11 @@ r = info.rank
 if mode == "basic":
     t = torch.tensor([r + 1.0]); dist.all_reduce(t)
     big = control.bcast_idle(list(range(3000)) if r == 0 else None)  # > header: two broadcasts
-    if r == 1:
+    if r == 1:  # sends do not wait for the receive (a big one sent before a collective that
+        control.send(bytes(4 << 20), dest=0)  # rank 0 roots: a blocking send would deadlock)
         control.send({"from": 1}, dest=0)
-    got = control.recv(source=1) if r == 0 else None
+    order = control.bcast("after the sends" if r == 0 else None)
+    got = (len(control.recv(source=1)), control.recv(source=1), order) if r == 0 else None
     cpu0 = time.process_time()
     if r == 0:
         time.sleep(1.5)  # rank 1 idles in bcast_idle meanwhile
@@ -151,7 +153,7 @@ def _check_basic(rows, launcher):
         assert d["sum"] == 3.0 and d["bcast"] == "hi" and d["big_ok"]
         assert d["plan"] == {"step": 7}
     assert rows[0]["gather"] == [0, 10] and rows[1]["gather"] is None
-    assert rows[0]["got"] == {"from": 1}
+    assert rows[0]["got"] == [4 << 20, {"from": 1}, "after the sends"]
     # 1.5 s of waiting must not cost a core (a blocking MPI_Bcast would spin for all of it)
     assert rows[1]["idle_cpu"] < 0.5, rows[1]["idle_cpu"]
 

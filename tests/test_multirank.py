@@ -223,3 +223,29 @@ def test_a_rank_whose_start_fails_alone_ends_the_job_naming_it(tmp_path):
     assert r.returncode == 2, out[-3000:]
     lines = [x for x in out.splitlines() if "rankserve: error:" in x]
     assert len(lines) == 1 and "rank 1 on" in lines[0] and "not-on-this-node" in lines[0], out[-3000:]
+
+
+def test_pp2_server_large_step_results_under_load():
+    """`serve --pp 2` with prompt_logprobs from many requests at once: the last stage's step
+    results are large (past MPI's eager limit), and rank 0 sends the next step's hidden states
+    while that result is on its way. A blocking send of the result on the last stage waited for
+    rank 0's receive while rank 0 waited for the last stage to take the hidden states: the
+    server hung. Every request completes with the single-rank text."""
+    import concurrent.futures
+
+    import httpx
+
+    from test_server import Server
+    body = {"prompt": "Once upon a time there was a little girl " * 8, "max_tokens": 40, "temperature": 0,
+            "ignore_eos": True, "prompt_logprobs": 20}
+    want = LLM(STORIES_EMBEDDED).generate([body["prompt"]],
+                                          SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    s = Server(str(STORIES_EMBEDDED), "--pp", "2", mpi=2, timeout=240)
+    try:
+        for _ in range(3):
+            with concurrent.futures.ThreadPoolExecutor(16) as pool:
+                futs = [pool.submit(httpx.post, s.url + "/v1/completions", json=body, timeout=60)
+                        for _ in range(16)]
+                assert [f.result().json()["choices"][0]["text"] for f in futs] == [want[0].outputs[0].text] * 16
+    finally:
+        s.stop()

@@ -3,12 +3,14 @@ LLM.start_profile / stop_profile, POST /start_profile and /stop_profile, `bench 
 `generate --profiler-config`, one trace per rank under `mpiexec -n 2 --tp 2`."""
 from __future__ import annotations
 
+import concurrent.futures
 import gzip
 import json
 import os
 import shutil
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -142,14 +144,40 @@ def test_server_without_profiler_config_400():
 
 @pytest.mark.mpi
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not on PATH")
-def test_mpi_tp2_generate_profiles_every_rank(tmp_path):
-    r = subprocess.run(["mpiexec", "-n", "2", *RANKSERVE, "generate", str(STORIES_EMBEDDED), "--tp", "2",
-                        "--prompt", "Once upon", "--max-tokens", "4", "--profiler-config",
-                        torch_config(tmp_path, torch_profiler_with_stack=False)],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    traces = sorted(x.split("trace: ", 1)[1] for x in r.stderr.splitlines() if x.startswith("trace: "))
-    assert [t[-len("-rank0.pt.trace.json.gz"):] for t in traces] == ["-rank0.pt.trace.json.gz",
-                                                                      "-rank1.pt.trace.json.gz"]
-    for t in traces:
-        check_trace(t)
+def test_mpi_pp2_server_profiles_every_rank_while_requests_run(tmp_path):
+    """`mpiexec -n 2 serve --pp 2`: start and stop land while steps are in flight (the last stage
+    sends their results to rank 0 while rank 0 gathers the ranks' answers); no request is
+    hurt, and both ranks' traces are written before /stop_profile answers."""
+    s = Server(str(STORIES_EMBEDDED), "--pp", "2", "--profiler-config",
+               torch_config(tmp_path, torch_profiler_with_stack=False), mpi=2, timeout=240)
+    body = {"prompt": "Once upon a time there was a little girl " * 8, "max_tokens": 40, "temperature": 0,
+            "ignore_eos": True, "prompt_logprobs": 20, "logprobs": 5}
+    try:
+        want = httpx.post(s.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            futs = [pool.submit(httpx.post, s.url + "/v1/completions", json=body, timeout=120) for _ in range(8)]
+            time.sleep(0.3)
+            assert httpx.post(s.url + "/start_profile", timeout=60).status_code == 200
+            time.sleep(0.3)
+            r = httpx.post(s.url + "/stop_profile", timeout=120)
+            assert r.status_code == 200, r.text
+            assert [f.result().json()["choices"][0]["text"] for f in futs] == [want] * 8
+        traces = r.json()["traces"]
+        assert [t[-len("-rank0.pt.trace.json.gz"):] for t in traces] == ["-rank0.pt.trace.json.gz",
+                                                                          "-rank1.pt.trace.json.gz"]
+        for t in traces:  # written before the answer
+            check_trace(t)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{''.join(s.lines)[-3000:]}") from e
+    finally:
+        s.stop()
+
+
+def test_generate_profiler_config_prints_traces(tmp_path):
+    from rankserve.launch.cli import main
+    r = CliRunner().invoke(main, ["generate", str(STORIES_EMBEDDED), "--prompt", "Once", "--max-tokens", "3",
+                                  "--profiler-config", torch_config(tmp_path)])
+    assert r.exit_code == 0, r.output
+    traces = [x.split("trace: ", 1)[1] for x in r.stderr.splitlines() if x.startswith("trace: ")]
+    assert len(traces) == 1
+    check_trace(traces[0])

@@ -30,15 +30,18 @@ def free_port() -> int:
 
 
 class Server:
-    """`python -m rankserve.launch serve ARGS --port P`, ready once it printed its URL."""
+    """`python -m rankserve.launch serve ARGS --port P` (under `mpiexec -n MPI` if given), ready
+    once it printed its URL."""
 
-    def __init__(self, *args: str, timeout: float = 180, env: dict | None = None):
+    def __init__(self, *args: str, timeout: float = 180, env: dict | None = None, mpi: int = 0):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.mpi = mpi
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", **(env or {}))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rankserve.launch", "serve", *args, "--port", str(self.port)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+            (["mpiexec", "-n", str(mpi)] if mpi else [])
+            + [sys.executable, "-m", "rankserve.launch", "serve", *args, "--port", str(self.port)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=bool(mpi))
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
         deadline = time.monotonic() + timeout
@@ -67,11 +70,17 @@ class Server:
 
     def stop(self, sig=signal.SIGTERM, timeout: float = 30) -> int:
         if self.proc.poll() is None:
-            self.proc.send_signal(sig)
+            if self.mpi:  # every rank (mpiexec's session)
+                os.killpg(self.proc.pid, sig)
+            else:
+                self.proc.send_signal(sig)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                if self.mpi:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                else:
+                    self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
 
