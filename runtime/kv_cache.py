@@ -13,7 +13,8 @@ null block (id 0, reserved, never handed out), so block tables keep their logica
 attention kernels never read blocks outside the window. Admission therefore counts only a
 request's live window plus its new tokens. Prefix caching stays correct conservatively: a hit
 needs every block of the prefix still cached (released window blocks stay findable until evicted,
-like any freed block), and the blocks of a hit that lie outside the window are released at once.
+like any freed block), and the blocks of a hit that lie outside the window are never taken (the
+null block stands in for them).
 Models that mix sliding and full layers keep every block (their kernels still skip the dead ones).
 
 With `--kv-offload-size` a host tier sits behind it (runtime/kv_offload.py): freed cached blocks
@@ -177,13 +178,19 @@ class KVCacheManager:
         blocks = self.req_blocks.get(req.request_id)
         if not self.sliding_window or not blocks:
             return
-        dead = max(0, num_computed - self.sliding_window + 1) // self.block_size
+        dead = self._num_dead(num_computed)
         gone = [b for b in blocks[:dead] if b is not self.pool.null]
         if gone:
             blocks[:dead] = [self.pool.null] * dead
             self.pool.release(gone)
             if self.offload is not None:
                 self._to_host(gone)
+
+    def _num_dead(self, num_computed: int) -> int:
+        """Blocks wholly before the window of a query at position `num_computed` (0: no window)."""
+        if not self.sliding_window:
+            return 0
+        return max(0, num_computed - self.sliding_window + 1) // self.block_size
 
     def blocks_needed(self, req: Request, num_new_tokens: int, computed: list[Block]) -> int:
         have = len(self.req_blocks.get(req.request_id, ())) + len(computed)
@@ -204,23 +211,25 @@ class KVCacheManager:
                 return []
         computed = computed or []
         need = self.blocks_needed(req, num_new_tokens, computed)
-        from_host = sum(1 for b in computed if type(b) is HostHit) if self.offload else 0
+        num_hit = len(computed) * self.block_size
+        # a prefix hit's blocks before the window of its first query are never read: the null
+        # block stands in for them (taking them could wait forever for blocks released at once)
+        dead = self._num_dead(req.num_computed_tokens + num_hit) if computed else 0
+        live = computed[dead:]
+        from_host = sum(1 for b in live if type(b) is HostHit) if self.offload else 0
         # cached blocks that sit in the free list are taken out of it by touch()
-        evictable_hits = sum(1 for b in computed if type(b) is Block and b.ref_cnt == 0)
+        evictable_hits = sum(1 for b in live if type(b) is Block and b.ref_cnt == 0)
         if need + from_host > self.pool.num_free - evictable_hits:
             return None
         blocks = self.req_blocks.setdefault(req.request_id, [])
         if from_host:
-            computed = self._load_from_host(computed)
+            live = self._load_from_host(live)
         else:
-            self.pool.touch(computed)
-        new = computed + self.pool.take(need)
+            self.pool.touch(live)
+        new = [self.pool.null] * dead + live + self.pool.take(need)
         blocks.extend(new)
         if self.enable_caching:
-            self._register_full_blocks(req, req.num_computed_tokens
-                                       + len(computed) * self.block_size + num_new_tokens)
-        if computed:  # a prefix hit: its blocks before the window are not needed
-            self.release_outside_window(req, req.num_computed_tokens + len(computed) * self.block_size)
+            self._register_full_blocks(req, req.num_computed_tokens + num_hit + num_new_tokens)
         return [b.block_id for b in new]
 
     def _load_from_host(self, computed: list) -> list[Block]:

@@ -77,6 +77,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        for name in ("stop", "stop_token_ids", "bad_words", "thinking_end_token_ids"):
+            if getattr(self, name) is None:  # vLLM's default for these: none
+                setattr(self, name, [])
         if self.top_k == -1:
             self.top_k = 0
 

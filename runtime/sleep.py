@@ -2,7 +2,8 @@
 weights and KV cache back, e.g. to a trainer that shares the GPUs between rollouts, and takes it
 again on wake-up.
 
-- level 1: the weights are copied to pinned host memory, the KV cache is discarded;
+- level 1: the weights are copied to pinned host memory, the KV cache (and the Mamba2 state
+  slots of a hybrid model) is discarded;
 - level 2: both are discarded (the caller loads new weights after waking, e.g. with
   update_weights_from_disk / update_weights_from_distributed);
 - wake_up(tags): "weights" and/or "kv_cache" (both when None), so that weights can be woken and
@@ -118,6 +119,9 @@ class RunnerSleep:
         for a in r.model.attention_layers():
             a.k_cache = torch.empty(0, dtype=a.k_cache.dtype, device=r.device)
             a.v_cache = torch.empty(0, dtype=a.v_cache.dtype, device=r.device)
+        for m in getattr(r.model, "mamba_layers", list)():  # recurrent states: remade on wake-up
+            m.conv_state = torch.empty(0, dtype=m.conv_state.dtype, device=r.device)
+            m.ssm_state = torch.empty(0, dtype=m.ssm_state.dtype, device=r.device)
         r.prev_sampled = None
 
     # ---- wake up ----------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import itertools
 import random
 import zlib
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -283,3 +284,31 @@ def test_real_model_under_pressure(policy, kv, tokenizer):
                     assert got[rid] == outs, rid
         except AssertionError as e:
             raise AssertionError(f"seed {100 + seed}, policy {policy}, kv {kv}: {e}") from e
+
+
+@pytest.mark.parametrize("arch,overrides,blocks", [("NemotronHForCausalLM", {}, 13),
+                                                   ("MistralForCausalLM", dict(sliding_window=8), 6)],
+                         ids=["hybrid", "window"])
+def test_hybrid_and_window_models_under_pressure(arch, overrides, blocks, checkpoint, tokenizer):
+    """Real Mamba2-hybrid and sliding-window models through a trace with aborts, n = 2, stop
+    strings and seeded sampling, async + chunked + tight KV (preemptions; prefix caching, which
+    the hybrid turns off): the unconstrained run's outputs, no KV block left held, and state
+    rows (a hybrid's Mamba2 slots) held only by requests whose finish the next plan sends."""
+    from rankserve.runtime.executor import UniprocExecutor
+    path = checkpoint(arch, **overrides)
+
+    def engine(**kw):
+        cfg = EngineConfig.from_kwargs(model=path, dtype="float32", block_size=8, max_model_len=96,
+                                       max_num_seqs=6, **kw)
+        return EngineCore(cfg, UniprocExecutor(cfg))
+    trace, aborts = make_trace(7, 96)
+    trace = [(s, rid, p, msgspec.structs.replace(sp, temperature=0.9, seed=i), prio)
+             for i, (s, rid, p, sp, prio) in enumerate(trace)]
+    tight = engine(async_scheduling=True, max_num_batched_tokens=13, num_gpu_blocks_override=blocks)
+    got, aborted = run_trace(tight, trace, aborts, tokenizer)
+    assert tight.scheduler.num_preemptions > 0 and aborted
+    assert set(tight.executor.runner.batch.reqs) <= set(tight.scheduler.finished_ids)
+    want, _ = run_trace(engine(max_num_batched_tokens=96, num_gpu_blocks_override=100), trace, {}, tokenizer)
+    for rid, outs in want.items():
+        if rid not in aborted:
+            assert got[rid] == outs, rid

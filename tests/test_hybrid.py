@@ -198,3 +198,19 @@ def test_host_kv_tier_is_refused_for_hybrid_models(checkpoint):
     with pytest.raises(ValueError, match="kv-offload-size"):
         LLM(checkpoint("NemotronHForCausalLM"), dtype="float32", max_num_seqs=4, kv_offload_size=0.01,
             kv_cache_memory_gb=0.01)
+
+
+def test_sleep_gives_back_the_recurrent_states(checkpoint):
+    """Sleep mode gives the Mamba2 state slots back with the KV cache (they are per-request
+    context, like it: 97 MiB a slot for Nemotron-H-8B, 24 GiB at --max-num-seqs 256 stayed on
+    the device) and wake-up makes them anew: the same greedy tokens after."""
+    llm = LLM(checkpoint("NemotronHForCausalLM"), dtype="float32", max_num_seqs=4, enable_sleep_mode=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    layers = llm.engine.executor.runner.model.mamba_layers()
+    llm.sleep(1)
+    assert [(m.conv_state.numel(), m.ssm_state.numel()) for m in layers] == [(0, 0)] * len(layers)
+    llm.wake_up()
+    assert all(m.ssm_state.dtype == torch.float32 and m.ssm_state.shape[0] == 4 for m in layers)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want

@@ -203,3 +203,13 @@ def test_argmax_rows_is_argmax_first_max_on_ties(V):
         x[4] = x[4].round()                           # many ties
         x[5, -1] = x[5].max() + 1                     # the last token
         assert torch.equal(argmax_rows(x), x.argmax(-1)), dtype
+
+
+def test_none_for_a_list_field_means_empty_as_in_vllm(stories_llm):
+    """vLLM's SamplingParams default stop / stop_token_ids / bad_words to None; code written for
+    it passes them so and must get the plain output (it raised TypeError inside generate)."""
+    want = stories_llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=8))
+    sp = SamplingParams(temperature=0, max_tokens=8, stop=None, stop_token_ids=None, bad_words=None)
+    assert sp.stop == [] and sp.stop_token_ids == [] and sp.bad_words == []
+    got = stories_llm.generate("Once upon a time", sp)
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids

@@ -92,3 +92,28 @@ def test_cache_smaller_than_the_context_serves_a_window_model(checkpoint):
     assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.scheduler.kv.num_blocks
     with pytest.raises(ConfigError, match="holds 32 tokens"):
         LLM(path, num_gpu_blocks_override=4, **tight)
+
+
+def test_prefix_hit_filling_the_cache_is_served(checkpoint):
+    """Every layer windowed, prefix caching on (the default), a KV cache of 4 usable blocks: a
+    prompt whose cached prefix fills the whole cache (that of an earlier 32-token prompt) and
+    goes on past it is served, with the tokens of an engine without the cache. The hit's blocks
+    before the window are never read; taking them made it wait for blocks it would release at
+    once, forever (an idle engine, nothing to preempt)."""
+    from rankserve.runtime.messages import EngineCoreRequest
+    path = checkpoint("MistralForCausalLM", sliding_window=16)
+    first, prompt = list(range(3, 35)), list(range(3, 35)) + list(range(100, 120))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = LLM(path, max_model_len=256).generate([{"prompt_token_ids": prompt}], params)
+    llm = LLM(path, max_model_len=256, block_size=8, max_num_batched_tokens=8, num_gpu_blocks_override=5)
+    llm.generate([{"prompt_token_ids": first}], SamplingParams(max_tokens=1))
+    engine, got = llm.engine, []
+    engine.add_request(EngineCoreRequest("b", prompt, params, 0.0, 0))
+    for _ in range(100):  # 7 prefill chunks and 6 decodes (a step each) suffice
+        got += [t for o in engine.step().outputs for t in o.new_token_ids]
+        if not engine.has_work:
+            break
+    assert not engine.has_work, "the request was never scheduled"
+    assert engine.scheduler.kv.prefix_hits == 32
+    assert got == want[0].outputs[0].token_ids
+    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
