@@ -23,7 +23,10 @@ CONFIGS = [dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
            dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
            dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
            dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=2),
-           dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3)]
+           dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3),
+           # one K step per 128 x 128 scale block (vLLM's block-FP8 MoE tiles)
+           dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
+           dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3)]
 
 
 def rel(a, b):
@@ -43,7 +46,7 @@ def main() -> None:
                 out = moe.fused_moe_triton(*args, **kw)
                 err = (out.float() - ref.float()).norm(dim=1) / ref.float().norm(dim=1).clamp_min(1e-6)
                 worst = err.topk(min(4, T)).indices.tolist()
-                name = f"{cfg['BLOCK_M']},{cfg['BLOCK_N']},{cfg['num_warps']}w,{cfg['num_stages']}s"
+                name = f"{cfg['BLOCK_M']},{cfg['BLOCK_N']},{cfg['BLOCK_K']},{cfg['num_warps']}w,{cfg['num_stages']}s"
                 print(f"{T:>5} {'block' if bs else 'channel':>9} {name:>22} {rel(out, ref):8.4f} "
                       f"worst tokens {worst} {[round(err[i].item(), 3) for i in worst]}", flush=True)
 
