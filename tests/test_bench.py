@@ -76,6 +76,11 @@ def test_throughput_cli_rankserve_and_hf(tmp_path):
         assert wl["output_len_max"] <= r["floor"]["num_steps"] <= wl["output_tokens"]
     assert "kv_alloc" in rec["results"]["rankserve"]["startup"]
     assert "continuous batching" in rec["results"]["hf"]["mode"]
+    r = rec["results"]["rankserve"]  # vLLM's `bench throughput --output-json` keys, of rankserve's run
+    assert rec["elapsed_time"] == r["elapsed_s"] and rec["num_requests"] == 5
+    assert rec["total_num_tokens"] == wl["prompt_tokens"] + wl["output_tokens"]
+    assert rec["requests_per_second"] == r["requests_per_s"]
+    assert rec["tokens_per_second"] == pytest.approx(rec["total_num_tokens"] / r["elapsed_s"])
     pytest.importorskip("matplotlib")
     assert png.stat().st_size > 1000
 
@@ -125,6 +130,10 @@ def test_latency_cli_rankserve_and_hf(tmp_path):
         assert r["floor"]["num_steps"] == 6  # one prefill step, then one per further token
         assert r["ttft_floor"]["num_steps"] == 1
     assert "static" in rec["results"]["hf"]["mode"]
+    lat = rec["results"]["rankserve"]["latencies_s"]  # vLLM's `bench latency --output-json` keys
+    assert rec["latencies"] == lat and rec["avg_latency"] == pytest.approx(sum(lat) / 2)
+    assert list(rec["percentiles"]) == ["10", "25", "50", "75", "90", "99"]
+    assert min(lat) <= rec["percentiles"]["50"] <= max(lat)
 
 
 def test_profile_steps_picks_the_window(tmp_path):

@@ -444,6 +444,27 @@ def check_writable(path: str, flag: str, directory: bool = False) -> None:
         raise ValueError(f"{flag} {path}: cannot write there ({why})")
 
 
+def vllm_keys(kind: str, results: dict) -> dict:
+    """vLLM's `bench throughput` / `bench latency --output-json` keys, of the rankserve run (the
+    first backend's without one), so that scripts reading vLLM's files read these."""
+    r = results.get("rankserve") or next(iter(results.values()))
+    if kind == "throughput":
+        total = r["prompt_tokens"] + r["output_tokens"]
+        return dict(elapsed_time=r["elapsed_s"], num_requests=r["num_requests"], total_num_tokens=total,
+                    requests_per_second=r["requests_per_s"], tokens_per_second=total / r["elapsed_s"])
+    lat = r["latencies_s"]
+    return dict(avg_latency=sum(lat) / len(lat), latencies=lat,
+                percentiles={str(p): _percentile(lat, p) for p in (10, 25, 50, 75, 90, 99)})
+
+
+def _percentile(xs: list[float], p: float) -> float:
+    """numpy's default (linear) percentile, as vLLM reports them."""
+    xs = sorted(xs)
+    i = (len(xs) - 1) * p / 100
+    lo = int(i)
+    return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (i - lo)
+
+
 def write_json(path: str, data: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:

@@ -173,7 +173,7 @@ def run(cfg, args: LatencyArgs, on_ranks, multi_process: bool) -> int:
                                 dataclasses.asdict(cfg.spec),
                                 ignore_eos=True, greedy=args.temperature == 0,
                                 temperature=args.temperature),
-                  results=results)
+                  results=results, **common.vllm_keys("latency", results))
     common.save(record, args.output_json, args.plot, "decode_tokens_per_s",
                 f"latency: {args.model_name or os.path.basename(cfg.model.model)}, batch {args.batch_size}, "
                 f"{args.input_len} in / {args.output_len} out")

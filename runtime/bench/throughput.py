@@ -211,7 +211,7 @@ def run(cfg, args: ThroughputArgs, on_ranks, multi_process: bool) -> int:
                                 structured_output=args.structured_output,
                                 num_loras=args.num_loras, lora_rank=cfg.lora.max_lora_rank
                                 if args.num_loras else None),
-                  results=results)
+                  results=results, **common.vllm_keys("throughput", results))
     common.save(record, args.output_json, args.plot, "output_tokens_per_s",
                 f"offline throughput: {args.model_name or os.path.basename(cfg.model.model)}, "
                 f"{wl.summary()['num_requests']} requests")
