@@ -117,6 +117,18 @@ def test_model_key_with_ngram_is_refused():
                                   "model": str(STORIES_EMBEDDED)})
 
 
+def test_method_of_another_type_or_clashing_with_model_is_refused():
+    """A method that is not a string was a TypeError traceback; vLLM's "[ngram]" model spelling
+    silently overrode an explicit other method (it only names the method when none is given)."""
+    from rankserve.runtime.config import ConfigError, parse_speculative_config
+    assert parse_speculative_config({"method": "[ngram]", "num_speculative_tokens": 2}).method == "ngram"
+    for bad in ({"method": ["ngram"], "num_speculative_tokens": 2}, {"method": {"a": 1}, "num_speculative_tokens": 2},
+                {"method": "mtp", "model": "[ngram]", "num_speculative_tokens": 2},
+                {"method": "draft_model", "model": "ngram", "num_speculative_tokens": 2}):
+        with pytest.raises(ConfigError, match="--speculative-config: .*method"):
+            parse_speculative_config(bad)
+
+
 def test_draft_with_another_vocabulary_is_refused(checkpoint):
     from rankserve.runtime.config import ConfigError
     other = checkpoint("LlamaForCausalLM", vocab_size=600)
