@@ -158,6 +158,7 @@ def test_server_stops_usage_abort_and_metrics(plain):
     """Stops inside a draft run (streamed and not: same text and usage as plain decoding), a
     client that disconnects mid-stream (its blocks come back), and the spec_decode counters."""
     import json
+    import re
     import time
 
     import httpx
@@ -166,6 +167,17 @@ def test_server_stops_usage_abort_and_metrics(plain):
     from test_server import Server, metric
     s = Server("--speculative-config", json.dumps(NGRAM), "--kv-cache-memory-gb", "0.05")
     try:
+        # as vLLM: every counter, and one per-position series per draft position, from the start
+        # (dashboards dividing by them read 0, not "no data")
+        for _ in range(50):
+            m = httpx.get(s.url + "/metrics").text
+            if "spec_decode_num_accepted_tokens_per_pos_total" in m:
+                break
+            time.sleep(0.1)
+        assert {metric(m, f"rankserve:spec_decode_num_{n}_total") for n in ("drafts", "draft_tokens",
+                                                                             "accepted_tokens")} == {0}
+        assert sorted(re.findall(r'^rankserve:spec_decode_num_accepted_tokens_per_pos_total{.*position="(\d+)"} 0.0$',
+                                 m, re.M)) == ["0", "1", "2", "3"]
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
         model = c.models.list().data[0].id
         for stop in (["park"], ["saw a"]):
