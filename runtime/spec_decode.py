@@ -42,9 +42,9 @@ PROPOSERS: Registry[type] = Registry("speculative decoding method")
 
 
 def can_speculate(sp: SamplingParams) -> bool:
-    """Requests that get drafts. Logprobs would need an entry per accepted token and grammars a
-    mask per draft position (not done yet): those requests decode one token a step."""
-    return sp.logprobs is None and sp.structured_outputs is None
+    """Requests that get drafts. Grammars would need a mask per draft position (not done yet):
+    those requests decode one token a step."""
+    return sp.structured_outputs is None
 
 
 def lookahead_slots(spec: SpecDecodeParams | None) -> int:

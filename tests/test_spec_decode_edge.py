@@ -3,6 +3,7 @@ request arrive in one step (an accepted draft run), compared with the same reque
 speculation at temperature 0: stops inside the run, the KV blocks given back, and the rest."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -108,6 +109,23 @@ def test_logprobs_grammar_and_max_model_len_beside_drafting_requests(plain, spec
           [SamplingParams(max_tokens=None, ignore_eos=True, **GREEDY)] * 2 + [SamplingParams(max_tokens=30, **GREEDY)])
 
 
+# ---- logprobs: a request asking for them verifies drafts too -----------------------------------
+def test_logprobs_of_accepted_tokens_equal_plain(plain, spec):
+    """Such a request decoded one token a step (no drafts): now every token of an accepted run
+    has the logprob, rank and top alternatives of plain decoding, and a stop inside the run
+    (token, string, max_tokens) cuts the logprobs with the tokens."""
+    before = spec.engine.scheduler.spec.num_accepted_tokens
+    for kw in (dict(logprobs=3), dict(logprobs=0, stop=["saw a"]), dict(logprobs=2, stop_token_ids=[414]),
+               dict(logprobs=1, max_tokens=7)):
+        p = SamplingParams(**{"max_tokens": 40, **kw}, **GREEDY)
+        want = plain.generate([REPEAT], p)[0].outputs[0]
+        got = _same(plain, spec, [REPEAT], p)[0].outputs[0]
+        for a, b in zip(got.logprobs, want.logprobs, strict=True):
+            assert (a.token_ids, a.ranks) == (b.token_ids, b.ranks)
+            assert np.allclose(a.logprobs, b.logprobs, atol=1e-4)
+    assert spec.engine.scheduler.spec.num_accepted_tokens > before
+
+
 # ---- --speculative-config: a key the method does not use is refused, not ignored ---------------
 def test_model_key_with_ngram_is_refused():
     from rankserve.runtime.config import ConfigError, parse_speculative_config
@@ -189,6 +207,14 @@ def test_server_stops_usage_abort_and_metrics(plain):
             chunks = list(c.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
             assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == w.text
             assert chunks[-1].usage.completion_tokens == len(w.token_ids)
+        # logprobs of accepted runs, streamed (several tokens a chunk) and not: those of plain decoding
+        w = plain.generate([REPEAT], SamplingParams(max_tokens=30, logprobs=1, **GREEDY))[0].outputs[0]
+        kw = dict(model=model, prompt=REPEAT, max_tokens=30, temperature=0, logprobs=1)
+        r = c.completions.create(**kw).choices[0].logprobs
+        chunks = [ch.choices[0].logprobs for ch in c.completions.create(**kw, stream=True) if ch.choices]
+        assert sum((lp.token_logprobs for lp in chunks if lp), []) == r.token_logprobs
+        assert np.allclose(r.token_logprobs, [e.logprobs[0] for e in w.logprobs], atol=1e-4)
+        assert max(len(lp.tokens) for lp in chunks if lp) > 1  # (drafts were accepted)
         with httpx.Client(base_url=s.url, timeout=60) as h:
             with h.stream("POST", "/v1/completions", json={
                     "prompt": REPEAT, "max_tokens": 400, "temperature": 0, "ignore_eos": True,
@@ -218,3 +244,8 @@ def test_gpu_stop_in_draft_run_and_seed_beside_drafts():
     p = SamplingParams(max_tokens=24, temperature=1.0, seed=11)
     got = spec.generate(["Once upon a time", REPEAT], [p, SamplingParams(max_tokens=40, **GREEDY)])
     assert got[0].outputs[0].token_ids == spec.generate(["Once upon a time"], p)[0].outputs[0].token_ids
+    p = SamplingParams(max_tokens=40, logprobs=2, **GREEDY)
+    want, got = (e.generate([REPEAT], p)[0].outputs[0] for e in (plain, spec))
+    assert got.token_ids == want.token_ids and spec.engine.scheduler.spec.num_accepted_tokens > 0
+    for a, b in zip(got.logprobs, want.logprobs, strict=True):
+        assert a.token_ids == b.token_ids and np.allclose(a.logprobs, b.logprobs, atol=1e-4)
