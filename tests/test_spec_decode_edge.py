@@ -155,6 +155,22 @@ def test_draft_with_another_vocabulary_is_refused(checkpoint):
             "method": "draft_model", "model": other, "num_speculative_tokens": 2})
 
 
+def test_draft_checkpoint_that_does_not_load_names_the_flag(tmp_path):
+    """A draft (or EAGLE head) directory without weights, or of an unknown architecture: the
+    error says it is the --speculative-config model's (it read as the target's load failing)."""
+    import json
+    import shutil
+    (tmp_path / "noweights").mkdir()
+    shutil.copy(STORIES_EMBEDDED / "config.json", tmp_path / "noweights")
+    (tmp_path / "unknown").mkdir()
+    (tmp_path / "unknown" / "config.json").write_text(json.dumps({"architectures": ["FooForCausalLM"]}))
+    for method, d in (("draft_model", "noweights"), ("draft_model", "unknown"), ("eagle", "noweights")):
+        what = "draft model" if method == "draft_model" else "head"
+        with pytest.raises(ValueError, match=f"--speculative-config: the {what} {tmp_path / d}: "):
+            LLM(str(STORIES_EMBEDDED), kv_cache_memory_gb=0.05, speculative_config={
+                "method": method, "model": str(tmp_path / d), "num_speculative_tokens": 2})
+
+
 # ---- seeds: a seeded request's draws do not depend on what else is in the batch -----------------
 def test_seeded_sample_does_not_depend_on_a_drafting_neighbour(plain, spec):
     """Without speculation a seeded request gives the same tokens whatever it is batched with;
