@@ -291,7 +291,10 @@ def build_head(path: str | None, method: str, target: nn.Module, target_cfg, pi:
     dummy_seed is given). Returns (head, auxiliary target layer ids or None)."""
     from .loader import checkpoint_shapes, init_dummy_weights, load_weights
     cfg = load_head_config(path, method)
-    shapes = None if dummy_seed is not None else checkpoint_shapes(path)
+    try:
+        shapes = None if dummy_seed is not None else checkpoint_shapes(path)
+    except ValueError as e:  # (else it reads as the target's own load failing)
+        raise ValueError(f"--speculative-config: the head {path}: {e}") from e
     check_head(cfg, shapes, target_cfg, method, path)
     cfg = copy.deepcopy(cfg)
     # RoPE is defined at every position: a head trained on 2k tokens still drafts further out

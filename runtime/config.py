@@ -335,7 +335,7 @@ class LoRAConfig:
 
 
 SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
-SPEC_ALIASES = {"deepseek_mtp": "mtp"}  # vLLM's older name
+SPEC_ALIASES = {"deepseek_mtp": "mtp", "[ngram]": "ngram"}  # vLLM's older names
 
 
 @dataclass(frozen=True)
@@ -372,10 +372,15 @@ def parse_speculative_config(value) -> SpecDecodeParams | None:
         raise ConfigError(f"{flag}: unsupported key(s) {', '.join(unknown)} (supported: "
                           f"{', '.join(_SPEC_KEYS)})")
     d = dict(value)
-    method = d.get("method") or ("draft_model" if d.get("model") else None)
+    method = d.get("method")
+    if method is not None and not isinstance(method, str):
+        raise ConfigError(f"{flag}: method must be a string, one of {', '.join(SPEC_METHODS)}; got {method!r}")
     method = SPEC_ALIASES.get(method, method)
-    if d.get("model") in ("ngram", "[ngram]"):  # vLLM's older spelling of the method
+    if d.get("model") in ("ngram", "[ngram]"):  # vLLM's older spelling: the method when none is given
+        if method not in (None, "ngram"):
+            raise ConfigError(f"{flag}: \"model\": {d['model']!r} means method ngram, not {method}")
         method, d["model"] = "ngram", None
+    method = method or ("draft_model" if d.get("model") else None)
     if method not in SPEC_METHODS:
         raise ConfigError(f"{flag}: method must be one of {', '.join(SPEC_METHODS)}, got {method!r}")
     k = d.get("num_speculative_tokens")

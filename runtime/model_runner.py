@@ -130,7 +130,8 @@ class ModelRunnerOutput:
     """What the last pipeline stage returns for one step."""
     req_ids: list[str]  # requests that produced a token (their prefill is complete)
     sampled_token_ids: list[int]
-    logprobs: list[LogprobsEntry] | None = None  # aligned with req_ids, for requests that asked
+    # aligned with req_ids, for requests that asked: an entry per token emitted (drafts accepted)
+    logprobs: list[list[LogprobsEntry] | None] | None = None
     prompt_logprobs: dict[str, list[LogprobsEntry]] = field(default_factory=dict)
     # speculative decoding: per request, the drafts this step accepted (emitted before the
     # sampled token) and the proposals for its next step
@@ -638,7 +639,7 @@ class ModelRunner:
         out.defer(ids)
         if raw_lp is not None:
             entries = gather_logprobs(raw_lp, ids, [n or 0 for n in nums])
-            out.logprobs = [e if n is not None else None for e, n in zip(entries, nums)]
+            out.logprobs = [[e] if n is not None else None for e, n in zip(entries, nums)]
         return ids
 
     def _prompt_logprobs(self, inp: StepInputs, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
@@ -682,12 +683,15 @@ class ModelRunner:
         toks, acc = (ctx or ProposeContext.of(tokens, num_acc)).host()
         out.sampled_token_ids = [t[a] for t, a in zip(toks, acc)]
         out.accepted = [t[:a] for t, a in zip(toks, acc)]
-        if md.max_num_logprobs is not None:  # requests with logprobs verify no drafts: one row
+        if md.max_num_logprobs is not None:  # an entry per emitted token, from its own row
             nums = [self.reqs[r].sampling_params.logprobs for r in inp.sample_req_ids]
-            raw_lp = logits[spec.row_start].float().log_softmax(-1)
-            entries = gather_logprobs(raw_lp, torch.tensor(out.sampled_token_ids, device=dev),
-                                      [n or 0 for n in nums])
-            out.logprobs = [e if n is not None else None for e, n in zip(entries, nums)]
+            want = [i for i, n in enumerate(nums) if n is not None]
+            emitted = [(int(first[i]) + j, toks[i][j], nums[i]) for i in want for j in range(acc[i] + 1)]
+            r, t, n = zip(*emitted)
+            raw_lp = logits[torch.tensor(r, device=dev)].float().log_softmax(-1)
+            entries = iter(gather_logprobs(raw_lp, torch.tensor(t, device=dev), list(n)))
+            out.logprobs = [[next(entries) for _ in range(a + 1)] if n is not None else None
+                            for n, a in zip(nums, acc)]
 
     def _propose(self, inp: StepInputs, hidden: torch.Tensor, out: ModelRunnerOutput,
                  tokens: torch.Tensor, num_acc: torch.Tensor | None) -> ProposeContext | None:

@@ -552,13 +552,14 @@ class Scheduler:
                 reason, stop = self._check_stop(req, tok)
                 if reason is not None:
                     del new[k + 1:]  # tokens past a stop are dropped
+                    lp = lp[:k + 1] if lp is not None else None
                     break
             if req.grammar is not None:
                 if req.grammar.failed:  # the mask makes this impossible
                     reason = FinishReason.ERROR
                 elif reason is None and req.grammar.terminated:
                     reason = FinishReason.STOP
-            o = EngineCoreOutput(rid, new, new_logprobs=[lp] if lp is not None else None,
+            o = EngineCoreOutput(rid, new, new_logprobs=lp,
                                  num_cached_tokens=max(req.num_cached_tokens, 0))
             if req.num_output_tokens == len(new):  # its first output
                 o.queued_ts, o.scheduled_ts = req.queued_ts, req.scheduled_ts

@@ -21,6 +21,7 @@ target's states that steps with paused requests write.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
@@ -42,9 +43,9 @@ PROPOSERS: Registry[type] = Registry("speculative decoding method")
 
 
 def can_speculate(sp: SamplingParams) -> bool:
-    """Requests that get drafts. Logprobs would need an entry per accepted token and grammars a
-    mask per draft position (not done yet): those requests decode one token a step."""
-    return sp.logprobs is None and sp.structured_outputs is None
+    """Requests that get drafts. Grammars would need a mask per draft position (not done yet):
+    those requests decode one token a step."""
+    return sp.structured_outputs is None
 
 
 def lookahead_slots(spec: SpecDecodeParams | None) -> int:
@@ -414,6 +415,15 @@ class OwnModel(OwnForward):
             a.v_cache = cache_zeros(shape, self.kv_dtype, self.runner.device)
 
 
+@contextlib.contextmanager
+def _draft_errors(path: str):
+    """A draft checkpoint that does not load: say whose it is (else it reads as the target's)."""
+    try:
+        yield
+    except (ValueError, KeyError, OSError) as e:
+        raise ValueError(f"--speculative-config: the draft model {path}: {e}") from e
+
+
 @PROPOSERS.register("draft_model")
 class DraftModelProposer(Stateful, OwnModel, Proposer):
     """A separate small checkpoint with the target's vocabulary, on the same ranks and with the
@@ -427,7 +437,8 @@ class DraftModelProposer(Stateful, OwnModel, Proposer):
         super().__init__(runner, params)
         from ..models.loader import build_model, init_dummy_weights, load_hf_config, load_weights
         cfg = runner.cfg
-        self.hf_config = load_hf_config(params.model)
+        with _draft_errors(params.model):
+            self.hf_config = load_hf_config(params.model)
         if self.hf_config.vocab_size != runner.hf_config.vocab_size:
             raise ValueError(f"--speculative-config: the draft model's vocabulary "
                              f"({self.hf_config.vocab_size}) differs from the target's "
@@ -437,14 +448,15 @@ class DraftModelProposer(Stateful, OwnModel, Proposer):
             raise ValueError(f"--speculative-config: the draft model's max_position_embeddings "
                              f"({self.hf_config.max_position_embeddings}) is below --max-model-len "
                              f"{runner.max_model_len}")
-        model = build_model(self.hf_config, runner.pi, runner.dtype, runner.device)
-        if cfg.load.load_format == "dummy":
-            init_dummy_weights(model, cfg.model.seed + 1, self.hf_config)
-        else:
-            load_weights(model, params.model, progress=False)
-            if cfg.cache.fp8_kv:  # its fp8 cache: the draft checkpoint's own scales
-                from .model_runner import load_kv_scales
-                load_kv_scales(model, params.model)
+        with _draft_errors(params.model):
+            model = build_model(self.hf_config, runner.pi, runner.dtype, runner.device)
+            if cfg.load.load_format == "dummy":
+                init_dummy_weights(model, cfg.model.seed + 1, self.hf_config)
+            else:
+                load_weights(model, params.model, progress=False)
+                if cfg.cache.fp8_kv:  # its fp8 cache: the draft checkpoint's own scales
+                    from .model_runner import load_kv_scales
+                    load_kv_scales(model, params.model)
         self.own_model(model, None)
         self.compiled.verify_len = 1 + self.k  # the draft scores the target's verify batches too
         self.init_state()

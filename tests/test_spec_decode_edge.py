@@ -3,6 +3,7 @@ request arrive in one step (an accepted draft run), compared with the same reque
 speculation at temperature 0: stops inside the run, the KV blocks given back, and the rest."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -108,6 +109,23 @@ def test_logprobs_grammar_and_max_model_len_beside_drafting_requests(plain, spec
           [SamplingParams(max_tokens=None, ignore_eos=True, **GREEDY)] * 2 + [SamplingParams(max_tokens=30, **GREEDY)])
 
 
+# ---- logprobs: a request asking for them verifies drafts too -----------------------------------
+def test_logprobs_of_accepted_tokens_equal_plain(plain, spec):
+    """Such a request decoded one token a step (no drafts): now every token of an accepted run
+    has the logprob, rank and top alternatives of plain decoding, and a stop inside the run
+    (token, string, max_tokens) cuts the logprobs with the tokens."""
+    before = spec.engine.scheduler.spec.num_accepted_tokens
+    for kw in (dict(logprobs=3), dict(logprobs=0, stop=["saw a"]), dict(logprobs=2, stop_token_ids=[414]),
+               dict(logprobs=1, max_tokens=7)):
+        p = SamplingParams(**{"max_tokens": 40, **kw}, **GREEDY)
+        want = plain.generate([REPEAT], p)[0].outputs[0]
+        got = _same(plain, spec, [REPEAT], p)[0].outputs[0]
+        for a, b in zip(got.logprobs, want.logprobs, strict=True):
+            assert (a.token_ids, a.ranks) == (b.token_ids, b.ranks)
+            assert np.allclose(a.logprobs, b.logprobs, atol=1e-4)
+    assert spec.engine.scheduler.spec.num_accepted_tokens > before
+
+
 # ---- --speculative-config: a key the method does not use is refused, not ignored ---------------
 def test_model_key_with_ngram_is_refused():
     from rankserve.runtime.config import ConfigError, parse_speculative_config
@@ -117,12 +135,40 @@ def test_model_key_with_ngram_is_refused():
                                   "model": str(STORIES_EMBEDDED)})
 
 
+def test_method_of_another_type_or_clashing_with_model_is_refused():
+    """A method that is not a string was a TypeError traceback; vLLM's "[ngram]" model spelling
+    silently overrode an explicit other method (it only names the method when none is given)."""
+    from rankserve.runtime.config import ConfigError, parse_speculative_config
+    assert parse_speculative_config({"method": "[ngram]", "num_speculative_tokens": 2}).method == "ngram"
+    for bad in ({"method": ["ngram"], "num_speculative_tokens": 2}, {"method": {"a": 1}, "num_speculative_tokens": 2},
+                {"method": "mtp", "model": "[ngram]", "num_speculative_tokens": 2},
+                {"method": "draft_model", "model": "ngram", "num_speculative_tokens": 2}):
+        with pytest.raises(ConfigError, match="--speculative-config: .*method"):
+            parse_speculative_config(bad)
+
+
 def test_draft_with_another_vocabulary_is_refused(checkpoint):
     from rankserve.runtime.config import ConfigError
     other = checkpoint("LlamaForCausalLM", vocab_size=600)
     with pytest.raises((ConfigError, ValueError), match="--speculative-config.*vocab"):
         LLM(str(STORIES_EMBEDDED), kv_cache_memory_gb=0.05, speculative_config={
             "method": "draft_model", "model": other, "num_speculative_tokens": 2})
+
+
+def test_draft_checkpoint_that_does_not_load_names_the_flag(tmp_path):
+    """A draft (or EAGLE head) directory without weights, or of an unknown architecture: the
+    error says it is the --speculative-config model's (it read as the target's load failing)."""
+    import json
+    import shutil
+    (tmp_path / "noweights").mkdir()
+    shutil.copy(STORIES_EMBEDDED / "config.json", tmp_path / "noweights")
+    (tmp_path / "unknown").mkdir()
+    (tmp_path / "unknown" / "config.json").write_text(json.dumps({"architectures": ["FooForCausalLM"]}))
+    for method, d in (("draft_model", "noweights"), ("draft_model", "unknown"), ("eagle", "noweights")):
+        what = "draft model" if method == "draft_model" else "head"
+        with pytest.raises(ValueError, match=f"--speculative-config: the {what} {tmp_path / d}: "):
+            LLM(str(STORIES_EMBEDDED), kv_cache_memory_gb=0.05, speculative_config={
+                "method": method, "model": str(tmp_path / d), "num_speculative_tokens": 2})
 
 
 # ---- seeds: a seeded request's draws do not depend on what else is in the batch -----------------
@@ -146,6 +192,7 @@ def test_server_stops_usage_abort_and_metrics(plain):
     """Stops inside a draft run (streamed and not: same text and usage as plain decoding), a
     client that disconnects mid-stream (its blocks come back), and the spec_decode counters."""
     import json
+    import re
     import time
 
     import httpx
@@ -154,6 +201,17 @@ def test_server_stops_usage_abort_and_metrics(plain):
     from test_server import Server, metric
     s = Server("--speculative-config", json.dumps(NGRAM), "--kv-cache-memory-gb", "0.05")
     try:
+        # as vLLM: every counter, and one per-position series per draft position, from the start
+        # (dashboards dividing by them read 0, not "no data")
+        for _ in range(50):
+            m = httpx.get(s.url + "/metrics").text
+            if "spec_decode_num_accepted_tokens_per_pos_total" in m:
+                break
+            time.sleep(0.1)
+        assert {metric(m, f"rankserve:spec_decode_num_{n}_total") for n in ("drafts", "draft_tokens",
+                                                                             "accepted_tokens")} == {0}
+        assert sorted(re.findall(r'^rankserve:spec_decode_num_accepted_tokens_per_pos_total{.*position="(\d+)"} 0.0$',
+                                 m, re.M)) == ["0", "1", "2", "3"]
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
         model = c.models.list().data[0].id
         for stop in (["park"], ["saw a"]):
@@ -165,6 +223,14 @@ def test_server_stops_usage_abort_and_metrics(plain):
             chunks = list(c.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
             assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == w.text
             assert chunks[-1].usage.completion_tokens == len(w.token_ids)
+        # logprobs of accepted runs, streamed (several tokens a chunk) and not: those of plain decoding
+        w = plain.generate([REPEAT], SamplingParams(max_tokens=30, logprobs=1, **GREEDY))[0].outputs[0]
+        kw = dict(model=model, prompt=REPEAT, max_tokens=30, temperature=0, logprobs=1)
+        r = c.completions.create(**kw).choices[0].logprobs
+        chunks = [ch.choices[0].logprobs for ch in c.completions.create(**kw, stream=True) if ch.choices]
+        assert sum((lp.token_logprobs for lp in chunks if lp), []) == r.token_logprobs
+        assert np.allclose(r.token_logprobs, [e.logprobs[0] for e in w.logprobs], atol=1e-4)
+        assert max(len(lp.tokens) for lp in chunks if lp) > 1  # (drafts were accepted)
         with httpx.Client(base_url=s.url, timeout=60) as h:
             with h.stream("POST", "/v1/completions", json={
                     "prompt": REPEAT, "max_tokens": 400, "temperature": 0, "ignore_eos": True,
@@ -194,3 +260,8 @@ def test_gpu_stop_in_draft_run_and_seed_beside_drafts():
     p = SamplingParams(max_tokens=24, temperature=1.0, seed=11)
     got = spec.generate(["Once upon a time", REPEAT], [p, SamplingParams(max_tokens=40, **GREEDY)])
     assert got[0].outputs[0].token_ids == spec.generate(["Once upon a time"], p)[0].outputs[0].token_ids
+    p = SamplingParams(max_tokens=40, logprobs=2, **GREEDY)
+    want, got = (e.generate([REPEAT], p)[0].outputs[0] for e in (plain, spec))
+    assert got.token_ids == want.token_ids and spec.engine.scheduler.spec.num_accepted_tokens > 0
+    for a, b in zip(got.logprobs, want.logprobs, strict=True):
+        assert a.token_ids == b.token_ids and np.allclose(a.logprobs, b.logprobs, atol=1e-4)

@@ -450,7 +450,7 @@ async def serve(settings: dict) -> int:
     eos = eos_token_ids_of(tokenizer, settings["model"])
     # one engine address, or one per data-parallel replica (replica 0 first)
     addresses = settings.get("engine_addresses") or [settings["engine_address"]]
-    metrics = Metrics(settings["served_model_name"], len(addresses))
+    metrics = Metrics(settings["served_model_name"], len(addresses), settings.get("num_speculative_tokens", 0))
     client = EngineClient(addresses, tokenizer, eos, metrics, settings.get("engine_pid"))
     await client.start()
     model_type, defaults = _model_files(settings["model"], settings.get("generation_config", "auto"),

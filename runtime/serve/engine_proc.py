@@ -112,6 +112,7 @@ def start_api_process(cfg: EngineConfig, server_args: ServerArgs, connect_addres
                 "trust_remote_code": cfg.model.trust_remote_code,
                 "override_generation_config": cfg.model.override_generation_config,
                 "engine_pid": os.getpid(),
+                "num_speculative_tokens": cfg.spec.num_speculative_tokens if cfg.spec else 0,
                 "lora": {"enable": cfg.lora.enable_lora, "max_lora_rank": cfg.lora.max_lora_rank,
                          "modules": list(cfg.lora.lora_modules or ())}}
     # its own session: a launcher that kills rank 0's process group (mpiexec after a rank died)

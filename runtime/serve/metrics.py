@@ -57,13 +57,15 @@ class EngineMetrics:
     counters and the latencies of the requests it served."""
 
     def __init__(self, parents: dict, success, spec_per_pos, preempt_kind, model_name: str,
-                 engine: int):
+                 engine: int, num_spec_tokens: int = 0):
         for attr, parent in parents.items():
             setattr(self, attr, parent.labels(model_name, str(engine)))
         self._success = success
         for reason in ("stop", "length", "abort"):  # at 0 from the start, as vLLM's
             success.labels(model_name, str(engine), reason)
         self._spec_per_pos = spec_per_pos
+        for pos in range(num_spec_tokens):  # one series per draft position, at 0 (vLLM's)
+            spec_per_pos.labels(model_name, str(engine), str(pos))
         self._swap = preempt_kind.labels(model_name, str(engine), "swap")
         self._recompute = preempt_kind.labels(model_name, str(engine), "recompute")
         self._labels = (model_name, str(engine))
@@ -128,7 +130,7 @@ class Metrics:
     data parallelism); the total over replicas is the sum over `engine`
     (`sum without (engine) (...)`)."""
 
-    def __init__(self, model_name: str, num_engines: int = 1):
+    def __init__(self, model_name: str, num_engines: int = 1, num_spec_tokens: int = 0):
         self.registry = prom.CollectorRegistry()
         r, labels = self.registry, ["model_name", "engine"]
         parents: dict = {}
@@ -172,7 +174,7 @@ class Metrics:
         gauge("host_blocks_total", "host_kv_cache_blocks_total", "Host-tier KV blocks in all")
         # speculative decoding (vLLM's spec_decode counters): acceptance rate is
         # num_accepted_tokens / num_draft_tokens, mean acceptance length 1 + accepted / drafts
-        counter("spec_drafts", "spec_decode_num_drafts", "Verify passes with drafts")
+        counter("spec_drafts", "spec_decode_num_drafts", "Drafts verified (a request's in a verify pass)")
         counter("spec_draft_tokens", "spec_decode_num_draft_tokens", "Draft tokens verified")
         counter("spec_accepted", "spec_decode_num_accepted_tokens", "Draft tokens accepted")
         gauge("sleep_level", "engine_sleep_level", "Sleep mode: 0 awake, 1 weights in host memory, "
@@ -208,8 +210,8 @@ class Metrics:
         preempt_kind = prom.Counter("rankserve:num_preemptions_by_kind", "Preemptions by how the "
                                     "request's KV comes back: swap (host KV tier) or recompute",
                                     [*labels, "kind"], registry=r)
-        self.engines = [EngineMetrics(parents, success, spec_per_pos, preempt_kind, model_name, e)
-                        for e in range(num_engines)]
+        self.engines = [EngineMetrics(parents, success, spec_per_pos, preempt_kind, model_name, e,
+                                      num_spec_tokens) for e in range(num_engines)]
         self._lora: dict[int, tuple[str, str]] = {}  # replica -> (waiting, running) adapters
 
     def record_stats(self, s: SchedulerStats, engine: int = 0) -> None:
