@@ -143,6 +143,14 @@ def test_admin_routes_without_sleep_mode_are_400(models):
         assert r.status_code == 400 and "go together" in r.json()["error"]["message"]
         r = httpx.post(s.url + "/update_weights_from_disk", json={"model_path": "/x", "bogus": 1})
         assert r.status_code == 400 and "bogus" in r.json()["error"]["message"]
+        # a query parameter these routes do not take is refused, not ignored: /sleep?levle=2 as
+        # a level 1 sleep, vLLM's /sleep?tags=kv_cache as a sleep of everything, or
+        # /wake_up?tag=weights as a wake-up of both would each do what was not asked
+        for path, query in (("/sleep", "levle=2"), ("/sleep", "tags=kv_cache"), ("/sleep", "mode=abort"),
+                            ("/wake_up", "tag=weights")):
+            r = httpx.post(f"{s.url}{path}?{query}")
+            name = query.partition("=")[0]
+            assert r.status_code == 400 and name in r.json()["error"]["message"], (path, query, r.text)
     finally:
         assert s.stop() == 0
 

@@ -34,10 +34,24 @@ class WakeUpRequest(_Body):
     tags: list[str] | None = None
 
 
+# vLLM's newer arguments, refused with what to do instead
+UNSUPPORTED = {
+    ("/sleep", "tags"): " (sleeping single tags is not supported: level 1 or 2 sleeps both "
+                        "the weights and the KV cache; /wake_up takes tags)",
+    ("/sleep", "mode"): " (no abort / wait modes: a sleep needs an idle engine and is refused "
+                        "with a 409 while requests run; abort them or let them finish first)",
+}
+
+
 async def _json_args(request: Request, model: type[_Body], **query):
     """The call's arguments from the query and/or a JSON body (not ignored: a body's level 2
     read as the default 1 would keep the weights in host memory); the same one given both
     ways differently is a 400."""
+    for name in request.query_params:  # not ignored either: /sleep?levle=2 is no level 1 sleep
+        if name not in query:
+            hint = UNSUPPORTED.get((request.url.path, name), "")
+            raise APIError(f"unknown query parameter {name!r}: {request.url.path} takes "
+                           f"{', '.join(query)} only{hint}", param=name)
     raw = await request.body()
     try:
         body = model.model_validate(json.loads(raw)) if raw.strip() else model()
