@@ -61,6 +61,7 @@ class EngineCore:
         # the quant_method of a checkpoint that stores quantized weights (not one quantized at
         # load time): weight updates from a trainer cannot replace them
         self._quantized_in_checkpoint = quant_layout(hf_config).get("quant_method")
+        self._ckpt_shapes: dict | None = None  # (_checkpoint_shapes)
         recurrent = has_recurrent_state(hf_config)
         if recurrent:  # refused before the KV cache, host tier and CUDA graphs are made
             if cfg.offload.kv_offload_size:
@@ -377,14 +378,41 @@ class EngineCore:
         for s in shapes:
             if not isinstance(s, (list, tuple)) or not all(isinstance(x, int) and x >= 0 for x in s):
                 raise ValueError(f"a shape must be a list of sizes >= 0, got {s!r}")
-        unused = self.executor.collective_rpc("update_weights_from_distributed", list(names),
-                                              list(dtypes), [list(s) for s in shapes], group_name)
+        names, dtypes, shapes = list(names), list(dtypes), [list(s) for s in shapes]
+        # checked before any tensor is loaded (not a half-updated model); a refused update still
+        # receives every tensor, so that the trainer's broadcasts complete
+        untaken = self.executor.collective_rpc("untaken_weight_names", names, group_name)
+        nowhere = sorted(set.intersection(*(set(u) for u in untaken))) if untaken else []
+        expected = self._checkpoint_shapes()
+        wrong = [f"{n}: shape {s}, the model's checkpoint has {list(expected[n])}"
+                 for n, s in zip(names, shapes) if n in expected and tuple(s) != expected[n]]
+        if nowhere or wrong:
+            self.executor.collective_rpc("update_weights_from_distributed", names, dtypes, shapes,
+                                         group_name, False)
+            raise ValueError("update_weights_from_distributed: nothing was loaded: " + "; ".join(
+                wrong[:5] + ([f"no parameter takes these weights: {nowhere[:5]}"
+                              f"{' ...' if len(nowhere) > 5 else ''}"] if nowhere else [])))
+        unused = self.executor.collective_rpc("update_weights_from_distributed", names, dtypes,
+                                              shapes, group_name)
         self.reset_prefix_cache()
         nowhere = sorted(set.intersection(*(set(u) for u in unused))) if unused else []
         if nowhere:  # received, but no rank has such a parameter
             raise ValueError(f"no parameter takes these weights: {nowhere[:5]}"
                              f"{' ...' if len(nowhere) > 5 else ''}")
         return {"num_tensors": len(names)}
+
+    def _checkpoint_shapes(self) -> dict:
+        """The shapes of the tensors of the checkpoint the engine started from ({} with dummy
+        weights): what a trainer's tensors of those names must have."""
+        if self._ckpt_shapes is None:
+            from ..models.loader import checkpoint_shapes
+            self._ckpt_shapes = {}
+            if self.cfg.load.load_format != "dummy":
+                try:
+                    self._ckpt_shapes = checkpoint_shapes(self.cfg.model.model)
+                except Exception:  # noqa: BLE001 - no reference then; the loaders still check
+                    pass
+        return self._ckpt_shapes
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
         self.executor.collective_rpc("destroy_weights_update_group", group_name)

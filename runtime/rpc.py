@@ -9,7 +9,7 @@ import logging
 
 from .kv_offload import HostKVCache, bytes_per_block
 from .sleep import RunnerSleep
-from .weight_update import WeightsUpdateGroup, load_from_disk, receive_weights
+from .weight_update import WeightsUpdateGroup, load_from_disk, receive_weights, untaken_names
 
 log = logging.getLogger("rankserve.rpc")
 
@@ -70,13 +70,21 @@ class RunnerRPC:
                                                      rank_offset + self.rank, world_size,
                                                      group_name, backend)
 
+    def rpc_untaken_weight_names(self, names: list[str], group_name: str) -> list[str]:
+        self._group(group_name)
+        return untaken_names(self.runner.model, names)
+
     def rpc_update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list,
-                                            group_name: str) -> list[str]:
+                                            group_name: str, load: bool = True) -> list[str]:
+        return receive_weights(self.runner.model, self._group(group_name), names, dtypes, shapes,
+                               self.runner.device, load)
+
+    def _group(self, group_name: str) -> WeightsUpdateGroup:
         group = self.groups.get(group_name)
         if group is None:
             raise ValueError(f"no weight-update group named {group_name!r} "
                              "(POST /init_weights_update_group first)")
-        return receive_weights(self.runner.model, group, names, dtypes, shapes, self.runner.device)
+        return group
 
     def rpc_destroy_weights_update_group(self, group_name: str) -> None:
         group = self.groups.pop(group_name, None)

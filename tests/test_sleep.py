@@ -254,3 +254,64 @@ def test_sleep_right_after_a_run_ahead_step():
     llm.sleep(1)
     llm.wake_up()
     assert llm.generate("Once upon a time", sp)[0].outputs[0].token_ids == want
+
+
+class ThreadTrainer:
+    """A trainer in a thread of this process (gloo): each `send(tensors)` broadcasts them in
+    order while the engine receives; `result()` is None once they all went out, else the error."""
+
+    def __init__(self, port: int):
+        import queue
+        import threading
+        from rankserve.runtime.weight_update import trainer_group
+        self.todo, self.done = queue.Queue(), queue.Queue()
+
+        def run():
+            group = trainer_group("127.0.0.1", port, 2, backend="gloo", timeout_s=20)
+            while (tensors := self.todo.get()) is not None:
+                try:
+                    for t in tensors:
+                        group.broadcast(t, 0)
+                    self.done.put(None)
+                except RuntimeError as e:
+                    self.done.put(str(e))
+            group.destroy()
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def result(self, timeout: float = 10):
+        return self.done.get(timeout=timeout)
+
+
+def test_trainer_weights_refused_by_name_or_shape_leave_the_model_and_trainer_whole():
+    """A tensor of the wrong shape or one no parameter takes is refused (a 400 naming it)
+    before any tensor is loaded, and every announced tensor is still received, so the trainer's
+    broadcasts complete instead of waiting out the group's timeout. A tied model's
+    `lm_head.weight` and a rotary `inv_freq` (in a trainer's state_dict()) are taken (skipped)."""
+    from safetensors.torch import load_file
+    from test_server import free_port
+    llm = LLM(str(STORIES_EMBEDDED), enable_sleep_mode=True, **SMALL)
+    want = greedy(llm)
+    sd = load_file(str(STORIES_EMBEDDED / "model.safetensors"))
+    port = free_port()
+    trainer = ThreadTrainer(port)
+    llm.init_weights_update_group("127.0.0.1", port, rank_offset=1, world_size=2, backend="gloo")
+    embed = "model.embed_tokens.weight"
+    sd["lm_head.weight"] = sd[embed]
+    sd["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
+    names = sorted(sd)
+    trainer.todo.put([sd[n] for n in names])
+    llm.update_weights_from_distributed(names, ["float32"] * len(names), [list(sd[n].shape) for n in names])
+    assert trainer.result() is None
+    other = sd[embed] + 1.0  # weights that would change the output
+    q = "model.layers.0.self_attn.q_proj.weight"
+    for names, tensors, error in (
+            ([embed, q], [other, torch.zeros(3, 3)], f"{q}: shape \\[3, 3\\]"),
+            ([embed, "model.layers.0.mlp.bogus.weight"], [other, torch.zeros(3)], "no parameter takes")):
+        trainer.todo.put(tensors)
+        with pytest.raises(ValueError, match=error):
+            llm.update_weights_from_distributed(names, ["float32"] * 2, [list(t.shape) for t in tensors])
+        assert trainer.result() is None  # every broadcast went out
+        assert greedy(llm) == want  # nothing was loaded
+    trainer.todo.put(None)
+    llm.destroy_weights_update_group()
