@@ -280,6 +280,12 @@ class EngineCore:
         self._check_idle("sleep")
         if self.asleep:
             return {"is_sleeping": True, "level": self.sleep_level}
+        offload = self.scheduler.kv.offload
+        if level == 1 and offload is not None:  # blocks freed since the last step: copied out
+            offload.begin_step()  # now (no later step will), so the host tier keeps them too
+            to_host, _, _ = offload.take_copies()
+            if to_host:
+                self.executor.collective_rpc("copy_kv_to_host", to_host)
         self.scheduler.kv.reset_prefix_cache(host=level == 2)
         ranks = self.executor.collective_rpc("sleep", level)
         self.asleep, self.sleep_level = {"weights", "kv_cache"}, level

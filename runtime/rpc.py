@@ -6,6 +6,7 @@ the job down (a bad checkpoint path is the client's mistake, not a crash)."""
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 from .kv_offload import HostKVCache, bytes_per_block
 from .sleep import RunnerSleep
@@ -38,6 +39,11 @@ class RunnerRPC:
     def rpc_init_host_kv(self, num_blocks: int) -> None:
         r = self.runner
         r.host_kv = HostKVCache(r.model, num_blocks, r.device) if num_blocks > 0 else None
+
+    def rpc_copy_kv_to_host(self, to_host: list[tuple[int, int]]) -> None:
+        """Copies outside a step (before a sleep): (device block, host block) pairs."""
+        plan = SimpleNamespace(blocks_to_host=to_host, blocks_from_host=[], wait_for_copies=True)
+        self.runner.host_kv.run(plan)
 
     # ---- sleep mode -------------------------------------------------------------------------
     def rpc_sleep(self, level: int) -> dict:
