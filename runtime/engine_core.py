@@ -333,13 +333,25 @@ class EngineCore:
         self.reset_prefix_cache()
         return {"model_path": model_path}
 
-    def reload_weights(self) -> dict:
+    def reload_weights(self) -> list:
         """The weights the engine started with, again (its checkpoint, or the same dummy
-        weights): after sleep level 2, when no new weights are coming."""
+        weights): after sleep level 2, when no new weights are coming. One None per rank."""
         self._check_weights("reload the weights")
-        self.executor.collective_rpc("reload_weights")
+        results = self.executor.collective_rpc("reload_weights")
         self.reset_prefix_cache()
-        return {}
+        return results
+
+    COLLECTIVE_RPC = ("reload_weights",)
+
+    def collective_rpc(self, method: str, args=(), kwargs=None) -> list:
+        """vLLM's `collective_rpc` for the worker methods its sleep-mode flow calls (level 2,
+        then `reload_weights`); rankserve runs no arbitrary worker methods."""
+        if method not in self.COLLECTIVE_RPC:
+            raise ValueError(f"collective_rpc: method {method!r} is not supported (rankserve "
+                             f"runs {', '.join(self.COLLECTIVE_RPC)} only)")
+        if args or kwargs:
+            raise ValueError(f"collective_rpc: {method} takes no arguments")
+        return getattr(self, method)()
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str = "weight_update_group",

@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 from types import SimpleNamespace
 
+import torch
+
 from .kv_offload import HostKVCache, bytes_per_block
 from .sleep import RunnerSleep
 from .weight_update import WeightsUpdateGroup, load_from_disk, receive_weights, untaken_names
@@ -43,7 +45,8 @@ class RunnerRPC:
     def rpc_copy_kv_to_host(self, to_host: list[tuple[int, int]]) -> None:
         """Copies outside a step (before a sleep): (device block, host block) pairs."""
         plan = SimpleNamespace(blocks_to_host=to_host, blocks_from_host=[], wait_for_copies=True)
-        self.runner.host_kv.run(plan)
+        with torch.inference_mode():  # as in a step (its staging buffer is an inference tensor)
+            self.runner.host_kv.run(plan)
 
     # ---- sleep mode -------------------------------------------------------------------------
     def rpc_sleep(self, level: int) -> dict:

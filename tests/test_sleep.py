@@ -72,9 +72,18 @@ def test_sleep_wake_and_level2_weights_from_disk(ckpts):
     llm.wake_up(["kv_cache"])
     assert greedy(llm) == want[b]
 
-    # awake, and back to A without sleeping; the prefix cache was reset by each update
-    llm.update_weights_from_disk(a)
+    # vLLM's level 2 flow: the weights the engine started with (A), reloaded in place
+    llm.sleep(2)
+    llm.wake_up(["weights"])
+    assert llm.collective_rpc("reload_weights") == [None]
+    llm.wake_up(["kv_cache"])
     assert greedy(llm) == want[a]
+    with pytest.raises(ValueError, match="'load_model'.*reload_weights"):
+        llm.collective_rpc("load_model")
+
+    # awake, and back to B without sleeping; the prefix cache was reset by each update
+    llm.update_weights_from_disk(b)
+    assert greedy(llm) == want[b]
 
 
 def test_refusals(ckpts, checkpoint, tmp_path):
@@ -230,6 +239,7 @@ def test_host_tier_survives_sleep_level_1_not_2():
     sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm = LLM(str(STORIES_EMBEDDED), num_gpu_blocks_override=8, block_size=16, max_model_len=128,
               kv_offload_size=0.01, enable_sleep_mode=True)
+    llm.generate({"prompt_token_ids": shared[::-1]}, sp)  # copied out in the next step's plan
     first = llm.generate({"prompt_token_ids": shared}, sp)[0].outputs[0].token_ids
     for level, cached in ((1, 48), (2, 0)):
         llm.sleep(level)

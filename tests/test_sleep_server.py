@@ -102,6 +102,17 @@ def exercise(url: str, models, engine_ranks: int) -> None:
     assert r.status_code == 200 and r.json()["success"], r.text
     http.post("/wake_up")
     assert greedy_http() == want[b]
+    # vLLM's level 2 flow: the weights the engine started with (A), reloaded in place on every rank
+    http.post("/sleep", params={"level": 2})
+    http.post("/wake_up", params={"tags": "weights"})
+    r = http.post("/collective_rpc", json={"method": "reload_weights"})
+    assert r.status_code == 200 and r.json() == {"results": [None] * engine_ranks}, r.text
+    http.post("/wake_up", params={"tags": "kv_cache"})
+    assert greedy_http() == want[a]
+    r = http.post("/collective_rpc", json={"method": "load_model"})
+    assert r.status_code == 400 and "load_model" in r.json()["error"]["message"], r.text
+    r = http.post("/update_weights_from_disk", json={"model_path": b})
+    assert r.status_code == 200 and greedy_http() == want[b], r.text
     r = http.post("/update_weights_from_disk", json={"model_path": "/no/such/dir"})
     assert r.status_code == 400 and "not a directory" in r.json()["error"]["message"]
 

@@ -111,13 +111,20 @@ class UpdateWeightsFromDistributedRequest(_Body):
         return self
 
 
+class CollectiveRPCRequest(_Body):  # vLLM's /collective_rpc, for its sleep-mode flow
+    method: str
+    args: list = Field(default_factory=list)
+    kwargs: dict = Field(default_factory=dict)
+    timeout: None = None  # (not implemented: a value is refused)
+
+
 class DestroyWeightsUpdateGroupRequest(_Body):
     group_name: str = "weight_update_group"
 
 
 def add_admin_routes(app: FastAPI, client: EngineClient, metrics: Metrics) -> None:
-    async def admin(method: str, **kwargs):
-        reply = await client.call("admin", method, kwargs)
+    async def admin(call: str, /, **kwargs):
+        reply = await client.call("admin", call, kwargs)
         if reply["status"] != 200:
             raise APIError(reply["message"], reply["status"])
         return reply["result"]
@@ -147,6 +154,13 @@ def add_admin_routes(app: FastAPI, client: EngineClient, metrics: Metrics) -> No
     @app.get("/is_sleeping")
     async def is_sleeping():
         return {"is_sleeping": await admin("is_sleeping")}
+
+    @app.post("/collective_rpc")
+    async def collective_rpc(req: CollectiveRPCRequest):
+        """`{"method": "reload_weights"}` after a level 2 sleep and /wake_up?tags=weights: the
+        weights the engine started with, loaded in place on every rank (vLLM's flow)."""
+        return {"results": await admin("collective_rpc", method=req.method, args=req.args,
+                                       kwargs=req.kwargs)}
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(req: UpdateWeightsFromDiskRequest):
