@@ -377,39 +377,28 @@ class EngineCore:
         """Receive the named tensors from the trainer (broadcast from its rank 0, in this
         order) and load them on every rank; the prefix cache is reset (both tiers)."""
         from .weight_update import parse_dtype
-        self._check_weights("update the weights")
         if not (len(names) == len(dtypes) == len(shapes)):
             raise ValueError(f"names, dtypes and shapes differ in length ({len(names)}, "
                              f"{len(dtypes)}, {len(shapes)})")
         for d in dtypes:
             parse_dtype(d)
-        if self._quantized_in_checkpoint:
-            # a trainer sends 16-bit tensors: the checkpoint's fp8 / 4-bit layers cannot take
-            # them (an error part way would leave the model half updated and the trainer
-            # broadcasting to no one); refused before the first broadcast
-            raise ValueError(f"update_weights_from_distributed: the running model's weights are "
-                             f"quantized in its checkpoint ({self._quantized_in_checkpoint}), which a "
-                             "trainer's 16-bit tensors cannot replace; start from the 16-bit "
-                             "checkpoint with --quantization fp8 (updates are quantized as they "
-                             "arrive), or use update_weights_from_disk with a checkpoint in the "
-                             "running format")
         for s in shapes:
             if not isinstance(s, (list, tuple)) or not all(isinstance(x, int) and x >= 0 for x in s):
                 raise ValueError(f"a shape must be a list of sizes >= 0, got {s!r}")
         names, dtypes, shapes = list(names), list(dtypes), [list(s) for s in shapes]
-        # checked before any tensor is loaded (not a half-updated model); a refused update still
-        # receives every tensor, so that the trainer's broadcasts complete
-        untaken = self.executor.collective_rpc("untaken_weight_names", names, group_name)
-        nowhere = sorted(set.intersection(*(set(u) for u in untaken))) if untaken else []
-        expected = self._checkpoint_shapes()
-        wrong = [f"{n}: shape {s}, the model's checkpoint has {list(expected[n])}"
-                 for n, s in zip(names, shapes) if n in expected and tuple(s) != expected[n]]
-        if nowhere or wrong:
-            self.executor.collective_rpc("update_weights_from_distributed", names, dtypes, shapes,
-                                         group_name, False)
-            raise ValueError("update_weights_from_distributed: nothing was loaded: " + "; ".join(
-                wrong[:5] + ([f"no parameter takes these weights: {nowhere[:5]}"
-                              f"{' ...' if len(nowhere) > 5 else ''}"] if nowhere else [])))
+        try:  # refused before any tensor is loaded (not a half-updated model)
+            self._check_weights("update the weights")
+            self._check_trainer_tensors(names, shapes, group_name)
+        except (ValueError, EngineBusyError):
+            # the announced tensors are received all the same (and dropped), so that the
+            # trainer's broadcasts complete instead of waiting out the group's timeout
+            if not self.in_flight:
+                try:
+                    self.executor.collective_rpc("update_weights_from_distributed", names, dtypes,
+                                                 shapes, group_name, False)
+                except (ValueError, RuntimeError):  # no such group: nothing is sent to this one
+                    pass
+            raise
         unused = self.executor.collective_rpc("update_weights_from_distributed", names, dtypes,
                                               shapes, group_name)
         self.reset_prefix_cache()
@@ -418,6 +407,26 @@ class EngineCore:
             raise ValueError(f"no parameter takes these weights: {nowhere[:5]}"
                              f"{' ...' if len(nowhere) > 5 else ''}")
         return {"num_tensors": len(names)}
+
+    def _check_trainer_tensors(self, names: list[str], shapes: list, group_name: str) -> None:
+        """ValueError unless every rank's model can take these tensors."""
+        if self._quantized_in_checkpoint:
+            # a trainer sends 16-bit tensors: the checkpoint's fp8 / 4-bit layers cannot take them
+            raise ValueError(f"update_weights_from_distributed: the running model's weights are "
+                             f"quantized in its checkpoint ({self._quantized_in_checkpoint}), which a "
+                             "trainer's 16-bit tensors cannot replace; start from the 16-bit "
+                             "checkpoint with --quantization fp8 (updates are quantized as they "
+                             "arrive), or use update_weights_from_disk with a checkpoint in the "
+                             "running format")
+        untaken = self.executor.collective_rpc("untaken_weight_names", names, group_name)
+        nowhere = sorted(set.intersection(*(set(u) for u in untaken))) if untaken else []
+        expected = self._checkpoint_shapes()
+        wrong = [f"{n}: shape {s}, the model's checkpoint has {list(expected[n])}"
+                 for n, s in zip(names, shapes) if n in expected and tuple(s) != expected[n]]
+        if nowhere or wrong:
+            raise ValueError("update_weights_from_distributed: nothing was loaded: " + "; ".join(
+                wrong[:5] + ([f"no parameter takes these weights: {nowhere[:5]}"
+                              f"{' ...' if len(nowhere) > 5 else ''}"] if nowhere else [])))
 
     def _checkpoint_shapes(self) -> dict:
         """The shapes of the tensors of the checkpoint the engine started from ({} with dummy

@@ -295,7 +295,8 @@ class ThreadTrainer:
 
 def test_trainer_weights_refused_by_name_or_shape_leave_the_model_and_trainer_whole():
     """A tensor of the wrong shape or one no parameter takes is refused (a 400 naming it)
-    before any tensor is loaded, and every announced tensor is still received, so the trainer's
+    before any tensor is loaded, as is an update while requests run or the weights sleep, and
+    every announced tensor is still received, so the trainer's
     broadcasts complete instead of waiting out the group's timeout. A tied model's
     `lm_head.weight` and a rotary `inv_freq` (in a trainer's state_dict()) are taken (skipped)."""
     from safetensors.torch import load_file
@@ -323,5 +324,19 @@ def test_trainer_weights_refused_by_name_or_shape_leave_the_model_and_trainer_wh
             llm.update_weights_from_distributed(names, ["float32"] * 2, [list(t.shape) for t in tensors])
         assert trainer.result() is None  # every broadcast went out
         assert greedy(llm) == want  # nothing was loaded
+    # refused while requests run (409) or the weights sleep: received all the same
+    llm.engine.add_request(EngineCoreRequest("busy", [1, 2, 3], SP))
+    trainer.todo.put([other])
+    with pytest.raises(EngineBusyError):
+        llm.update_weights_from_distributed([embed], ["float32"], [list(other.shape)])
+    assert trainer.result() is None
+    llm.engine.abort_requests(["busy"])
+    llm.sleep(1)
+    trainer.todo.put([other])
+    with pytest.raises(ValueError, match="weights are asleep"):
+        llm.update_weights_from_distributed([embed], ["float32"], [list(other.shape)])
+    assert trainer.result() is None
+    llm.wake_up()
+    assert greedy(llm) == want
     trainer.todo.put(None)
     llm.destroy_weights_update_group()
