@@ -328,7 +328,7 @@ class EngineCore:
         cache is reset (both tiers)."""
         from .weight_update import check_checkpoint
         self._check_weights("update the weights")
-        check_checkpoint(self.cfg.model.model, model_path)
+        check_checkpoint(self.cfg.model.model, model_path, self._checkpoint_shapes())
         self.executor.collective_rpc("load_weights_from_disk", model_path)
         self.reset_prefix_cache()
         return {"model_path": model_path}
@@ -418,11 +418,12 @@ class EngineCore:
                              "checkpoint with --quantization fp8 (updates are quantized as they "
                              "arrive), or use update_weights_from_disk with a checkpoint in the "
                              "running format")
+        from .weight_update import same_shape
         untaken = self.executor.collective_rpc("untaken_weight_names", names, group_name)
         nowhere = sorted(set.intersection(*(set(u) for u in untaken))) if untaken else []
         expected = self._checkpoint_shapes()
         wrong = [f"{n}: shape {s}, the model's checkpoint has {list(expected[n])}"
-                 for n, s in zip(names, shapes) if n in expected and tuple(s) != expected[n]]
+                 for n, s in zip(names, shapes) if n in expected and not same_shape(s, expected[n])]
         if nowhere or wrong:
             raise ValueError("update_weights_from_distributed: nothing was loaded: " + "; ".join(
                 wrong[:5] + ([f"no parameter takes these weights: {nowhere[:5]}"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import math
 import os
 
 import torch
@@ -37,8 +38,9 @@ def parse_dtype(name) -> torch.dtype:
     return DTYPES[key]
 
 
-def check_checkpoint(current_model_dir: str, model_path: str) -> None:
-    """ValueError unless `model_path` is a safetensors checkpoint of the running architecture."""
+def check_checkpoint(current_model_dir: str, model_path: str, expected: dict | None = None) -> None:
+    """ValueError unless `model_path` is a safetensors checkpoint of the running architecture
+    (and, given the running checkpoint's tensor shapes `expected`, its tensors have them)."""
     from ..models.loader import load_hf_config
     if not isinstance(model_path, str) or not os.path.isdir(model_path):
         raise ValueError(f"model_path {model_path!r} is not a directory")
@@ -48,7 +50,7 @@ def check_checkpoint(current_model_dir: str, model_path: str) -> None:
         raise ValueError(f"model_path {model_path!r} has no *.safetensors files")
     from ..models.loader import checkpoint_shapes
     try:  # the headers of every file (a truncated one is the caller's error, found here)
-        checkpoint_shapes(model_path)
+        shapes = checkpoint_shapes(model_path)
     except Exception as e:  # noqa: BLE001 - safetensors' own error type
         raise ValueError(f"model_path {model_path!r}: cannot read its weights: {e}") from None
     old, new = load_hf_config(current_model_dir), load_hf_config(model_path)
@@ -66,6 +68,16 @@ def check_checkpoint(current_model_dir: str, model_path: str) -> None:
     if x != y:
         raise ValueError(f"model_path {model_path!r} is quantized differently from the running model "
                          f"(quantization_config {y or 'none: 16-bit'}; running: {x or 'none: 16-bit'})")
+    wrong = [f"{n} is {list(s)} (running: {list(expected[n])})" for n, s in shapes.items()
+             if expected and n in expected and not same_shape(s, expected[n])]
+    if wrong:  # found before any tensor is copied: a load failing on it leaves a mix of both
+        raise ValueError(f"model_path {model_path!r}: tensors of another shape: {', '.join(wrong[:5])}"
+                         f"{' ...' if len(wrong) > 5 else ''}")
+
+
+def same_shape(a, b) -> bool:
+    """Equal shapes; a scalar's [] and [1] count as one (scales are saved either way)."""
+    return tuple(a) == tuple(b) or math.prod(a) == math.prod(b) == 1
 
 
 # the quantization_config fields that decide which tensors a checkpoint holds and how (not the

@@ -107,6 +107,16 @@ def test_refusals(ckpts, checkpoint, tmp_path):
     with pytest.raises(ValueError, match="lacks weights for"):
         llm.update_weights_from_disk(str(partial))
     assert greedy(llm) == want[a]
+    # a tensor of another shape (the config agrees): refused before any tensor is copied too
+    reshaped = tmp_path / "reshaped"
+    shutil.copytree(b, reshaped)
+    for f in glob.glob(f"{reshaped}/*.safetensors"):
+        sd = load_file(f)
+        sd[max(sd)] = sd[max(sd)][:1].contiguous()  # the last in file order
+        save_file(sd, f, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="shape"):
+        llm.update_weights_from_disk(str(reshaped))
+    assert greedy(llm) == want[a]
     for f in glob.glob(f"{partial}/*.safetensors"):  # truncated: a bad input (400), not a 500
         data = open(f, "rb").read()
         open(f, "wb").write(data[:len(data) // 2])
