@@ -158,7 +158,8 @@ def test_admin_routes_without_sleep_mode_are_400(models):
         # a level 1 sleep, vLLM's /sleep?tags=kv_cache as a sleep of everything, or
         # /wake_up?tag=weights as a wake-up of both would each do what was not asked
         for path, query in (("/sleep", "levle=2"), ("/sleep", "tags=kv_cache"), ("/sleep", "mode=abort"),
-                            ("/wake_up", "tag=weights")):
+                            ("/wake_up", "tag=weights"),
+                            ("/reset_prefix_cache", "reset_running_requests=true")):
             r = httpx.post(f"{s.url}{path}?{query}")
             name = query.partition("=")[0]
             assert r.status_code == 400 and name in r.json()["error"]["message"], (path, query, r.text)
