@@ -329,16 +329,20 @@ class EngineCore:
         from .weight_update import check_checkpoint
         self._check_weights("update the weights")
         check_checkpoint(self.cfg.model.model, model_path, self._checkpoint_shapes())
-        self.executor.collective_rpc("load_weights_from_disk", model_path)
-        self.reset_prefix_cache()
+        try:
+            self.executor.collective_rpc("load_weights_from_disk", model_path)
+        finally:  # also after a failure part way: some weights may have changed
+            self.reset_prefix_cache()
         return {"model_path": model_path}
 
     def reload_weights(self) -> list:
         """The weights the engine started with, again (its checkpoint, or the same dummy
         weights): after sleep level 2, when no new weights are coming. One None per rank."""
         self._check_weights("reload the weights")
-        results = self.executor.collective_rpc("reload_weights")
-        self.reset_prefix_cache()
+        try:
+            results = self.executor.collective_rpc("reload_weights")
+        finally:
+            self.reset_prefix_cache()
         return results
 
     COLLECTIVE_RPC = ("reload_weights",)
@@ -399,9 +403,11 @@ class EngineCore:
                 except (ValueError, RuntimeError):  # no such group: nothing is sent to this one
                     pass
             raise
-        unused = self.executor.collective_rpc("update_weights_from_distributed", names, dtypes,
-                                              shapes, group_name)
-        self.reset_prefix_cache()
+        try:
+            unused = self.executor.collective_rpc("update_weights_from_distributed", names, dtypes,
+                                                  shapes, group_name)
+        finally:  # also after a failure part way: some weights may have changed
+            self.reset_prefix_cache()
         nowhere = sorted(set.intersection(*(set(u) for u in unused))) if unused else []
         if nowhere:  # received, but no rank has such a parameter
             raise ValueError(f"no parameter takes these weights: {nowhere[:5]}"

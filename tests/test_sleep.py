@@ -350,3 +350,28 @@ def test_trainer_weights_refused_by_name_or_shape_leave_the_model_and_trainer_wh
     assert greedy(llm) == want
     trainer.todo.put(None)
     llm.destroy_weights_update_group()
+
+
+def test_an_update_that_fails_part_way_still_resets_the_prefix_cache():
+    """Dummy weights (no checkpoint to check shapes against): a bad tensor is found while
+    loading, after earlier ones were loaded; the prefix cache is reset all the same, so no
+    prefix computed with the old weights is reused with the new ones."""
+    from safetensors.torch import load_file
+    from test_server import free_port
+    llm = LLM(str(STORIES_EMBEDDED), load_format="dummy", **SMALL)
+    prompt = {"prompt_token_ids": list(range(3, 40))}
+    llm.generate(prompt, SP)
+    assert llm.generate(prompt, SP)[0].num_cached_tokens > 0
+    port = free_port()
+    trainer = ThreadTrainer(port)
+    llm.init_weights_update_group("127.0.0.1", port, rank_offset=1, world_size=2, backend="gloo")
+    embed = load_file(str(STORIES_EMBEDDED / "model.safetensors"))["model.embed_tokens.weight"]
+    tensors = [embed, torch.zeros(3, 3)]
+    trainer.todo.put(tensors)
+    with pytest.raises(ValueError, match="q_proj.weight: has shape"):
+        llm.update_weights_from_distributed(["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"],
+                                            ["float32"] * 2, [list(t.shape) for t in tensors])
+    assert trainer.result() is None
+    trainer.todo.put(None)
+    llm.destroy_weights_update_group()
+    assert llm.generate(prompt, SP)[0].num_cached_tokens == 0
