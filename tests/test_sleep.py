@@ -251,8 +251,12 @@ def test_host_tier_survives_sleep_level_1_not_2():
               kv_offload_size=0.01, enable_sleep_mode=True)
     llm.generate({"prompt_token_ids": shared[::-1]}, sp)  # copied out in the next step's plan
     first = llm.generate({"prompt_token_ids": shared}, sp)[0].outputs[0].token_ids
+    sleep_state = llm.engine.executor.rpc.sleep_state
     for level, cached in ((1, 48), (2, 0)):
         llm.sleep(level)
+        # level 1 holds the weights' copy in (pinned) host memory; level 2 none (vLLM's level 2
+        # is for minimal host memory): the copy kept from an earlier level 1 sleep goes too
+        assert (sleep_state.backup is not None) == (level == 1)
         if level == 2:  # the weights were discarded: load them again
             llm.wake_up(["weights"])
             llm.update_weights_from_disk(str(STORIES_EMBEDDED))
