@@ -275,8 +275,9 @@ class EngineCore:
         The device tier of the prefix cache goes with the KV cache; the host tier stays at
         level 1 (its contents are still valid) and goes at level 2. Asleep already: a no-op."""
         self._check_sleep_mode()
-        if level not in (1, 2):
+        if isinstance(level, bool) or level not in (1, 2):
             raise ValueError(f"level must be 1 or 2, got {level!r}")
+        level = int(level)
         self._check_idle("sleep")
         if self.asleep:
             return {"is_sleeping": True, "level": self.sleep_level}
@@ -297,7 +298,7 @@ class EngineCore:
         captured again once both are back."""
         self._check_sleep_mode()
         from .sleep import TAGS
-        tags = list(TAGS) if tags is None else list(tags)
+        tags = list(TAGS) if tags is None else [tags] if isinstance(tags, str) else list(tags)
         bad = [t for t in tags if t not in TAGS]
         if bad or not tags:
             raise ValueError(f"tags must be some of {', '.join(TAGS)}, got {tags!r}")

@@ -128,6 +128,11 @@ def test_refusals(ckpts, checkpoint, tmp_path):
         llm.sleep(3)
     with pytest.raises(ValueError, match="tags must be"):
         llm.wake_up(["weights", "gpu"])
+    with pytest.raises(ValueError, match="level must be 1 or 2, got True"):
+        llm.sleep(True)
+    llm.sleep(2)  # one tag as a string is that tag (vLLM's wake_up("weights") wakes the weights)
+    assert llm.wake_up("weights")["asleep"] == ["kv_cache"]
+    llm.wake_up()
     # busy: refused (not waited for, not aborted) until the requests are gone
     llm.engine.add_request(EngineCoreRequest("busy", [1, 2, 3], SP))
     with pytest.raises(EngineBusyError, match="1 request"):
