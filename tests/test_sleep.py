@@ -236,7 +236,7 @@ def test_prefix_evicted_to_the_host_tier_comes_back_identical(monkeypatch):
         return [(o.outputs[0].token_ids, o.num_cached_tokens) for o in outs], llm.engine.scheduler.stats()
 
     plain, s0 = run()
-    tiered, s1 = run(kv_offload_size=0.01)
+    tiered, s1 = run(kv_offloading_size=0.01)  # (vLLM's name of --kv-offload-size)
     assert [t for t, _ in tiered] == [t for t, _ in plain]
     assert plain[-1][1] == 0  # the 8-block device tier lost the shared prefix
     assert tiered[-1][1] == 48  # ... the host tier had it: 3 blocks copied back (the last token
