@@ -111,6 +111,9 @@ class UpdateWeightsFromDistributedRequest(_Body):
         return self
 
 
+COLLECTIVE_RPC = ("reload_weights",)  # EngineCore.COLLECTIVE_RPC (not imported: torch)
+
+
 class CollectiveRPCRequest(_Body):  # vLLM's /collective_rpc, for its sleep-mode flow
     method: str
     args: list = Field(default_factory=list)
@@ -159,8 +162,13 @@ def add_admin_routes(app: FastAPI, client: EngineClient, metrics: Metrics) -> No
     async def collective_rpc(req: CollectiveRPCRequest):
         """`{"method": "reload_weights"}` after a level 2 sleep and /wake_up?tags=weights: the
         weights the engine started with, loaded in place on every rank (vLLM's flow)."""
-        return {"results": await admin("collective_rpc", method=req.method, args=req.args,
-                                       kwargs=req.kwargs)}
+        if req.method not in COLLECTIVE_RPC:  # (checked here too: nothing odd goes to the engine)
+            raise APIError(f"collective_rpc: method {req.method!r} is not supported (rankserve "
+                           f"runs {', '.join(COLLECTIVE_RPC)} only)", param="method")
+        if req.args or req.kwargs:
+            raise APIError(f"collective_rpc: {req.method} takes no arguments",
+                           param="args" if req.args else "kwargs")
+        return {"results": await admin("collective_rpc", method=req.method)}
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(req: UpdateWeightsFromDiskRequest):
