@@ -396,8 +396,9 @@ class EngineCore:
             self._check_trainer_tensors(names, shapes, group_name)
         except (ValueError, EngineBusyError):
             # the announced tensors are received all the same (and dropped), so that the
-            # trainer's broadcasts complete instead of waiting out the group's timeout
-            if not self.in_flight:
+            # trainer's broadcasts complete instead of waiting out the group's timeout (not
+            # while pipeline stages hold steps: those ranks are not free for a call)
+            if not self.in_flight or self.executor.max_in_flight == 1:
                 try:
                     self.executor.collective_rpc("update_weights_from_distributed", names, dtypes,
                                                  shapes, group_name, False)

@@ -320,7 +320,7 @@ def test_trainer_weights_refused_by_name_or_shape_leave_the_model_and_trainer_wh
     `lm_head.weight` and a rotary `inv_freq` (in a trainer's state_dict()) are taken (skipped)."""
     from safetensors.torch import load_file
     from test_server import free_port
-    llm = LLM(str(STORIES_EMBEDDED), enable_sleep_mode=True, **SMALL)
+    llm = LLM(str(STORIES_EMBEDDED), enable_sleep_mode=True, async_scheduling=True, **SMALL)
     want = greedy(llm)
     sd = load_file(str(STORIES_EMBEDDED / "model.safetensors"))
     port = free_port()
@@ -345,6 +345,8 @@ def test_trainer_weights_refused_by_name_or_shape_leave_the_model_and_trainer_wh
         assert greedy(llm) == want  # nothing was loaded
     # refused while requests run (409) or the weights sleep: received all the same
     llm.engine.add_request(EngineCoreRequest("busy", [1, 2, 3], SP))
+    llm.engine.step()
+    assert llm.engine.in_flight  # (async scheduling: a step of it still running)
     trainer.todo.put([other])
     with pytest.raises(EngineBusyError):
         llm.update_weights_from_distributed([embed], ["float32"], [list(other.shape)])
