@@ -293,7 +293,7 @@ class OffloadConfig:
                                   "the device memory of weights and KV cache between uses")
     kv_offload_size: float = opt(0.0, "GiB of pinned host memory (all ranks together) for a host "
                                  "tier of the prefix cache: evicted blocks are kept there and "
-                                 "copied back on a hit (0: off)")
+                                 "copied back on a hit (0: off)", alias="kv_offloading_size")
 
     def validate(self):
         _check(0 <= self.kv_offload_size < math.inf, "kv_offload_size", "a finite number >= 0",

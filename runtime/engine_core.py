@@ -61,6 +61,7 @@ class EngineCore:
         # the quant_method of a checkpoint that stores quantized weights (not one quantized at
         # load time): weight updates from a trainer cannot replace them
         self._quantized_in_checkpoint = quant_layout(hf_config).get("quant_method")
+        self._ckpt_shapes: dict | None = None  # (_checkpoint_shapes)
         recurrent = has_recurrent_state(hf_config)
         if recurrent:  # refused before the KV cache, host tier and CUDA graphs are made
             if cfg.offload.kv_offload_size:
@@ -302,11 +303,18 @@ class EngineCore:
         The device tier of the prefix cache goes with the KV cache; the host tier stays at
         level 1 (its contents are still valid) and goes at level 2. Asleep already: a no-op."""
         self._check_sleep_mode()
-        if level not in (1, 2):
+        if isinstance(level, bool) or level not in (1, 2):
             raise ValueError(f"level must be 1 or 2, got {level!r}")
+        level = int(level)
         self._check_idle("sleep")
         if self.asleep:
             return {"is_sleeping": True, "level": self.sleep_level}
+        offload = self.scheduler.kv.offload
+        if level == 1 and offload is not None:  # blocks freed since the last step: copied out
+            offload.begin_step()  # now (no later step will), so the host tier keeps them too
+            to_host, _, _ = offload.take_copies()
+            if to_host:
+                self.executor.collective_rpc("copy_kv_to_host", to_host)
         self.scheduler.kv.reset_prefix_cache(host=level == 2)
         ranks = self.executor.collective_rpc("sleep", level)
         self.asleep, self.sleep_level = {"weights", "kv_cache"}, level
@@ -318,7 +326,7 @@ class EngineCore:
         captured again once both are back."""
         self._check_sleep_mode()
         from .sleep import TAGS
-        tags = list(TAGS) if tags is None else list(tags)
+        tags = list(TAGS) if tags is None else [tags] if isinstance(tags, str) else list(tags)
         bad = [t for t in tags if t not in TAGS]
         if bad or not tags:
             raise ValueError(f"tags must be some of {', '.join(TAGS)}, got {tags!r}")
@@ -349,18 +357,34 @@ class EngineCore:
         cache is reset (both tiers)."""
         from .weight_update import check_checkpoint
         self._check_weights("update the weights")
-        check_checkpoint(self.cfg.model.model, model_path)
-        self.executor.collective_rpc("load_weights_from_disk", model_path)
-        self.reset_prefix_cache()
+        check_checkpoint(self.cfg.model.model, model_path, self._checkpoint_shapes())
+        try:
+            self.executor.collective_rpc("load_weights_from_disk", model_path)
+        finally:  # also after a failure part way: some weights may have changed
+            self.reset_prefix_cache()
         return {"model_path": model_path}
 
-    def reload_weights(self) -> dict:
+    def reload_weights(self) -> list:
         """The weights the engine started with, again (its checkpoint, or the same dummy
-        weights): after sleep level 2, when no new weights are coming."""
+        weights): after sleep level 2, when no new weights are coming. One None per rank."""
         self._check_weights("reload the weights")
-        self.executor.collective_rpc("reload_weights")
-        self.reset_prefix_cache()
-        return {}
+        try:
+            results = self.executor.collective_rpc("reload_weights")
+        finally:
+            self.reset_prefix_cache()
+        return results
+
+    COLLECTIVE_RPC = ("reload_weights",)
+
+    def collective_rpc(self, method: str, args=(), kwargs=None) -> list:
+        """vLLM's `collective_rpc` for the worker methods its sleep-mode flow calls (level 2,
+        then `reload_weights`); rankserve runs no arbitrary worker methods."""
+        if method not in self.COLLECTIVE_RPC:
+            raise ValueError(f"collective_rpc: method {method!r} is not supported (rankserve "
+                             f"runs {', '.join(self.COLLECTIVE_RPC)} only)")
+        if args or kwargs:
+            raise ValueError(f"collective_rpc: {method} takes no arguments")
+        return getattr(self, method)()
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str = "weight_update_group",
@@ -386,33 +410,73 @@ class EngineCore:
         """Receive the named tensors from the trainer (broadcast from its rank 0, in this
         order) and load them on every rank; the prefix cache is reset (both tiers)."""
         from .weight_update import parse_dtype
-        self._check_weights("update the weights")
         if not (len(names) == len(dtypes) == len(shapes)):
             raise ValueError(f"names, dtypes and shapes differ in length ({len(names)}, "
                              f"{len(dtypes)}, {len(shapes)})")
         for d in dtypes:
             parse_dtype(d)
+        for s in shapes:
+            if not isinstance(s, (list, tuple)) or not all(isinstance(x, int) and x >= 0 for x in s):
+                raise ValueError(f"a shape must be a list of sizes >= 0, got {s!r}")
+        names, dtypes, shapes = list(names), list(dtypes), [list(s) for s in shapes]
+        try:  # refused before any tensor is loaded (not a half-updated model)
+            self._check_weights("update the weights")
+            self._check_trainer_tensors(names, shapes, group_name)
+        except (ValueError, EngineBusyError):
+            # the announced tensors are received all the same (and dropped), so that the
+            # trainer's broadcasts complete instead of waiting out the group's timeout (not
+            # while pipeline stages hold steps: those ranks are not free for a call)
+            if not self.in_flight or self.executor.max_in_flight == 1:
+                try:
+                    self.executor.collective_rpc("update_weights_from_distributed", names, dtypes,
+                                                 shapes, group_name, False)
+                except (ValueError, RuntimeError):  # no such group: nothing is sent to this one
+                    pass
+            raise
+        try:
+            unused = self.executor.collective_rpc("update_weights_from_distributed", names, dtypes,
+                                                  shapes, group_name)
+        finally:  # also after a failure part way: some weights may have changed
+            self.reset_prefix_cache()
+        nowhere = sorted(set.intersection(*(set(u) for u in unused))) if unused else []
+        if nowhere:  # received, but no rank has such a parameter
+            raise ValueError(f"no parameter takes these weights: {nowhere[:5]}"
+                             f"{' ...' if len(nowhere) > 5 else ''}")
+        return {"num_tensors": len(names)}
+
+    def _check_trainer_tensors(self, names: list[str], shapes: list, group_name: str) -> None:
+        """ValueError unless every rank's model can take these tensors."""
         if self._quantized_in_checkpoint:
-            # a trainer sends 16-bit tensors: the checkpoint's fp8 / 4-bit layers cannot take
-            # them (an error part way would leave the model half updated and the trainer
-            # broadcasting to no one); refused before the first broadcast
+            # a trainer sends 16-bit tensors: the checkpoint's fp8 / 4-bit layers cannot take them
             raise ValueError(f"update_weights_from_distributed: the running model's weights are "
                              f"quantized in its checkpoint ({self._quantized_in_checkpoint}), which a "
                              "trainer's 16-bit tensors cannot replace; start from the 16-bit "
                              "checkpoint with --quantization fp8 (updates are quantized as they "
                              "arrive), or use update_weights_from_disk with a checkpoint in the "
                              "running format")
-        for s in shapes:
-            if not isinstance(s, (list, tuple)) or not all(isinstance(x, int) and x >= 0 for x in s):
-                raise ValueError(f"a shape must be a list of sizes >= 0, got {s!r}")
-        unused = self.executor.collective_rpc("update_weights_from_distributed", list(names),
-                                              list(dtypes), [list(s) for s in shapes], group_name)
-        self.reset_prefix_cache()
-        nowhere = sorted(set.intersection(*(set(u) for u in unused))) if unused else []
-        if nowhere:  # received, but no rank has such a parameter
-            raise ValueError(f"no parameter takes these weights: {nowhere[:5]}"
-                             f"{' ...' if len(nowhere) > 5 else ''}")
-        return {"num_tensors": len(names)}
+        from .weight_update import same_shape
+        untaken = self.executor.collective_rpc("untaken_weight_names", names, group_name)
+        nowhere = sorted(set.intersection(*(set(u) for u in untaken))) if untaken else []
+        expected = self._checkpoint_shapes()
+        wrong = [f"{n}: shape {s}, the model's checkpoint has {list(expected[n])}"
+                 for n, s in zip(names, shapes) if n in expected and not same_shape(s, expected[n])]
+        if nowhere or wrong:
+            raise ValueError("update_weights_from_distributed: nothing was loaded: " + "; ".join(
+                wrong[:5] + ([f"no parameter takes these weights: {nowhere[:5]}"
+                              f"{' ...' if len(nowhere) > 5 else ''}"] if nowhere else [])))
+
+    def _checkpoint_shapes(self) -> dict:
+        """The shapes of the tensors of the checkpoint the engine started from ({} with dummy
+        weights): what a trainer's tensors of those names must have."""
+        if self._ckpt_shapes is None:
+            from ..models.loader import checkpoint_shapes
+            self._ckpt_shapes = {}
+            if self.cfg.load.load_format != "dummy":
+                try:
+                    self._ckpt_shapes = checkpoint_shapes(self.cfg.model.model)
+                except Exception:  # noqa: BLE001 - no reference then; the loaders still check
+                    pass
+        return self._ckpt_shapes
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
         self.executor.collective_rpc("destroy_weights_update_group", group_name)

@@ -161,6 +161,16 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
 
+    def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None) -> list:
+        """vLLM's call on every rank, for its sleep-mode flow: `collective_rpc("reload_weights")`
+        after `sleep(2)` and `wake_up(["weights"])` loads the weights the engine started with;
+        other methods are refused (ValueError), as is a `timeout` (not implemented). One result
+        per rank."""
+        if timeout is not None:
+            raise ValueError("collective_rpc: timeout is not supported (the call runs to its end)")
+        return self.engine.collective_rpc(method, args, kwargs)
+
     def update_weights_from_disk(self, model_path: str) -> dict:
         """Load a checkpoint of the same architecture in place (every rank)."""
         return self.engine.update_weights_from_disk(model_path)

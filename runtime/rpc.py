@@ -6,12 +6,15 @@ the job down (a bad checkpoint path is the client's mistake, not a crash)."""
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
+
+import torch
 
 from .kv_offload import HostKVCache, bytes_per_block
 from .parallel import global_rank
 from .profiler import RankProfiler
 from .sleep import RunnerSleep
-from .weight_update import WeightsUpdateGroup, load_from_disk, receive_weights
+from .weight_update import WeightsUpdateGroup, load_from_disk, receive_weights, untaken_names
 
 log = logging.getLogger("rankserve.rpc")
 
@@ -43,11 +46,17 @@ class RunnerRPC:
         r = self.runner
         r.host_kv = HostKVCache(r.model, num_blocks, r.device) if num_blocks > 0 else None
 
-    # ---- profiling (runtime/profiler.py): not collective, it travels with the step plans ----
+    # ---- profiling (runtime/profiler.py) ------------------------------------------------------
     def rpc_profile(self, action: str, tag: str) -> str | None:
         if action == "start":
             return self.profiler.start(tag)
         return self.profiler.stop()
+
+    def rpc_copy_kv_to_host(self, to_host: list[tuple[int, int]]) -> None:
+        """Copies outside a step (before a sleep): (device block, host block) pairs."""
+        plan = SimpleNamespace(blocks_to_host=to_host, blocks_from_host=[], wait_for_copies=True)
+        with torch.inference_mode():  # as in a step (its staging buffer is an inference tensor)
+            self.runner.host_kv.run(plan)
 
     # ---- sleep mode -------------------------------------------------------------------------
     def rpc_sleep(self, level: int) -> dict:
@@ -80,13 +89,21 @@ class RunnerRPC:
                                                      rank_offset + self.rank, world_size,
                                                      group_name, backend)
 
+    def rpc_untaken_weight_names(self, names: list[str], group_name: str) -> list[str]:
+        self._group(group_name)
+        return untaken_names(self.runner.model, names)
+
     def rpc_update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list,
-                                            group_name: str) -> list[str]:
+                                            group_name: str, load: bool = True) -> list[str]:
+        return receive_weights(self.runner.model, self._group(group_name), names, dtypes, shapes,
+                               self.runner.device, load)
+
+    def _group(self, group_name: str) -> WeightsUpdateGroup:
         group = self.groups.get(group_name)
         if group is None:
             raise ValueError(f"no weight-update group named {group_name!r} "
                              "(POST /init_weights_update_group first)")
-        return receive_weights(self.runner.model, group, names, dtypes, shapes, self.runner.device)
+        return group
 
     def rpc_destroy_weights_update_group(self, group_name: str) -> None:
         group = self.groups.pop(group_name, None)

@@ -74,7 +74,7 @@ class RunnerSleep:
         self.level = 0
         self.storages: list[_Storage] = []
         self.had_graphs = False
-        self.backup: HostBuffer | None = None  # level 1's host copy, kept for the next sleep
+        self.backup: HostBuffer | None = None  # level 1's host copy, kept for the next level 1
 
     # ---- sleep ------------------------------------------------------------------------------
     def sleep(self, level: int) -> dict:
@@ -85,6 +85,9 @@ class RunnerSleep:
         before, used_before = device_bytes(r.device), device_used(r.device)
         self._drop_graphs()
         self._drop_kv_cache()
+        if level == 2 and self.backup is not None:  # no host copy at level 2: an earlier level
+            self.backup.release()  # 1 sleep's buffer goes too (level 2 is for host memory too)
+            self.backup = None
         self.storages = _release_parameters(r.model, r.device, self._backup if level == 1 else None)
         self.asleep, self.level = set(TAGS), level
         _return_memory(r.device)

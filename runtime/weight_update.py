@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import math
 import os
 
 import torch
@@ -37,8 +38,9 @@ def parse_dtype(name) -> torch.dtype:
     return DTYPES[key]
 
 
-def check_checkpoint(current_model_dir: str, model_path: str) -> None:
-    """ValueError unless `model_path` is a safetensors checkpoint of the running architecture."""
+def check_checkpoint(current_model_dir: str, model_path: str, expected: dict | None = None) -> None:
+    """ValueError unless `model_path` is a safetensors checkpoint of the running architecture
+    (and, given the running checkpoint's tensor shapes `expected`, its tensors have them)."""
     from ..models.loader import load_hf_config
     if not isinstance(model_path, str) or not os.path.isdir(model_path):
         raise ValueError(f"model_path {model_path!r} is not a directory")
@@ -48,7 +50,7 @@ def check_checkpoint(current_model_dir: str, model_path: str) -> None:
         raise ValueError(f"model_path {model_path!r} has no *.safetensors files")
     from ..models.loader import checkpoint_shapes
     try:  # the headers of every file (a truncated one is the caller's error, found here)
-        checkpoint_shapes(model_path)
+        shapes = checkpoint_shapes(model_path)
     except Exception as e:  # noqa: BLE001 - safetensors' own error type
         raise ValueError(f"model_path {model_path!r}: cannot read its weights: {e}") from None
     old, new = load_hf_config(current_model_dir), load_hf_config(model_path)
@@ -66,6 +68,16 @@ def check_checkpoint(current_model_dir: str, model_path: str) -> None:
     if x != y:
         raise ValueError(f"model_path {model_path!r} is quantized differently from the running model "
                          f"(quantization_config {y or 'none: 16-bit'}; running: {x or 'none: 16-bit'})")
+    wrong = [f"{n} is {list(s)} (running: {list(expected[n])})" for n, s in shapes.items()
+             if expected and n in expected and not same_shape(s, expected[n])]
+    if wrong:  # found before any tensor is copied: a load failing on it leaves a mix of both
+        raise ValueError(f"model_path {model_path!r}: tensors of another shape: {', '.join(wrong[:5])}"
+                         f"{' ...' if len(wrong) > 5 else ''}")
+
+
+def same_shape(a, b) -> bool:
+    """Equal shapes; a scalar's [] and [1] count as one (scales are saved either way)."""
+    return tuple(a) == tuple(b) or math.prod(a) == math.prod(b) == 1
 
 
 # the quantization_config fields that decide which tensors a checkpoint holds and how (not the
@@ -94,10 +106,12 @@ def load_from_disk(model, model_path: str) -> int:
 
 def load_tensor(model, params: dict, name: str, tensor: torch.Tensor) -> bool:
     """Copy this rank's share of checkpoint tensor `name` into the model (as the safetensors
-    loader does); False if no parameter of this rank takes it."""
-    used = False
+    loader does); False if no parameter of this rank takes it (True for a name the model skips
+    on purpose: a tied `lm_head.weight`, a rotary `inv_freq`)."""
+    targets = model.map_weight(name)
+    used = not targets
     with torch.no_grad():
-        for target, shard in model.map_weight(name):
+        for target, shard in targets:
             param = params.get(target)
             if param is None:  # another pipeline stage's layer, or unused
                 continue
@@ -168,18 +182,37 @@ def trainer_group(master_address: str, master_port: int, world_size: int,
     return WeightsUpdateGroup(master_address, master_port, 0, world_size, group_name, backend, timeout_s)
 
 
+def untaken_names(model, names: list[str]) -> list[str]:
+    """The names no parameter of this rank takes (a name the model skips on purpose, such as a
+    tied `lm_head.weight` or a rotary `inv_freq`, is taken)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    return [n for n in names if (targets := model.map_weight(n))
+            and not any(t in params for t, _ in targets)]
+
+
 def receive_weights(model, group: WeightsUpdateGroup, names: list[str], dtypes: list,
-                    shapes: list[list[int]], device: torch.device) -> list[str]:
-    """Receive each tensor from the trainer and load it; returns the names no parameter of this
-    rank took."""
+                    shapes: list[list[int]], device: torch.device, load: bool = True) -> list[str]:
+    """Receive each tensor from the trainer and load it (`load` False: receive only, so that a
+    refused update leaves no broadcast of the trainer waiting); returns the names no parameter
+    of this rank took. A tensor that fails to load stops the loading, not the receiving."""
     from ..models.loader import finalize_weights
     params = dict(model.named_parameters(remove_duplicate=False))
-    unused = []
+    unused, failed = [], None
     for name, dtype, shape in zip(names, dtypes, shapes):
         t = torch.empty(tuple(shape), dtype=parse_dtype(dtype), device=group.device)
         group.broadcast(t, src=0)
-        if not load_tensor(model, params, name, t.to(device) if t.device != device else t):
-            unused.append(name)
+        if not load or failed:
+            continue
+        try:
+            if not load_tensor(model, params, name, t.to(device) if t.device != device else t):
+                unused.append(name)
+        except (ValueError, RuntimeError) as e:
+            failed = f"{name}: {e}"
+    if failed:
+        raise ValueError(f"{failed} (the tensors before it were loaded, those after it received "
+                         "but not loaded: send them all again)")
+    if not load:
+        return unused
     with torch.no_grad():  # what is derived from the weights once loaded (MLA's FP8 kv_b_proj)
         finalize_weights(model)
     if device.type == "cuda":

@@ -72,9 +72,18 @@ def test_sleep_wake_and_level2_weights_from_disk(ckpts):
     llm.wake_up(["kv_cache"])
     assert greedy(llm) == want[b]
 
-    # awake, and back to A without sleeping; the prefix cache was reset by each update
-    llm.update_weights_from_disk(a)
+    # vLLM's level 2 flow: the weights the engine started with (A), reloaded in place
+    llm.sleep(2)
+    llm.wake_up(["weights"])
+    assert llm.collective_rpc("reload_weights") == [None]
+    llm.wake_up(["kv_cache"])
     assert greedy(llm) == want[a]
+    with pytest.raises(ValueError, match="'load_model'.*reload_weights"):
+        llm.collective_rpc("load_model")
+
+    # awake, and back to B without sleeping; the prefix cache was reset by each update
+    llm.update_weights_from_disk(b)
+    assert greedy(llm) == want[b]
 
 
 def test_refusals(ckpts, checkpoint, tmp_path):
@@ -98,6 +107,16 @@ def test_refusals(ckpts, checkpoint, tmp_path):
     with pytest.raises(ValueError, match="lacks weights for"):
         llm.update_weights_from_disk(str(partial))
     assert greedy(llm) == want[a]
+    # a tensor of another shape (the config agrees): refused before any tensor is copied too
+    reshaped = tmp_path / "reshaped"
+    shutil.copytree(b, reshaped)
+    for f in glob.glob(f"{reshaped}/*.safetensors"):
+        sd = load_file(f)
+        sd[max(sd)] = sd[max(sd)][:1].contiguous()  # the last in file order
+        save_file(sd, f, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="shape"):
+        llm.update_weights_from_disk(str(reshaped))
+    assert greedy(llm) == want[a]
     for f in glob.glob(f"{partial}/*.safetensors"):  # truncated: a bad input (400), not a 500
         data = open(f, "rb").read()
         open(f, "wb").write(data[:len(data) // 2])
@@ -109,6 +128,11 @@ def test_refusals(ckpts, checkpoint, tmp_path):
         llm.sleep(3)
     with pytest.raises(ValueError, match="tags must be"):
         llm.wake_up(["weights", "gpu"])
+    with pytest.raises(ValueError, match="level must be 1 or 2, got True"):
+        llm.sleep(True)
+    llm.sleep(2)  # one tag as a string is that tag (vLLM's wake_up("weights") wakes the weights)
+    assert llm.wake_up("weights")["asleep"] == ["kv_cache"]
+    llm.wake_up()
     # busy: refused (not waited for, not aborted) until the requests are gone
     llm.engine.add_request(EngineCoreRequest("busy", [1, 2, 3], SP))
     with pytest.raises(EngineBusyError, match="1 request"):
@@ -212,7 +236,7 @@ def test_prefix_evicted_to_the_host_tier_comes_back_identical(monkeypatch):
         return [(o.outputs[0].token_ids, o.num_cached_tokens) for o in outs], llm.engine.scheduler.stats()
 
     plain, s0 = run()
-    tiered, s1 = run(kv_offload_size=0.01)
+    tiered, s1 = run(kv_offloading_size=0.01)  # (vLLM's name of --kv-offload-size)
     assert [t for t, _ in tiered] == [t for t, _ in plain]
     assert plain[-1][1] == 0  # the 8-block device tier lost the shared prefix
     assert tiered[-1][1] == 48  # ... the host tier had it: 3 blocks copied back (the last token
@@ -222,23 +246,28 @@ def test_prefix_evicted_to_the_host_tier_comes_back_identical(monkeypatch):
 
 
 def test_host_tier_survives_sleep_level_1_not_2():
-    """Level 1 keeps the host tier (the weights do not change); level 2 clears it."""
+    """Level 1 keeps the host tier (the weights do not change), with the blocks of the request
+    that finished just before the sleep (freed, their copies not made by a later step yet);
+    level 2 clears it."""
     rng = random.Random(1)
     shared = [rng.randrange(3, 500) for _ in range(64)]
     sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm = LLM(str(STORIES_EMBEDDED), num_gpu_blocks_override=8, block_size=16, max_model_len=128,
               kv_offload_size=0.01, enable_sleep_mode=True)
+    llm.generate({"prompt_token_ids": shared[::-1]}, sp)  # copied out in the next step's plan
     first = llm.generate({"prompt_token_ids": shared}, sp)[0].outputs[0].token_ids
-    llm.generate({"prompt_token_ids": [5, 6, 7]}, sp)  # a step after the free: the copies run
+    sleep_state = llm.engine.executor.rpc.sleep_state
     for level, cached in ((1, 48), (2, 0)):
         llm.sleep(level)
+        # level 1 holds the weights' copy in (pinned) host memory; level 2 none (vLLM's level 2
+        # is for minimal host memory): the copy kept from an earlier level 1 sleep goes too
+        assert (sleep_state.backup is not None) == (level == 1)
         if level == 2:  # the weights were discarded: load them again
             llm.wake_up(["weights"])
             llm.update_weights_from_disk(str(STORIES_EMBEDDED))
         llm.wake_up()
         o = llm.generate({"prompt_token_ids": shared}, sp)[0]
         assert o.outputs[0].token_ids == first and o.num_cached_tokens == cached, level
-        llm.generate({"prompt_token_ids": [5, 6, 7]}, sp)
 
 
 def test_sleep_right_after_a_run_ahead_step():
@@ -254,3 +283,106 @@ def test_sleep_right_after_a_run_ahead_step():
     llm.sleep(1)
     llm.wake_up()
     assert llm.generate("Once upon a time", sp)[0].outputs[0].token_ids == want
+
+
+class ThreadTrainer:
+    """A trainer in a thread of this process (gloo): each `send(tensors)` broadcasts them in
+    order while the engine receives; `result()` is None once they all went out, else the error."""
+
+    def __init__(self, port: int):
+        import queue
+        import threading
+        from rankserve.runtime.weight_update import trainer_group
+        self.todo, self.done = queue.Queue(), queue.Queue()
+
+        def run():
+            group = trainer_group("127.0.0.1", port, 2, backend="gloo", timeout_s=20)
+            while (tensors := self.todo.get()) is not None:
+                try:
+                    for t in tensors:
+                        group.broadcast(t, 0)
+                    self.done.put(None)
+                except RuntimeError as e:
+                    self.done.put(str(e))
+            group.destroy()
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def result(self, timeout: float = 10):
+        return self.done.get(timeout=timeout)
+
+
+def test_trainer_weights_refused_by_name_or_shape_leave_the_model_and_trainer_whole():
+    """A tensor of the wrong shape or one no parameter takes is refused (a 400 naming it)
+    before any tensor is loaded, as is an update while requests run or the weights sleep, and
+    every announced tensor is still received, so the trainer's
+    broadcasts complete instead of waiting out the group's timeout. A tied model's
+    `lm_head.weight` and a rotary `inv_freq` (in a trainer's state_dict()) are taken (skipped)."""
+    from safetensors.torch import load_file
+    from test_server import free_port
+    llm = LLM(str(STORIES_EMBEDDED), enable_sleep_mode=True, async_scheduling=True, **SMALL)
+    want = greedy(llm)
+    sd = load_file(str(STORIES_EMBEDDED / "model.safetensors"))
+    port = free_port()
+    trainer = ThreadTrainer(port)
+    llm.init_weights_update_group("127.0.0.1", port, rank_offset=1, world_size=2, backend="gloo")
+    embed = "model.embed_tokens.weight"
+    sd["lm_head.weight"] = sd[embed]
+    sd["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
+    names = sorted(sd)
+    trainer.todo.put([sd[n] for n in names])
+    llm.update_weights_from_distributed(names, ["float32"] * len(names), [list(sd[n].shape) for n in names])
+    assert trainer.result() is None
+    other = sd[embed] + 1.0  # weights that would change the output
+    q = "model.layers.0.self_attn.q_proj.weight"
+    for names, tensors, error in (
+            ([embed, q], [other, torch.zeros(3, 3)], f"{q}: shape \\[3, 3\\]"),
+            ([embed, "model.layers.0.mlp.bogus.weight"], [other, torch.zeros(3)], "no parameter takes")):
+        trainer.todo.put(tensors)
+        with pytest.raises(ValueError, match=error):
+            llm.update_weights_from_distributed(names, ["float32"] * 2, [list(t.shape) for t in tensors])
+        assert trainer.result() is None  # every broadcast went out
+        assert greedy(llm) == want  # nothing was loaded
+    # refused while requests run (409) or the weights sleep: received all the same
+    llm.engine.add_request(EngineCoreRequest("busy", [1, 2, 3], SP))
+    llm.engine.step()
+    assert llm.engine.in_flight  # (async scheduling: a step of it still running)
+    trainer.todo.put([other])
+    with pytest.raises(EngineBusyError):
+        llm.update_weights_from_distributed([embed], ["float32"], [list(other.shape)])
+    assert trainer.result() is None
+    llm.engine.abort_requests(["busy"])
+    llm.sleep(1)
+    trainer.todo.put([other])
+    with pytest.raises(ValueError, match="weights are asleep"):
+        llm.update_weights_from_distributed([embed], ["float32"], [list(other.shape)])
+    assert trainer.result() is None
+    llm.wake_up()
+    assert greedy(llm) == want
+    trainer.todo.put(None)
+    llm.destroy_weights_update_group()
+
+
+def test_an_update_that_fails_part_way_still_resets_the_prefix_cache():
+    """Dummy weights (no checkpoint to check shapes against): a bad tensor is found while
+    loading, after earlier ones were loaded; the prefix cache is reset all the same, so no
+    prefix computed with the old weights is reused with the new ones."""
+    from safetensors.torch import load_file
+    from test_server import free_port
+    llm = LLM(str(STORIES_EMBEDDED), load_format="dummy", **SMALL)
+    prompt = {"prompt_token_ids": list(range(3, 40))}
+    llm.generate(prompt, SP)
+    assert llm.generate(prompt, SP)[0].num_cached_tokens > 0
+    port = free_port()
+    trainer = ThreadTrainer(port)
+    llm.init_weights_update_group("127.0.0.1", port, rank_offset=1, world_size=2, backend="gloo")
+    embed = load_file(str(STORIES_EMBEDDED / "model.safetensors"))["model.embed_tokens.weight"]
+    tensors = [embed, torch.zeros(3, 3)]
+    trainer.todo.put(tensors)
+    with pytest.raises(ValueError, match="q_proj.weight: has shape"):
+        llm.update_weights_from_distributed(["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"],
+                                            ["float32"] * 2, [list(t.shape) for t in tensors])
+    assert trainer.result() is None
+    trainer.todo.put(None)
+    llm.destroy_weights_update_group()
+    assert llm.generate(prompt, SP)[0].num_cached_tokens == 0

@@ -35,10 +35,24 @@ class WakeUpRequest(_Body):
     tags: list[str] | None = None
 
 
+# vLLM's newer arguments, refused with what to do instead
+UNSUPPORTED = {
+    ("/sleep", "tags"): " (sleeping single tags is not supported: level 1 or 2 sleeps both "
+                        "the weights and the KV cache; /wake_up takes tags)",
+    ("/sleep", "mode"): " (no abort / wait modes: a sleep needs an idle engine and is refused "
+                        "with a 409 while requests run; abort them or let them finish first)",
+}
+
+
 async def _json_args(request: Request, model: type[_Body], **query):
     """The call's arguments from the query and/or a JSON body (not ignored: a body's level 2
     read as the default 1 would keep the weights in host memory); the same one given both
     ways differently is a 400."""
+    for name in request.query_params:  # not ignored either: /sleep?levle=2 is no level 1 sleep
+        if name not in query:
+            hint = UNSUPPORTED.get((request.url.path, name), "")
+            raise APIError(f"unknown query parameter {name!r}: {request.url.path} takes "
+                           f"{', '.join(query)} only{hint}", param=name)
     raw = await request.body()
     try:
         body = model.model_validate(json.loads(raw)) if raw.strip() else model()
@@ -98,13 +112,23 @@ class UpdateWeightsFromDistributedRequest(_Body):
         return self
 
 
+COLLECTIVE_RPC = ("reload_weights",)  # EngineCore.COLLECTIVE_RPC (not imported: torch)
+
+
+class CollectiveRPCRequest(_Body):  # vLLM's /collective_rpc, for its sleep-mode flow
+    method: str
+    args: list = Field(default_factory=list)
+    kwargs: dict = Field(default_factory=dict)
+    timeout: None = None  # (not implemented: a value is refused)
+
+
 class DestroyWeightsUpdateGroupRequest(_Body):
     group_name: str = "weight_update_group"
 
 
 def add_admin_routes(app: FastAPI, client: EngineClient, metrics: Metrics) -> None:
-    async def admin(method: str, **kwargs):
-        reply = await client.call("admin", method, kwargs)
+    async def admin(call: str, /, **kwargs):
+        reply = await client.call("admin", call, kwargs)
         if reply["status"] != 200:
             raise APIError(reply["message"], reply["status"])
         return reply["result"]
@@ -144,6 +168,18 @@ def add_admin_routes(app: FastAPI, client: EngineClient, metrics: Metrics) -> No
     @app.get("/is_sleeping")
     async def is_sleeping():
         return {"is_sleeping": await admin("is_sleeping")}
+
+    @app.post("/collective_rpc")
+    async def collective_rpc(req: CollectiveRPCRequest):
+        """`{"method": "reload_weights"}` after a level 2 sleep and /wake_up?tags=weights: the
+        weights the engine started with, loaded in place on every rank (vLLM's flow)."""
+        if req.method not in COLLECTIVE_RPC:  # (checked here too: nothing odd goes to the engine)
+            raise APIError(f"collective_rpc: method {req.method!r} is not supported (rankserve "
+                           f"runs {', '.join(COLLECTIVE_RPC)} only)", param="method")
+        if req.args or req.kwargs:
+            raise APIError(f"collective_rpc: {req.method} takes no arguments",
+                           param="args" if req.args else "kwargs")
+        return {"results": await admin("collective_rpc", method=req.method)}
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(req: UpdateWeightsFromDiskRequest):

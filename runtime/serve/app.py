@@ -269,7 +269,11 @@ def build_app(ctx: ServeContext, metrics: Metrics, state: ServeState | None = No
         return Response(metrics.exposition(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
     @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache():
+    async def reset_prefix_cache(request: Request):
+        for name in request.query_params:  # vLLM's reset_running_requests / reset_external: not here
+            raise APIError(f"unknown query parameter {name!r}: /reset_prefix_cache takes none (the "
+                           "cache is reset only while no request holds blocks: {\"reset\": false} "
+                           "otherwise; running requests are not preempted for it)", param=name)
         return {"reset": await client.call("reset_prefix_cache")}
 
     # tokenization, chat templates and decoding run in ctx's threads, never on the event loop;

@@ -297,7 +297,7 @@ class EngineServer:
 
     ADMIN = ("start_profile", "stop_profile", "sleep", "wake_up", "is_sleeping",
              "update_weights_from_disk", "init_weights_update_group", "update_weights_from_distributed",
-             "destroy_weights_update_group")
+             "destroy_weights_update_group", "collective_rpc")
 
     def util_admin(self, method: str, kwargs: dict) -> dict:
         """Sleep mode and weight updates: {"status": HTTP status, "result" or "message"}
