@@ -13,6 +13,7 @@ import sys
 import time
 
 import httpx
+import torch
 import pytest
 from click.testing import CliRunner
 
@@ -181,3 +182,20 @@ def test_generate_profiler_config_prints_traces(tmp_path):
     traces = [x.split("trace: ", 1)[1] for x in r.stderr.splitlines() if x.startswith("trace: ")]
     assert len(traces) == 1
     check_trace(traces[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_profile_window_records_kernels(tmp_path):
+    """On CUDA (graphs captured): the trace holds the device's kernels, the table is sorted by
+    device time, and tokens are unchanged."""
+    llm = LLM(STORIES_EMBEDDED, profiler_config=torch_config(tmp_path, torch_profiler_with_stack=False))
+    want = [o.outputs[0].token_ids for o in llm.generate(["Once upon", "The cat"], GREEDY)]
+    llm.start_profile()
+    got = [o.outputs[0].token_ids for o in llm.generate(["Once upon", "The cat"], GREEDY)]
+    (trace,) = llm.stop_profile()["traces"]
+    assert got == want
+    with gzip.open(trace, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    assert any(e.get("cat") == "kernel" for e in events)
+    assert "Self CUDA" in open(trace.replace(".pt.trace.json.gz", ".txt")).read()

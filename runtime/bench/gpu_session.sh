@@ -77,6 +77,9 @@
 #                     block-FP8 MoE against its reference per tile config (session 16: its GPU test
 #                     failed at T = 64 / 1024 on an H100; benchmarks/2026-12-05-s16/moe_fp8_diag.py)
 #   thinktests        the thinking-token budget tests on CUDA (async scheduling, graphs: written on CPU)
+#   s17tests          session 17's, written on CPU: the thinking budget, the profiler's window on CUDA,
+#                     sleep mode (host-tier copy before sleep, level 2 freeing pinned weights), the
+#                     logprobs of accepted drafts
 #   s14tests          session 14's: the SwiGLU epilogue (kernel, engine tokens), the split-KV
 #                     decode that skips empty segments, the LPT decode order
 #   w1lpt             W1 with RANKSERVE_DECODE_LPT=1 (decode programs longest context first); compare
@@ -162,6 +165,9 @@ for stage in "$@"; do case $stage in
   moetests) run moetests 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_quant_kernels.py \
           tests/test_quant_moe_w4.py tests/test_kernels.py -k "fused_moe or moe_w4" ;;
   thinktests) run thinktests 200 python3 -m pytest -q -p no:cacheprovider tests/test_thinking_budget.py ;;
+  s17tests) run s17tests 400 python3 -m pytest -q -p no:cacheprovider tests/test_thinking_budget.py \
+          tests/test_gpu_sleep.py "tests/test_profiler.py::test_gpu_profile_window_records_kernels" \
+          "tests/test_spec_decode_edge.py::test_gpu_stop_in_draft_run_and_seed_beside_drafts" ;;
   moediag) run moediag 200 python3 benchmarks/2026-12-05-s16/moe_fp8_diag.py ;;
   layers) run layers 200 python3 benchmarks/2026-12-04-h200-s12/gemv_chain.py --mode layers \
           --out "$OUT/layers.json" ;;
