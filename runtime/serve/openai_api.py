@@ -400,6 +400,11 @@ async def chat_events(ctx: ServeContext, run: ChatRun, stream: RequestStream, ri
             continue
         lp = chat_logprobs(ctx, held[upd.index], top) if top is not None else None
         held[upd.index] = []
+        if finish is not None and "tool_calls" in delta:
+            # the finish_reason in a chunk of its own, as OpenAI: the SDK's stream helper closes
+            # a call (tool_calls.function.arguments.done) on the chunk after its last delta
+            yield chunk(upd.index, delta, None, lp, **ids)
+            delta, lp, ids = {}, None, {"token_ids": []} if ids else {}
         yield chunk(upd.index, delta, finish, lp, upd.stop_reason if finish else None, **ids)
     if req.include_usage:
         yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
