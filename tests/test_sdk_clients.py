@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+import anthropic
 import openai
 import pydantic
 import pytest
@@ -43,3 +44,24 @@ def test_chat_stream_helper_closes_a_forced_tool_call(client):
         assert [(e.index, e.name, e.parsed_arguments) for e in done] == \
             [(0, "GetWeather", call.function.parsed_arguments)], choice
         assert isinstance(call.function.parsed_arguments, GetWeather)
+
+
+def test_anthropic_models_list_and_retrieve(claude, server):
+    """The anthropic client's models API (it sends `anthropic-version`) gets Anthropic's shape:
+    `type`, `display_name`, `created_at` were missing (None in the client's ModelInfo, whose
+    fields they are) and the page had no `has_more`; a wrong id is Anthropic's 404 error."""
+    page = claude.models.list()
+    (m,) = page.data
+    assert (m.type, m.id, m.display_name) == ("model", "q", "q")
+    assert m.created_at.year >= 1970 and m.max_input_tokens == 1024
+    assert page.has_more is False and page.first_id == page.last_id == "q"
+    assert [x.id for x in claude.models.list()] == ["q"]  # auto-pagination ends
+    got = claude.models.retrieve("q")
+    assert (got.type, got.id, got.display_name, got.created_at) == \
+        ("model", "q", "q", m.created_at)
+    with pytest.raises(anthropic.NotFoundError) as e:
+        claude.models.retrieve("claude-9")
+    assert e.value.body["error"]["type"] == "not_found_error"
+    assert "claude-9" in e.value.body["error"]["message"]
+    assert openai.OpenAI(base_url=server.url + "/v1", api_key="none").models.list().data[0] \
+        .object == "model"  # the OpenAI shape without the header

@@ -18,6 +18,7 @@ TOOL_CHOICE_FIELDS = {"auto": {"disable_parallel_tool_use"}, "any": {"disable_pa
                       "tool": {"name", "disable_parallel_tool_use"}, "none": set()}
 THINKING_FIELDS = {"enabled": {"type", "budget_tokens"}, "disabled": {"type"}, "adaptive": {"type"}}
 MIN_THINKING_BUDGET = 1024  # Anthropic's
+UNKNOWN_RELEASE = "1970-01-01T00:00:00Z"  # Anthropic's `created_at` when the date is unknown
 
 
 def _text(content, where: str) -> str:
@@ -302,3 +303,18 @@ async def create_message(ctx: ServeContext, req: MessagesRequest):
 def count_tokens(ctx: ServeContext, req: CountTokensRequest) -> dict:
     ids, _ = _render(ctx, req)
     return {"input_tokens": len(ids)}
+
+
+def model_info(ctx: ServeContext, model_id: str | None = None) -> dict:
+    """GET /v1/models[/{id}] from the anthropic client (it sends `anthropic-version`): Anthropic's
+    ModelInfo; 404 for other ids."""
+    ctx.check_model(model_id)
+    lora = ctx.lora_for(model_id)
+    name = lora.lora_name if lora is not None else ctx.model_name
+    return {"type": "model", "id": name, "display_name": name, "created_at": UNKNOWN_RELEASE,
+            "lifecycle": "active", "max_input_tokens": ctx.client.model_info.get("max_model_len")}
+
+
+def model_list(ctx: ServeContext, names: list) -> dict:
+    data = [model_info(ctx, n) for n in names]
+    return {"data": data, "has_more": False, "first_id": data[0]["id"], "last_id": data[-1]["id"]}

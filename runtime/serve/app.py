@@ -286,14 +286,22 @@ def build_app(ctx: ServeContext, metrics: Metrics, state: ServeState | None = No
     # ---- /v1 ----------------------------------------------------------------------------------
     v1 = APIRouter(prefix="/v1", route_class=_JSONRoute)
 
+    # the anthropic client (it sends `anthropic-version`) reads Anthropic's model objects
     @v1.get("/models")
-    async def models():
-        return {"object": "list", "data": [openai_api.model_card(ctx)] + [
-            openai_api.model_card(ctx, name) for name in ctx.loras.adapters]}
+    async def models(request: Request):
+        names = [None, *ctx.loras.adapters]
+        if "anthropic-version" in request.headers:
+            return anthropic_api.model_list(ctx, names)
+        return {"object": "list", "data": [openai_api.model_card(ctx, n) for n in names]}
 
     @v1.get("/models/{model_id:path}")
-    async def model(model_id: str):
-        return openai_api.model_card(ctx, model_id)
+    async def model(model_id: str, request: Request):
+        if "anthropic-version" not in request.headers:
+            return openai_api.model_card(ctx, model_id)
+        try:
+            return anthropic_api.model_info(ctx, model_id)
+        except APIError as e:
+            return SafeJSONResponse(e.anthropic_body(), status_code=e.status)
 
     @v1.post("/load_lora_adapter")
     async def load_lora_adapter(req: LoadLoRAAdapterRequest):
