@@ -65,3 +65,16 @@ def test_anthropic_models_list_and_retrieve(claude, server):
     assert "claude-9" in e.value.body["error"]["message"]
     assert openai.OpenAI(base_url=server.url + "/v1", api_key="none").models.list().data[0] \
         .object == "model"  # the OpenAI shape without the header
+
+
+def test_web_search_options_is_refused(client):
+    """`web_search_options={}` turns web search on (OpenAI's documented call), so it is no no-op
+    to drop: a 400 naming it, as for any value but null."""
+    for value in ({}, {"search_context_size": "low"}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="q", messages=MESSAGES, max_tokens=2,
+                                           web_search_options=value)
+        assert e.value.param == "web_search_options" and "web_search_options" in e.value.message
+    r = client.chat.completions.create(model="q", messages=MESSAGES, max_tokens=2,
+                                       extra_body={"web_search_options": None})
+    assert r.usage.completion_tokens == 2

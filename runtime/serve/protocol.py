@@ -19,6 +19,7 @@ Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 Bool = StrictBool  # "stream": "yes" is an error, not true
 MAX_SEQS_PER_REQUEST = 256  # n × prompts: one request must not flood the queue
 NO_OP = (None, False, [], {}, "")  # values of unsupported fields that change nothing
+ON_WHEN_GIVEN = {"web_search_options"}  # fields whose mere presence ({} too) turns a feature on
 
 
 class APIError(Exception):
@@ -132,7 +133,7 @@ class Request(BaseModel):
         if not _utf8_clean(data):
             _check_text(data, "")
         for name in cls.UNSUPPORTED.keys() & data.keys():
-            if data[name] not in NO_OP:
+            if data[name] not in NO_OP or (name in ON_WHEN_GIVEN and data[name] is not None):
                 raise APIError(f"{name} is not supported by this server: "
                                f"{cls.UNSUPPORTED[name]}", param=name)
         # an explicit null is "not given" (OpenAI's optional fields are nullable, as vLLM's):
