@@ -78,3 +78,14 @@ def test_web_search_options_is_refused(client):
     r = client.chat.completions.create(model="q", messages=MESSAGES, max_tokens=2,
                                        extra_body={"web_search_options": None})
     assert r.usage.completion_tokens == 2
+
+
+def test_harmless_hints_pass_and_responses_echo_them(client):
+    """`prompt_cache_key` and `safety_identifier` (caching / abuse hints that change no token)
+    pass on chat as on Responses (chat said 'Extra inputs are not permitted'); a Response
+    echoes them and `user`, as OpenAI's does (they came back None)."""
+    hints = {"prompt_cache_key": "k1", "safety_identifier": "s1"}
+    r = client.chat.completions.create(model="q", messages=MESSAGES, max_tokens=2, **hints)
+    assert r.usage.completion_tokens == 2
+    r = client.responses.create(model="q", input="Hi", max_output_tokens=2, user="u1", **hints)
+    assert (r.prompt_cache_key, r.safety_identifier, r.user) == ("k1", "s1", "u1")

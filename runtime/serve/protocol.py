@@ -479,6 +479,8 @@ class ChatCompletionRequest(SamplingRequest):
     store: Literal[False] | None = None  # nothing is stored
     service_tier: str | None = None
     modalities: list[Literal["text"]] | None = None
+    safety_identifier: str | None = None  # hints that change no token (as on Responses)
+    prompt_cache_key: str | None = None
 
     def check_unsupported(self) -> None:
         super().check_unsupported()

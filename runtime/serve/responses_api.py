@@ -253,7 +253,9 @@ async def create_response(ctx: ServeContext, req: ResponsesRequest):
                 "temperature": params.temperature, "top_p": params.top_p,
                 "text": req.text or {"format": {"type": "text"}}, "tool_choice": req.tool_choice or "auto",
                 "tools": req.tools or [], "truncation": "disabled", "usage": usage,
-                "metadata": req.metadata or {}}
+                "metadata": req.metadata or {}, "user": req.user,
+                "safety_identifier": req.safety_identifier,
+                "prompt_cache_key": req.prompt_cache_key}
 
     def cut() -> bool:  # OpenAI: the item max_output_tokens ended is `incomplete` too
         return run.finish_reasons[0] == "length"
