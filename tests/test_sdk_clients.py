@@ -89,3 +89,41 @@ def test_harmless_hints_pass_and_responses_echo_them(client):
     assert r.usage.completion_tokens == 2
     r = client.responses.create(model="q", input="Hi", max_output_tokens=2, user="u1", **hints)
     assert (r.prompt_cache_key, r.safety_identifier, r.user) == ("k1", "s1", "u1")
+
+
+def test_stream_options_continuous_usage_and_obfuscation(client):
+    """vLLM's `stream_options.continuous_usage_stats`: every chunk carries the usage so far (its
+    choice's tokens); `include_obfuscation: false` (the openai client's option) changes nothing
+    here, `true` asks for padding the server does not add: a 400 naming it. Both were 400s."""
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client.chat.completions.create(model="q", messages=MESSAGES, max_tokens=6, n=2,
+                                                 stream=True, stream_options=opts))
+    *body, last = chunks
+    assert not last.choices and last.usage.completion_tokens == 12
+    seen = {0: 0, 1: 0}
+    for c in body:
+        u = c.usage
+        assert u.prompt_tokens == last.usage.prompt_tokens
+        assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+        assert u.completion_tokens >= seen[c.choices[0].index]
+        seen[c.choices[0].index] = u.completion_tokens
+    assert seen == {0: 6, 1: 6}
+    chunks = list(client.completions.create(model="q", prompt=["Hi", "Hello there"], max_tokens=3,
+                                            stream=True, stream_options=opts))
+    assert sorted(c.usage.completion_tokens for c in chunks if c.choices)[-2:] == [3, 3]
+    assert chunks[-1].usage.completion_tokens == 6
+    r = client.chat.completions.create(model="q", messages=MESSAGES, max_tokens=2, stream=True,
+                                       stream_options={"include_obfuscation": False})
+    assert sum(1 for c in r if c.choices and c.choices[0].finish_reason) == 1
+    r = client.responses.create(model="q", input="Hi", max_output_tokens=2, stream=True,
+                                stream_options={"include_obfuscation": False})
+    assert [e.type for e in r][-1] == "response.incomplete"
+    for call in (lambda **kw: client.chat.completions.create(model="q", messages=MESSAGES, **kw),
+                 lambda **kw: client.responses.create(model="q", input="Hi", **kw)):
+        with pytest.raises(openai.BadRequestError) as e:
+            call(stream=True, stream_options={"include_obfuscation": True})
+        assert "include_obfuscation" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="q", messages=MESSAGES, stream=True,
+                                       stream_options={"continuous_usage_stats": True})
+    assert "include_usage" in e.value.message

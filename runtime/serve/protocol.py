@@ -157,9 +157,27 @@ SAMPLING_UNSUPPORTED = {
 }
 
 
-class StreamOptions(BaseModel):
+class ResponsesStreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    include_obfuscation: Bool = False  # OpenAI's padding field: never added here
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.include_obfuscation:
+            raise ValueError("include_obfuscation=true is not supported: no obfuscation padding "
+                             "is added to stream events")
+        return self
+
+
+class StreamOptions(ResponsesStreamOptions):
     include_usage: Bool = False
+    continuous_usage_stats: Bool = False  # vLLM's: the usage so far on every chunk
+
+    @model_validator(mode="after")
+    def _check_usage(self):
+        if self.continuous_usage_stats and not self.include_usage:
+            raise ValueError("continuous_usage_stats needs include_usage=true")
+        return self
 
 
 class SamplingRequest(Request):
@@ -207,6 +225,10 @@ class SamplingRequest(Request):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def check_unsupported(self) -> None:
         if self.stream_options and not self.stream:
@@ -564,6 +586,7 @@ class ResponsesRequest(Request):
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     stream: Bool = False
+    stream_options: ResponsesStreamOptions | None = None
     reasoning: dict[str, Any] | None = None
     previous_response_id: str | None = None
     text: dict[str, Any] | None = None
@@ -577,6 +600,8 @@ class ResponsesRequest(Request):
     prompt_cache_key: str | None = None
 
     def check_unsupported(self) -> None:
+        if self.stream_options and not self.stream:
+            raise APIError("stream_options is only allowed with stream=true", param="stream_options")
         if self.store:
             raise APIError("store=true is not supported: responses are not stored", param="store")
         effort = (self.reasoning or {}).get("effort")
