@@ -127,3 +127,41 @@ def test_stream_options_continuous_usage_and_obfuscation(client):
         client.chat.completions.create(model="q", messages=MESSAGES, stream=True,
                                        stream_options={"continuous_usage_stats": True})
     assert "include_usage" in e.value.message
+
+
+PREFILLED = [{"role": "user", "content": "Weather?"},  # the output starts inside the reasoning
+             {"role": "assistant", "content": "<think>\nhmm"}]
+
+
+def test_responses_stateless_reasoning_round_trip(client):
+    """`store=False, include=["reasoning.encrypted_content"]` (how stateless agents keep their
+    reasoning across turns) was a 400: the reasoning item now carries an opaque
+    `encrypted_content`, streamed and not, and an item sent back with only that is read as the
+    reasoning it holds; one this server did not make is a 400, as is another include value."""
+    kw = dict(model="q", input=PREFILLED, max_output_tokens=4, store=False,
+              include=["reasoning.encrypted_content"])
+    (item,) = client.responses.create(**kw).output
+    text = item.content[0].text
+    assert item.type == "reasoning" and text and item.encrypted_content
+    with client.responses.stream(**kw) as s:
+        done = [e.item for e in s if e.type == "response.output_item.done"]
+    assert done[0].encrypted_content and done[0].content[0].text
+    ask = [{"role": "user", "content": "Weather?"}]
+    replay = {"type": "reasoning", "id": item.id, "summary": [],
+              "encrypted_content": item.encrypted_content}
+    # a tool loop: the template keeps this turn's reasoning (an earlier turn's it drops)
+    loop = [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]
+    tools = [{"type": "function", "name": "f", "parameters": {"type": "object"}, "strict": False}]
+    plain = dict(replay, encrypted_content=None, content=[{"type": "reasoning_text", "text": text}])
+    follow = [*ask, replay, *loop]
+    tokens = [client.responses.create(model="q", input=i, tools=tools, max_output_tokens=1)
+              .usage.input_tokens for i in (follow, [*ask, plain, *loop], [*ask, *loop])]
+    assert tokens[0] == tokens[1] > tokens[2]  # the same prompt as the plain reasoning's
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="q", max_output_tokens=1, input=[
+            *ask, dict(replay, encrypted_content="gAAAAABo-not-ours"), *follow[2:]])
+    assert "encrypted_content" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="q", input="Hi", include=["file_search_call.results"])
+    assert "file_search_call.results" in e.value.message

@@ -574,7 +574,7 @@ class CountTokensRequest(Request):
 
 # ---- Responses ----------------------------------------------------------------------------------
 class ResponsesRequest(Request):
-    UNSUPPORTED = {"background": "responses are not stored", "include": "nothing to include",
+    UNSUPPORTED = {"background": "responses are not stored",
                    "conversation": "responses are not stored", "prompt": "no stored prompts",
                    "top_logprobs": "no logprobs in responses yet",
                    "max_tool_calls": "not enforced yet"}
@@ -587,6 +587,7 @@ class ResponsesRequest(Request):
     top_p: float | None = Field(None, gt=0, le=1)
     stream: Bool = False
     stream_options: ResponsesStreamOptions | None = None
+    include: list[str] | None = None
     reasoning: dict[str, Any] | None = None
     previous_response_id: str | None = None
     text: dict[str, Any] | None = None
@@ -604,6 +605,10 @@ class ResponsesRequest(Request):
             raise APIError("stream_options is only allowed with stream=true", param="stream_options")
         if self.store:
             raise APIError("store=true is not supported: responses are not stored", param="store")
+        for value in self.include or []:
+            if value != "reasoning.encrypted_content":
+                raise APIError(f"include {value!r} is not supported: only "
+                               "reasoning.encrypted_content", param="include")
         effort = (self.reasoning or {}).get("effort")
         if effort not in (None, "none", "minimal", "low", "medium", "high"):
             raise APIError(f"reasoning.effort must be none, minimal, low, medium or high; got "
