@@ -165,3 +165,16 @@ def test_responses_stateless_reasoning_round_trip(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model="q", input="Hi", include=["file_search_call.results"])
     assert "file_search_call.results" in e.value.message
+
+
+def test_forced_tool_call_content_is_null_streamed_too(client):
+    """A forced call's message has `content: null`; streamed, the role chunk's `content: ""`
+    made the stream helper's final message say '' (the non-streamed one: None), as OpenAI's
+    tool-call streams start with a null content."""
+    kw = dict(model="q", messages=MESSAGES, max_tokens=200, temperature=0, extra_body=NO_THINK,
+              tools=[openai.pydantic_function_tool(GetWeather)], tool_choice="required",
+              parallel_tool_calls=False)
+    assert client.chat.completions.create(**kw).choices[0].message.content is None
+    with client.chat.completions.stream(**kw) as s:
+        final = s.get_final_completion().choices[0].message
+    assert final.content is None and final.tool_calls

@@ -377,11 +377,11 @@ async def chat_events(ctx: ServeContext, run: ChatRun, stream: RequestStream, ri
     """SSE chunks of a streamed chat completion: a role chunk per choice (with the echo), then
     one chunk per update that says something, the last one with finish_reason; usage; [DONE]."""
     n = len(run.parsers)
-    counts = [0] * n  # tokens of each choice so far
 
     def extra(i) -> dict:  # OpenAI: usage null until the last chunk; vLLM's continuous: so far
         if req.continuous_usage:
-            return {"usage": usage(len(run.prompt_token_ids), counts[i], run.num_cached_tokens)}
+            return {"usage": usage(len(run.prompt_token_ids), run.num_tokens[i],
+                                   run.num_cached_tokens)}
         return {"usage": None} if req.include_usage else {}
 
     def chunk(i, delta, finish=None, lp=None, stop=None, **more) -> bytes:
@@ -395,14 +395,14 @@ async def chat_events(ctx: ServeContext, run: ChatRun, stream: RequestStream, ri
     echo = echo_text(req)
     for i in range(n):
         yield sse({**chat_chunk(rid, created, ctx.served_name(req.model), i,
-                                {"role": "assistant", "content": ""}), **head, **extra(i)})
+                                {"role": "assistant", "content": None if run.forced else ""}),
+                   **head, **extra(i)})
         if echo:
             yield chunk(i, {"content": echo})
     held: list[list] = [[] for _ in range(n)]  # logprobs of tokens whose text is held back
     ids = {"token_ids": []} if req.return_token_ids else {}
     async for upd in stream:
         delta = delta_dict(run.update(upd))
-        counts[upd.index] += len(upd.token_ids)
         if top is not None and upd.logprobs:
             held[upd.index].extend(upd.logprobs)
         finish = run.finish_reason(upd.index) if upd.finish_reason else None
