@@ -178,3 +178,15 @@ def test_forced_tool_call_content_is_null_streamed_too(client):
     with client.chat.completions.stream(**kw) as s:
         final = s.get_final_completion().choices[0].message
     assert final.content is None and final.tool_calls
+
+
+def test_anthropic_empty_user_turn_is_refused(claude):
+    """A user turn with no blocks was dropped, so the assistant turn before it became a prefill
+    the model continued: a 400 naming the message, as Anthropic's."""
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+               {"role": "user", "content": []}]
+    for call in (lambda: claude.messages.count_tokens(model="q", messages=history),
+                 lambda: claude.messages.create(model="q", messages=history, max_tokens=2)):
+        with pytest.raises(anthropic.BadRequestError) as e:
+            call()
+        assert "messages[2]" in e.value.message

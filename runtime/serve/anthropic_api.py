@@ -73,6 +73,8 @@ def to_chat(system, messages: list[dict]) -> list[dict]:
             out.append(msg)
         elif texts:
             out.append({"role": "user", "content": "\n".join(texts)})
+        elif not content:  # dropping it would make the previous assistant turn a prefill
+            raise APIError(f"{where}: a user message needs at least one content block")
     return out
 
 
