@@ -190,3 +190,18 @@ def test_anthropic_empty_user_turn_is_refused(claude):
         with pytest.raises(anthropic.BadRequestError) as e:
             call()
         assert "messages[2]" in e.value.message
+
+
+def test_responses_input_tokens_count(client):
+    """openai's `responses.input_tokens.count` (POST /v1/responses/input_tokens) was a 404: the
+    prompt's tokens, as the response's usage.input_tokens counts them."""
+    tools = [{"type": "function", "name": "f", "parameters": {"type": "object"}, "strict": False}]
+    kw = dict(model="q", input=[{"role": "user", "content": "Weather?"}], instructions="Be terse.",
+              tools=tools, reasoning={"effort": "none"})
+    n = client.responses.input_tokens.count(**kw)
+    assert n.object == "response.input_tokens"
+    assert n.input_tokens == client.responses.create(**kw, max_output_tokens=1).usage.input_tokens
+    assert client.responses.input_tokens.count(model="q", input="Hi").input_tokens < n.input_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.input_tokens.count(model="q", input="Hi", previous_response_id="resp_1")
+    assert "previous_response_id" in e.value.message

@@ -350,8 +350,12 @@ def build_app(ctx: ServeContext, metrics: Metrics, state: ServeState | None = No
 
     @v1.post("/responses")
     async def responses(req: ResponsesRequest, request: Request):
-        await ctx.prepare(_render_response, ctx, req)
+        await ctx.prepare(responses_api.render, ctx, req)
         return await cancel_on_disconnect(request.receive, responses_api.create_response(ctx, req))
+
+    @v1.post("/responses/input_tokens")
+    async def responses_input_tokens(req: ResponsesRequest):
+        return await ctx.run_sync(responses_api.count_input_tokens, ctx, req)
 
     app.include_router(v1)
     add_admin_routes(app, client, metrics)  # sleep mode and weight updates
@@ -359,16 +363,6 @@ def build_app(ctx: ServeContext, metrics: Metrics, state: ServeState | None = No
                        max_body=ctx.args.max_request_body_bytes)
     app.add_middleware(RequestIdMiddleware)  # outermost: errors and 401s carry the id too
     return app
-
-
-def _render_response(ctx: ServeContext, req: ResponsesRequest) -> None:
-    """The chat rendering that responses_api.create_response does (run ahead, off the loop)."""
-    tools, choice = responses_api.to_tools(req.tools), responses_api._tool_choice(req.tool_choice)
-    kwargs = {}
-    if req.reasoning is not None and req.reasoning.get("effort") is not None:
-        kwargs["enable_thinking"] = req.reasoning["effort"] not in ("none", "minimal")
-    ctx.render_chat(responses_api.to_chat(req.instructions, req.input),
-                    tools if choice != "none" else None, kwargs)
 
 
 def _model_files(model: str, source: str = "auto", override: str | None = None

@@ -237,12 +237,32 @@ class ItemStream:
         return out
 
 
-async def create_response(ctx: ServeContext, req: ResponsesRequest):
+def render(ctx: ServeContext, req: ResponsesRequest) -> list[int]:
+    """The prompt of a request: its instructions, input and tools through the chat template."""
+    tools, choice = to_tools(req.tools), _tool_choice(req.tool_choice)
+    kwargs = {}
+    if req.reasoning is not None and req.reasoning.get("effort") is not None:
+        kwargs["enable_thinking"] = req.reasoning["effort"] not in ("none", "minimal")
+    return ctx.render_chat(to_chat(req.instructions, req.input),
+                           tools if choice != "none" else None, kwargs)
+
+
+def check(ctx: ServeContext, req: ResponsesRequest) -> None:
     ctx.check_model(req.model)
     req.check_unsupported()
     if req.previous_response_id:
         raise APIError("previous_response_id is not supported: responses are not stored; send "
                        "the whole conversation as input", param="previous_response_id")
+
+
+def count_input_tokens(ctx: ServeContext, req: ResponsesRequest) -> dict:
+    """POST /v1/responses/input_tokens (openai's responses.input_tokens.count)."""
+    check(ctx, req)
+    return {"object": "response.input_tokens", "input_tokens": len(render(ctx, req))}
+
+
+async def create_response(ctx: ServeContext, req: ResponsesRequest):
+    check(ctx, req)
     extra = sorted((req.text or {}).keys() - {"format"})
     if extra:  # e.g. verbosity: not implemented, so not silently accepted
         raise APIError(f"text: unsupported field(s) {extra}", param=f"text.{extra[0]}")
@@ -253,12 +273,8 @@ async def create_response(ctx: ServeContext, req: ResponsesRequest):
     if structured is not None and mode.structured() is not None:
         raise APIError("the tools constrain the output already (tool_choice required / named, or "
                        "strict tools); drop text.format", param="tool_choice")
-    kwargs = {}
-    if req.reasoning is not None and req.reasoning.get("effort") is not None:
-        kwargs["enable_thinking"] = req.reasoning["effort"] not in ("none", "minimal")
     sealed = "reasoning.encrypted_content" in (req.include or [])
-    prompt_ids = ctx.render_chat(to_chat(req.instructions, req.input),
-                                 tools if choice != "none" else None, kwargs)
+    prompt_ids = render(ctx, req)
     check_prompts([prompt_ids], ctx.client.model_info, req.max_output_tokens,
                   prompt_param="input", tokens_param="max_output_tokens")
     run = ChatRun(ctx, prompt_ids, 1, mode)
