@@ -205,3 +205,22 @@ def test_responses_input_tokens_count(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.input_tokens.count(model="q", input="Hi", previous_response_id="resp_1")
     assert "previous_response_id" in e.value.message
+
+
+def test_anthropic_structured_output_parse(claude):
+    """anthropic's `messages.parse(output_format=Model)` sends `output_config.format`
+    (Anthropic's structured outputs): it was a 400 ('Extra inputs'); the text now follows the
+    schema, streamed too. Beside a forced tool_choice, or with an effort, it is a 400."""
+    kw = dict(model="q", max_tokens=300, messages=MESSAGES)
+    m = claude.messages.parse(**kw, output_format=GetWeather)
+    assert m.stop_reason == "end_turn" and isinstance(m.parsed_output, GetWeather)
+    fmt = {"format": {"type": "json_schema", "schema": GetWeather.model_json_schema()}}
+    with claude.messages.stream(**kw, output_config=fmt) as s:
+        assert GetWeather.model_validate_json(s.get_final_text())
+    tools = [{"name": "f", "input_schema": {"type": "object"}}]
+    for bad, needle in (({"tools": tools, "tool_choice": {"type": "any"}}, "tool_choice"),
+                        ({"output_config": {**fmt, "effort": "low"}}, "effort"),
+                        ({"output_config": {"format": {"type": "xml"}}}, "output_config.format")):
+        with pytest.raises(anthropic.BadRequestError) as e:
+            claude.messages.create(**{"output_config": fmt, **kw, **bad})
+        assert needle in e.value.message

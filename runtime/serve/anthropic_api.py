@@ -8,6 +8,7 @@ import json
 from typing import AsyncIterator
 
 from ..parse import ContentDelta, Delta, ParsedMessage, ReasoningDelta, ToolCallDelta
+from ..sampling_params import StructuredOutputsParams
 from .context import ChatRun, ServeContext, ToolMode, sse
 from .protocol import (APIError, CountTokensRequest, MessagesRequest, SamplingRequest,
                        check_prompts, check_tool_schemas, random_id, sampling_params)
@@ -177,6 +178,24 @@ def _render(ctx: ServeContext, req) -> tuple[list[int], ToolMode]:
     return ids, mode
 
 
+def output_format(cfg: dict | None) -> StructuredOutputsParams | None:
+    """output_config.format, Anthropic's structured outputs (the client's messages.parse)."""
+    extra = sorted((cfg or {}).keys() - {"format", "effort"})
+    if extra:
+        raise APIError(f"output_config: unknown field(s) {extra}", param=f"output_config.{extra[0]}")
+    if (cfg or {}).get("effort") is not None:
+        raise APIError("output_config.effort is not supported (thinking's budget_tokens is)",
+                       param="output_config.effort")
+    fmt = (cfg or {}).get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" \
+            or fmt.keys() - {"type", "schema"} or not isinstance(fmt.get("schema"), dict):
+        raise APIError('output_config.format must be {"type": "json_schema", "schema": {...}}',
+                       param="output_config.format")
+    return StructuredOutputsParams(json=fmt["schema"])
+
+
 def stop_reason(finish: str | None, stop: int | str | None, tool_calls: bool) -> tuple[str, str | None]:
     if finish == "length":
         return "max_tokens", None
@@ -254,13 +273,18 @@ class BlockStream:
 async def create_message(ctx: ServeContext, req: MessagesRequest):
     prompt_ids, mode = _render(ctx, req)
     check_prompts([prompt_ids], ctx.client.model_info, req.max_tokens, prompt_param="messages")
+    structured = output_format(req.output_config)
+    if structured is not None and mode.structured() is not None:
+        raise APIError("tool_choice any / tool constrains the output already; drop "
+                       "output_config.format", param="tool_choice")
     run = ChatRun(ctx, prompt_ids, 1, mode)
     sreq = SamplingRequest(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                            stop=req.stop_sequences)
     params = ctx.with_thinking(sampling_params(sreq, ctx.defaults, req.max_tokens, None,
                                                run.parsers[0].skip_special_tokens,
                                                ctx.client.model_info.get("vocab_size"),
-                                               ctx.constraint(mode.structured(), prompt_ids)),
+                                               ctx.constraint(structured or mode.structured(),
+                                                              prompt_ids)),
                                # without a reasoning parser no output is reasoning: nothing to
                                # cut (and Anthropic clients send budget_tokens with every enabled)
                                thinking_budget(req.thinking) if ctx.args.reasoning_parser else None,

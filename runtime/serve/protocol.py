@@ -559,6 +559,7 @@ class MessagesRequest(Request):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None  # its `format`: structured outputs
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
 
