@@ -8,6 +8,7 @@ import json
 from typing import AsyncIterator
 
 from ..parse import ContentDelta, Delta, ParsedMessage, ReasoningDelta, ToolCallDelta
+from ..sampling_params import StructuredOutputsParams
 from .context import ChatRun, ServeContext, ToolMode, sse
 from .protocol import (APIError, CountTokensRequest, MessagesRequest, SamplingRequest,
                        check_prompts, check_tool_schemas, random_id, sampling_params)
@@ -18,6 +19,7 @@ TOOL_CHOICE_FIELDS = {"auto": {"disable_parallel_tool_use"}, "any": {"disable_pa
                       "tool": {"name", "disable_parallel_tool_use"}, "none": set()}
 THINKING_FIELDS = {"enabled": {"type", "budget_tokens"}, "disabled": {"type"}, "adaptive": {"type"}}
 MIN_THINKING_BUDGET = 1024  # Anthropic's
+UNKNOWN_RELEASE = "1970-01-01T00:00:00Z"  # Anthropic's `created_at` when the date is unknown
 
 
 def _text(content, where: str) -> str:
@@ -72,6 +74,8 @@ def to_chat(system, messages: list[dict]) -> list[dict]:
             out.append(msg)
         elif texts:
             out.append({"role": "user", "content": "\n".join(texts)})
+        elif not content:  # dropping it would make the previous assistant turn a prefill
+            raise APIError(f"{where}: a user message needs at least one content block")
     return out
 
 
@@ -174,6 +178,24 @@ def _render(ctx: ServeContext, req) -> tuple[list[int], ToolMode]:
     return ids, mode
 
 
+def output_format(cfg: dict | None) -> StructuredOutputsParams | None:
+    """output_config.format, Anthropic's structured outputs (the client's messages.parse)."""
+    extra = sorted((cfg or {}).keys() - {"format", "effort"})
+    if extra:
+        raise APIError(f"output_config: unknown field(s) {extra}", param=f"output_config.{extra[0]}")
+    if (cfg or {}).get("effort") is not None:
+        raise APIError("output_config.effort is not supported (thinking's budget_tokens is)",
+                       param="output_config.effort")
+    fmt = (cfg or {}).get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" \
+            or fmt.keys() - {"type", "schema"} or not isinstance(fmt.get("schema"), dict):
+        raise APIError('output_config.format must be {"type": "json_schema", "schema": {...}}',
+                       param="output_config.format")
+    return StructuredOutputsParams(json=fmt["schema"])
+
+
 def stop_reason(finish: str | None, stop: int | str | None, tool_calls: bool) -> tuple[str, str | None]:
     if finish == "length":
         return "max_tokens", None
@@ -251,13 +273,18 @@ class BlockStream:
 async def create_message(ctx: ServeContext, req: MessagesRequest):
     prompt_ids, mode = _render(ctx, req)
     check_prompts([prompt_ids], ctx.client.model_info, req.max_tokens, prompt_param="messages")
+    structured = output_format(req.output_config)
+    if structured is not None and mode.structured() is not None:
+        raise APIError("tool_choice any / tool constrains the output already; drop "
+                       "output_config.format", param="tool_choice")
     run = ChatRun(ctx, prompt_ids, 1, mode)
     sreq = SamplingRequest(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                            stop=req.stop_sequences)
     params = ctx.with_thinking(sampling_params(sreq, ctx.defaults, req.max_tokens, None,
                                                run.parsers[0].skip_special_tokens,
                                                ctx.client.model_info.get("vocab_size"),
-                                               ctx.constraint(mode.structured(), prompt_ids)),
+                                               ctx.constraint(structured or mode.structured(),
+                                                              prompt_ids)),
                                # without a reasoning parser no output is reasoning: nothing to
                                # cut (and Anthropic clients send budget_tokens with every enabled)
                                thinking_budget(req.thinking) if ctx.args.reasoning_parser else None,
@@ -302,3 +329,18 @@ async def create_message(ctx: ServeContext, req: MessagesRequest):
 def count_tokens(ctx: ServeContext, req: CountTokensRequest) -> dict:
     ids, _ = _render(ctx, req)
     return {"input_tokens": len(ids)}
+
+
+def model_info(ctx: ServeContext, model_id: str | None = None) -> dict:
+    """GET /v1/models[/{id}] from the anthropic client (it sends `anthropic-version`): Anthropic's
+    ModelInfo; 404 for other ids."""
+    ctx.check_model(model_id)
+    lora = ctx.lora_for(model_id)
+    name = lora.lora_name if lora is not None else ctx.model_name
+    return {"type": "model", "id": name, "display_name": name, "created_at": UNKNOWN_RELEASE,
+            "lifecycle": "active", "max_input_tokens": ctx.client.model_info.get("max_model_len")}
+
+
+def model_list(ctx: ServeContext, names: list) -> dict:
+    data = [model_info(ctx, n) for n in names]
+    return {"data": data, "has_more": False, "first_id": data[0]["id"], "last_id": data[-1]["id"]}

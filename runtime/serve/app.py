@@ -290,14 +290,22 @@ def build_app(ctx: ServeContext, metrics: Metrics, state: ServeState | None = No
     # ---- /v1 ----------------------------------------------------------------------------------
     v1 = APIRouter(prefix="/v1", route_class=_JSONRoute)
 
+    # the anthropic client (it sends `anthropic-version`) reads Anthropic's model objects
     @v1.get("/models")
-    async def models():
-        return {"object": "list", "data": [openai_api.model_card(ctx)] + [
-            openai_api.model_card(ctx, name) for name in ctx.loras.adapters]}
+    async def models(request: Request):
+        names = [None, *ctx.loras.adapters]
+        if "anthropic-version" in request.headers:
+            return anthropic_api.model_list(ctx, names)
+        return {"object": "list", "data": [openai_api.model_card(ctx, n) for n in names]}
 
     @v1.get("/models/{model_id:path}")
-    async def model(model_id: str):
-        return openai_api.model_card(ctx, model_id)
+    async def model(model_id: str, request: Request):
+        if "anthropic-version" not in request.headers:
+            return openai_api.model_card(ctx, model_id)
+        try:
+            return anthropic_api.model_info(ctx, model_id)
+        except APIError as e:
+            return SafeJSONResponse(e.anthropic_body(), status_code=e.status)
 
     @v1.post("/load_lora_adapter")
     async def load_lora_adapter(req: LoadLoRAAdapterRequest):
@@ -346,8 +354,12 @@ def build_app(ctx: ServeContext, metrics: Metrics, state: ServeState | None = No
 
     @v1.post("/responses")
     async def responses(req: ResponsesRequest, request: Request):
-        await ctx.prepare(_render_response, ctx, req)
+        await ctx.prepare(responses_api.render, ctx, req)
         return await cancel_on_disconnect(request.receive, responses_api.create_response(ctx, req))
+
+    @v1.post("/responses/input_tokens")
+    async def responses_input_tokens(req: ResponsesRequest):
+        return await ctx.run_sync(responses_api.count_input_tokens, ctx, req)
 
     app.include_router(v1)
     add_admin_routes(app, client, metrics)  # sleep mode and weight updates
@@ -355,16 +367,6 @@ def build_app(ctx: ServeContext, metrics: Metrics, state: ServeState | None = No
                        max_body=ctx.args.max_request_body_bytes)
     app.add_middleware(RequestIdMiddleware)  # outermost: errors and 401s carry the id too
     return app
-
-
-def _render_response(ctx: ServeContext, req: ResponsesRequest) -> None:
-    """The chat rendering that responses_api.create_response does (run ahead, off the loop)."""
-    tools, choice = responses_api.to_tools(req.tools), responses_api._tool_choice(req.tool_choice)
-    kwargs = {}
-    if req.reasoning is not None and req.reasoning.get("effort") is not None:
-        kwargs["enable_thinking"] = req.reasoning["effort"] not in ("none", "minimal")
-    ctx.render_chat(responses_api.to_chat(req.instructions, req.input),
-                    tools if choice != "none" else None, kwargs)
 
 
 def _model_files(model: str, source: str = "auto", override: str | None = None

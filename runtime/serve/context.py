@@ -433,6 +433,7 @@ class ChatRun:
         self.max_calls = mode.max_calls
         # OpenAI ends a forced named function with "stop"; auto and required calls with "tool_calls"
         self.named = mode.forced not in (None, "required")
+        self.forced = mode.forced is not None  # the output is tool calls: content null
         self.num_tokens = [0] * n
         self.finish_reasons: list[str | None] = [None] * n
         self.stop_reasons: list[int | str | None] = [None] * n

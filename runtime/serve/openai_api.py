@@ -189,7 +189,6 @@ async def create_completion(ctx: ServeContext, req: CompletionRequest):
                for p in prompts]
     rid, created, n = random_id("cmpl-"), now(), req.n
     num_prompt = sum(len(p) for p in prompts)
-    null_usage = {"usage": None} if req.include_usage else {}  # OpenAI: null until the last
 
     def choice(index, text, logprobs, finish, stop_reason, token_ids=None, plps=None,
                first=False):
@@ -242,6 +241,12 @@ async def create_completion(ctx: ServeContext, req: CompletionRequest):
         started = [False] * len(aligned)
         plps: list = [None] * len(prompts)
         tokens = cached = 0
+        counts = [0] * len(aligned)  # tokens of each choice so far
+
+        def usage_so_far(k) -> dict:  # OpenAI: null until the last chunk; vLLM's continuous
+            if req.continuous_usage:
+                return {"usage": usage(len(prompts[k // n]), counts[k], cached)}
+            return {"usage": None} if req.include_usage else {}
         async for i, upd in _merge(streams):
             k = i * n + upd.index
             if upd.prompt_logprobs is not None:
@@ -250,6 +255,7 @@ async def create_completion(ctx: ServeContext, req: CompletionRequest):
                 upd = Update(upd.index, "", [], [], upd.finish_reason, upd.stop_reason,
                              upd.num_cached_tokens)
             tokens += len(upd.token_ids)
+            counts[k] += len(upd.token_ids)
             cached = max(cached, upd.num_cached_tokens)
             lp = aligned[k].take(upd.logprobs, upd.text, upd.finish_reason is not None) \
                 if req.logprobs is not None else None
@@ -264,7 +270,7 @@ async def create_completion(ctx: ServeContext, req: CompletionRequest):
                 if lp is not None:
                     lp = joined_logprobs(echo.logprobs(i, plps[i]), lp)
             yield sse({"id": rid, "object": "text_completion", "created": created,
-                       "model": ctx.served_name(req.model), **null_usage,
+                       "model": ctx.served_name(req.model), **usage_so_far(k),
                        "choices": [choice(k, text, lp, upd.finish_reason, upd.stop_reason,
                                           upd.token_ids, plps[i], first)]})
         if req.include_usage:
@@ -371,12 +377,17 @@ async def chat_events(ctx: ServeContext, run: ChatRun, stream: RequestStream, ri
     """SSE chunks of a streamed chat completion: a role chunk per choice (with the echo), then
     one chunk per update that says something, the last one with finish_reason; usage; [DONE]."""
     n = len(run.parsers)
-    extra = {"usage": None} if req.include_usage else {}  # OpenAI: null until the last chunk
+
+    def extra(i) -> dict:  # OpenAI: usage null until the last chunk; vLLM's continuous: so far
+        if req.continuous_usage:
+            return {"usage": usage(len(run.prompt_token_ids), run.num_tokens[i],
+                                   run.num_cached_tokens)}
+        return {"usage": None} if req.include_usage else {}
 
     def chunk(i, delta, finish=None, lp=None, stop=None, **more) -> bytes:
         c = chat_chunk(rid, created, ctx.served_name(req.model), i, delta, finish, lp, stop)
         c["choices"][0].update(more)
-        return sse({**c, **extra})
+        return sse({**c, **extra(i)})
     head = {"prompt_token_ids": run.prompt_token_ids} if req.return_token_ids else {}
     if req.prompt_logprobs is not None:
         head["prompt_logprobs"] = prompt_logprobs(ctx, (await stream.peek()).prompt_logprobs,
@@ -384,7 +395,8 @@ async def chat_events(ctx: ServeContext, run: ChatRun, stream: RequestStream, ri
     echo = echo_text(req)
     for i in range(n):
         yield sse({**chat_chunk(rid, created, ctx.served_name(req.model), i,
-                                {"role": "assistant", "content": ""}), **head, **extra})
+                                {"role": "assistant", "content": None if run.forced else ""}),
+                   **head, **extra(i)})
         if echo:
             yield chunk(i, {"content": echo})
     held: list[list] = [[] for _ in range(n)]  # logprobs of tokens whose text is held back
@@ -400,6 +412,11 @@ async def chat_events(ctx: ServeContext, run: ChatRun, stream: RequestStream, ri
             continue
         lp = chat_logprobs(ctx, held[upd.index], top) if top is not None else None
         held[upd.index] = []
+        if finish is not None and "tool_calls" in delta:
+            # the finish_reason in a chunk of its own, as OpenAI: the SDK's stream helper closes
+            # a call (tool_calls.function.arguments.done) on the chunk after its last delta
+            yield chunk(upd.index, delta, None, lp, **ids)
+            delta, lp, ids = {}, None, {"token_ids": []} if ids else {}
         yield chunk(upd.index, delta, finish, lp, upd.stop_reason if finish else None, **ids)
     if req.include_usage:
         yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,

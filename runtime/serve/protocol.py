@@ -19,6 +19,7 @@ Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 Bool = StrictBool  # "stream": "yes" is an error, not true
 MAX_SEQS_PER_REQUEST = 256  # n × prompts: one request must not flood the queue
 NO_OP = (None, False, [], {}, "")  # values of unsupported fields that change nothing
+ON_WHEN_GIVEN = {"web_search_options"}  # fields whose mere presence ({} too) turns a feature on
 
 
 class APIError(Exception):
@@ -132,7 +133,7 @@ class Request(BaseModel):
         if not _utf8_clean(data):
             _check_text(data, "")
         for name in cls.UNSUPPORTED.keys() & data.keys():
-            if data[name] not in NO_OP:
+            if data[name] not in NO_OP or (name in ON_WHEN_GIVEN and data[name] is not None):
                 raise APIError(f"{name} is not supported by this server: "
                                f"{cls.UNSUPPORTED[name]}", param=name)
         # an explicit null is "not given" (OpenAI's optional fields are nullable, as vLLM's):
@@ -156,9 +157,27 @@ SAMPLING_UNSUPPORTED = {
 }
 
 
-class StreamOptions(BaseModel):
+class ResponsesStreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    include_obfuscation: Bool = False  # OpenAI's padding field: never added here
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.include_obfuscation:
+            raise ValueError("include_obfuscation=true is not supported: no obfuscation padding "
+                             "is added to stream events")
+        return self
+
+
+class StreamOptions(ResponsesStreamOptions):
     include_usage: Bool = False
+    continuous_usage_stats: Bool = False  # vLLM's: the usage so far on every chunk
+
+    @model_validator(mode="after")
+    def _check_usage(self):
+        if self.continuous_usage_stats and not self.include_usage:
+            raise ValueError("continuous_usage_stats needs include_usage=true")
+        return self
 
 
 class SamplingRequest(Request):
@@ -206,6 +225,10 @@ class SamplingRequest(Request):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def check_unsupported(self) -> None:
         if self.stream_options and not self.stream:
@@ -478,6 +501,8 @@ class ChatCompletionRequest(SamplingRequest):
     store: Literal[False] | None = None  # nothing is stored
     service_tier: str | None = None
     modalities: list[Literal["text"]] | None = None
+    safety_identifier: str | None = None  # hints that change no token (as on Responses)
+    prompt_cache_key: str | None = None
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
@@ -534,6 +559,7 @@ class MessagesRequest(Request):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None  # its `format`: structured outputs
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
 
@@ -549,7 +575,7 @@ class CountTokensRequest(Request):
 
 # ---- Responses ----------------------------------------------------------------------------------
 class ResponsesRequest(Request):
-    UNSUPPORTED = {"background": "responses are not stored", "include": "nothing to include",
+    UNSUPPORTED = {"background": "responses are not stored",
                    "conversation": "responses are not stored", "prompt": "no stored prompts",
                    "top_logprobs": "no logprobs in responses yet",
                    "max_tool_calls": "not enforced yet"}
@@ -561,6 +587,8 @@ class ResponsesRequest(Request):
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     stream: Bool = False
+    stream_options: ResponsesStreamOptions | None = None
+    include: list[str] | None = None
     reasoning: dict[str, Any] | None = None
     previous_response_id: str | None = None
     text: dict[str, Any] | None = None
@@ -574,8 +602,14 @@ class ResponsesRequest(Request):
     prompt_cache_key: str | None = None
 
     def check_unsupported(self) -> None:
+        if self.stream_options and not self.stream:
+            raise APIError("stream_options is only allowed with stream=true", param="stream_options")
         if self.store:
             raise APIError("store=true is not supported: responses are not stored", param="store")
+        for value in self.include or []:
+            if value != "reasoning.encrypted_content":
+                raise APIError(f"include {value!r} is not supported: only "
+                               "reasoning.encrypted_content", param="include")
         effort = (self.reasoning or {}).get("effort")
         if effort not in (None, "none", "minimal", "low", "medium", "high"):
             raise APIError(f"reasoning.effort must be none, minimal, low, medium or high; got "

@@ -4,6 +4,8 @@ Input items become a chat for the renderer; the parser's deltas become output it
 message (output_text) and function_call."""
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from typing import AsyncIterator
 
@@ -13,6 +15,23 @@ from .protocol import (APIError, ResponsesRequest, SamplingRequest, check_prompt
                        random_id, sampling_params, structured_from)
 
 TEXT_PARTS = ("input_text", "output_text", "text")
+# include=["reasoning.encrypted_content"]: the reasoning's text, encoded (opaque to clients, but
+# not encrypted: nothing is stored, so a later request must be able to read it back)
+SEALED = "rankserve-reasoning-v1:"
+
+
+def seal(text: str) -> str:
+    return SEALED + base64.urlsafe_b64encode(text.encode()).decode()
+
+
+def unseal(token, where: str) -> str:
+    if isinstance(token, str) and token.startswith(SEALED):
+        try:
+            return base64.urlsafe_b64decode(token[len(SEALED):].encode()).decode()
+        except (binascii.Error, UnicodeDecodeError):
+            pass
+    raise APIError(f"{where}: encrypted_content was not made by this server (send the reasoning "
+                   "item as this server returned it)", param="input")
 
 
 def _text(content, where: str) -> str:
@@ -60,7 +79,11 @@ def to_chat(instructions: str | None, items) -> list[dict]:
             else:
                 msgs.append({"role": role, "content": text})
         elif kind == "reasoning":
-            parts = item.get("content") or item.get("summary") or []
+            parts = item.get("content")
+            if not parts and item.get("encrypted_content") is not None:
+                assistant()["reasoning_content"] = unseal(item["encrypted_content"], where)
+                continue
+            parts = parts or item.get("summary") or []
             assistant()["reasoning_content"] = _text(
                 [dict(p, type="text") if isinstance(p, dict) else p for p in parts]
                 if isinstance(parts, list) else parts, where)
@@ -110,9 +133,13 @@ def message_item(item_id: str, text: str, status: str = "completed") -> dict:
             if status != "in_progress" else []}
 
 
-def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict:
-    return {"type": "reasoning", "id": item_id, "summary": [], "status": status,
+def reasoning_item(item_id: str, text: str, status: str = "completed",
+                   sealed: bool = False) -> dict:
+    item = {"type": "reasoning", "id": item_id, "summary": [], "status": status,
             "content": [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []}
+    if sealed and status != "in_progress":
+        item["encrypted_content"] = seal(text)
+    return item
 
 
 def call_item(item_id: str, call_id: str, name: str, arguments: str,
@@ -132,7 +159,8 @@ def _is_json(text: str) -> bool:
 class ItemStream:
     """Parser deltas → Responses streaming events; collects the output items on the way."""
 
-    def __init__(self):
+    def __init__(self, sealed: bool = False):
+        self.sealed = sealed  # reasoning items carry encrypted_content
         self.seq = 0
         self.items: list[dict] = []
         self.open: dict | None = None  # the item being streamed, with its text so far
@@ -194,7 +222,7 @@ class ItemStream:
             out.append(self.event("response.content_part.done", item_id=item["id"],
                                   output_index=idx, content_index=0, part=done["content"][0]))
         elif item["type"] == "reasoning":
-            done = reasoning_item(item["id"], text, status)
+            done = reasoning_item(item["id"], text, status, self.sealed)
             out.append(self.event("response.reasoning_text.done", item_id=item["id"],
                                   output_index=idx, content_index=0, text=text))
             out.append(self.event("response.content_part.done", item_id=item["id"],
@@ -209,12 +237,32 @@ class ItemStream:
         return out
 
 
-async def create_response(ctx: ServeContext, req: ResponsesRequest):
+def render(ctx: ServeContext, req: ResponsesRequest) -> list[int]:
+    """The prompt of a request: its instructions, input and tools through the chat template."""
+    tools, choice = to_tools(req.tools), _tool_choice(req.tool_choice)
+    kwargs = {}
+    if req.reasoning is not None and req.reasoning.get("effort") is not None:
+        kwargs["enable_thinking"] = req.reasoning["effort"] not in ("none", "minimal")
+    return ctx.render_chat(to_chat(req.instructions, req.input),
+                           tools if choice != "none" else None, kwargs)
+
+
+def check(ctx: ServeContext, req: ResponsesRequest) -> None:
     ctx.check_model(req.model)
     req.check_unsupported()
     if req.previous_response_id:
         raise APIError("previous_response_id is not supported: responses are not stored; send "
                        "the whole conversation as input", param="previous_response_id")
+
+
+def count_input_tokens(ctx: ServeContext, req: ResponsesRequest) -> dict:
+    """POST /v1/responses/input_tokens (openai's responses.input_tokens.count)."""
+    check(ctx, req)
+    return {"object": "response.input_tokens", "input_tokens": len(render(ctx, req))}
+
+
+async def create_response(ctx: ServeContext, req: ResponsesRequest):
+    check(ctx, req)
     extra = sorted((req.text or {}).keys() - {"format"})
     if extra:  # e.g. verbosity: not implemented, so not silently accepted
         raise APIError(f"text: unsupported field(s) {extra}", param=f"text.{extra[0]}")
@@ -225,11 +273,8 @@ async def create_response(ctx: ServeContext, req: ResponsesRequest):
     if structured is not None and mode.structured() is not None:
         raise APIError("the tools constrain the output already (tool_choice required / named, or "
                        "strict tools); drop text.format", param="tool_choice")
-    kwargs = {}
-    if req.reasoning is not None and req.reasoning.get("effort") is not None:
-        kwargs["enable_thinking"] = req.reasoning["effort"] not in ("none", "minimal")
-    prompt_ids = ctx.render_chat(to_chat(req.instructions, req.input),
-                                 tools if choice != "none" else None, kwargs)
+    sealed = "reasoning.encrypted_content" in (req.include or [])
+    prompt_ids = render(ctx, req)
     check_prompts([prompt_ids], ctx.client.model_info, req.max_output_tokens,
                   prompt_param="input", tokens_param="max_output_tokens")
     run = ChatRun(ctx, prompt_ids, 1, mode)
@@ -253,7 +298,9 @@ async def create_response(ctx: ServeContext, req: ResponsesRequest):
                 "temperature": params.temperature, "top_p": params.top_p,
                 "text": req.text or {"format": {"type": "text"}}, "tool_choice": req.tool_choice or "auto",
                 "tools": req.tools or [], "truncation": "disabled", "usage": usage,
-                "metadata": req.metadata or {}}
+                "metadata": req.metadata or {}, "user": req.user,
+                "safety_identifier": req.safety_identifier,
+                "prompt_cache_key": req.prompt_cache_key}
 
     def cut() -> bool:  # OpenAI: the item max_output_tokens ended is `incomplete` too
         return run.finish_reasons[0] == "length"
@@ -274,7 +321,7 @@ async def create_response(ctx: ServeContext, req: ResponsesRequest):
         msg = run.result(0)
         output = []
         if msg.reasoning:
-            output.append(reasoning_item(random_id("rs_"), msg.reasoning))
+            output.append(reasoning_item(random_id("rs_"), msg.reasoning, sealed=sealed))
         if msg.content:
             output.append(message_item(random_id("msg_"), msg.content))
         output += [call_item(random_id("fc_"), c.id, c.name, c.arguments) for c in msg.tool_calls]
@@ -283,7 +330,7 @@ async def create_response(ctx: ServeContext, req: ResponsesRequest):
         return response("completed", output, usage())
 
     async def events() -> AsyncIterator[bytes]:
-        items = ItemStream()
+        items = ItemStream(sealed)
         yield items.event("response.created", response=response("in_progress", []))
         yield items.event("response.in_progress", response=response("in_progress", []))
         async for upd in stream:
