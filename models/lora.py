@@ -155,10 +155,13 @@ def _matched(path: str, model: nn.Module, layers: dict[str, nn.Module], r: int,
     layers, its shapes checked against the layer's full (unsharded) ones: an adapter of another
     base model is a ValueError here, not a crash in a step or silently cut B rows."""
     for key in shapes:
-        if ".lora_A." not in key:
+        if key.endswith(".lora_B.weight"):
             continue
-        module = key.split(".lora_A.")[0]
-        key_b = key.replace(".lora_A.", ".lora_B.")
+        if not key.endswith(".lora_A.weight"):  # embeddings' LoRA, biases, DoRA magnitudes
+            raise ValueError(f"LoRA adapter {path!r}: tensor {key!r} is not supported (LoRA A and "
+                             "B weights of linear layers only)")
+        module = key.removesuffix(".lora_A.weight")
+        key_b = module + ".lora_B.weight"
         if key_b not in shapes:
             raise ValueError(f"LoRA adapter {path!r}: {module} has lora_A but no lora_B")
         name = module.removeprefix("base_model.model.")
@@ -230,8 +233,9 @@ def load_adapter(path: str, model: nn.Module, layers: dict[str, nn.Module], max_
 
 def _weights_file(path: str) -> str:
     for name in ("adapter_model.safetensors", "adapter_model.bin"):
-        if os.path.isfile(os.path.join(path, name)):
-            return os.path.join(path, name)
+        f = os.path.join(os.path.expanduser(path), name)
+        if os.path.isfile(f):
+            return f
     raise ValueError(f"LoRA adapter {path!r} has no adapter_model.safetensors")
 
 

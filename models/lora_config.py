@@ -14,7 +14,7 @@ SUPPORTED = {m for subs in TARGETS.values() for m in subs}
 
 def read_adapter_config(path: str) -> dict:
     """The PEFT adapter_config.json of `path`, checked for what is supported (ValueError)."""
-    f = os.path.join(path, "adapter_config.json")
+    f = os.path.join(os.path.expanduser(path), "adapter_config.json")
     if not os.path.isfile(f):
         raise ValueError(f"LoRA adapter {path!r} has no adapter_config.json")
     with open(f) as fh:
@@ -27,12 +27,20 @@ def read_adapter_config(path: str) -> dict:
         raise ValueError(f"LoRA adapter {path!r}: DoRA is not supported")
     if cfg.get("bias", "none") != "none":
         raise ValueError(f"LoRA adapter {path!r}: bias={cfg['bias']!r} is not supported")
+    if cfg.get("target_parameters"):
+        raise ValueError(f"LoRA adapter {path!r}: target_parameters {cfg['target_parameters']} "
+                         "(LoRA on MoE experts) are not supported")
+    if cfg.get("modules_to_save"):
+        raise ValueError(f"LoRA adapter {path!r}: modules_to_save {cfg['modules_to_save']} "
+                         "are not supported")
+    # a string is PEFT's regex over module names: its tensors say which layers it has
+    # (models/lora.py refuses the ones of other modules)
     targets = cfg.get("target_modules") or []
-    targets = [targets] if isinstance(targets, str) else targets
-    bad = [t for t in targets if t.rsplit(".", 1)[-1] not in SUPPORTED]
-    if bad or cfg.get("modules_to_save"):
-        raise ValueError(f"LoRA adapter {path!r}: target modules {bad or cfg['modules_to_save']} "
-                         f"are not supported (supported: {', '.join(sorted(SUPPORTED))})")
+    bad = [] if isinstance(targets, str) else \
+        [t for t in targets if t.rsplit(".", 1)[-1] not in SUPPORTED]
+    if bad:
+        raise ValueError(f"LoRA adapter {path!r}: target modules {bad} are not supported "
+                         f"(supported: {', '.join(sorted(SUPPORTED))})")
     return cfg
 
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -99,10 +101,46 @@ def test_lora_errors(setup, tmp_path):
     llm.generate([[1, 2, 3]], sp, lora_request=LoRARequest("a", 5, adapters[0].lora_path))
     with pytest.raises(ValueError, match="lora_int_id 5 is already adapter 'a'"):
         llm.generate([[1, 2, 3]], sp, lora_request=LoRARequest("b", 5, adapters[1].lora_path))
+    # a regex over module names that takes in the embeddings: their tensors are refused, by name
+    emb = make_adapter(base, tmp_path / "emb", 4, 8, False, r".*\.(embed_tokens|q_proj)", 0)
+    with pytest.raises(ValueError, match="tensor .*embed_tokens.* is not supported"):
+        llm.generate([[1, 2, 3]], sp, lora_request=LoRARequest("e", 7, emb))
+    for key, value in (("modules_to_save", ["lm_head"]), ("target_parameters", ["down_proj"])):
+        cfg = json.loads((Path(emb) / "adapter_config.json").read_text())
+        (tmp_path / key).mkdir()
+        (tmp_path / key / "adapter_config.json").write_text(json.dumps({**cfg, key: value}))
+        with pytest.raises(ValueError, match=f"{key} .* not supported"):
+            llm.generate([[1, 2, 3]], sp, lora_request=LoRARequest(key, 8, str(tmp_path / key)))
     plain = LLM(base, dtype="float32")
     with pytest.raises(ValueError, match="enable-lora"):
         plain.generate([[1, 2, 3]], sp, lora_request=adapters[0])
 
+
+
+def test_lora_modules_as_vllm_writes_them(setup, tmp_path, monkeypatch):
+    """vLLM's `--lora-modules` takes several adapters after one flag (`a=P {"name": ...}`), a
+    path may start with `~`, and a PEFT `target_modules` regex (a string) is served like a list
+    (the tensors say which layers the adapter has): tokens as the merged PEFT model."""
+    from click.testing import CliRunner
+    from rankserve.launch.cli import main
+    base, adapters, refs = setup
+    if "Qwen3" in base:
+        pytest.skip("one family suffices")
+    regex = make_adapter(base, tmp_path / "home" / "rx", 4, 8, False, r".*\.(q_proj|down_proj)", 7)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    b = json.dumps({"name": "b", "path": "~/rx"})
+    r = CliRunner().invoke(main, [
+        "generate", base, "--dtype", "float32", "--enable-lora", "--max-loras", "2",
+        "--max-lora-rank", "16", "--lora-modules", f"a={adapters[0].lora_path}", b, "--lora", "a",
+        "--lora", "b", "--prompt", "Once upon", "--prompt", "Once upon", "--max-tokens", "6",
+        "--ignore-eos", "--json"])
+    assert r.exit_code == 0, r.output[-2000:] + repr(r.exception)
+    outs = [json.loads(x) for x in re.findall(r'\{"prompt".*\}', r.output)]  # (a progress bar
+    # may share the first line)
+    import transformers
+    ids = transformers.AutoTokenizer.from_pretrained(base)("Once upon")["input_ids"]
+    assert [o["token_ids"] for o in outs] == [
+        merged_greedy(base, p, [ids], 6)[0] for p in (adapters[0].lora_path, regex)]
 
 
 def test_adapter_of_another_model_is_refused(setup, checkpoint, tmp_path):
