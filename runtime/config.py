@@ -309,7 +309,7 @@ class LoRAConfig:
     max_cpu_loras: int | None = opt(None, "adapters kept in host memory (default: --max-loras)")
     lora_modules: tuple[str, ...] | None = opt(
         None, "adapters served from the start: name=path or JSON {\"name\", \"path\", "
-        "\"base_model_name\"} (repeatable)", multiple=True)
+        "\"base_model_name\"} (several after one flag, or repeated)", multiple=True)
 
     def validate(self):
         _check(self.max_loras >= 1, "max_loras", ">= 1", self.max_loras)
@@ -326,8 +326,10 @@ class LoRAConfig:
                     r = adapter_rank(read_adapter_config(path))
                     _check(r <= self.max_lora_rank, "max_lora_rank", f">= the rank of {path} ({r})",
                            self.max_lora_rank)
-            except ValueError as e:
-                raise ConfigError(f"--lora-modules: {e}") from None
+            except ValueError as e:  # (parse errors name the flag already)
+                msg = str(e)
+                raise ConfigError(msg if msg.startswith("--lora-modules") else
+                                  f"--lora-modules: {msg}") from None
 
     @property
     def cpu_loras(self) -> int:
