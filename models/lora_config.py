@@ -10,6 +10,12 @@ TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
            "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",),
            "up_proj": ("up_proj",)}  # (a plain MLP without a gate: Nemotron-H)
 SUPPORTED = {m for subs in TARGETS.values() for m in subs}
+# PEFT options that make the adapter more than y + x A^T B^T on its layers
+OTHER_FORWARD = {"target_parameters": "LoRA on MoE experts", "modules_to_save": "whole modules",
+                 "lora_bias": "a bias on B", "layer_replication": "repeated layers",
+                 "alora_invocation_tokens": "activated LoRA", "use_qalora": "QALoRA",
+                 "trainable_token_indices": "trained embedding rows", "arrow_config": "Arrow routing",
+                 "kasa_config": "KaSA", "use_bdlora": "block-diagonal LoRA"}
 
 
 def read_adapter_config(path: str) -> dict:
@@ -27,12 +33,9 @@ def read_adapter_config(path: str) -> dict:
         raise ValueError(f"LoRA adapter {path!r}: DoRA is not supported")
     if cfg.get("bias", "none") != "none":
         raise ValueError(f"LoRA adapter {path!r}: bias={cfg['bias']!r} is not supported")
-    if cfg.get("target_parameters"):
-        raise ValueError(f"LoRA adapter {path!r}: target_parameters {cfg['target_parameters']} "
-                         "(LoRA on MoE experts) are not supported")
-    if cfg.get("modules_to_save"):
-        raise ValueError(f"LoRA adapter {path!r}: modules_to_save {cfg['modules_to_save']} "
-                         "are not supported")
+    for key, what in OTHER_FORWARD.items():
+        if cfg.get(key):
+            raise ValueError(f"LoRA adapter {path!r}: {key} {cfg[key]!r} ({what}) is not supported")
     # a string is PEFT's regex over module names: its tensors say which layers it has
     # (models/lora.py refuses the ones of other modules)
     targets = cfg.get("target_modules") or []

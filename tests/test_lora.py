@@ -8,7 +8,6 @@ import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -111,9 +110,12 @@ def test_lora_errors(setup, tmp_path):
     emb = make_adapter(base, tmp_path / "emb", 4, 8, False, r".*\.(embed_tokens|q_proj)", 0)
     with pytest.raises(ValueError, match="tensor .*embed_tokens.* is not supported"):
         llm.generate([[1, 2, 3]], sp, lora_request=LoRARequest("e", 7, emb))
-    for key, value in (("modules_to_save", ["lm_head"]), ("target_parameters", ["down_proj"])):
-        cfg = json.loads((Path(emb) / "adapter_config.json").read_text())
-        (tmp_path / key).mkdir()
+    # options that change the adapter's forward (not a plain x A^T B^T) are refused, named
+    for key, value in (("modules_to_save", ["lm_head"]), ("target_parameters", ["down_proj"]),
+                       ("layer_replication", [[0, 2], [1, 2]]), ("alora_invocation_tokens", [5]),
+                       ("lora_bias", True)):
+        shutil.copytree(adapters[1].lora_path, tmp_path / key)  # (an adapter that runs)
+        cfg = json.loads((tmp_path / key / "adapter_config.json").read_text())
         (tmp_path / key / "adapter_config.json").write_text(json.dumps({**cfg, key: value}))
         with pytest.raises(ValueError, match=f"{key} .* not supported"):
             llm.generate([[1, 2, 3]], sp, lora_request=LoRARequest(key, 8, str(tmp_path / key)))
