@@ -24,7 +24,13 @@ def read_adapter_config(path: str) -> dict:
     if not os.path.isfile(f):
         raise ValueError(f"LoRA adapter {path!r} has no adapter_config.json")
     with open(f) as fh:
-        cfg = json.load(fh)
+        try:
+            cfg = json.load(fh)
+        except ValueError as e:
+            raise ValueError(f"LoRA adapter {path!r}: adapter_config.json is not JSON ({e})") from None
+    if not isinstance(cfg, dict) or type(cfg.get("r")) is not int or cfg["r"] < 1:
+        raise ValueError(f"LoRA adapter {path!r}: adapter_config.json needs a rank r (an integer "
+                         ">= 1)")
     if cfg.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"LoRA adapter {path!r}: peft_type {cfg.get('peft_type')!r} is not LORA")
     if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
