@@ -31,6 +31,9 @@ def read_adapter_config(path: str) -> dict:
     if not isinstance(cfg, dict) or type(cfg.get("r")) is not int or cfg["r"] < 1:
         raise ValueError(f"LoRA adapter {path!r}: adapter_config.json needs a rank r (an integer "
                          ">= 1)")
+    if type(cfg.get("lora_alpha", 1)) not in (int, float):
+        raise ValueError(f"LoRA adapter {path!r}: adapter_config.json's lora_alpha "
+                         f"{cfg['lora_alpha']!r} is not a number")
     if cfg.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"LoRA adapter {path!r}: peft_type {cfg.get('peft_type')!r} is not LORA")
     if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
