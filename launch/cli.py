@@ -99,7 +99,7 @@ def build_config(kwargs: dict) -> EngineConfig:
 
 # vLLM's `--lora-modules a=P b=Q '{"name": ...}'` (several values after one flag): the values
 # that follow it, as long as they look like `name=path` or JSON, each get a flag of their own
-_LORA_MODULE = re.compile(r"[^-=/\s][^=/\s]*=|\{")
+_LORA_MODULE = re.compile(r"[^-=/\s][^=\s]*=|\{")
 
 
 def _spread_lora_modules(args: list[str]) -> list[str]:

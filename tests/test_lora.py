@@ -126,7 +126,7 @@ def test_lora_errors(setup, tmp_path):
 
 
 def test_lora_modules_as_vllm_writes_them(setup, tmp_path, monkeypatch):
-    """vLLM's `--lora-modules` takes several adapters after one flag (`a=P {"name": ...}`), a
+    """vLLM's `--lora-modules` takes several adapters after one flag (`{"name": ...} org/a=P`), a
     path may start with `~`, and a PEFT `target_modules` regex (a string) is served like a list
     (the tensors say which layers the adapter has): tokens as the merged PEFT model."""
     from click.testing import CliRunner
@@ -139,7 +139,7 @@ def test_lora_modules_as_vllm_writes_them(setup, tmp_path, monkeypatch):
     b = json.dumps({"name": "b", "path": "~/rx"})
     r = CliRunner().invoke(main, [
         "generate", base, "--dtype", "float32", "--enable-lora", "--max-loras", "2",
-        "--max-lora-rank", "16", "--lora-modules", f"a={adapters[0].lora_path}", b, "--lora", "a",
+        "--max-lora-rank", "16", "--lora-modules", b, f"org/a={adapters[0].lora_path}", "--lora", "org/a",
         "--lora", "b", "--prompt", "Once upon", "--prompt", "Once upon", "--max-tokens", "6",
         "--ignore-eos", "--json"])
     assert r.exit_code == 0, r.output[-2000:] + repr(r.exception)
