@@ -488,6 +488,11 @@ class EngineConfig:
         if self.device.device == "cpu" and self.device.device_ids:
             raise ConfigError("--device-ids selects CUDA devices; it cannot go with --device cpu")
         self._check_speculative()
+        if self.lora.lora_modules:  # an adapter of the base model's name would shadow it
+            from .lora import parse_lora_modules
+            for name, _path, _base in parse_lora_modules(self.lora.lora_modules):
+                if name in (self.model.model, self.model.served_model_name):
+                    raise ConfigError(f"--lora-modules: {name!r} is the base model's name")
         if self.offload.kv_offload_size > 0 and not self.cache.enable_prefix_caching:
             raise ConfigError("--kv-offload-size keeps evicted prefix-cache blocks in host memory: "
                               "it needs --enable-prefix-caching")

@@ -99,9 +99,10 @@ def test_lora_errors(setup, tmp_path):
     a = adapters[0].lora_path
     for modules, why in (((f"a={a}", f"a={a}"), "'a' twice"),
                          (('{"name": "a", "path": "%s", "base_model": "m"}' % a,), "base_model"),
-                         (('{"name": null, "path": "%s"}' % a,), "name and path")):
+                         (('{"name": null, "path": "%s"}' % a,), "name and path"),
+                         ((f"m={a}",), "'m' is the base model's name")):  # (it would shadow it)
         with pytest.raises(ValueError, match=f"--lora-modules.*{why}"):
-            LLM(base, enable_lora=True, lora_modules=modules)
+            LLM(base, enable_lora=True, lora_modules=modules, served_model_name="m")
     # one id, two adapters: the engine keys its caches (host, slots, prefix blocks) by the id
     llm.generate([[1, 2, 3]], sp, lora_request=LoRARequest("a", 5, adapters[0].lora_path))
     with pytest.raises(ValueError, match="lora_int_id 5 is already adapter 'a'"):
