@@ -199,6 +199,8 @@ class EngineCore:
             self.check_lora(lr.lora_path)  # its tensors fit the model's layers
             self._lora_ranks[key] = r
             self._lora_ids.setdefault(lr.lora_int_id, (lr.lora_name, lr.lora_path))
+        else:  # its files may be gone since (a step that reads them again would fail)
+            read_adapter_config(lr.lora_path)
 
     def check_lora(self, path: str) -> None:
         """ValueError if the adapter at `path` cannot run on this model (its tensor shapes)."""
