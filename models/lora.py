@@ -31,7 +31,7 @@ import torch.nn as nn
 from ..kernels.gemv import skinny_linear
 from ..kernels.lora import lora_expand, lora_shrink
 from .layers import ColumnParallelLinear, RowParallelLinear
-from .lora_config import TARGETS, adapter_rank, read_adapter_config  # noqa: F401
+from .lora_config import TARGETS, adapter_rank, read_adapter_config, weights_file  # noqa: F401
 from .quantization import LinearMethod
 
 
@@ -189,7 +189,7 @@ def check_adapter(path: str, model: nn.Module, layers: dict[str, nn.Module], max
     r = adapter_rank(read_adapter_config(path))
     if r > max_rank:
         raise ValueError(f"LoRA adapter {path!r} has rank {r} > --max-lora-rank {max_rank}")
-    f = _weights_file(path)
+    f = weights_file(path)
     try:
         with open_weights(f) as (names, get):
             shapes = {k: tuple(slice_shape(get(k))) for k in names}
@@ -231,16 +231,8 @@ def load_adapter(path: str, model: nn.Module, layers: dict[str, nn.Module], max_
     return out
 
 
-def _weights_file(path: str) -> str:
-    for name in ("adapter_model.safetensors", "adapter_model.bin"):
-        f = os.path.join(os.path.expanduser(path), name)
-        if os.path.isfile(f):
-            return f
-    raise ValueError(f"LoRA adapter {path!r} has no adapter_model.safetensors")
-
-
 def _read_tensors(path: str) -> dict[str, torch.Tensor]:
-    f = _weights_file(path)
+    f = weights_file(path)
     if f.endswith(".safetensors"):
         from safetensors.torch import load_file
         return load_file(f)

@@ -58,3 +58,11 @@ def read_adapter_config(path: str) -> dict:
 
 def adapter_rank(cfg: dict) -> int:
     return int(cfg["r"])
+
+
+def weights_file(path: str) -> str:
+    for name in ("adapter_model.safetensors", "adapter_model.bin"):
+        f = os.path.join(os.path.expanduser(path), name)
+        if os.path.isfile(f):
+            return f
+    raise ValueError(f"LoRA adapter {path!r} has no adapter_model.safetensors")

@@ -110,13 +110,15 @@ def test_lora_errors(setup, tmp_path):
     # an adapter used once, its directory gone, then pushed out of the slot and host cache by
     # another: the next request naming it is refused, and the engine serves on (its step failed
     # reading the files again: a 503 for every client, or offline the next generate hung)
-    gone = shutil.copytree(adapters[0].lora_path, tmp_path / "gone")
-    llm.generate([[1, 2, 3]], sp, lora_request=LoRARequest("gone", 6, str(gone)))
-    shutil.rmtree(gone)
-    llm.generate([[1, 2, 3]], sp, lora_request=adapters[1])
-    with pytest.raises(ValueError, match="gone.* has no adapter_config.json"):
-        llm.generate([[1, 2, 3]], sp, lora_request=LoRARequest("gone", 6, str(gone)))
-    assert llm.generate([[1, 2, 3]], sp, lora_request=adapters[1])[0].outputs[0].token_ids
+    for i, (what, remove) in enumerate((("adapter_config.json", shutil.rmtree),
+                                        ("adapter_model", lambda d: os.remove(d / "adapter_model.safetensors")))):
+        gone = LoRARequest("gone", 20 + i, str(shutil.copytree(adapters[0].lora_path, tmp_path / f"gone{i}")))
+        llm.generate([[1, 2, 3]], sp, lora_request=gone)
+        remove(tmp_path / f"gone{i}")
+        llm.generate([[1, 2, 3]], sp, lora_request=adapters[1])
+        with pytest.raises(ValueError, match=f"gone{i}.* has no {what}"):
+            llm.generate([[1, 2, 3]], sp, lora_request=gone)
+        assert llm.generate([[1, 2, 3]], sp, lora_request=adapters[1])[0].outputs[0].token_ids
     # a regex over module names that takes in the embeddings: their tensors are refused, by name
     emb = make_adapter(base, tmp_path / "emb", 4, 8, False, r".*\.(embed_tokens|q_proj)", 0)
     with pytest.raises(ValueError, match="tensor .*embed_tokens.* is not supported"):
