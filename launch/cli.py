@@ -5,6 +5,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import sys
 import types
 import typing
@@ -96,10 +97,31 @@ def build_config(kwargs: dict) -> EngineConfig:
         raise click.UsageError(str(e)) from None
 
 
+# vLLM's `--lora-modules a=P b=Q '{"name": ...}'` (several values after one flag): the values
+# that follow it, as long as they look like `name=path` or JSON, each get a flag of their own
+_LORA_MODULE = re.compile(r"[^-=/\s][^=\s]*=|\{")
+
+
+def _spread_lora_modules(args: list[str]) -> list[str]:
+    out, taking = [], False
+    for prev, a in zip([None, *args], args):
+        if prev == "--lora-modules":  # the flag's own value
+            taking = True
+        elif taking and _LORA_MODULE.match(a):
+            out.append("--lora-modules")
+        else:
+            taking = a.startswith("--lora-modules=")
+        out.append(a)
+    return out
+
+
 class _Group(click.Group):
     """Startup errors of a single process (bad model path, context too long...) are reported
     like flag errors, without a traceback. Under mpirun the failure handlers take the job down
     with the rank's name instead."""
+
+    def parse_args(self, ctx, args):
+        return super().parse_args(ctx, _spread_lora_modules(list(args)))
 
     def invoke(self, ctx):
         from .preflight import LaunchError, report

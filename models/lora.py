@@ -31,7 +31,7 @@ import torch.nn as nn
 from ..kernels.gemv import skinny_linear
 from ..kernels.lora import lora_expand, lora_shrink
 from .layers import ColumnParallelLinear, RowParallelLinear
-from .lora_config import TARGETS, adapter_rank, read_adapter_config  # noqa: F401
+from .lora_config import TARGETS, adapter_rank, read_adapter_config, weights_file  # noqa: F401
 from .quantization import LinearMethod
 
 
@@ -155,10 +155,13 @@ def _matched(path: str, model: nn.Module, layers: dict[str, nn.Module], r: int,
     layers, its shapes checked against the layer's full (unsharded) ones: an adapter of another
     base model is a ValueError here, not a crash in a step or silently cut B rows."""
     for key in shapes:
-        if ".lora_A." not in key:
+        if key.endswith(".lora_B.weight"):
             continue
-        module = key.split(".lora_A.")[0]
-        key_b = key.replace(".lora_A.", ".lora_B.")
+        if not key.endswith(".lora_A.weight"):  # embeddings' LoRA, biases, DoRA magnitudes
+            raise ValueError(f"LoRA adapter {path!r}: tensor {key!r} is not supported (LoRA A and "
+                             "B weights of linear layers only)")
+        module = key.removesuffix(".lora_A.weight")
+        key_b = module + ".lora_B.weight"
         if key_b not in shapes:
             raise ValueError(f"LoRA adapter {path!r}: {module} has lora_A but no lora_B")
         name = module.removeprefix("base_model.model.")
@@ -186,7 +189,7 @@ def check_adapter(path: str, model: nn.Module, layers: dict[str, nn.Module], max
     r = adapter_rank(read_adapter_config(path))
     if r > max_rank:
         raise ValueError(f"LoRA adapter {path!r} has rank {r} > --max-lora-rank {max_rank}")
-    f = _weights_file(path)
+    f = weights_file(path)
     try:
         with open_weights(f) as (names, get):
             shapes = {k: tuple(slice_shape(get(k))) for k in names}
@@ -228,15 +231,8 @@ def load_adapter(path: str, model: nn.Module, layers: dict[str, nn.Module], max_
     return out
 
 
-def _weights_file(path: str) -> str:
-    for name in ("adapter_model.safetensors", "adapter_model.bin"):
-        if os.path.isfile(os.path.join(path, name)):
-            return os.path.join(path, name)
-    raise ValueError(f"LoRA adapter {path!r} has no adapter_model.safetensors")
-
-
 def _read_tensors(path: str) -> dict[str, torch.Tensor]:
-    f = _weights_file(path)
+    f = weights_file(path)
     if f.endswith(".safetensors"):
         from safetensors.torch import load_file
         return load_file(f)

@@ -309,7 +309,7 @@ class LoRAConfig:
     max_cpu_loras: int | None = opt(None, "adapters kept in host memory (default: --max-loras)")
     lora_modules: tuple[str, ...] | None = opt(
         None, "adapters served from the start: name=path or JSON {\"name\", \"path\", "
-        "\"base_model_name\"} (repeatable)", multiple=True)
+        "\"base_model_name\"} (several after one flag, or repeated)", multiple=True)
 
     def validate(self):
         _check(self.max_loras >= 1, "max_loras", ">= 1", self.max_loras)
@@ -326,8 +326,10 @@ class LoRAConfig:
                     r = adapter_rank(read_adapter_config(path))
                     _check(r <= self.max_lora_rank, "max_lora_rank", f">= the rank of {path} ({r})",
                            self.max_lora_rank)
-            except ValueError as e:
-                raise ConfigError(f"--lora-modules: {e}") from None
+            except ValueError as e:  # (parse errors name the flag already)
+                msg = str(e)
+                raise ConfigError(msg if msg.startswith("--lora-modules") else
+                                  f"--lora-modules: {msg}") from None
 
     @property
     def cpu_loras(self) -> int:
@@ -510,6 +512,11 @@ class EngineConfig:
         if self.device.device == "cpu" and self.device.device_ids:
             raise ConfigError("--device-ids selects CUDA devices; it cannot go with --device cpu")
         self._check_speculative()
+        if self.lora.lora_modules:  # an adapter of the base model's name would shadow it
+            from .lora import parse_lora_modules
+            for name, _path, _base in parse_lora_modules(self.lora.lora_modules):
+                if name in (self.model.model, self.model.served_model_name):
+                    raise ConfigError(f"--lora-modules: {name!r} is the base model's name")
         if self.offload.kv_offload_size > 0 and not self.cache.enable_prefix_caching:
             raise ConfigError("--kv-offload-size keeps evicted prefix-cache blocks in host memory: "
                               "it needs --enable-prefix-caching")

@@ -182,7 +182,7 @@ class EngineCore:
                              f"({self.cfg.scheduler.max_num_batched_tokens}) with chunked prefill off")
 
     def _validate_lora(self, lr) -> None:
-        from ..models.lora_config import adapter_rank, read_adapter_config
+        from ..models.lora_config import adapter_rank, read_adapter_config, weights_file
         if not self.cfg.lora.enable_lora:
             raise ValueError("this engine serves no LoRA adapters; start it with --enable-lora")
         if lr.lora_int_id < 1:
@@ -201,6 +201,9 @@ class EngineCore:
             self.check_lora(lr.lora_path)  # its tensors fit the model's layers
             self._lora_ranks[key] = r
             self._lora_ids.setdefault(lr.lora_int_id, (lr.lora_name, lr.lora_path))
+        else:  # its files may be gone since (a step that reads them again would fail)
+            read_adapter_config(lr.lora_path)
+            weights_file(lr.lora_path)
 
     def check_lora(self, path: str) -> None:
         """ValueError if the adapter at `path` cannot run on this model (its tensor shapes)."""

@@ -150,12 +150,21 @@ def parse_lora_modules(items) -> list[tuple[str, str, str | None]]:
         item = item.strip()
         if item.startswith("{"):
             d = json.loads(item)
-            if "name" not in d or "path" not in d:
-                raise ValueError(f"--lora-modules {item!r}: the JSON form needs name and path")
-            out.append((d["name"], d["path"], d.get("base_model_name")))
+            extra = d.keys() - {"name", "path", "base_model_name"}
+            if extra:
+                raise ValueError(f"--lora-modules {item!r}: unknown key(s) {sorted(extra)} "
+                                 "(name, path, base_model_name)")
+            name, path, base = d.get("name"), d.get("path"), d.get("base_model_name")
+            if not (name and path and isinstance(name, str) and isinstance(path, str)
+                    and isinstance(base, (str, type(None)))):
+                raise ValueError(f"--lora-modules {item!r}: the JSON form needs name and path "
+                                 "(strings)")
         else:
             name, sep, path = item.partition("=")
+            base = None
             if not sep or not name or not path:
                 raise ValueError(f"--lora-modules {item!r}: expected name=path or JSON")
-            out.append((name, path, None))
+        if any(name == o[0] for o in out):
+            raise ValueError(f"--lora-modules: adapter name {name!r} twice")
+        out.append((name, path, base))
     return out

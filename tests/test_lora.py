@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -95,14 +96,72 @@ def test_lora_errors(setup, tmp_path):
         LLM(base, enable_lora=True, lora_modules=(f"x={tmp_path}",))
     with pytest.raises(ValueError, match="max-lora-rank"):
         LLM(base, enable_lora=True, max_lora_rank=8, lora_modules=(f"c={adapters[2].lora_path}",))
+    a = adapters[0].lora_path
+    for modules, why in (((f"a={a}", f"a={a}"), "'a' twice"),
+                         (('{"name": "a", "path": "%s", "base_model": "m"}' % a,), "base_model"),
+                         (('{"name": null, "path": "%s"}' % a,), "name and path"),
+                         ((f"m={a}",), "'m' is the base model's name")):  # (it would shadow it)
+        with pytest.raises(ValueError, match=f"--lora-modules.*{why}"):
+            LLM(base, enable_lora=True, lora_modules=modules, served_model_name="m")
     # one id, two adapters: the engine keys its caches (host, slots, prefix blocks) by the id
     llm.generate([[1, 2, 3]], sp, lora_request=LoRARequest("a", 5, adapters[0].lora_path))
     with pytest.raises(ValueError, match="lora_int_id 5 is already adapter 'a'"):
         llm.generate([[1, 2, 3]], sp, lora_request=LoRARequest("b", 5, adapters[1].lora_path))
+    # an adapter used once, its directory gone, then pushed out of the slot and host cache by
+    # another: the next request naming it is refused, and the engine serves on (its step failed
+    # reading the files again: a 503 for every client, or offline the next generate hung)
+    for i, (what, remove) in enumerate((("adapter_config.json", shutil.rmtree),
+                                        ("adapter_model", lambda d: os.remove(d / "adapter_model.safetensors")))):
+        gone = LoRARequest("gone", 20 + i, str(shutil.copytree(adapters[0].lora_path, tmp_path / f"gone{i}")))
+        llm.generate([[1, 2, 3]], sp, lora_request=gone)
+        remove(tmp_path / f"gone{i}")
+        llm.generate([[1, 2, 3]], sp, lora_request=adapters[1])
+        with pytest.raises(ValueError, match=f"gone{i}.* has no {what}"):
+            llm.generate([[1, 2, 3]], sp, lora_request=gone)
+        assert llm.generate([[1, 2, 3]], sp, lora_request=adapters[1])[0].outputs[0].token_ids
+    # a regex over module names that takes in the embeddings: their tensors are refused, by name
+    emb = make_adapter(base, tmp_path / "emb", 4, 8, False, r".*\.(embed_tokens|q_proj)", 0)
+    with pytest.raises(ValueError, match="tensor .*embed_tokens.* is not supported"):
+        llm.generate([[1, 2, 3]], sp, lora_request=LoRARequest("e", 7, emb))
+    # options that change the adapter's forward (not a plain x A^T B^T) are refused, named
+    for key, value in (("modules_to_save", ["lm_head"]), ("target_parameters", ["down_proj"]),
+                       ("layer_replication", [[0, 2], [1, 2]]), ("alora_invocation_tokens", [5]),
+                       ("lora_bias", True)):
+        shutil.copytree(adapters[1].lora_path, tmp_path / key)  # (an adapter that runs)
+        cfg = json.loads((tmp_path / key / "adapter_config.json").read_text())
+        (tmp_path / key / "adapter_config.json").write_text(json.dumps({**cfg, key: value}))
+        with pytest.raises(ValueError, match=f"{key} .* not supported"):
+            llm.generate([[1, 2, 3]], sp, lora_request=LoRARequest(key, 8, str(tmp_path / key)))
     plain = LLM(base, dtype="float32")
     with pytest.raises(ValueError, match="enable-lora"):
         plain.generate([[1, 2, 3]], sp, lora_request=adapters[0])
 
+
+
+def test_lora_modules_as_vllm_writes_them(setup, tmp_path, monkeypatch):
+    """vLLM's `--lora-modules` takes several adapters after one flag (`{"name": ...} org/a=P`), a
+    path may start with `~`, and a PEFT `target_modules` regex (a string) is served like a list
+    (the tensors say which layers the adapter has): tokens as the merged PEFT model."""
+    from click.testing import CliRunner
+    from rankserve.launch.cli import main
+    base, adapters, refs = setup
+    if "Qwen3" in base:
+        pytest.skip("one family suffices")
+    regex = make_adapter(base, tmp_path / "home" / "rx", 4, 8, False, r".*\.(q_proj|down_proj)", 7)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    b = json.dumps({"name": "b", "path": "~/rx"})
+    r = CliRunner().invoke(main, [
+        "generate", base, "--dtype", "float32", "--enable-lora", "--max-loras", "2",
+        "--max-lora-rank", "16", "--lora-modules", b, f"org/a={adapters[0].lora_path}", "--lora", "org/a",
+        "--lora", "b", "--prompt", "Once upon", "--prompt", "Once upon", "--max-tokens", "6",
+        "--ignore-eos", "--json"])
+    assert r.exit_code == 0, r.output[-2000:] + repr(r.exception)
+    outs = [json.loads(x) for x in re.findall(r'\{"prompt".*\}', r.output)]  # (a progress bar
+    # may share the first line)
+    import transformers
+    ids = transformers.AutoTokenizer.from_pretrained(base)("Once upon")["input_ids"]
+    assert [o["token_ids"] for o in outs] == [
+        merged_greedy(base, p, [ids], 6)[0] for p in (adapters[0].lora_path, regex)]
 
 
 def test_adapter_of_another_model_is_refused(setup, checkpoint, tmp_path):

@@ -131,6 +131,16 @@ def test_adapter_of_another_model_refused_at_load(lora_setup, checkpoint, tmp_pa
     r = httpx.post(s.url + "/v1/load_lora_adapter", json={"lora_name": "broken", "lora_path": str(broken)},
                    headers=auth)
     assert r.status_code == 400 and "cannot read" in r.json()["error"]["message"], r.text
+    # a hand-written adapter_config.json: 400 naming it, not a 500 (or, for lora_alpha, a 200 and
+    # an engine that fails on the adapter's first request: 503 for every client from then on)
+    valid = json.loads((broken / "adapter_config.json").read_text())
+    for name, cfg in (("no-r", {"peft_type": "LORA"}), ("r0", {"r": 0}), ("list", [8]), ("x", None),
+                      ("alpha", {**valid, "lora_alpha": None})):
+        shutil.copytree(paths[0], tmp_path / name)
+        (tmp_path / name / "adapter_config.json").write_text("{" if cfg is None else json.dumps(cfg))
+        r = httpx.post(s.url + "/v1/load_lora_adapter", headers=auth,
+                       json={"lora_name": name, "lora_path": str(tmp_path / name)})
+        assert r.status_code == 400 and "adapter_config.json" in r.json()["error"]["message"], r.text
     r = httpx.post(s.url + "/v1/completions", headers=auth,
                    json={"model": "a", "prompt": PROMPT, "max_tokens": 2})
     assert r.status_code == 200, r.text
