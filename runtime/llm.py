@@ -36,6 +36,7 @@ class LLM:
         self.engine = EngineCore(self.config, executor)
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self._dead: str | None = None  # the error of a step that failed (vLLM's dead engine)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` samples with when given no SamplingParams (as vLLM): the fields the
@@ -65,6 +66,8 @@ class LLM:
         `prompt`/`prompt_token_ids`). `lora_request`: one LoRARequest for all prompts, or a list
         (one per prompt, None for the base model). Invalid requests raise ValueError before any
         is queued."""
+        if self._dead:  # a failed step left the engine's state half updated: never run it again
+            raise RuntimeError(f"the engine failed in an earlier step ({self._dead}); create a new LLM")
         single = isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
         if single or (isinstance(prompts, list) and not prompts):
@@ -100,7 +103,11 @@ class LLM:
         bar = tqdm(total=len(order), desc="Generating", disable=not use_tqdm)
         pending = set(order)
         while pending:
-            outs = self.engine.step()
+            try:
+                outs = self.engine.step()
+            except Exception as e:
+                self._dead = f"{type(e).__name__}: {e}"
+                raise
             for o in outs.outputs:
                 ro, abort = self.processor.process(o)
                 if abort:

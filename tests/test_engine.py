@@ -466,3 +466,35 @@ def test_token_counts_take_vllms_human_readable_form():
     r = CliRunner().invoke(main, ["generate", "--prompt", "x", "--max-model-len", "1x"])
     assert r.exit_code == 2 and "--max-model-len" in r.output
     assert build_config  # (the function the CLI builds its config with)
+
+
+def test_a_step_that_fails_ends_the_llm_instead_of_hanging_it():
+    """An exception inside a step (the runner's, a kernel's) leaves the engine's state half
+    updated: the failing generate() raises it, and every later call raises at once, naming it
+    (vLLM's dead engine), rather than the next generate() looping forever."""
+    import threading
+    llm = LLM(STORIES_EMBEDDED)
+    runner = llm.engine.executor.runner
+    real = runner.execute
+
+    def boom(*a, **k):
+        runner.execute = real
+        raise RuntimeError("device fault")
+    runner.execute = boom
+    sp = SamplingParams(max_tokens=4, temperature=0)
+    with pytest.raises(RuntimeError, match="device fault"):
+        llm.generate(["Once upon a time"], sp)
+    box = []
+    t = threading.Thread(target=lambda: box.append(_raises(llm.generate, ["The cat"], sp)), daemon=True)
+    t.start()
+    t.join(30)
+    assert box, "the second generate() hung"
+    assert isinstance(box[0], RuntimeError) and "device fault" in str(box[0]) and "new LLM" in str(box[0])
+
+
+def _raises(fn, *args):
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001
+        return e
+    return None
