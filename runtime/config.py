@@ -32,6 +32,22 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def json_object_flag(value, flag: str) -> dict | None:
+    """A flag given as a JSON object (a string, or a dict from Python) → the dict; None when
+    not given (None, "", {})."""
+    import json
+    if value is None or value == "" or value == {}:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{flag} must be a JSON object: {e}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{flag} must be a JSON object, got {value!r}")
+    return value
+
+
 def _check(cond: bool, name: str, rule: str, value) -> None:
     if not cond:
         raise ConfigError(f"{_flag(name)} must be {rule}, got {value!r}")
@@ -358,17 +374,10 @@ _SPEC_KEYS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min",
 def parse_speculative_config(value) -> SpecDecodeParams | None:
     """A JSON object (string) or dict with vLLM's keys → SpecDecodeParams; every key or method
     this engine does not implement is refused by name."""
-    import json
-    if value is None or value == "" or value == {}:
-        return None
     flag = "--speculative-config"
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{flag} must be a JSON object: {e}") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"{flag} must be a JSON object, got {value!r}")
+    value = json_object_flag(value, flag)
+    if value is None:
+        return None
     unknown = sorted(set(value) - set(_SPEC_KEYS))
     if unknown:
         raise ConfigError(f"{flag}: unsupported key(s) {', '.join(unknown)} (supported: "

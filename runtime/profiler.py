@@ -10,7 +10,6 @@ table of the busiest ops beside it; "cuda" brackets the window with cudaProfiler
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -42,25 +41,17 @@ _BOOLS = tuple(k for k, v in ProfilerParams.__dataclass_fields__.items() if v.ty
 def parse_profiler_config(value) -> ProfilerParams | None:
     """A JSON object (string) or dict with vLLM's keys → ProfilerParams (None: profiling off);
     unknown keys and bad values are refused by name."""
-    from .config import ConfigError
-    if value is None or value == "" or value == {}:
+    from .config import ConfigError, json_object_flag
+    value = json_object_flag(value, FLAG)
+    if not value:  # (also '{}')
         return None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{FLAG} must be a JSON object: {e}") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"{FLAG} must be a JSON object, got {value!r}")
     keys = tuple(ProfilerParams.__dataclass_fields__)
     unknown = sorted(set(value) - set(keys))
     if unknown:
         raise ConfigError(f"{FLAG}: unsupported key(s) {', '.join(unknown)} (supported: {', '.join(keys)})")
     kind = value.get("profiler")
     if kind is None:
-        if len(value):
-            raise ConfigError(f'{FLAG}: say which profiler: "profiler": "torch" or "cuda"')
-        return None
+        raise ConfigError(f'{FLAG}: say which profiler: "profiler": "torch" or "cuda"')
     if kind not in KINDS:
         raise ConfigError(f"{FLAG}: profiler must be one of {', '.join(KINDS)}, got {kind!r}")
     for k in _BOOLS:
