@@ -159,6 +159,20 @@ def test_forced_tool_calls_with_refs_in_the_schema(client):
     assert got  # (random weights finish a call within 300 tokens on these seeds)
 
 
+def test_forced_tool_call_with_properties_named_like_keywords(client):
+    """A parameter called "default" / "enum" / "const" / "examples" is a subschema, not data:
+    its $ref must be moved with its tool's schema too (was a 400: "Cannot find field 'Mode'")."""
+    import jsonschema
+    schema = {"$defs": {"Mode": {"enum": ["a", "b"]}}, "type": "object",
+              "properties": {k: {"$ref": "#/$defs/Mode"} for k in ("default", "enum", "const")},
+              "required": ["default", "enum", "const"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    r = client.chat.completions.create(model="q", messages=MESSAGES, max_tokens=200, seed=0,
+                                       extra_body=NO_THINK, tools=tools, tool_choice="required")
+    for c in r.choices[0].message.tool_calls or []:
+        jsonschema.validate(json.loads(c.function.arguments), schema)
+
+
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}])
 def test_forced_tool_choice_without_tools_is_400(client, choice):
     import openai
