@@ -1,9 +1,10 @@
 """Structured outputs (constrained decoding) with xgrammar, on rank 0.
 
-Design: `validate` only *parses* the constraint (regex / EBNF / JSON schema → xgrammar Grammar:
-fast, needs no tokenizer), so an invalid one is a ValueError before the request is queued.
-`submit` hands the costly part (building the per-token mask tables against the vocabulary) to a
-thread pool; futures are cached by (kind, spec) so a repeated schema compiles once. Until its
+Design: on the engine loop `check` does only the cheap checks; `submit` hands the parse
+(regex / EBNF / JSON schema → xgrammar Grammar: seconds for a deeply nested schema) and the
+costly part (building the per-token mask tables against the vocabulary) to a thread pool, where
+an invalid constraint fails its request (`LLM.generate` parses with `validate` first, so it
+raises before anything is queued); futures are cached by (kind, spec) so a repeated schema compiles once. Until its
 future is done the request stays in the waiting queue and the scheduler skips it (others are
 scheduled meanwhile). Then it gets a GrammarMatcher (`RequestGrammar`, kept on the Request). Each
 step the scheduler fills one bitmask row per constrained request that samples; the rows travel in
@@ -328,9 +329,17 @@ class StructuredOutputManager:
             with self._lock:
                 self.compile_seconds += time.perf_counter() - t0
 
+    @staticmethod
+    def check(so: StructuredOutputsParams) -> None:
+        """The cheap checks (one constraint; no keyword the grammar would not enforce), for the
+        engine loop: parsing may take seconds (a deeply nested schema), so it is left to the
+        compilation on a grammar thread, where an invalid constraint fails its request."""
+        _ = so.kind
+        _check_schemas(so)
+
     def validate(self, so: StructuredOutputsParams) -> None:
-        """Parse the constraint (ValueError if invalid), once per constraint: `LLM.generate`
-        validates each request twice, and a W1-like batch repeats a few schemas."""
+        """Parse the constraint (ValueError if invalid), once per constraint (`LLM.generate`,
+        before it queues anything): a W1-like batch repeats a few schemas."""
         key = _spec_key(so)
         if key in self._valid:
             self._valid.move_to_end(key)

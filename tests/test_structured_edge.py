@@ -4,6 +4,7 @@ against a live server on a tiny RANDOM-weight Qwen3 with the real Qwen3 tokenize
 every constraint the server cannot enforce must be a 400 naming it (never a silent loosening)."""
 from __future__ import annotations
 
+import functools
 import json
 
 import httpx
@@ -53,6 +54,9 @@ def bad_request(r, *words):
     # deep inside: a property of an array item of a $defs entry
     ({"$defs": {"P": {"type": "object", "properties": {"t": {"type": "array", "items": {
         "type": "string", "not": {"const": "x"}}}}}}, "$ref": "#/$defs/P"}, "/$defs/P/properties"),
+    # xgrammar's conversion time grows with the cube of the depth (400 levels: 35 s)
+    (functools.reduce(lambda s, _: {"type": "array", "items": s}, range(65), {"type": "integer"}),
+     "deep"),
 ])
 def test_unenforceable_schema_keywords_are_400(server, schema, word):
     for body in ({"structured_outputs": {"json": schema}}, {"guided_json": schema},
