@@ -118,12 +118,10 @@ def _parse_grammar(so: StructuredOutputsParams):
     import xgrammar as xgr
     kind = so.kind
     try:
-        if kind == "json":
-            schema = so.json if isinstance(so.json, str) else json.dumps(so.json)
-            return xgr.Grammar.from_json_schema(schema, any_whitespace=True,
-                                                max_whitespace_cnt=MAX_WHITESPACE)
-        if kind == "json_object":  # an object (not any JSON value), whitespace bounded as above
-            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=True,
+        if kind in ("json", "json_object"):  # json_object: an object (not any JSON value)
+            schema = '{"type": "object"}' if kind == "json_object" else (
+                so.json if isinstance(so.json, str) else json.dumps(so.json))
+            return xgr.Grammar.from_json_schema(schema, any_whitespace=not so.disable_any_whitespace,
                                                 max_whitespace_cnt=MAX_WHITESPACE)
         if kind == "regex":
             return xgr.Grammar.from_regex(so.regex)
@@ -184,7 +182,7 @@ def _spec_key(so: StructuredOutputsParams) -> tuple:
     spec = getattr(so, kind)
     if kind == "json" and not isinstance(spec, str):
         spec = json.dumps(spec, sort_keys=True)
-    return kind, spec if not isinstance(spec, list) else tuple(spec)
+    return kind, spec if not isinstance(spec, list) else tuple(spec), so.disable_any_whitespace
 
 
 class RequestGrammar:

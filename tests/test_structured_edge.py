@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 
 import httpx
 import pytest
@@ -107,6 +108,26 @@ def test_responses_text_fields_are_not_dropped(server):
         "input": "hi", "max_output_tokens": 8, "text": {"format": {"type": "text"},
                                                          "verbosity": "low"}})
     bad_request(r, "text.verbosity")
+
+
+def test_disable_any_whitespace_and_an_empty_constraint(server):
+    """vLLM's structured_outputs.disable_any_whitespace (was a 400 "unsupported options"): the
+    JSON has no whitespace but xgrammar's ", " / ": " separators, and it is not served from the
+    cache of the same schema with whitespace. An empty structured_outputs object is a 400 (was
+    silently unconstrained)."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "b": {"enum": ["x", "y"]}},
+              "required": ["a", "b"], "additionalProperties": False}
+    completion(server, structured_outputs={"json": schema}, seed=0)  # (cached with whitespace)
+    for seed in range(2):
+        r = completion(server, structured_outputs={"json": schema, "disable_any_whitespace": True},
+                       max_tokens=60, temperature=1.0, seed=seed)
+        assert r.status_code == 200, r.text
+        text = r.json()["choices"][0]["text"]
+        assert re.fullmatch(r'\{"a": \d+, "b": "[xy]"\}', text), text
+    bad_request(completion(server, structured_outputs={}), "structured_outputs")
+    bad_request(completion(server, structured_outputs={"json": schema, "whitespace_pattern": " "}),
+                "whitespace_pattern")
 
 
 @pytest.mark.parametrize("words", [[""], ["  "], ["ok", ""]])
