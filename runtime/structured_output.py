@@ -269,7 +269,7 @@ def _compiler_state(tokenizer_path: str, model_dir: str, vocab_size: int,
         plain = plain_tokens(vocab, stop_ids | set(info.special_token_ids), vocab_size).tolist()
         token_bytes = token_lengths(vocab, vocab_size).tolist()
         state = _COMPILERS[key] = (info, stop_ids, plain, token_bytes,
-                                   xgr.GrammarCompiler(info, max_threads=2))
+                                   xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False))
         if len(_COMPILERS) > 4:
             _COMPILERS.popitem(last=False)
         return state
@@ -289,7 +289,10 @@ class StructuredOutputManager:
         self._compiler = None
         self._batch = None  # xgrammar BatchGrammarMatcher, made on first use
         self._stop_ids: set[int] = set()
+        # compiled grammars by constraint (xgrammar's own cache is off: it has no bound), held
+        # to RANKSERVE_GRAMMAR_CACHE_MB (a compiled grammar's token tables: ~14 MiB at 150k tokens)
         self.cache: collections.OrderedDict[tuple, concurrent.futures.Future] = collections.OrderedDict()
+        self.cache_bytes = envs.get("RANKSERVE_GRAMMAR_CACHE_MB") << 20
         self._valid: collections.OrderedDict[tuple, None] = collections.OrderedDict()  # parsed fine
         # cumulative seconds (SchedulerStats): compiling; filling masks and accepting tokens
         # (mask = fill + accept, on the grammar thread or the engine's); the engine loop waiting
@@ -353,10 +356,23 @@ class StructuredOutputManager:
         fut = self.cache.get(key)
         if fut is None or (fut.done() and fut.exception() is not None):
             fut = self.cache[key] = self.pool.submit(self._compile, so)
-            if len(self.cache) > CACHE_SIZE:
-                self.cache.popitem(last=False)
         self.cache.move_to_end(key)
+        self._evict()
         return RequestGrammar(so, fut)
+
+    def _evict(self) -> None:
+        """Drop the oldest grammars (but the newest) past CACHE_SIZE or `cache_bytes`; requests
+        hold their own. A grammar still compiling counts 0 bytes until the next call."""
+        def size(f):
+            ok = f.done() and not f.cancelled() and f.exception() is None
+            return f.result()[0].memory_size_bytes if ok else 0
+        sizes = {k: size(f) for k, f in self.cache.items()}
+        total = sum(sizes.values())
+        for k in list(self.cache)[:-1]:
+            if total <= self.cache_bytes and len(self.cache) <= CACHE_SIZE:
+                break
+            total -= sizes[k]
+            del self.cache[k]
 
     def init_matcher(self, g: RequestGrammar, eos_token_id: int | None) -> None:
         """Called once `g.future` is done; raises the compilation error if it failed."""
