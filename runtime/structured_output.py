@@ -132,6 +132,9 @@ def _parse_grammar(so: StructuredOutputsParams):
             return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False)
                                                                   for c in so.choice))
         if kind == "grammar":
+            if "::=" not in so.grammar and re.search(r"^\s*\??\w+\s*:", so.grammar, re.M):
+                raise ValueError("this is a Lark grammar (`rule: ...`); only EBNF / GBNF grammars "
+                                 "are supported (`root ::= ...`)")
             return xgr.Grammar.from_ebnf(so.grammar)
         tag = json.loads(so.structural_tag)
         if isinstance(tag, dict) and "structures" in tag:  # vLLM's older {structures, triggers} form
