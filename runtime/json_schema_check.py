@@ -36,6 +36,9 @@ _MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSch
 MAX_DEPTH = 64
 
 
+COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+
+
 class UnsupportedSchema(ValueError):
     pass
 
@@ -48,6 +51,10 @@ def check_schema(schema: Any, where: str = "#", depth: int = 0) -> None:
     if depth > MAX_DEPTH:
         raise UnsupportedSchema(f"the schema nests subschemas more than {MAX_DEPTH} levels deep "
                                 f"(at {where}); use a local $ref for recursive structures")
+    for key in COUNTS:  # (a negative one reached xgrammar's EBNF parser: a RuntimeError)
+        n = schema.get(key)
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+            raise UnsupportedSchema(f"{key} at {where}/{key} must be a non-negative integer, got {n!r}")
     for key, why in UNSUPPORTED.items():
         if key in schema:
             _refuse(f"{where}/{key}", f"{key} ({why})")

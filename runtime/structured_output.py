@@ -78,7 +78,10 @@ def parse_grammar(so: StructuredOutputsParams):
     with their strings mended (_json_strings). A user's own regex or grammar stays as written."""
     _check_schemas(so)
     g = _parse_grammar(so)
-    return _json_strings(g) if so.kind in ("json", "json_object", "structural_tag") else g
+    try:
+        return _json_strings(g) if so.kind in ("json", "json_object", "structural_tag") else g
+    except RuntimeError as e:  # (a grammar xgrammar wrote but cannot read back)
+        raise ValueError(f"invalid structured_outputs.{so.kind}: {_clean(e)}") from None
 
 
 def _check_schemas(so: StructuredOutputsParams) -> None:

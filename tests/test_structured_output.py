@@ -87,6 +87,7 @@ def test_structural_tag(qwen):
     (SO(regex="a(b"), "parenthesis"),
     (SO(grammar="root ::= undefined_rule"), "undefined_rule"),
     (SO(grammar='start: "yes" | "no"'), "Lark"),  # (vLLM converts simple Lark grammars)
+    (SO(json={"type": "string", "minLength": -1}), "minLength"),  # (was xgrammar's RuntimeError)
     (SO(choice=[]), "exactly one|empty"),
     (SO(regex="a", json_object=True), "exactly one"),
 ])
