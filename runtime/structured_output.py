@@ -4,8 +4,8 @@ Design: on the engine loop `check` does only the cheap checks; `submit` hands th
 (regex / EBNF / JSON schema → xgrammar Grammar: seconds for a deeply nested schema) and the
 costly part (building the per-token mask tables against the vocabulary) to a thread pool, where
 an invalid constraint fails its request (`LLM.generate` parses with `validate` first, so it
-raises before anything is queued); futures are cached by (kind, spec) so a repeated schema compiles once. Until its
-future is done the request stays in the waiting queue and the scheduler skips it (others are
+raises before anything is queued); futures are cached by (kind, spec) so a repeated schema
+compiles once. Until its future is done the request stays in the waiting queue and the scheduler skips it (others are
 scheduled meanwhile). Then it gets a GrammarMatcher (`RequestGrammar`, kept on the Request). Each
 step the scheduler fills one bitmask row per constrained request that samples; the rows travel in
 the step plan to the sampling rank, and the sampled token is accepted into the matcher in
