@@ -173,7 +173,7 @@ class EngineCore:
         sp = req.sampling_params
         sp.validate(self.vocab_size, self.cfg.model.max_logprobs)  # (bad ids crash the sampler)
         if sp.structured_outputs is not None:
-            self.structured.validate(sp.structured_outputs)  # parse only: compiling comes later
+            self.structured.check(sp.structured_outputs)  # parsed with the compilation, later
         capacity = self.num_blocks * self.cfg.cache.block_size
         if n + 1 > capacity and not self.sliding_window:  # (a window holds only its last tokens)
             raise ValueError(f"the prompt has {n} tokens, more than the KV cache holds ({capacity})")

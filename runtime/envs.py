@@ -112,6 +112,9 @@ KNOBS: dict[str, Knob] = {
                                       "(default: the CPUs the engine process may use less two, at most 16)"),
     "RANKSERVE_GRAMMAR_REUSE_MASKS": Knob(True, _flag, "0 fills every structured-output mask row each "
                                           "step (default: a row known unchanged inside a JSON string is copied)"),
+    "RANKSERVE_GRAMMAR_CACHE_MB": Knob(512, _int_at_least(0), "MiB of compiled structured-output grammars "
+                                       "kept for reuse (oldest dropped first; ~14 MiB each with a 150k "
+                                       "vocabulary)"),
     "RANKSERVE_LOG_STATS_INTERVAL": Knob(10.0, _positive, "seconds between the server engine's stats "
                                          "lines (throughput, requests, KV cache; "
                                          "--disable-log-stats turns them off)"),

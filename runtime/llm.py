@@ -93,6 +93,8 @@ class LLM:
                     lora_request=loras[i])))
         for *_, r in reqs:
             self.engine.validate(r)
+            if r.sampling_params.structured_outputs is not None:  # (refused before any is queued)
+                self.engine.structured.validate(r.sampling_params.structured_outputs)
         order, results = [], {}
         for rid, text, ids, sp, r in reqs:
             if rid not in results:

@@ -22,6 +22,8 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):
     grammar: str | None = None  # EBNF / GBNF
     json_object: bool = False  # any JSON object
     structural_tag: str | None = None  # xgrammar structural tag (JSON text)
+    # JSON (json / json_object): no free whitespace, only xgrammar's ", " and ": " (vLLM's option)
+    disable_any_whitespace: bool = False
     # the constraint starts after this token (a reasoning model's end-of-reasoning token): the
     # reasoning itself is free text; None: from the first output token
     start_after_token_id: int | None = None
@@ -30,6 +32,7 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):
     reasoning_start_token_id: int | None = None
 
     KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+    OPTIONS = ("disable_any_whitespace",)  # the API's options besides the kinds
 
     @property
     def kind(self) -> str:

@@ -403,7 +403,8 @@ class Scheduler:
                 self._finish(req, FinishReason.ERROR)
                 self.error_outputs.append(EngineCoreOutput(
                     req.request_id, [], finish_reason=FinishReason.ERROR,
-                    error=f"structured output compilation failed: {e}"))
+                    error=str(e) if isinstance(e, ValueError)  # (an invalid constraint: names it)
+                    else f"structured output compilation failed: {e}"))
         self.compiling = still
 
     def take_error_outputs(self) -> list[EngineCoreOutput]:

@@ -1,10 +1,11 @@
 """Structured outputs (constrained decoding) with xgrammar, on rank 0.
 
-Design: `validate` only *parses* the constraint (regex / EBNF / JSON schema → xgrammar Grammar:
-fast, needs no tokenizer), so an invalid one is a ValueError before the request is queued.
-`submit` hands the costly part (building the per-token mask tables against the vocabulary) to a
-thread pool; futures are cached by (kind, spec) so a repeated schema compiles once. Until its
-future is done the request stays in the waiting queue and the scheduler skips it (others are
+Design: on the engine loop `check` does only the cheap checks; `submit` hands the parse
+(regex / EBNF / JSON schema → xgrammar Grammar: seconds for a deeply nested schema) and the
+costly part (building the per-token mask tables against the vocabulary) to a thread pool, where
+an invalid constraint fails its request (`LLM.generate` parses with `validate` first, so it
+raises before anything is queued); futures are cached by (kind, spec) so a repeated schema
+compiles once. Until its future is done the request stays in the waiting queue and the scheduler skips it (others are
 scheduled meanwhile). Then it gets a GrammarMatcher (`RequestGrammar`, kept on the Request). Each
 step the scheduler fills one bitmask row per constrained request that samples; the rows travel in
 the step plan to the sampling rank, and the sampled token is accepted into the matcher in
@@ -77,7 +78,10 @@ def parse_grammar(so: StructuredOutputsParams):
     with their strings mended (_json_strings). A user's own regex or grammar stays as written."""
     _check_schemas(so)
     g = _parse_grammar(so)
-    return _json_strings(g) if so.kind in ("json", "json_object", "structural_tag") else g
+    try:
+        return _json_strings(g) if so.kind in ("json", "json_object", "structural_tag") else g
+    except RuntimeError as e:  # (a grammar xgrammar wrote but cannot read back)
+        raise ValueError(f"invalid structured_outputs.{so.kind}: {_clean(e)}") from None
 
 
 def _check_schemas(so: StructuredOutputsParams) -> None:
@@ -117,12 +121,10 @@ def _parse_grammar(so: StructuredOutputsParams):
     import xgrammar as xgr
     kind = so.kind
     try:
-        if kind == "json":
-            schema = so.json if isinstance(so.json, str) else json.dumps(so.json)
-            return xgr.Grammar.from_json_schema(schema, any_whitespace=True,
-                                                max_whitespace_cnt=MAX_WHITESPACE)
-        if kind == "json_object":  # an object (not any JSON value), whitespace bounded as above
-            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=True,
+        if kind in ("json", "json_object"):  # json_object: an object (not any JSON value)
+            schema = '{"type": "object"}' if kind == "json_object" else (
+                so.json if isinstance(so.json, str) else json.dumps(so.json))
+            return xgr.Grammar.from_json_schema(schema, any_whitespace=not so.disable_any_whitespace,
                                                 max_whitespace_cnt=MAX_WHITESPACE)
         if kind == "regex":
             return xgr.Grammar.from_regex(so.regex)
@@ -133,6 +135,9 @@ def _parse_grammar(so: StructuredOutputsParams):
             return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False)
                                                                   for c in so.choice))
         if kind == "grammar":
+            if "::=" not in so.grammar and re.search(r"^\s*\??\w+\s*:", so.grammar, re.M):
+                raise ValueError("this is a Lark grammar (`rule: ...`); only EBNF / GBNF grammars "
+                                 "are supported (`root ::= ...`)")
             return xgr.Grammar.from_ebnf(so.grammar)
         tag = json.loads(so.structural_tag)
         if isinstance(tag, dict) and "structures" in tag:  # vLLM's older {structures, triggers} form
@@ -183,7 +188,7 @@ def _spec_key(so: StructuredOutputsParams) -> tuple:
     spec = getattr(so, kind)
     if kind == "json" and not isinstance(spec, str):
         spec = json.dumps(spec, sort_keys=True)
-    return kind, spec if not isinstance(spec, list) else tuple(spec)
+    return kind, spec if not isinstance(spec, list) else tuple(spec), so.disable_any_whitespace
 
 
 class RequestGrammar:
@@ -270,7 +275,7 @@ def _compiler_state(tokenizer_path: str, model_dir: str, vocab_size: int,
         plain = plain_tokens(vocab, stop_ids | set(info.special_token_ids), vocab_size).tolist()
         token_bytes = token_lengths(vocab, vocab_size).tolist()
         state = _COMPILERS[key] = (info, stop_ids, plain, token_bytes,
-                                   xgr.GrammarCompiler(info, max_threads=2))
+                                   xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False))
         if len(_COMPILERS) > 4:
             _COMPILERS.popitem(last=False)
         return state
@@ -290,7 +295,10 @@ class StructuredOutputManager:
         self._compiler = None
         self._batch = None  # xgrammar BatchGrammarMatcher, made on first use
         self._stop_ids: set[int] = set()
+        # compiled grammars by constraint (xgrammar's own cache is off: it has no bound), held
+        # to RANKSERVE_GRAMMAR_CACHE_MB (a compiled grammar's token tables: ~14 MiB at 150k tokens)
         self.cache: collections.OrderedDict[tuple, concurrent.futures.Future] = collections.OrderedDict()
+        self.cache_bytes = envs.get("RANKSERVE_GRAMMAR_CACHE_MB") << 20
         self._valid: collections.OrderedDict[tuple, None] = collections.OrderedDict()  # parsed fine
         # cumulative seconds (SchedulerStats): compiling; filling masks and accepting tokens
         # (mask = fill + accept, on the grammar thread or the engine's); the engine loop waiting
@@ -328,9 +336,17 @@ class StructuredOutputManager:
             with self._lock:
                 self.compile_seconds += time.perf_counter() - t0
 
+    @staticmethod
+    def check(so: StructuredOutputsParams) -> None:
+        """The cheap checks (one constraint; no keyword the grammar would not enforce), for the
+        engine loop: parsing may take seconds (a deeply nested schema), so it is left to the
+        compilation on a grammar thread, where an invalid constraint fails its request."""
+        _ = so.kind
+        _check_schemas(so)
+
     def validate(self, so: StructuredOutputsParams) -> None:
-        """Parse the constraint (ValueError if invalid), once per constraint: `LLM.generate`
-        validates each request twice, and a W1-like batch repeats a few schemas."""
+        """Parse the constraint (ValueError if invalid), once per constraint (`LLM.generate`,
+        before it queues anything): a W1-like batch repeats a few schemas."""
         key = _spec_key(so)
         if key in self._valid:
             self._valid.move_to_end(key)
@@ -346,10 +362,23 @@ class StructuredOutputManager:
         fut = self.cache.get(key)
         if fut is None or (fut.done() and fut.exception() is not None):
             fut = self.cache[key] = self.pool.submit(self._compile, so)
-            if len(self.cache) > CACHE_SIZE:
-                self.cache.popitem(last=False)
         self.cache.move_to_end(key)
+        self._evict()
         return RequestGrammar(so, fut)
+
+    def _evict(self) -> None:
+        """Drop the oldest grammars (but the newest) past CACHE_SIZE or `cache_bytes`; requests
+        hold their own. A grammar still compiling counts 0 bytes until the next call."""
+        def size(f):
+            ok = f.done() and not f.cancelled() and f.exception() is None
+            return f.result()[0].memory_size_bytes if ok else 0
+        sizes = {k: size(f) for k, f in self.cache.items()}
+        total = sum(sizes.values())
+        for k in list(self.cache)[:-1]:
+            if total <= self.cache_bytes and len(self.cache) <= CACHE_SIZE:
+                break
+            total -= sizes[k]
+            del self.cache[k]
 
     def init_matcher(self, g: RequestGrammar, eos_token_id: int | None) -> None:
         """Called once `g.future` is done; raises the compilation error if it failed."""

@@ -251,7 +251,7 @@ def test_token_masks(server):
     ({"structured_outputs": {"json": {"type": "no-such-type"}}}, None),
     ({"structured_outputs": {"grammar": "root ::= undefined_rule"}}, None),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
-    ({"structured_outputs": {"regex": "a", "disable_any_whitespace": True}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "disable_fallback": True}}, "structured_outputs"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs"),
     ({"logit_bias": {"x": 1}}, "logit_bias"),

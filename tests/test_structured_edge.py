@@ -4,7 +4,9 @@ against a live server on a tiny RANDOM-weight Qwen3 with the real Qwen3 tokenize
 every constraint the server cannot enforce must be a 400 naming it (never a silent loosening)."""
 from __future__ import annotations
 
+import functools
 import json
+import re
 
 import httpx
 import pytest
@@ -53,6 +55,9 @@ def bad_request(r, *words):
     # deep inside: a property of an array item of a $defs entry
     ({"$defs": {"P": {"type": "object", "properties": {"t": {"type": "array", "items": {
         "type": "string", "not": {"const": "x"}}}}}}, "$ref": "#/$defs/P"}, "/$defs/P/properties"),
+    # xgrammar's conversion time grows with the cube of the depth (400 levels: 35 s)
+    (functools.reduce(lambda s, _: {"type": "array", "items": s}, range(65), {"type": "integer"}),
+     "deep"),
 ])
 def test_unenforceable_schema_keywords_are_400(server, schema, word):
     for body in ({"structured_outputs": {"json": schema}}, {"guided_json": schema},
@@ -103,6 +108,26 @@ def test_responses_text_fields_are_not_dropped(server):
         "input": "hi", "max_output_tokens": 8, "text": {"format": {"type": "text"},
                                                          "verbosity": "low"}})
     bad_request(r, "text.verbosity")
+
+
+def test_disable_any_whitespace_and_an_empty_constraint(server):
+    """vLLM's structured_outputs.disable_any_whitespace (was a 400 "unsupported options"): the
+    JSON has no whitespace but xgrammar's ", " / ": " separators, and it is not served from the
+    cache of the same schema with whitespace. An empty structured_outputs object is a 400 (was
+    silently unconstrained)."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "b": {"enum": ["x", "y"]}},
+              "required": ["a", "b"], "additionalProperties": False}
+    completion(server, structured_outputs={"json": schema}, seed=0)  # (cached with whitespace)
+    for seed in range(2):
+        r = completion(server, structured_outputs={"json": schema, "disable_any_whitespace": True},
+                       max_tokens=60, temperature=1.0, seed=seed)
+        assert r.status_code == 200, r.text
+        text = r.json()["choices"][0]["text"]
+        assert re.fullmatch(r'\{"a": \d+, "b": "[xy]"\}', text), text
+    bad_request(completion(server, structured_outputs={}), "structured_outputs")
+    bad_request(completion(server, structured_outputs={"json": schema, "whitespace_pattern": " "}),
+                "whitespace_pattern")
 
 
 @pytest.mark.parametrize("words", [[""], ["  "], ["ok", ""]])
@@ -157,6 +182,20 @@ def test_forced_tool_calls_with_refs_in_the_schema(client):
             jsonschema.validate(json.loads(c.function.arguments), schemas[c.function.name])
             got += 1
     assert got  # (random weights finish a call within 300 tokens on these seeds)
+
+
+def test_forced_tool_call_with_properties_named_like_keywords(client):
+    """A parameter called "default" / "enum" / "const" / "examples" is a subschema, not data:
+    its $ref must be moved with its tool's schema too (was a 400: "Cannot find field 'Mode'")."""
+    import jsonschema
+    schema = {"$defs": {"Mode": {"enum": ["a", "b"]}}, "type": "object",
+              "properties": {k: {"$ref": "#/$defs/Mode"} for k in ("default", "enum", "const")},
+              "required": ["default", "enum", "const"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    r = client.chat.completions.create(model="q", messages=MESSAGES, max_tokens=200, seed=0,
+                                       extra_body=NO_THINK, tools=tools, tool_choice="required")
+    for c in r.choices[0].message.tool_calls or []:
+        jsonschema.validate(json.loads(c.function.arguments), schema)
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}])

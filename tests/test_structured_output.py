@@ -86,6 +86,8 @@ def test_structural_tag(qwen):
     (SO(json="{not json"), "json"),
     (SO(regex="a(b"), "parenthesis"),
     (SO(grammar="root ::= undefined_rule"), "undefined_rule"),
+    (SO(grammar='start: "yes" | "no"'), "Lark"),  # (vLLM converts simple Lark grammars)
+    (SO(json={"type": "string", "minLength": -1}), "minLength"),  # (was xgrammar's RuntimeError)
     (SO(choice=[]), "exactly one|empty"),
     (SO(regex="a", json_object=True), "exactly one"),
 ])
@@ -294,6 +296,40 @@ def test_slow_compile_does_not_stall_others_and_failures_finish_with_error():
             if o.finished:
                 done[o.request_id] = o
     assert re.fullmatch("[a-z ]+", llm.tokenizer.decode(toks))
+
+
+def test_a_slow_parse_does_not_stall_the_engine_loop(monkeypatch):
+    """Parsing a schema (xgrammar's JSON-schema converter: seconds for a deeply nested one) runs
+    with the compilation on a grammar thread, never in `add_request` on the engine loop: it
+    stalled every running request of the server (13 s for a 400-level schema); a constraint
+    that fails to parse there finishes its request with the error."""
+    import threading
+    import time
+    from rankserve.runtime import structured_output
+    from rankserve.runtime.inputs import engine_request
+    llm = LLM(str(STORIES_EMBEDDED))
+    gate, real = threading.Event(), structured_output.parse_grammar
+
+    def slow(so):
+        gate.wait(10)
+        return real(so)
+    monkeypatch.setattr(structured_output, "parse_grammar", slow)
+    ids = llm.tokenizer("Once upon a time").input_ids
+    core, t0 = llm.engine, time.monotonic()
+    for rid, so in (("con", SO(regex="[a-z ]+")), ("bad", SO(regex="a(b"))):
+        core.add_request(engine_request(rid, ids, SamplingParams(max_tokens=4, structured_outputs=so),
+                                        llm.eos_token_ids))
+    core.add_request(engine_request("free", ids, SamplingParams(max_tokens=4), llm.eos_token_ids))
+    done = {}
+    while "free" not in done:
+        done.update((o.request_id, o) for o in core.step().outputs if o.finished)
+    assert time.monotonic() - t0 < 5 and "con" not in done
+    gate.set()
+    while len(done) < 3:
+        done.update((o.request_id, o) for o in core.step().outputs if o.finished)
+    assert done["bad"].finish_reason == "error"  # the parse's own message, as a 400's
+    assert done["bad"].error.startswith("invalid structured_outputs.regex: "), done["bad"].error
+    assert done["con"].finish_reason == "length"
 
 
 def test_length_bounded_strings_stay_json():

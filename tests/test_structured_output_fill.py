@@ -92,3 +92,24 @@ def test_validate_parses_each_constraint_once(manager, monkeypatch):
         with pytest.raises(ValueError, match="regex"):
             manager.validate(StructuredOutputsParams(regex="(unclosed"))
     assert len(calls) == 4
+
+
+def test_compiled_grammar_cache_is_bounded_in_bytes(monkeypatch):
+    """Many different schemas (each user's own) must not grow the process without bound: a
+    compiled grammar holds ~14 MiB of token tables with a 150k vocabulary, and both caches kept
+    them (xgrammar's compiler cache without a limit, ours 256 of them: 3.5 GiB). Ours is held
+    to RANKSERVE_GRAMMAR_CACHE_MB, oldest first; xgrammar's is off (ours serves the repeats)."""
+    monkeypatch.setenv("RANKSERVE_GRAMMAR_CACHE_MB", "1")
+    m = StructuredOutputManager(str(STORIES_EMBEDDED), str(STORIES_EMBEDDED), VOCAB)
+    try:
+        m.cache_bytes = 0  # (this vocabulary's grammars are a few KiB: hold the newest alone)
+        for i in range(4):
+            g = m.submit(StructuredOutputsParams(json={"type": "object", "required": [f"k{i}"],
+                                                       "properties": {f"k{i}": {"type": "integer"}}}))
+            g.future.result()
+            m.init_matcher(g, 2)
+            assert g.matcher.accept_string('{"k%d": 1}' % i)
+        m.submit(StructuredOutputsParams(regex="x")).future.result()
+        assert len(m.cache) == 1 and m._compiler.get_cache_size_bytes() == 0
+    finally:
+        m.shutdown()

@@ -320,10 +320,10 @@ def structured_from(req: SamplingRequest, fmt_param: str = "response_format",
         elif kind != "text":
             raise APIError(f"{fmt_param}.type must be text, json_object, json_schema or "
                            f"structural_tag, got {kind!r}", param=f"{fmt_param}.type")
-    if req.structured_outputs:
+    if req.structured_outputs is not None:  # (an empty one is a 400 below: no constraint)
         so = req.structured_outputs
-        extra = so.keys() - set(StructuredOutputsParams.KINDS)
-        if extra:  # e.g. disable_any_whitespace: options we would otherwise ignore
+        extra = so.keys() - {*StructuredOutputsParams.KINDS, *StructuredOutputsParams.OPTIONS}
+        if extra:  # e.g. whitespace_pattern: options we would otherwise ignore
             raise APIError(f"structured_outputs: unsupported options {sorted(extra)}",
                            param="structured_outputs")
         try:

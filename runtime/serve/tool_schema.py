@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 DATA_KEYS = ("const", "enum", "default", "examples")  # values that are data, not subschemas
+# name -> subschema maps: their keys are names (a property may be called "enum" or "$ref")
+NAME_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
 def relocate_refs(schema: Any, base: str) -> Any:
@@ -26,6 +28,8 @@ def relocate_refs(schema: Any, base: str) -> Any:
             out[k] = base + v[1:]
         elif k in DATA_KEYS:
             out[k] = v
+        elif k in NAME_MAPS and isinstance(v, dict):
+            out[k] = {name: relocate_refs(sub, base) for name, sub in v.items()}
         else:
             out[k] = relocate_refs(v, base)
     return out
