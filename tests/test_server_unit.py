@@ -299,6 +299,11 @@ def test_anthropic_and_responses_inputs_become_chats():
         {"role": "assistant", "content": "It is 42."}]
     with pytest.raises(APIError, match="web_search"):
         responses_api.to_chat(None, [{"type": "web_search_call"}])
+    # OpenAI's: an output for a call the input does not hold is a 400 (the template would render
+    # a tool answer to nothing)
+    with pytest.raises(APIError, match=r"input\[1\]: no function_call with call_id 'c9'"):
+        responses_api.to_chat(None, [{"type": "function_call", "call_id": "c1", "name": "f"},
+                                     {"type": "function_call_output", "call_id": "c9", "output": "x"}])
 
 
 def test_validation_message_and_addresses():

@@ -97,8 +97,11 @@ def to_chat(instructions: str | None, items) -> list[dict]:
                 "id": fields["call_id"], "type": "function",
                 "function": {"name": fields["name"], "arguments": fields["arguments"]}})
         elif kind == "function_call_output":
-            out = item.get("output", "")
-            msgs.append({"role": "tool", "tool_call_id": item.get("call_id", ""),
+            out, call_id = item.get("output", ""), item.get("call_id", "")
+            if not any(tc["id"] == call_id for m in msgs for tc in m.get("tool_calls", ())):
+                raise APIError(f"{where}: no function_call with call_id {call_id!r} comes before this "
+                               "function_call_output (send the call item too)", param="input")
+            msgs.append({"role": "tool", "tool_call_id": call_id,
                          "content": out if isinstance(out, str) else _text(out, where)})
         else:
             raise APIError(f"{where}: item type {kind!r} is not supported", param="input")
