@@ -14,7 +14,7 @@ from .config import DEFAULT_MODEL, EngineConfig
 from .engine_core import EngineCore
 from .inputs import (TOKENIZER_FILES, engine_request, eos_token_ids_of, load_tokenizer,  # noqa: F401
                      sampling_defaults)
-from .outputs import OutputProcessor, RequestOutput, child_request_id
+from .outputs import OutputProcessor, RequestOutput, child_request_id, logprob_dict
 from .sampling_params import SamplingParams
 
 
@@ -119,7 +119,19 @@ class LLM:
                     results[ro.request_id] = ro
                     bar.update(1)
         bar.close()
-        return [results[r] for r in order]
+        return [self._vllm_logprobs(results[r]) for r in order]
+
+    def _vllm_logprobs(self, ro: RequestOutput) -> RequestOutput:
+        """Logprobs in vLLM's offline shape (runtime/outputs.py `logprob_dict`); the server
+        formats the engine's entries itself."""
+        tok = self.tokenizer
+        decode = (lambda t: tok.decode([t])) if tok is not None else (lambda t: None)
+        if ro.prompt_logprobs is not None:
+            ro.prompt_logprobs = [logprob_dict(e, decode) for e in ro.prompt_logprobs]
+        for c in ro.outputs:
+            if c.logprobs is not None:
+                c.logprobs = [logprob_dict(e, decode) for e in c.logprobs]
+        return ro
 
     # ---- sleep mode and weight updates (vLLM's / SGLang's names) -------------------------------
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,

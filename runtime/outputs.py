@@ -11,10 +11,27 @@ from .sampling_params import SamplingParams
 
 
 @dataclass
+class Logprob:
+    """vLLM's offline logprob of one token at one position."""
+    logprob: float
+    rank: int | None = None  # 1-based, in the whole distribution
+    decoded_token: str | None = None
+
+
+def logprob_dict(e: LogprobsEntry | None, decode) -> dict[int, Logprob] | None:
+    """One position's entry (the chosen token, then the top k) in vLLM's offline shape: token
+    id → Logprob, the chosen token first (k + 1 entries when it is not in the top k)."""
+    if e is None:
+        return None
+    return {t: Logprob(lp, r, decode(t)) for t, lp, r in zip(e.token_ids, e.logprobs, e.ranks)}
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
+    # the engine's entries; offline (LLM.generate) vLLM's dict[token id, Logprob] per position
     logprobs: list[LogprobsEntry] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -199,3 +199,12 @@ def client(server):
 def claude(server):
     import anthropic
     return anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
+
+
+def assert_logprobs_close(got, want, atol=1e-4):
+    """Two offline logprob lists (vLLM's shape: per position {token id: Logprob}): the same
+    tokens and ranks at every position, logprobs within atol."""
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert [(t, x.rank) for t, x in a.items()] == [(t, x.rank) for t, x in b.items()]
+        assert max(abs(a[t].logprob - b[t].logprob) for t in a) <= atol

@@ -431,11 +431,11 @@ def test_max_logprobs_offline_and_flag_values():
         SamplingParams(prompt_logprobs=21).validate(512, max_logprobs=20)
     llm = LLM(max_logprobs=-1, device="cpu")  # -1: the vocabulary size (512)
     out = llm.generate(["Once upon"], SamplingParams(max_tokens=1, logprobs=512))
-    assert len(out[0].outputs[0].logprobs[0].token_ids) == 513  # the sampled one, then the top
+    assert len(out[0].outputs[0].logprobs[0]) == 512  # the top 512: the sampled one among them
     with pytest.raises(ValueError, match="logprobs"):
         llm.generate(["Once upon"], SamplingParams(max_tokens=1, logprobs=513))
     out = llm.generate(["Once upon"], SamplingParams(max_tokens=1, logprobs=-1, prompt_logprobs=-1))
-    assert len(out[0].outputs[0].logprobs[0].token_ids) == 513  # -1: the vocabulary, as vLLM's
+    assert len(out[0].outputs[0].logprobs[0]) == 512  # -1: the vocabulary, as vLLM's
     with pytest.raises(ValueError, match="logprobs"):  # -1 is held to max_logprobs too
         LLM(device="cpu").generate(["Once"], SamplingParams(max_tokens=1, logprobs=-1))
     with pytest.raises(ValueError, match="logprobs"):

@@ -79,7 +79,7 @@ def level2_two_new_tokens_case(path: str):
         for kw in (dict(enforce_eager=True), dict(compilation_level=2)):
             torch._dynamo.reset()
             out = LLM(path, **common, **kw).generate(prompt, sp)[0].outputs[0]
-            runs.append((out.token_ids, [e.logprobs[0] for e in out.logprobs]))
+            runs.append((out.token_ids, [d[t].logprob for t, d in zip(out.token_ids, out.logprobs)]))
     finally:
         ref.paged_attention_ref = torch_ref
     (eager_ids, eager_lp), (got_ids, got_lp) = runs

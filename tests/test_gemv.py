@@ -236,7 +236,7 @@ def swiglu_engine_case(path: str):
             os.environ["RANKSERVE_SWIGLU_EPILOGUE"] = on
             out = LLM(path, enforce_eager=True, max_num_seqs=2,
                       kv_cache_memory_gb=0.01).generate(prompt, sp)[0].outputs[0]
-            runs.append((out.token_ids, [e.logprobs[0] for e in out.logprobs]))
+            runs.append((out.token_ids, [d[t].logprob for t, d in zip(out.token_ids, out.logprobs)]))
     finally:
         gemv.add_rms_norm_swiglu_triton = real
         os.environ.pop("RANKSERVE_SWIGLU_EPILOGUE")

@@ -99,18 +99,25 @@ def test_penalties_end_to_end_reduce_repetition(stories_llm):
 
 
 def test_logprobs_and_prompt_logprobs(stories_llm):
+    """vLLM's offline shape: per position a dict token id → Logprob(logprob, rank, decoded_token)
+    holding the top k and the chosen token (k + 1 entries when it is not among them)."""
+    from rankserve import Logprob
     out = stories_llm.generate("Once upon a time", SamplingParams(
         temperature=0, max_tokens=5, logprobs=3, prompt_logprobs=2))[0]
     c = out.outputs[0]
+    tok_text = stories_llm.tokenizer.decode
     assert len(c.logprobs) == 5
-    for tok, e in zip(c.token_ids, c.logprobs):
-        assert e.token_ids[0] == tok and e.ranks[0] == 1  # greedy picks rank 1
-        assert len(e.token_ids) == 4 and e.logprobs[1] == pytest.approx(e.logprobs[0])
-        assert sum(math.exp(x) for x in e.logprobs[1:]) <= 1 + 1e-5
+    for tok, d in zip(c.token_ids, c.logprobs):
+        assert isinstance(d, dict) and len(d) == 3 and isinstance(d[tok], Logprob)
+        assert d[tok].rank == 1 and d[tok].decoded_token == tok_text([tok])  # greedy picks rank 1
+        assert sorted(x.rank for x in d.values()) == [1, 2, 3]
+        assert d[tok].logprob == max(x.logprob for x in d.values())
+        assert sum(math.exp(x.logprob) for x in d.values()) <= 1 + 1e-5
     assert out.prompt_logprobs[0] is None
     assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
-    for tok, e in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
-        assert e.token_ids[0] == tok and len(e.token_ids) == 3
+    for tok, d in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
+        assert tok in d and len(d) in (2, 3)  # the prompt's token, and the top 2 (it may be one)
+        assert (len(d) == 2) == (d[tok].rank <= 2)
 
 
 def test_n_choices(stories_llm):

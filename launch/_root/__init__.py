@@ -28,6 +28,9 @@ def __getattr__(name):
     if name == "SamplingParams":
         from rankserve.runtime.sampling_params import SamplingParams
         return SamplingParams
+    if name == "Logprob":
+        from rankserve.runtime.outputs import Logprob
+        return Logprob
     if name == "LoRARequest":
         from rankserve.runtime.messages import LoRARequest
         return LoRARequest
