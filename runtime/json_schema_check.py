@@ -55,6 +55,7 @@ def check_schema(schema: Any, where: str = "#", depth: int = 0) -> None:
         n = schema.get(key)
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
             raise UnsupportedSchema(f"{key} at {where}/{key} must be a non-negative integer, got {n!r}")
+    _check_values(schema, where)
     for key, why in UNSUPPORTED.items():
         if key in schema:
             _refuse(f"{where}/{key}", f"{key} ({why})")
@@ -87,6 +88,28 @@ def check_schema(schema: Any, where: str = "#", depth: int = 0) -> None:
         if isinstance(schema.get(key), dict):
             for name, sub in schema[key].items():
                 check_schema(sub, f"{where}/{key}/{name}", depth + 1)
+
+
+TYPES = ("string", "number", "integer", "boolean", "object", "array", "null")
+
+
+def _check_values(schema: dict, where: str) -> None:
+    """Malformed values the converter takes without an error (an empty anyOf read as anything,
+    an enum that is not a list): the meta-schema's rules for them."""
+    for key in ("anyOf", "oneOf", "allOf"):
+        if key in schema and (not isinstance(schema[key], list) or not schema[key]):
+            raise UnsupportedSchema(f"{key} at {where}/{key} must be a non-empty array of subschemas, "
+                                    f"got {schema[key]!r}")
+    t = schema.get("type")
+    if t is not None and not (t in TYPES if isinstance(t, str) else
+                              isinstance(t, list) and t and all(x in TYPES for x in t)):
+        raise UnsupportedSchema(f"type at {where}/type must be one of {', '.join(TYPES)} or a non-empty "
+                                f"array of them, got {t!r}")
+    if "enum" in schema and (not isinstance(schema["enum"], list) or not schema["enum"]):
+        raise UnsupportedSchema(f"enum at {where}/enum must be a non-empty array, got {schema['enum']!r}")
+    r = schema.get("required")
+    if r is not None and not (isinstance(r, list) and all(isinstance(x, str) for x in r)):
+        raise UnsupportedSchema(f"required at {where}/required must be an array of property names, got {r!r}")
 
 
 def _refuse(at: str, what: str) -> None:

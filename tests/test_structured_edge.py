@@ -58,6 +58,11 @@ def bad_request(r, *words):
     # xgrammar's conversion time grows with the cube of the depth (400 levels: 35 s)
     (functools.reduce(lambda s, _: {"type": "array", "items": s}, range(65), {"type": "integer"}),
      "deep"),
+    # malformed values the converter took without an error (an empty anyOf, a string required)
+    ({"anyOf": []}, "anyOf"), ({"oneOf": []}, "oneOf"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": "a"}, "required"),
+    ({"type": []}, "type"), ({"type": "strnig"}, "type"), ({"enum": []}, "enum"),
+    ({"type": "object", "properties": {"a": {"enum": "x"}}}, "/properties/a/enum"),
 ])
 def test_unenforceable_schema_keywords_are_400(server, schema, word):
     for body in ({"structured_outputs": {"json": schema}}, {"guided_json": schema},
