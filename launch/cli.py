@@ -99,15 +99,18 @@ def build_config(kwargs: dict) -> EngineConfig:
 
 # vLLM's `--lora-modules a=P b=Q '{"name": ...}'` (several values after one flag): the values
 # that follow it, as long as they look like `name=path` or JSON, each get a flag of their own
+# (`bench serve --lora-modules a b`: adapter names, every value up to the next flag)
 _LORA_MODULE = re.compile(r"[^-=/\s][^=\s]*=|\{")
+_LORA_NAME = re.compile(r"[^-]")
 
 
 def _spread_lora_modules(args: list[str]) -> list[str]:
     out, taking = [], False
+    value = _LORA_NAME if args[:2] == ["bench", "serve"] else _LORA_MODULE
     for prev, a in zip([None, *args], args):
         if prev == "--lora-modules":  # the flag's own value
             taking = True
-        elif taking and _LORA_MODULE.match(a):
+        elif taking and value.match(a):
             out.append("--lora-modules")
         else:
             taking = a.startswith("--lora-modules=")
@@ -555,8 +558,11 @@ def bench_multiturn(num_conversations, prefix_len, turns, turn_len, output_len, 
               help="histograms and tok/s over time, PNG (needs matplotlib)")
 @click.option("--profile", is_flag=True, help="profile the server during the measured run (POST "
               "/start_profile, /stop_profile: a server started with --profiler-config)")
+@click.option("--lora-modules", multiple=True, help="adapter names the server serves "
+              "(`--lora-modules a b`): each request asks for one of them, drawn at random (--seed)")
 @click.option("--disable-tqdm", is_flag=True)
-def bench_serve(goodput, percentile_metrics, metric_percentiles, metadata, host, port, **kwargs):
+def bench_serve(goodput, percentile_metrics, metric_percentiles, metadata, host, port, lora_modules,
+                **kwargs):
     """Online benchmark against a running server: Poisson (bursty) arrivals or fixed concurrency;
     throughput, goodput, TTFT / TPOT / ITL / E2E percentiles; every request's tokens checked.
     Exits with 1 if a request failed or lost tokens. The API key comes from OPENAI_API_KEY."""
@@ -571,7 +577,7 @@ def bench_serve(goodput, percentile_metrics, metric_percentiles, metadata, host,
             **kwargs, goodput=serve.parse_goodput(goodput), metadata=meta,
             percentile_metrics=tuple(m.strip() for m in percentile_metrics.split(",") if m.strip()),
             metric_percentiles=serve.parse_percentiles(metric_percentiles),
-            api_key=os.environ.get("OPENAI_API_KEY"))
+            lora_modules=tuple(lora_modules), api_key=os.environ.get("OPENAI_API_KEY"))
         sys.exit(serve.run(args))
     except ValueError as e:
         raise click.ClickException(str(e)) from None

@@ -306,3 +306,29 @@ def test_summary_prints_vllms_peak_rows():
     import re
     assert re.search(r"^Peak output token throughput \(tok/s\): +9\.00 *$", text, re.M), text
     assert re.search(r"^Peak concurrent requests: +3 *$", text, re.M), text
+
+
+def test_lora_modules_spread_requests_over_adapters(tmp_path):
+    """`--lora-modules a b` (vLLM's form, several names after one flag): every request's model is
+    one of the adapters, drawn with the seed; warm-up requests too."""
+    from click.testing import CliRunner
+
+    from rankserve.launch.cli import main
+    seen = []
+
+    def events(req):
+        seen.append(req["model"])
+        return [{"choices": [{"index": 0, "text": "x", "finish_reason": "length"}]}, _usage(req, 1)]
+    with sse_server(events) as url:
+        r = CliRunner().invoke(main, ["bench", "serve", "--base-url", url, "--lora-modules", "a", "b",
+                                      "--random-vocab-size", "100", "--num-prompts", "40",
+                                      "--num-warmups", "4", "--random-input-len", "4",
+                                      "--random-output-len", "1", "--disable-tqdm"])
+        assert r.exit_code == 0, r.output
+        assert len(seen) == 44 and set(seen) == {"a", "b"}
+        first = list(seen)
+        seen.clear()
+        args = ServeBenchArgs(base_url=url, lora_modules=("a", "b"), random_vocab_size=100,
+                              num_prompts=40, num_warmups=4, random_input_len=4, random_output_len=1,
+                              disable_tqdm=True)
+        assert run(args) == 0 and sorted(seen) == sorted(first)  # the same draw for the same seed

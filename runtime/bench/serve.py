@@ -89,6 +89,7 @@ class ServeBenchArgs:
     plot: str | None = None
     disable_tqdm: bool = False
     profile: bool = False  # POST /start_profile before the measured run, /stop_profile after
+    lora_modules: tuple[str, ...] = ()  # adapter names: each request's model drawn from them
     api_key: str | None = None
     request_timeout: float = 6 * 3600.0
 
@@ -160,6 +161,15 @@ class SampleRequest:
     prompt: str | list[int]  # text, or token ids (completions only)
     prompt_len: int | None  # known when it was built from tokens
     output_len: int
+    model: str | None = None  # its adapter (--lora-modules), else the run's model
+
+
+def with_adapters(args: ServeBenchArgs, requests: list[SampleRequest], rng) -> list[SampleRequest]:
+    """--lora-modules: each request asks for one adapter, drawn uniformly (as vLLM's bench)."""
+    if args.lora_modules:
+        for r, i in zip(requests, rng.integers(len(args.lora_modules), size=len(requests))):
+            r.model = args.lora_modules[i]
+    return requests
 
 
 def _vocab(args: ServeBenchArgs, tokenizer) -> int:
@@ -293,7 +303,7 @@ class RequestResult:
 
 
 def _payload(args: ServeBenchArgs, model: str, req: SampleRequest) -> dict:
-    body = {"model": model, "stream": True, "stream_options": {"include_usage": True},
+    body = {"model": req.model or model, "stream": True, "stream_options": {"include_usage": True},
             "temperature": args.temperature, "max_tokens": req.output_len}
     if args.ignore_eos:
         body["ignore_eos"] = True  # vLLM's extension, understood by rankserve
@@ -605,7 +615,7 @@ def warm_up(runner: asyncio.Runner, args: ServeBenchArgs, model: str, tokenizer)
     w = replace(args, num_prompts=args.num_warmups, request_rate=float("inf"), burstiness=1.0,
                 disable_tqdm=True)
     rng = np.random.default_rng([args.seed, 1])
-    warm = DATASETS[args.dataset_name](w, rng, tokenizer)[:args.num_warmups]
+    warm = with_adapters(args, DATASETS[args.dataset_name](w, rng, tokenizer)[:args.num_warmups], rng)
     print(f"warming up with {len(warm)} requests", flush=True)
     results, seconds = runner.run(run_requests(w, model, warm, rng))
     if failed := sum(not r.success for r in results):
@@ -647,9 +657,11 @@ def run(args: ServeBenchArgs) -> int:
                              f"({str(e).splitlines()[0]})") from None
     rng = np.random.default_rng(args.seed)
     requests = DATASETS[args.dataset_name](args, rng, tokenizer)[:args.num_prompts]
+    with_adapters(args, requests, np.random.default_rng([args.seed, 2]))
     model = args.model or _server_model(args)
     print(f"{len(requests)} requests ({args.dataset_name}) to {args.base_url}{args.endpoint}, model "
-          f"{model}; rate {args.request_rate} req/s (burstiness {args.burstiness}), max concurrency "
+          f"{'/'.join(args.lora_modules) or model}; rate {args.request_rate} req/s "
+          f"(burstiness {args.burstiness}), max concurrency "
           f"{args.max_concurrency or '-'}", flush=True)
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:  # uvloop: a cheaper client
         if args.num_warmups:
