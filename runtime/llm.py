@@ -85,6 +85,9 @@ class LLM:
         reqs = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
             text, ids = self._to_token_ids(p)
+            if sp.truncate_prompt_tokens is not None:  # keep the last k (-1: max_model_len)
+                keep = sp.truncate_prompt_tokens
+                ids = ids[-(self.engine.max_model_len if keep == -1 else keep):]
             rid = str(next(self._ids))
             for cid in range(sp.n):
                 reqs.append((rid, text, ids, sp, engine_request(
@@ -131,7 +134,12 @@ class LLM:
         for c in ro.outputs:
             if c.logprobs is not None:
                 c.logprobs = [logprob_dict(e, decode) for e in c.logprobs]
+                c.cumulative_logprob = sum(d[t].logprob for d, t in zip(c.logprobs, c.token_ids))
         return ro
+
+    def get_tokenizer(self):
+        """The tokenizer prompts are encoded with (vLLM's); None for a model without one."""
+        return self.tokenizer
 
     # ---- sleep mode and weight updates (vLLM's / SGLang's names) -------------------------------
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,

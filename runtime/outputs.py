@@ -35,6 +35,7 @@ class CompletionOutput:
     logprobs: list[LogprobsEntry] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    cumulative_logprob: float | None = None  # offline, with logprobs: the sampled tokens' sum (vLLM's)
     # what the last update added (for streaming)
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)

@@ -64,6 +64,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
+    truncate_prompt_tokens: int | None = None  # offline: keep the prompt's last k tokens (-1: max_model_len)
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None  # token id → added to its logit (clamped to ±100)
     allowed_token_ids: list[int] | None = None  # only these may be sampled
@@ -112,6 +113,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             bad("max_tokens", ">= 1")
         if self.min_tokens < 0:
             bad("min_tokens", ">= 0")
+        if self.truncate_prompt_tokens is not None and not (
+                self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1):
+            bad("truncate_prompt_tokens", ">= 1 (or -1: max_model_len)")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"<= max_tokens ({self.max_tokens})")
         most = INT64_MAX if max_logprobs is None else max_logprobs

@@ -220,3 +220,23 @@ def test_none_for_a_list_field_means_empty_as_in_vllm(stories_llm):
     assert sp.stop == [] and sp.stop_token_ids == [] and sp.bad_words == []
     got = stories_llm.generate("Once upon a time", sp)
     assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+
+
+def test_vllm_offline_api_extras(stories_llm):
+    """What vLLM scripts use beside generate(): get_tokenizer(), each choice's cumulative_logprob
+    (None without logprobs), SamplingParams(truncate_prompt_tokens=k) keeping the last k tokens."""
+    llm = stories_llm
+    assert llm.get_tokenizer() is llm.tokenizer
+    ids = llm.get_tokenizer()("Once upon a time there was").input_ids
+    out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=4, logprobs=1))[0]
+    c = out.outputs[0]
+    assert c.cumulative_logprob == pytest.approx(sum(d[t].logprob for d, t in zip(c.logprobs, c.token_ids)))
+    assert c.cumulative_logprob < 0
+    plain = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=4))[0]
+    assert plain.outputs[0].cumulative_logprob is None
+    cut = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, truncate_prompt_tokens=3))
+    assert cut[0].prompt_token_ids == ids[-3:]
+    whole = llm.generate(ids, SamplingParams(max_tokens=1, truncate_prompt_tokens=-1))
+    assert whole[0].prompt_token_ids == ids
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        llm.generate(ids, SamplingParams(max_tokens=1, truncate_prompt_tokens=0))
