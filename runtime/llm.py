@@ -137,6 +137,12 @@ class LLM:
                 c.cumulative_logprob = sum(d[t].logprob for d, t in zip(c.logprobs, c.token_ids))
         return ro
 
+    def beam_search(self, prompts, params, lora_request=None, use_tqdm: bool = False):
+        """vLLM's offline beam search (runtime/beam_search.py): `params` a BeamSearchParams; one
+        BeamSearchOutput per prompt, its sequences best first."""
+        from .beam_search import beam_search
+        return beam_search(self, prompts, params, lora_request, use_tqdm)
+
     def get_tokenizer(self):
         """The tokenizer prompts are encoded with (vLLM's); None for a model without one."""
         return self.tokenizer

@@ -31,6 +31,9 @@ def __getattr__(name):
     if name == "Logprob":
         from rankserve.runtime.outputs import Logprob
         return Logprob
+    if name == "BeamSearchParams":
+        from rankserve.runtime.beam_search import BeamSearchParams
+        return BeamSearchParams
     if name == "LoRARequest":
         from rankserve.runtime.messages import LoRARequest
         return LoRARequest
