@@ -18,11 +18,23 @@ from .outputs import OutputProcessor, RequestOutput, child_request_id, logprob_d
 from .sampling_params import SamplingParams
 
 
+# vLLM's LLM options whose value here can only be their default (offline runs log no stats, the
+# tokenizer is the checkpoint's fast one): that value is accepted, any other refused by name
+_FIXED = {"disable_log_stats": True, "tokenizer_mode": "auto"}
+
+
+def _vllm_defaults(kwargs: dict) -> None:
+    for name, only in _FIXED.items():
+        if name in kwargs and kwargs.pop(name) != only:
+            raise ValueError(f"{name}: only {only!r} is supported by the offline LLM")
+
+
 class LLM:
     def __init__(self, model: str | None = None, *, config: EngineConfig | None = None,
                  executor=None, **kwargs):
         startup_clock.mark("imports")  # process start → here: interpreter, imports, CLI
         envs.check()  # a bad RANKSERVE_* value fails here, not at the first request that reads it
+        _vllm_defaults(kwargs)
         self.config = config or EngineConfig.from_kwargs(model=model or DEFAULT_MODEL, **kwargs)
         m = self.config.model
         self.tokenizer = load_tokenizer(m.tokenizer or m.model, m.trust_remote_code)

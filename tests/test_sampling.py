@@ -240,3 +240,12 @@ def test_vllm_offline_api_extras(stories_llm):
     assert whole[0].prompt_token_ids == ids
     with pytest.raises(ValueError, match="truncate_prompt_tokens"):
         llm.generate(ids, SamplingParams(max_tokens=1, truncate_prompt_tokens=0))
+
+
+def test_vllm_llm_options_at_their_only_value():
+    from rankserve import LLM
+    from conftest import STORIES_EMBEDDED
+    LLM(str(STORIES_EMBEDDED), disable_log_stats=True, tokenizer_mode="auto", max_num_seqs=2)
+    for kw in ({"disable_log_stats": False}, {"tokenizer_mode": "slow"}):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            LLM(str(STORIES_EMBEDDED), **kw)
