@@ -446,6 +446,7 @@ class QuantConfig:
     name = ""
     ignored: list[str] = []
     only: list[str] | None = None  # when set, the modules (name suffixes) quantized; others dense
+    targets: list[str] | None = None  # compressed-tensors: the modules quantized (re: or names)
 
     def linear(self, prefix: str) -> LinearMethod:
         raise NotImplementedError
@@ -456,7 +457,9 @@ class QuantConfig:
 
     def _dense(self, name: str) -> bool:
         return (any(_listed(name, m) for m in self.ignored)
-                or self.only is not None and not any(name.endswith("." + m) for m in self.only))
+                or self.only is not None and not any(name.endswith("." + m) for m in self.only)
+                or self.targets is not None and not any(
+                    re.match(t[3:], name) if t.startswith("re:") else name == t for t in self.targets))
 
     def skips(self, prefix: str) -> bool:
         """Whether the config leaves module `prefix` unquantized. A fused module is when all the
@@ -601,9 +604,7 @@ class CompressedTensorsConfig(QuantConfig):
             raise ValueError(f"compressed-tensors scheme with {w.get('num_bits')}-bit {w.get('type')} "
                              f"weights (format {fmt!r}) is not supported; supported: 8-bit float (FP8), "
                              "4-bit int pack-quantized (W4A16)")
-        targets = g.get("targets") or ["Linear"]
-        if targets != ["Linear"]:
-            raise ValueError(f"compressed-tensors targets {targets} are not supported (only Linear)")
+        self.targets = self._check_targets(g.get("targets") or ["Linear"])
         sparsity = qc.get("sparsity_config") or {}  # "dense": weights stored whole
         for field, value in (("output_activations", g.get("output_activations")),
                              ("transform_config", qc.get("transform_config")),
@@ -636,6 +637,23 @@ class CompressedTensorsConfig(QuantConfig):
             raise ValueError(f"compressed-tensors input_activations of {act.get('num_bits')}-bit "
                              f"{act.get('type')} are not supported (activations run as dynamic e4m3)")
         self.static = not act.get("dynamic", True)
+
+    @staticmethod
+    def _check_targets(targets) -> list[str] | None:
+        """The group's `targets`: the class Linear (every linear layer), "re:" patterns or module
+        names (llm-compressor recipes quantizing part of the model); None: every layer."""
+        targets = [targets] if isinstance(targets, str) else list(targets)
+        for t in targets:
+            if t.startswith("re:"):
+                try:
+                    re.compile(t[3:])
+                except re.error as e:
+                    raise ValueError(f"compressed-tensors targets {t!r} is not a valid regular "
+                                     f"expression ({e})") from None
+            elif t != "Linear" and "." not in t:  # a class name: which modules are of it is unknown here
+                raise ValueError(f"compressed-tensors targets {t!r} is not supported (the class Linear, "
+                                 "re: patterns or module names)")
+        return None if "Linear" in targets else targets
 
     @staticmethod
     def _w4a16(w: dict, g: dict) -> W4A16:
@@ -826,8 +844,9 @@ _EXPERT_PARTS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))  # Q
 
 def apply_ignored(model: nn.Module, config: QuantConfig | None) -> None:
     """Layers the checkpoint left unquantized (`modules_to_not_convert` / `ignore` /
-    `modules_in_block_to_quantize`) get dense weights again; they were built with the scheme's method."""
-    if config is None or not config.ignored and config.only is None:
+    `modules_in_block_to_quantize`, or compressed-tensors `targets` that do not match them) get
+    dense weights again; they were built with the scheme's method."""
+    if config is None or not config.ignored and config.only is None and config.targets is None:
         return
     for name, mod in model.named_modules():
         if hasattr(mod, "set_method") and not mod.quant.dense and config.skips(name):

@@ -1,0 +1,80 @@
+"""Quantized checkpoints, fifth hunt (issue #14): config fields of published exports that the
+earlier hunts (test_quant_hunt*.py, test_quant_edge.py) refused or did not write. Writers and
+references come from tests/test_quantization.py and tests/test_quant_edge.py (they never call
+rankserve's code)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from rankserve import LLM
+
+import test_quantization as tq
+from conftest import make_checkpoint
+from test_quant_edge import CT, assert_matches, linears, write_checkpoint
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("llama"), "LlamaForCausalLM", **tq.SIZES)
+
+
+def _targets(qc: dict, targets: list[str]) -> dict:
+    (name, group), = qc["config_groups"].items()
+    return {**qc, "config_groups": {name: {**group, "targets": targets}}}
+
+
+MLP = r"re:.*mlp\.(gate|up|down)_proj$"
+ATTN = ["re:.*self_attn\\.[qkvo]_proj$"]
+
+
+@pytest.mark.parametrize("kind, targets, quantized", [
+    ("w4a16", [MLP], "mlp"),  # llm-compressor recipes that quantize the MLP only
+    ("fp8", ATTN, "self_attn"),
+    # a module named exactly (a target without "re:" is a module name, or the class Linear)
+    ("w4a16", [f"model.layers.{i}.mlp.{p}_proj" for i in (0, 1) for p in ("gate", "up", "down")], "mlp"),
+])
+def test_compressed_tensors_targets_by_pattern(llama, tmp_path, kind, targets, quantized):
+    """compressed-tensors `targets` other than ["Linear"] (regexes or module names, as
+    llm-compressor writes them) quantize the modules they match; the others stay 16-bit (they
+    were refused: 'targets ... are not supported (only Linear)')."""
+    writer, qc = ((tq.write_ct_w4a16, tq.CT_W4A16) if kind == "w4a16"
+                  else (tq.write_fp8_channel, {**CT, "ignore": ["lm_head"]}))
+    ref, names = write_checkpoint(llama, tmp_path / "q", writer, _targets(qc, targets),
+                                  dense=lambda n: f".{quantized}." not in n)
+    llm = LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=4)
+    kinds = {n: mod.quant.describe() for n, mod in linears(llm).items()}
+    assert all((kinds[n] == "dense") == (f".{quantized}." not in n) for n in kinds), kinds
+    assert_matches(llm, ref, names, False if kind == "w4a16" else None)
+
+
+def test_compressed_tensors_targets_of_moe_experts_only(tmp_path):
+    """Expert-only recipes (targets `re:.*mlp\\.experts.*`): 4-bit experts, 16-bit attention."""
+    src = make_checkpoint(tmp_path / "src", "Qwen3MoeForCausalLM", **{
+        **tq.SIZES, "moe_intermediate_size": 256, "head_dim": 64, "num_hidden_layers": 1})
+    qc = _targets(tq.CT_W4A16, [r"re:.*mlp\.experts.*"])
+    ref, names = write_checkpoint(src, tmp_path / "q", tq.write_ct_w4a16, qc,
+                                  dense=lambda n: ".experts." not in n)
+    llm = LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=4)
+    layer = llm.engine.executor.runner.model.model.layers["0"]
+    assert layer.self_attn.qkv_proj.quant.describe() == "dense"
+    assert layer.mlp.experts.quant.describe().startswith("experts compressed-tensors 4-bit")
+    assert_matches(llm, ref, names, False)
+
+
+@pytest.mark.parametrize("targets, words", [
+    (["LlamaDecoderLayer"], "targets .*'LlamaDecoderLayer'"),  # a class other than Linear
+    (["re:.*mlp\\.(gate|up"], "targets .*not a valid regular expression"),
+])
+def test_compressed_tensors_targets_not_understood_are_refused(tmp_path, targets, words):
+    tq.assert_config_refused(tmp_path, _targets(tq.CT_W4A16, targets), words)
+
+
+def test_a_fused_layer_partly_targeted_is_refused_naming_it(llama, tmp_path):
+    """q_proj targeted, k_proj / v_proj not: one fused qkv weight cannot mix them."""
+    write_checkpoint(llama, tmp_path / "q", tq.write_ct_w4a16,
+                     _targets(tq.CT_W4A16, [r"re:.*q_proj$"]), dense=lambda n: ".q_proj." not in n,
+                     reference=False)
+    with pytest.raises(ValueError, match=re.escape("model.layers.0.self_attn.qkv_proj") + ".*unquantized"):
+        LLM(str(tmp_path / "q"), dtype="float32")
