@@ -78,3 +78,21 @@ def test_a_fused_layer_partly_targeted_is_refused_naming_it(llama, tmp_path):
                      reference=False)
     with pytest.raises(ValueError, match=re.escape("model.layers.0.self_attn.qkv_proj") + ".*unquantized"):
         LLM(str(tmp_path / "q"), dtype="float32")
+
+
+@pytest.mark.parametrize("kind", ["fp8", "w4a16"])
+def test_compressed_tensors_scheme_under_compression_config(llama, tmp_path, kind):
+    """llm-compressor's 2024 exports (compressed-tensors up to 0.6: neuralmagic's
+    Meta-Llama-3.1-*-FP8-dynamic / -quantized.w4a16) keep the scheme under config.json's
+    `compression_config`, which vLLM reads where `quantization_config` is absent. They were
+    refused ('is stored as fp8 but the checkpoint's config.json has no quantization_config')."""
+    import json
+    writer, qc = ((tq.write_ct_w4a16, tq.CT_W4A16) if kind == "w4a16"
+                  else (tq.write_fp8_channel, {**CT, "ignore": ["lm_head"]}))
+    ref, names = write_checkpoint(llama, tmp_path / "q", writer, qc)
+    cfg = json.loads((tmp_path / "q" / "config.json").read_text())
+    cfg["compression_config"] = cfg.pop("quantization_config")
+    (tmp_path / "q" / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=4)
+    assert llm.engine.executor.runner.model.quant_config.name == "compressed-tensors"
+    assert_matches(llm, ref, names, False if kind == "w4a16" else None)
