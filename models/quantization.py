@@ -577,6 +577,18 @@ class ModelOptConfig(QuantConfig):
         return MoEQuant(None, per_tensor=self.per_tensor, static=self.per_tensor)
 
 
+def _ct_args(args: dict | None) -> dict | None:
+    """compressed-tensors QuantizationArgs as its parser reads them (and vLLM with it): strategy
+    and actorder in any case, actorder as a bool (compressed-tensors 0.6: true is group)."""
+    if not args:
+        return args
+    out = {k: v.lower() if k in ("strategy", "actorder") and isinstance(v, str) else v
+           for k, v in args.items()}
+    if isinstance(out.get("actorder"), bool):
+        out["actorder"] = "group" if out["actorder"] else None
+    return out
+
+
 @QUANT_METHODS.register("compressed-tensors")
 class CompressedTensorsConfig(QuantConfig):
     """The float-quantized FP8 scheme of compressed-tensors (llm-compressor's FP8 / FP8_DYNAMIC /
@@ -589,7 +601,7 @@ class CompressedTensorsConfig(QuantConfig):
         groups = qc.get("config_groups") or {}
         kv = qc.get("kv_cache_scheme")
         if kv:  # its k/v scales go to the fp8 KV cache (runtime/model_runner.py) as e4m3 scales
-            self._check_kv_scheme(kv)
+            self._check_kv_scheme(_ct_args(kv))
         self.ignored = _ignored(qc)
         self.weights_dense = not groups and bool(kv)  # a KV-cache-only checkpoint: 16-bit weights
         if self.weights_dense:
@@ -597,6 +609,7 @@ class CompressedTensorsConfig(QuantConfig):
         if len(groups) != 1:
             raise ValueError(f"compressed-tensors: {len(groups)} config groups; one is supported")
         g = next(iter(groups.values()))
+        g = {**g, "weights": _ct_args(g.get("weights")), "input_activations": _ct_args(g.get("input_activations"))}
         w = g.get("weights") or {}
         fmt = qc.get("format", "")
         w4 = w.get("type") == "int" and w.get("num_bits") == 4 and fmt == "pack-quantized"

@@ -96,3 +96,19 @@ def test_compressed_tensors_scheme_under_compression_config(llama, tmp_path, kin
     llm = LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=4)
     assert llm.engine.executor.runner.model.quant_config.name == "compressed-tensors"
     assert_matches(llm, ref, names, False if kind == "w4a16" else None)
+
+
+@pytest.mark.parametrize("actorder, strategy", [(True, "group"), (False, "GROUP"), ("Group", "group")])
+def test_compressed_tensors_actorder_and_strategy_as_older_versions_wrote_them(
+        llama, tmp_path, actorder, strategy):
+    """compressed-tensors 0.6 wrote `actorder` as a bool (true: group, false: none), and its
+    parser takes strings in any case, as vLLM reads them; they were refused ('actorder True is
+    not supported', 'strategy GROUP')."""
+    (name, g), = tq.CT_W4A16["config_groups"].items()
+    qc = {**tq.CT_W4A16, "config_groups": {name: {**g, "weights": {
+        **g["weights"], "actorder": actorder, "strategy": strategy}}}}
+    g_idx = actorder is True or actorder == "Group"
+    ref, names = write_checkpoint(llama, tmp_path / "q", lambda t: tq.write_ct_w4a16(t, actorder=g_idx), qc)
+    llm = LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=4)
+    assert llm.engine.executor.runner.model.model.layers["0"].mlp.down_proj.quant.desc_act == g_idx
+    assert_matches(llm, ref, names, False)
