@@ -500,8 +500,8 @@ class Fp8Config(QuantConfig):
     name = "fp8"
 
     def __init__(self, qc: dict, online: bool = False):
-        fmt = qc.get("fmt", "e4m3")
-        if fmt != "e4m3":
+        fmt = qc.get("fmt", "e4m3")  # DeepSeek-V3: e4m3; MiniMax-M2: the torch dtype's name
+        if str(fmt).lower() not in ("e4m3", "e4m3fn", "float8_e4m3fn"):
             raise ValueError(f"fp8 format {fmt!r} is not supported (only e4m3)")
         self.block = qc.get("weight_block_size")
         if self.block is not None and len(self.block) != 2:

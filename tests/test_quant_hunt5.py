@@ -112,3 +112,11 @@ def test_compressed_tensors_actorder_and_strategy_as_older_versions_wrote_them(
     llm = LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=4)
     assert llm.engine.executor.runner.model.model.layers["0"].mlp.down_proj.quant.desc_act == g_idx
     assert_matches(llm, ref, names, False)
+
+
+def test_fp8_fmt_spelled_as_the_torch_dtype(llama, tmp_path):
+    """`fmt: float8_e4m3fn` (MiniMax-M2's config and the tools that copy it) is e4m3 too; vLLM
+    does not read `fmt` at all. It was refused ('fp8 format 'float8_e4m3fn' is not supported')."""
+    qc = {**tq.FORMATS["fp8-block"][1], "fmt": "float8_e4m3fn"}
+    ref, names = write_checkpoint(llama, tmp_path / "q", tq.write_fp8_block, qc)
+    assert_matches(LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=4), ref, names, 128)
