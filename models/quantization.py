@@ -90,6 +90,10 @@ def load_2d(param: torch.Tensor, src, s: Slices, out_axis: int, out_div: int = 1
     off, start, n = s.rows
     c0, nc = s.cols
     shape = _shape(src)
+    if len(shape) != 2:  # (a per-tensor scale where the config has blocks: indexing would fail)
+        raise ValueError(f"has shape {list(shape)} in the checkpoint where this layer reads a 2-D "
+                         "tensor (the layout its quantization config names: block scales "
+                         "[ceil(N/bn), ceil(K/bk)], packed 4-bit words, group scales)")
     if s.full_out is not None and shape[out_axis] != -(-s.full_out // out_div):
         need = list(shape)
         need[out_axis] = -(-s.full_out // out_div)
@@ -399,11 +403,15 @@ class W4A16(LinearMethod):
 
     def _load_g_idx(self, p, src, s: Slices, G: int):
         c0, nc = s.cols
-        p.data.copy_(_read(src, slice(c0, c0 + nc)).to(torch.int32))
+        copy_checked(p.data, _read(src, slice(c0, c0 + nc)).to(torch.int32), _shape(src))
         # without desc_act the index is dropped (rows in order: group k // G); an act-order
         # index there would put rows in the wrong groups
-        if not self.desc_act and not torch.equal(
-                p.data.cpu(), torch.arange(c0, c0 + nc, dtype=torch.int32) // G):
+        idx = p.data.cpu()
+        if not self.desc_act and not torch.equal(idx, torch.arange(c0, c0 + nc, dtype=torch.int32) // G):
+            rows = int((idx == idx[0]).sum())  # in order, with groups of another size?
+            if torch.equal(idx, idx[0] + torch.arange(nc, dtype=torch.int32) // rows):
+                raise ValueError(f"puts {rows} rows in each group where the config has group_size "
+                                 f"{self.group_size}: the config is not the checkpoint's")
             raise ValueError("is an act-order index (rows not in group order) but the config has "
                              "desc_act false; set desc_act true")
 

@@ -120,3 +120,31 @@ def test_fp8_fmt_spelled_as_the_torch_dtype(llama, tmp_path):
     qc = {**tq.FORMATS["fp8-block"][1], "fmt": "float8_e4m3fn"}
     ref, names = write_checkpoint(llama, tmp_path / "q", tq.write_fp8_block, qc)
     assert_matches(LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=4), ref, names, 128)
+
+
+def _fp8_block_config_with_per_tensor_scales(w):
+    tensors, deq = tq.write_fp8_tensor(w)
+    return {"weight": tensors["weight"], "weight_scale_inv": tensors["weight_scale"]}, deq
+
+
+def _gptq_g_idx_of_one_entry(w):
+    tensors, deq = tq.write_gptq(w, sym=False, desc_act=True)
+    return {**tensors, "g_idx": tensors["g_idx"][:1]}, deq
+
+
+@pytest.mark.parametrize("writer, qc, words", [
+    # weight_block_size in the config, one scalar scale per layer in the tensors: an IndexError
+    (_fp8_block_config_with_per_tensor_scales, tq.FORMATS["fp8-block"][1],
+     r"model\.layers\.0\.\w+\.\w+\.weight_scale_inv: has shape \[\] in the checkpoint where this layer reads a "
+     r"2-D tensor"),
+    # an act-order index of one entry: broadcast to every row (all in group 0), silently
+    (_gptq_g_idx_of_one_entry, tq.FORMATS["gptq-zp-actorder"][1],
+     r"model\.layers\.0\.\w+\.\w+\.g_idx: has shape \[1\] in the checkpoint, which does not fit"),
+    # group 128 in the tensors, 64 in the config: blamed act-order ('set desc_act true')
+    (tq.write_gptq, {**tq.FORMATS["gptq-sym"][1], "group_size": 64},
+     r"model\.layers\.0\.\w+\.\w+\.g_idx: puts 128 rows in each group where the config has group_size 64"),
+])
+def test_tensors_not_of_the_configs_layout_are_named(llama, tmp_path, writer, qc, words):
+    write_checkpoint(llama, tmp_path / "q", writer, qc, reference=False)
+    with pytest.raises(ValueError, match=words):
+        LLM(str(tmp_path / "q"), dtype="float32")
