@@ -59,6 +59,17 @@ def check_channel_scale(t: torch.Tensor, rows: int) -> None:
                          f"[{rows}, 1]), a per-tensor one a single entry")
 
 
+def check_2d(src) -> list[int]:
+    """The shape of `src`, refused unless 2-D (a per-tensor scale where the config has blocks:
+    indexing it would fail without the tensor's name)."""
+    shape = _shape(src)
+    if len(shape) != 2:
+        raise ValueError(f"has shape {list(shape)} in the checkpoint where this layer reads a 2-D "
+                         "tensor (the layout its quantization config names: block scales "
+                         "[ceil(N/bn), ceil(K/bk)], packed 4-bit words, group scales)")
+    return shape
+
+
 def copy_checked(dst: torch.Tensor, block: torch.Tensor, stored: list[int]) -> None:
     """dst.copy_(block), refusing a block of another shape: copy_ would broadcast a short one
     (one row of a block scale over every block row) without a word."""
@@ -89,11 +100,7 @@ def load_2d(param: torch.Tensor, src, s: Slices, out_axis: int, out_div: int = 1
     unpacks the output dim, so the param holds one entry per output row)."""
     off, start, n = s.rows
     c0, nc = s.cols
-    shape = _shape(src)
-    if len(shape) != 2:  # (a per-tensor scale where the config has blocks: indexing would fail)
-        raise ValueError(f"has shape {list(shape)} in the checkpoint where this layer reads a 2-D "
-                         "tensor (the layout its quantization config names: block scales "
-                         "[ceil(N/bn), ceil(K/bk)], packed 4-bit words, group scales)")
+    shape = check_2d(src)
     if s.full_out is not None and shape[out_axis] != -(-s.full_out // out_div):
         need = list(shape)
         need[out_axis] = -(-s.full_out // out_div)

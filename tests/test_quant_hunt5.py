@@ -148,3 +148,16 @@ def test_tensors_not_of_the_configs_layout_are_named(llama, tmp_path, writer, qc
     write_checkpoint(llama, tmp_path / "q", writer, qc, reference=False)
     with pytest.raises(ValueError, match=words):
         LLM(str(tmp_path / "q"), dtype="float32")
+
+
+def test_per_tensor_expert_scales_under_a_block_config_are_named(tmp_path):
+    """The experts' block-scale loader too (an IndexError without the tensor's name)."""
+    src = make_checkpoint(tmp_path / "src", "Qwen3MoeForCausalLM", **{
+        **tq.SIZES, "moe_intermediate_size": 256, "head_dim": 64, "num_hidden_layers": 1})
+
+    # (the experts' tensors come first in the file: their loader meets the scalar first)
+    write_checkpoint(src, tmp_path / "q", _fp8_block_config_with_per_tensor_scales,
+                     tq.FORMATS["fp8-block"][1], reference=False)
+    with pytest.raises(ValueError, match=r"mlp\.experts\.\d+\.\w+\.weight_scale_inv: has shape \[\] in the "
+                                         r"checkpoint where this layer reads a 2-D tensor"):
+        LLM(str(tmp_path / "q"), dtype="float32")
