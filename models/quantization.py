@@ -593,14 +593,18 @@ class ModelOptConfig(QuantConfig):
 
 
 def _ct_args(args: dict | None) -> dict | None:
-    """compressed-tensors QuantizationArgs as its parser reads them (and vLLM with it): strategy
-    and actorder in any case, actorder as a bool (compressed-tensors 0.6: true is group)."""
+    """compressed-tensors QuantizationArgs as its parser reads them (and vLLM with it): type,
+    strategy and actorder in any case, actorder as a bool (compressed-tensors 0.6: true is
+    group), block_structure as "128x128" (its older spelling)."""
     if not args:
         return args
-    out = {k: v.lower() if k in ("strategy", "actorder") and isinstance(v, str) else v
+    out = {k: v.lower() if k in ("type", "strategy", "actorder") and isinstance(v, str) else v
            for k, v in args.items()}
     if isinstance(out.get("actorder"), bool):
         out["actorder"] = "group" if out["actorder"] else None
+    block = out.get("block_structure")
+    if isinstance(block, str) and re.fullmatch(r"\d+x\d+", block):
+        out["block_structure"] = [int(b) for b in block.split("x")]
     return out
 
 

@@ -161,3 +161,17 @@ def test_per_tensor_expert_scales_under_a_block_config_are_named(tmp_path):
     with pytest.raises(ValueError, match=r"mlp\.experts\.\d+\.\w+\.weight_scale_inv: has shape \[\] in the "
                                          r"checkpoint where this layer reads a 2-D tensor"):
         LLM(str(tmp_path / "q"), dtype="float32")
+
+
+def test_compressed_tensors_block_structure_as_a_string(llama, tmp_path):
+    """FP8_BLOCK with `block_structure` "128x128" and `type` "FLOAT" (compressed-tensors' parser
+    takes both, vLLM with it): were refused ('block strategy needs block_structure [bn, bk]')."""
+    def writer(w):
+        tensors, deq = tq.write_fp8_block(w)
+        return {"weight": tensors["weight"], "weight_scale": tensors["weight_scale_inv"]}, deq
+    (name, g), = CT["config_groups"].items()
+    qc = {**CT, "ignore": ["lm_head"], "config_groups": {name: {
+        **g, "weights": {**g["weights"], "strategy": "block", "block_structure": "128x128", "type": "FLOAT"},
+        "input_activations": {**g["input_activations"], "strategy": "group", "group_size": 128}}}}
+    ref, names = write_checkpoint(llama, tmp_path / "q", writer, qc)
+    assert_matches(LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=4), ref, names, 128)
