@@ -668,7 +668,7 @@ class CompressedTensorsConfig(QuantConfig):
         if not (act.get("type", "float") == "float" and act.get("num_bits", 8) == 8):
             raise ValueError(f"compressed-tensors input_activations of {act.get('num_bits')}-bit "
                              f"{act.get('type')} are not supported (activations run as dynamic e4m3)")
-        self.static = not act.get("dynamic", True)
+        self.static = not act.get("dynamic", False)  # compressed-tensors' default: static
 
     @staticmethod
     def _check_targets(targets) -> list[str] | None:

@@ -175,3 +175,17 @@ def test_compressed_tensors_block_structure_as_a_string(llama, tmp_path):
         "input_activations": {**g["input_activations"], "strategy": "group", "group_size": 128}}}}
     ref, names = write_checkpoint(llama, tmp_path / "q", writer, qc)
     assert_matches(LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=4), ref, names, 128)
+
+
+def test_compressed_tensors_input_activations_without_dynamic_are_static(llama, tmp_path, caplog):
+    """compressed-tensors' `dynamic` defaults to false: input_activations that leave it out are
+    static (their `input_scale` tensors are in the checkpoint), and the startup log says that
+    scale is not used (it said nothing: the activations were taken for dynamic ones)."""
+    (name, g), = CT["config_groups"].items()
+    qc = {**CT, "ignore": ["lm_head"], "config_groups": {name: {
+        **g, "weights": {**g["weights"], "strategy": "tensor"},
+        "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True}}}}
+    write_checkpoint(llama, tmp_path / "q", tq.write_fp8_tensor, qc, reference=False)
+    with caplog.at_level("INFO", logger="rankserve.runner"):
+        LLM(str(tmp_path / "q"), dtype="float32", max_num_seqs=2)
+    assert "8 x fp8 e4m3 (per-tensor; static input_scale unused, activations dynamic)" in caplog.text
