@@ -43,6 +43,11 @@ _SIDE_QUANT_CONFIGS = {"quantize_config.json": "gptq", "quant_config.json": "awq
 def _with_side_quant_config(config, model_dir: str):
     import json
     qc = getattr(config, "quantization_config", None)
+    compression = getattr(config, "compression_config", None)
+    if not qc and compression:  # llm-compressor's exports of 2024 (compressed-tensors < 0.7)
+        # name their scheme so; vLLM reads it where quantization_config is absent
+        qc = config.quantization_config = dict(compression if isinstance(compression, dict)
+                                               else compression.to_dict())
     if qc:
         if not isinstance(qc, dict):
             qc = qc.to_dict()
@@ -287,7 +292,8 @@ def load_weights(model, model_dir: str, progress: bool = True, update: bool = Fa
                             qc = getattr(model, "quant_config", False)
                             if qc is None or getattr(qc, "online", False):
                                 raise ValueError("is stored as fp8 but the checkpoint's config.json has "
-                                                 "no quantization_config (nor a quantize_config.json / "
+                                                 "no quantization_config (nor a compression_config, "
+                                                 "quantize_config.json / "
                                                  "quant_config.json beside it): its scheme is unknown, "
                                                  "so its weights cannot be read (--quantization fp8 "
                                                  "quantizes 16-bit checkpoints only)")

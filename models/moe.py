@@ -22,7 +22,7 @@ from ..kernels.quant import FP8, quant_fp8_weight
 from .layers import GatedMLP, divide
 from .loader import read_slice as _read, slice_shape
 from .parallel import ParallelInfo, tp_all_reduce
-from .quantization import (MoEQuant, Slices, W4A16, _fp8_tensor, check_channel_scale, copy_checked,
+from .quantization import (MoEQuant, Slices, W4A16, _fp8_tensor, check_2d, check_channel_scale, copy_checked,
                            current_moe_quant)
 from .llama import CausalLM
 from .registry import MODELS
@@ -180,6 +180,7 @@ class FusedExperts(nn.Module):
         rows, block = self._rows(), self.quant.spec.block
         if block:  # [out / bn, in / bk] blocks: the TP slice is whole blocks (checked above)
             bn, bk = block
+            check_2d(src)
             if part == 2:
                 copy_checked(param.data[e], _read(src, (slice(None), slice(rows.start // bk, -(-rows.stop // bk)))),
                              slice_shape(src))

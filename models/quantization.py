@@ -59,6 +59,17 @@ def check_channel_scale(t: torch.Tensor, rows: int) -> None:
                          f"[{rows}, 1]), a per-tensor one a single entry")
 
 
+def check_2d(src) -> list[int]:
+    """The shape of `src`, refused unless 2-D (a per-tensor scale where the config has blocks:
+    indexing it would fail without the tensor's name)."""
+    shape = _shape(src)
+    if len(shape) != 2:
+        raise ValueError(f"has shape {list(shape)} in the checkpoint where this layer reads a 2-D "
+                         "tensor (the layout its quantization config names: block scales "
+                         "[ceil(N/bn), ceil(K/bk)], packed 4-bit words, group scales)")
+    return shape
+
+
 def copy_checked(dst: torch.Tensor, block: torch.Tensor, stored: list[int]) -> None:
     """dst.copy_(block), refusing a block of another shape: copy_ would broadcast a short one
     (one row of a block scale over every block row) without a word."""
@@ -89,7 +100,7 @@ def load_2d(param: torch.Tensor, src, s: Slices, out_axis: int, out_div: int = 1
     unpacks the output dim, so the param holds one entry per output row)."""
     off, start, n = s.rows
     c0, nc = s.cols
-    shape = _shape(src)
+    shape = check_2d(src)
     if s.full_out is not None and shape[out_axis] != -(-s.full_out // out_div):
         need = list(shape)
         need[out_axis] = -(-s.full_out // out_div)
@@ -399,11 +410,15 @@ class W4A16(LinearMethod):
 
     def _load_g_idx(self, p, src, s: Slices, G: int):
         c0, nc = s.cols
-        p.data.copy_(_read(src, slice(c0, c0 + nc)).to(torch.int32))
+        copy_checked(p.data, _read(src, slice(c0, c0 + nc)).to(torch.int32), _shape(src))
         # without desc_act the index is dropped (rows in order: group k // G); an act-order
         # index there would put rows in the wrong groups
-        if not self.desc_act and not torch.equal(
-                p.data.cpu(), torch.arange(c0, c0 + nc, dtype=torch.int32) // G):
+        idx = p.data.cpu()
+        if not self.desc_act and not torch.equal(idx, torch.arange(c0, c0 + nc, dtype=torch.int32) // G):
+            rows = int((idx == idx[0]).sum())  # in order, with groups of another size?
+            if torch.equal(idx, idx[0] + torch.arange(nc, dtype=torch.int32) // rows):
+                raise ValueError(f"puts {rows} rows in each group where the config has group_size "
+                                 f"{self.group_size}: the config is not the checkpoint's")
             raise ValueError("is an act-order index (rows not in group order) but the config has "
                              "desc_act false; set desc_act true")
 
@@ -446,6 +461,7 @@ class QuantConfig:
     name = ""
     ignored: list[str] = []
     only: list[str] | None = None  # when set, the modules (name suffixes) quantized; others dense
+    targets: list[str] | None = None  # compressed-tensors: the modules quantized (re: or names)
 
     def linear(self, prefix: str) -> LinearMethod:
         raise NotImplementedError
@@ -456,7 +472,9 @@ class QuantConfig:
 
     def _dense(self, name: str) -> bool:
         return (any(_listed(name, m) for m in self.ignored)
-                or self.only is not None and not any(name.endswith("." + m) for m in self.only))
+                or self.only is not None and not any(name.endswith("." + m) for m in self.only)
+                or self.targets is not None and not any(
+                    re.match(t[3:], name) if t.startswith("re:") else name == t for t in self.targets))
 
     def skips(self, prefix: str) -> bool:
         """Whether the config leaves module `prefix` unquantized. A fused module is when all the
@@ -497,8 +515,8 @@ class Fp8Config(QuantConfig):
     name = "fp8"
 
     def __init__(self, qc: dict, online: bool = False):
-        fmt = qc.get("fmt", "e4m3")
-        if fmt != "e4m3":
+        fmt = qc.get("fmt", "e4m3")  # DeepSeek-V3: e4m3; MiniMax-M2: the torch dtype's name
+        if str(fmt).lower() not in ("e4m3", "e4m3fn", "float8_e4m3fn"):
             raise ValueError(f"fp8 format {fmt!r} is not supported (only e4m3)")
         self.block = qc.get("weight_block_size")
         if self.block is not None and len(self.block) != 2:
@@ -574,6 +592,22 @@ class ModelOptConfig(QuantConfig):
         return MoEQuant(None, per_tensor=self.per_tensor, static=self.per_tensor)
 
 
+def _ct_args(args: dict | None) -> dict | None:
+    """compressed-tensors QuantizationArgs as its parser reads them (and vLLM with it): type,
+    strategy and actorder in any case, actorder as a bool (compressed-tensors 0.6: true is
+    group), block_structure as "128x128" (its older spelling)."""
+    if not args:
+        return args
+    out = {k: v.lower() if k in ("type", "strategy", "actorder") and isinstance(v, str) else v
+           for k, v in args.items()}
+    if isinstance(out.get("actorder"), bool):
+        out["actorder"] = "group" if out["actorder"] else None
+    block = out.get("block_structure")
+    if isinstance(block, str) and re.fullmatch(r"\d+x\d+", block):
+        out["block_structure"] = [int(b) for b in block.split("x")]
+    return out
+
+
 @QUANT_METHODS.register("compressed-tensors")
 class CompressedTensorsConfig(QuantConfig):
     """The float-quantized FP8 scheme of compressed-tensors (llm-compressor's FP8 / FP8_DYNAMIC /
@@ -586,7 +620,7 @@ class CompressedTensorsConfig(QuantConfig):
         groups = qc.get("config_groups") or {}
         kv = qc.get("kv_cache_scheme")
         if kv:  # its k/v scales go to the fp8 KV cache (runtime/model_runner.py) as e4m3 scales
-            self._check_kv_scheme(kv)
+            self._check_kv_scheme(_ct_args(kv))
         self.ignored = _ignored(qc)
         self.weights_dense = not groups and bool(kv)  # a KV-cache-only checkpoint: 16-bit weights
         if self.weights_dense:
@@ -594,6 +628,7 @@ class CompressedTensorsConfig(QuantConfig):
         if len(groups) != 1:
             raise ValueError(f"compressed-tensors: {len(groups)} config groups; one is supported")
         g = next(iter(groups.values()))
+        g = {**g, "weights": _ct_args(g.get("weights")), "input_activations": _ct_args(g.get("input_activations"))}
         w = g.get("weights") or {}
         fmt = qc.get("format", "")
         w4 = w.get("type") == "int" and w.get("num_bits") == 4 and fmt == "pack-quantized"
@@ -601,9 +636,7 @@ class CompressedTensorsConfig(QuantConfig):
             raise ValueError(f"compressed-tensors scheme with {w.get('num_bits')}-bit {w.get('type')} "
                              f"weights (format {fmt!r}) is not supported; supported: 8-bit float (FP8), "
                              "4-bit int pack-quantized (W4A16)")
-        targets = g.get("targets") or ["Linear"]
-        if targets != ["Linear"]:
-            raise ValueError(f"compressed-tensors targets {targets} are not supported (only Linear)")
+        self.targets = self._check_targets(g.get("targets") or ["Linear"])
         sparsity = qc.get("sparsity_config") or {}  # "dense": weights stored whole
         for field, value in (("output_activations", g.get("output_activations")),
                              ("transform_config", qc.get("transform_config")),
@@ -635,7 +668,24 @@ class CompressedTensorsConfig(QuantConfig):
         if not (act.get("type", "float") == "float" and act.get("num_bits", 8) == 8):
             raise ValueError(f"compressed-tensors input_activations of {act.get('num_bits')}-bit "
                              f"{act.get('type')} are not supported (activations run as dynamic e4m3)")
-        self.static = not act.get("dynamic", True)
+        self.static = not act.get("dynamic", False)  # compressed-tensors' default: static
+
+    @staticmethod
+    def _check_targets(targets) -> list[str] | None:
+        """The group's `targets`: the class Linear (every linear layer), "re:" patterns or module
+        names (llm-compressor recipes quantizing part of the model); None: every layer."""
+        targets = [targets] if isinstance(targets, str) else list(targets)
+        for t in targets:
+            if t.startswith("re:"):
+                try:
+                    re.compile(t[3:])
+                except re.error as e:
+                    raise ValueError(f"compressed-tensors targets {t!r} is not a valid regular "
+                                     f"expression ({e})") from None
+            elif t != "Linear" and "." not in t:  # a class name: which modules are of it is unknown here
+                raise ValueError(f"compressed-tensors targets {t!r} is not supported (the class Linear, "
+                                 "re: patterns or module names)")
+        return None if "Linear" in targets else targets
 
     @staticmethod
     def _w4a16(w: dict, g: dict) -> W4A16:
@@ -826,8 +876,9 @@ _EXPERT_PARTS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))  # Q
 
 def apply_ignored(model: nn.Module, config: QuantConfig | None) -> None:
     """Layers the checkpoint left unquantized (`modules_to_not_convert` / `ignore` /
-    `modules_in_block_to_quantize`) get dense weights again; they were built with the scheme's method."""
-    if config is None or not config.ignored and config.only is None:
+    `modules_in_block_to_quantize`, or compressed-tensors `targets` that do not match them) get
+    dense weights again; they were built with the scheme's method."""
+    if config is None or not config.ignored and config.only is None and config.targets is None:
         return
     for name, mod in model.named_modules():
         if hasattr(mod, "set_method") and not mod.quant.dense and config.skips(name):
