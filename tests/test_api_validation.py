@@ -233,6 +233,21 @@ def test_truncate_prompt_tokens(client):
     assert r.usage.prompt_tokens == 10
 
 
+def test_truncate_prompt_tokens_takes_prompts_longer_than_the_context(client):
+    """truncate_prompt_tokens is there for prompts over the context: a text of 3 contexts was
+    refused by the length check made before tokenizing (as if nothing would be cut)."""
+    long = "Lily went to the park. " * 400  # ~2800 tokens, 9200 characters; context 512
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client.completions.create(model="stories260K", prompt=long, max_tokens=2)
+    r = client.completions.create(model="stories260K", prompt=[long, "Once"], max_tokens=2,
+                                  extra_body={"truncate_prompt_tokens": 10})
+    assert r.usage.prompt_tokens == 10 + 2
+    r = client.chat.completions.create(model="stories260K", max_tokens=2,
+                                       messages=[{"role": "user", "content": long}],
+                                       extra_body={"truncate_prompt_tokens": 10})
+    assert r.usage.prompt_tokens == 10
+
+
 def test_chat_template_per_request_and_flag(http):
     r = post(http, "/v1/chat/completions/render", {"messages": CHAT}).json()
     assert r["prompt"].strip() == "Once upon a time"  # the --chat-template flag

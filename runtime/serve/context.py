@@ -244,10 +244,13 @@ class ServeContext:
         if self.tokenizer is None:
             raise APIError("this model has no tokenizer: only token-id prompts are served")
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
+    def encode(self, prompt: str | list[int], bounded: bool = True) -> list[int]:
+        """`bounded`: refuse a text too long for the context before tokenizing it (not when the
+        request truncates its prompt: truncate_prompt_tokens is for prompts over the context)."""
         if isinstance(prompt, str):
             self.need_tokenizer()
-            self.check_prompt_chars(prompt, "prompt")
+            if bounded:
+                self.check_prompt_chars(prompt, "prompt")
 
         def run():
             try:
@@ -260,9 +263,10 @@ class ServeContext:
     def render_chat(self, messages: list[dict], tools: list[dict] | None,
                     template_kwargs: dict | None = None, add_generation_prompt: bool = True,
                     continue_final_message: bool = False,
-                    chat_template: str | None = None) -> list[int]:
+                    chat_template: str | None = None, bounded: bool = True) -> list[int]:
         self.need_tokenizer()
-        self.check_prompt_chars(messages, "messages")
+        if bounded:  # (as encode's)
+            self.check_prompt_chars(messages, "messages")
 
         def run():
             try:

@@ -128,14 +128,14 @@ def joined_logprobs(first: dict | None, then: dict | None) -> dict | None:
 
 
 # ---- completions ------------------------------------------------------------------------------
-def completion_prompts(ctx: ServeContext, prompt) -> list[list[int]]:
+def completion_prompts(ctx: ServeContext, prompt, bounded: bool = True) -> list[list[int]]:
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompts = [prompt]
     else:
         prompts = list(prompt)
     if not prompts:
         raise APIError("prompt must not be empty", param="prompt")
-    return [ctx.encode(p) for p in prompts]
+    return [ctx.encode(p, bounded) for p in prompts]
 
 
 async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Update]]:
@@ -171,8 +171,8 @@ def prepare_completion(ctx: ServeContext, req: CompletionRequest):
     info = ctx.client.model_info
     max_tokens = 1 if req.max_tokens == 0 else req.max_tokens  # (0: echo alone, as vLLM)
     check_logprobs(req, info, "logprobs", "prompt_logprobs")
-    prompts = check_prompts(completion_prompts(ctx, req.prompt), info, max_tokens, req.n,
-                            truncate=req.truncate_prompt_tokens)
+    prompts = completion_prompts(ctx, req.prompt, req.truncate_prompt_tokens is None)
+    prompts = check_prompts(prompts, info, max_tokens, req.n, truncate=req.truncate_prompt_tokens)
     params = ctx.with_thinking(ctx.with_bad_words(sampling_params(
         req, ctx.defaults, max_tokens, req.logprobs, vocab_size=info.get("vocab_size"),
         structured=structured_from(req))), req.thinking_token_budget)
@@ -295,7 +295,8 @@ def prepare_chat(ctx: ServeContext, req: ChatCompletionRequest) -> tuple[list[in
         kwargs.setdefault("enable_thinking", req.reasoning_effort not in ("none", "minimal"))
     ids = ctx.render_chat(req.messages, tools, kwargs,
                           req.add_generation_prompt and not req.continue_final_message,
-                          req.continue_final_message, req.chat_template)
+                          req.continue_final_message, req.chat_template,
+                          bounded=req.truncate_prompt_tokens is None)
     tokens_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
     [ids] = check_prompts([ids], ctx.client.model_info, req.max_completion_tokens or req.max_tokens,
                           req.n, "messages", tokens_param, req.truncate_prompt_tokens)
