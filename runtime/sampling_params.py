@@ -4,6 +4,7 @@ from __future__ import annotations
 import msgspec
 
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+FLOAT32_MAX = 3.4028234663852886e38  # the sampler's float32: a larger value becomes inf
 
 
 class ParamError(ValueError):
@@ -108,6 +109,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             bad("frequency_penalty", "in [-2, 2]")
         if self.repetition_penalty <= 0:
             bad("repetition_penalty", "> 0")
+        for name in ("temperature", "repetition_penalty"):  # (inf: NaN logits, masks lost)
+            if getattr(self, name) > FLOAT32_MAX:
+                bad(name, f"at most {FLOAT32_MAX:.4g}")
         if self.max_tokens is not None and self.max_tokens < 1:
             bad("max_tokens", ">= 1")
         if self.min_tokens < 0:

@@ -278,6 +278,27 @@ def test_chat_echo(client):
 
 
 # ---- defect 8: semantics ------------------------------------------------------------------------
+def test_sampling_values_beyond_float32_break_no_mask(http):
+    """The sampler works in float32: a temperature over its range (1e39, plain JSON) became inf
+    and the masked logits NaN, so tokens outside allowed_token_ids / the grammar (<unk>) came
+    out; a top_p that is 0 in float32 masked every token; a repetition penalty that small made
+    the seen logits inf (NaN probabilities: <unk> again)."""
+    def raw(body: str) -> httpx.Response:
+        return http.post("/v1/completions", content=body,
+                         headers={"content-type": "application/json"})
+    base = '"prompt": "Once upon a time", "max_tokens": 4, "return_token_ids": true'
+    bad(raw('{%s, "temperature": 1e39, "allowed_token_ids": [5, 6, 7]}' % base), "temperature")
+    r = raw('{%s, "temperature": 3e38, "allowed_token_ids": [5, 6, 7]}' % base)
+    assert set(r.json()["choices"][0]["token_ids"]) <= {5, 6, 7}, r.text
+    greedy = raw('{%s, "temperature": 0}' % base).json()["choices"][0]["token_ids"]
+    for top_p in ("1e-320", "1e-45"):  # (0 and the least float32 above it): the top token only
+        r = raw('{%s, "top_p": %s, "seed": 1}' % (base, top_p))
+        assert r.json()["choices"][0]["token_ids"] == greedy, (top_p, r.text)
+    r = raw('{%s, "repetition_penalty": 1e-39, "seed": 1}' % base)  # seen tokens win
+    ids = r.json()["choices"][0]["token_ids"]
+    assert all(t in [1, 403, 407, 261, 378] + ids[:i] for i, t in enumerate(ids)), ids
+
+
 def test_max_tokens_beyond_the_context_is_400(http):
     err = bad(post(http, "/v1/completions", {"prompt": "Once", "max_tokens": 10_000}),
               "max_tokens")
