@@ -173,3 +173,38 @@ def test_chat_tool_choice_of_another_shape_says_which_shape(http, choice):
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
     assert "None" not in r.json()["error"]["message"]
     assert '{"type": "function", "function": {"name": ...}}' in r.json()["error"]["message"]
+
+
+EMOJI = "😀 a 中文 end"  # stories' byte-fallback tokens: 4 for 😀, 3 for each CJK character
+
+
+def test_logprobs_of_byte_tokens_line_up_with_the_text(client):
+    """A character made of several byte tokens (each decodes to "�" alone): completions'
+    text_offset counted one character per byte token, so every later offset was off (the "d"
+    of "end" at 16 in a 13-character text), and streamed chunks carried other tokens than their
+    text's (the tokens of "😀" came with " a", those of " a" with "文"); chat's `bytes` were
+    those of "�" for each, so the bytes did not add up to the content (OpenAI: they do)."""
+    kw = dict(max_tokens=20, extra_body={"guided_choice": [EMOJI]})
+    c = complete(client, logprobs=0, **kw).choices[0]
+    lp = c.logprobs
+    assert c.text == EMOJI and lp.tokens[-1] == "</s>"
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] == len(c.text)
+    for tok, start in zip(lp.tokens[:-1], lp.text_offset):
+        assert tok == "\ufffd" or c.text[start:start + len(tok)] == tok, (tok, lp.text_offset)
+    assert lp.text_offset[:5] == [0, 0, 0, 0, 1]  # the bytes of 😀, then " a"
+    done, tokens, offsets = "", [], []
+    for ch in complete(client, logprobs=0, stream=True, **kw):
+        ch = ch.choices[0]
+        tokens += ch.logprobs.tokens
+        offsets += ch.logprobs.text_offset
+        assert all(len(done) <= o <= len(done) + len(ch.text) for o in ch.logprobs.text_offset)
+        if ch.text.strip():  # the chunk of a character carries the tokens that made it
+            assert ch.logprobs.tokens, ch
+        done += ch.text
+    assert done == c.text and tokens == lp.tokens and offsets == lp.text_offset
+    msg = client.chat.completions.create(
+        model="s", messages=[{"role": "user", "content": PROMPT}], temperature=0, logprobs=True,
+        **kw).choices[0]
+    content = msg.logprobs.content
+    assert content[-1].token == "</s>" and msg.message.content == EMOJI
+    assert bytes(b for e in content[:-1] for b in e.bytes).decode() == EMOJI

@@ -7,6 +7,7 @@ import asyncio
 import contextvars
 import json
 import logging
+import re
 from dataclasses import dataclass
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -400,6 +401,22 @@ class ServeContext:
             self._token_text[token_id] = text
         return text
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's own bytes (OpenAI's logprobs `bytes`): those of its text, but for a token
+        holding part of a character (its text alone is "�") the raw byte(s) it stands for, so
+        that the bytes of consecutive tokens add up to the output's UTF-8."""
+        text = self.token_text(token_id)
+        if "\ufffd" not in text or self.tokenizer is None:
+            return text.encode()
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str):
+            m = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)  # SentencePiece byte fallback
+            if m:
+                return bytes([int(m[1], 16)])
+            if all(ch in _BYTE_OF_CHAR for ch in piece):  # byte-level BPE (GPT-2, Qwen, Llama 3)
+                return bytes(_BYTE_OF_CHAR[ch] for ch in piece)
+        return text.encode()
+
     # ---- responses --------------------------------------------------------------------------
     async def respond(self, streams: list[RequestStream], streaming: bool,
                       collect: Callable[[], Awaitable[dict]],
@@ -426,6 +443,21 @@ class ServeContext:
         finally:
             if not handed_over:
                 close()
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """Byte-level BPE's alphabet: each byte is spelt by one printable character (the
+    printable Latin-1 bytes by themselves, the others by chr(256 + i) in byte order)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    out, extra = {chr(b): b for b in keep}, 0
+    for b in range(256):
+        if b not in keep:
+            out[chr(256 + extra)] = b
+            extra += 1
+    return out
+
+
+_BYTE_OF_CHAR = _byte_level_chars()
 
 
 class ChatRun:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from typing import AsyncIterator
 
 from ..detokenize import IncrementalDetokenizer
@@ -23,18 +24,19 @@ def chat_logprobs(ctx: ServeContext, entries: list[LogprobsEntry] | None,
         return None
 
     def item(tid, lp):
-        text = ctx.token_text(tid)
-        return {"token": text, "logprob": max(lp, -9999.0), "bytes": list(text.encode())}
+        return {"token": ctx.token_text(tid), "logprob": max(lp, -9999.0),
+                "bytes": list(ctx.token_bytes(tid))}
     return {"content": [dict(item(e.token_ids[0], e.logprobs[0]), top_logprobs=[
         item(t, lp) for t, lp in zip(e.token_ids[1:top + 1], e.logprobs[1:top + 1])])
         for e in entries]}
 
 
 def completion_logprobs(ctx: ServeContext, entries: list[LogprobsEntry] | None,
-                        text_offset: int) -> dict | None:
+                        text_offset: list[int]) -> dict | None:
+    """`text_offset`: where each entry's token starts in the choice's text (TokenOffsets)."""
     if entries is None:
         return None
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": text_offset}
     for e in entries:
         text = ctx.token_text(e.token_ids[0])
         out["tokens"].append(text)
@@ -42,9 +44,26 @@ def completion_logprobs(ctx: ServeContext, entries: list[LogprobsEntry] | None,
         top = {ctx.token_text(t): max(lp, -9999.0) for t, lp in zip(e.token_ids[1:], e.logprobs[1:])}
         top.setdefault(text, out["token_logprobs"][-1])  # OpenAI, vLLM: the sampled one always
         out["top_logprobs"].append(top)
-        out["text_offset"].append(text_offset)
-        text_offset += len(text)
     return out
+
+
+class TokenOffsets:
+    """Where each generated token's text starts in its choice's text, the tokens detokenized one
+    at a time as the output was: the byte tokens of one character (each "�" alone) all start
+    where the character does, a skipped special token takes no room."""
+
+    def __init__(self, ctx: ServeContext, prompt: list[int], skip_special_tokens: bool,
+                 base: int = 0):
+        self.detok = IncrementalDetokenizer(ctx.tokenizer, prompt, skip_special_tokens) \
+            if ctx.tokenizer is not None else None
+        self.base = base  # (echo: the prompt's text comes first)
+
+    def span(self, token_id: int) -> tuple[int, int]:
+        if self.detok is None:
+            return self.base, self.base
+        start = len(self.detok.text)
+        self.detok.push([token_id])
+        return self.base + start, self.base + len(self.detok.text)
 
 
 def prompt_logprobs(ctx: ServeContext, entries: list[LogprobsEntry | None] | None,
@@ -61,24 +80,24 @@ def prompt_logprobs(ctx: ServeContext, entries: list[LogprobsEntry | None] | Non
 
 class AlignedLogprobs:
     """Streamed completion logprobs leave with the text their tokens produced: while the
-    detokenizer holds text back (it may start a stop string), the entries wait too, so each
-    chunk's tokens and text_offset line up with its text (as they do without streaming)."""
+    detokenizer holds text back (it may start a stop string, or be the first bytes of a
+    character), the entries wait too, so each chunk's tokens and text_offset line up with its
+    text (as they do without streaming)."""
 
-    def __init__(self, ctx: ServeContext, base: int = 0):
-        self.ctx, self.pending, self.sent, self.covered = ctx, [], 0, 0
-        self.base = base  # offsets count from here (echo: the prompt's text comes first)
+    def __init__(self, ctx: ServeContext, offsets: TokenOffsets):
+        self.ctx, self.offsets, self.pending = ctx, offsets, []
+        self.sent = offsets.base
 
     def take(self, entries: list[LogprobsEntry] | None, text: str, final: bool) -> dict:
-        self.pending += entries or []
+        self.pending += [(e, *self.offsets.span(e.token_ids[0])) for e in entries or []]
         self.sent += len(text)
-        start, out = self.covered, []
-        while self.pending:
-            size = len(self.ctx.token_text(self.pending[0].token_ids[0]))
-            if not final and self.covered + size > self.sent:
-                break
-            out.append(self.pending.pop(0))
-            self.covered += size
-        return completion_logprobs(self.ctx, out, self.base + start)
+        n = len(self.pending)
+        if not final:
+            n = sum(1 for _ in itertools.takewhile(lambda p: p[2] <= self.sent, self.pending))
+            while n and self.pending[n - 1][1] == self.pending[n - 1][2] == self.sent:
+                n -= 1  # (bytes of a character to come go with it)
+        out, self.pending = self.pending[:n], self.pending[n:]
+        return completion_logprobs(self.ctx, [e for e, _, _ in out], [s for _, s, _ in out])
 
 
 # ---- echo -------------------------------------------------------------------------------------
@@ -227,7 +246,10 @@ async def create_completion(ctx: ServeContext, req: CompletionRequest):
         choices = []
         for k, t in enumerate(texts):
             head = echo.texts[k // n] if echo else ""
-            lp = completion_logprobs(ctx, lps[k], len(head))
+            lp = None
+            if lps[k] is not None:
+                spans = TokenOffsets(ctx, prompts[k // n], req.skip_special_tokens, len(head))
+                lp = completion_logprobs(ctx, lps[k], [spans.span(e.token_ids[0])[0] for e in lps[k]])
             if echo and lp is not None:
                 lp = joined_logprobs(echo.logprobs(k // n, plps[k // n]), lp)
             choices.append(choice(k, head + "".join(t), lp, *ends[k], ids[k], plps[k // n]))
@@ -236,12 +258,13 @@ async def create_completion(ctx: ServeContext, req: CompletionRequest):
                 "usage": usage(num_prompt, tokens, cached)}
 
     async def events():
-        aligned = [AlignedLogprobs(ctx, len(echo.texts[k // n]) if echo else 0)
-                   for k in range(len(prompts) * n)]
-        started = [False] * len(aligned)
+        aligned = [AlignedLogprobs(ctx, TokenOffsets(ctx, prompts[k // n], req.skip_special_tokens,
+                                                     len(echo.texts[k // n]) if echo else 0))
+                   for k in range(len(prompts) * n) if req.logprobs is not None]
+        started = [False] * (len(prompts) * n)
         plps: list = [None] * len(prompts)
         tokens = cached = 0
-        counts = [0] * len(aligned)  # tokens of each choice so far
+        counts = [0] * len(started)  # tokens of each choice so far
 
         def usage_so_far(k) -> dict:  # OpenAI: null until the last chunk; vLLM's continuous
             if req.continuous_usage:
