@@ -208,3 +208,17 @@ def test_logprobs_of_byte_tokens_line_up_with_the_text(client):
     content = msg.logprobs.content
     assert content[-1].token == "</s>" and msg.message.content == EMOJI
     assert bytes(b for e in content[:-1] for b in e.bytes).decode() == EMOJI
+
+
+@pytest.mark.parametrize("prompt", ["<s>Once upon a time", "  Lily went", "Once upon a time"])
+def test_echo_text_offset_points_into_the_prompt_as_sent(client, prompt):
+    """echo gives back the prompt's own text, but text_offset counted the decoded tokens: when
+    that text differs from the prompt (special-token text as in a prompt already in its chat
+    template, leading spaces), every later offset pointed elsewhere ("O" of "<s>Once" at 0)."""
+    r = complete(client, prompt=prompt, max_tokens=0, echo=True, logprobs=0).choices[0]
+    lp = r.logprobs
+    assert r.text == prompt and lp.text_offset == sorted(lp.text_offset)
+    for tok, start in list(zip(lp.tokens, lp.text_offset))[1:]:  # (the first: the added BOS)
+        if start == 0 and tok.startswith(" ") and not prompt.startswith(" "):
+            tok = tok[1:]  # (SentencePiece's space before the text's first word)
+        assert prompt[start:start + len(tok)] == tok, (tok, start, lp.text_offset)

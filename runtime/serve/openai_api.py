@@ -117,6 +117,8 @@ class Echo:
                 detok.push([t])
             keep = isinstance(orig, str) and req.truncate_prompt_tokens is None
             text = orig if keep else detok.text
+            if keep:  # the client's own text: its tokens' places in it, not in the decoded text
+                offsets = _offsets_in(ctx, orig, ids) or offsets
             self.texts.append(text)
             self.offsets.append([min(o, len(text)) for o in offsets])
         self.top = req.logprobs
@@ -138,6 +140,19 @@ class Echo:
             top.setdefault(text, out["token_logprobs"][-1])
             out["top_logprobs"].append(top)
         return out
+
+
+def _offsets_in(ctx: ServeContext, text: str, ids: list[int]) -> list[int] | None:
+    """Where each token of a text prompt starts in that text, by the tokenizer's offset mapping
+    (special-token text and spaces the decoded tokens do not give back are counted); None when
+    the tokenizer gives none, or other tokens than the prompt's."""
+    try:
+        enc = ctx.tokenizer(text, return_offsets_mapping=True)
+    except Exception:  # noqa: BLE001  (a tokenizer without offsets: the decoded text's)
+        return None
+    if list(enc["input_ids"]) != list(ids):
+        return None
+    return [start for start, _ in enc["offset_mapping"]]
 
 
 def joined_logprobs(first: dict | None, then: dict | None) -> dict | None:
