@@ -65,6 +65,9 @@ class TokenOffsets:
         self.detok.push([token_id])
         return self.base + start, self.base + len(self.detok.text)
 
+    def starts(self, token_ids: list[int]) -> list[int]:
+        return [self.span(t)[0] for t in token_ids]
+
 
 def prompt_logprobs(ctx: ServeContext, entries: list[LogprobsEntry | None] | None,
                     top: int) -> list | None:
@@ -264,7 +267,8 @@ async def create_completion(ctx: ServeContext, req: CompletionRequest):
             lp = None
             if lps[k] is not None:
                 spans = TokenOffsets(ctx, prompts[k // n], req.skip_special_tokens, len(head))
-                lp = completion_logprobs(ctx, lps[k], [spans.span(e.token_ids[0])[0] for e in lps[k]])
+                starts = await ctx.run_sync(spans.starts, [e.token_ids[0] for e in lps[k]])
+                lp = completion_logprobs(ctx, lps[k], starts)
             if echo and lp is not None:
                 lp = joined_logprobs(echo.logprobs(k // n, plps[k // n]), lp)
             choices.append(choice(k, head + "".join(t), lp, *ends[k], ids[k], plps[k // n]))
