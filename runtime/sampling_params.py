@@ -5,6 +5,7 @@ import msgspec
 
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 FLOAT32_MAX = 3.4028234663852886e38  # the sampler's float32: a larger value becomes inf
+MAX_STOP_STRINGS = 1024  # each is searched at every token, on the API server's event loop
 
 
 class ParamError(ValueError):
@@ -126,6 +127,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
                 bad(name, f"in [0, {most}] (--max-logprobs)" if max_logprobs is not None else ">= 0")
         if any(not s for s in self.stop):
             raise ParamError("stop strings must be non-empty", "stop")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ParamError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}", "stop")
         if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX - self.n:
             bad("seed", f"a 64-bit integer (at most {INT64_MAX - self.n} with n={self.n})")
         if self.max_tokens is not None and self.max_tokens > INT64_MAX:

@@ -278,6 +278,20 @@ def test_chat_echo(client):
 
 
 # ---- defect 8: semantics ------------------------------------------------------------------------
+def test_stop_strings_are_capped(http, claude):
+    """Every stop string is searched at every token, on the API process's event loop: 100,000
+    of them (1 MB of JSON) stalled every other request for seconds. At most 1024 now."""
+    many = [f"zq{i:06d}" for i in range(100_000)]
+    for path, body in (("/v1/completions", {"prompt": "Once upon a time"}),
+                       ("/v1/chat/completions", {"messages": CHAT})):
+        bad(post(http, path, {**body, "max_tokens": 2, "stop": many}), "stop")
+        r = post(http, path, {**body, "max_tokens": 2, "stop": many[:1024]})
+        assert r.status_code == 200, r.text
+    with pytest.raises(anthropic.BadRequestError, match="stop"):
+        claude.messages.create(model="stories260K", max_tokens=2, stop_sequences=many,
+                               messages=[{"role": "user", "content": "Once"}])
+
+
 def test_sampling_values_beyond_float32_break_no_mask(http):
     """The sampler works in float32: a temperature over its range (1e39, plain JSON) became inf
     and the masked logits NaN, so tokens outside allowed_token_ids / the grammar (<unk>) came
