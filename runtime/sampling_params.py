@@ -6,6 +6,7 @@ import msgspec
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 FLOAT32_MAX = 3.4028234663852886e38  # the sampler's float32: a larger value becomes inf
 MAX_STOP_STRINGS = 1024  # each is searched at every token, on the API server's event loop
+MAX_BAD_WORDS = 1024  # each is tokenized for the request and checked at every step
 
 
 class ParamError(ValueError):
@@ -143,6 +144,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         if self.allowed_token_ids is not None and (not self.allowed_token_ids or any(
                 not 0 <= t < hi for t in self.allowed_token_ids)):
             bad("allowed_token_ids", f"a non-empty list of token ids in [0, {hi})")
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise ParamError(f"at most {MAX_BAD_WORDS} bad_words, got {len(self.bad_words)}", "bad_words")
         if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):  # (no tokens)
             raise ParamError("bad_words must be non-empty words (not only whitespace)", "bad_words")
         if any(not w or any(not 0 <= t < hi for t in w) for w in self.bad_words_token_ids):

@@ -278,15 +278,17 @@ def test_chat_echo(client):
 
 
 # ---- defect 8: semantics ------------------------------------------------------------------------
-def test_stop_strings_are_capped(http, claude):
+def test_stop_strings_and_bad_words_are_capped(http, claude):
     """Every stop string is searched at every token, on the API process's event loop: 100,000
-    of them (1 MB of JSON) stalled every other request for seconds. At most 1024 now."""
+    of them (1 MB of JSON) stalled every other request for seconds; so did 50,000 bad_words
+    (each tokenized, then checked at every step). At most 1024 of each now."""
     many = [f"zq{i:06d}" for i in range(100_000)]
     for path, body in (("/v1/completions", {"prompt": "Once upon a time"}),
                        ("/v1/chat/completions", {"messages": CHAT})):
-        bad(post(http, path, {**body, "max_tokens": 2, "stop": many}), "stop")
-        r = post(http, path, {**body, "max_tokens": 2, "stop": many[:1024]})
-        assert r.status_code == 200, r.text
+        for field in ("stop", "bad_words"):
+            bad(post(http, path, {**body, "max_tokens": 2, field: many}), field)
+            r = post(http, path, {**body, "max_tokens": 2, field: many[:1024]})
+            assert r.status_code == 200, r.text
     with pytest.raises(anthropic.BadRequestError, match="stop"):
         claude.messages.create(model="stories260K", max_tokens=2, stop_sequences=many,
                                messages=[{"role": "user", "content": "Once"}])
