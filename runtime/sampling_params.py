@@ -66,6 +66,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     logprobs: int | None = None  # number of top logprobs per generated token (0: only the sampled one)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # with skip_special_tokens: special tokens that stay in the text all the same (a tool or
+    # reasoning parser's markers, filled by the frontend); None: all are skipped
+    kept_special_token_ids: list[int] | None = None
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None  # token id → added to its logit (clamped to ±100)

@@ -77,7 +77,6 @@ def _text_chars(obj: Any) -> int:
 class PlainParser:
     """No --tool-call-parser / --reasoning-parser (or tool_choice none without reasoning): all
     output is content, detokenized as the request asks."""
-    skip_special_tokens = None
 
     def __init__(self):
         self.parts: list[str] = []
@@ -116,7 +115,7 @@ class ForcedToolParser:
 
     def __init__(self, inner, forced: str):
         self.inner, self.forced = inner, forced
-        self.skip_special_tokens = inner.skip_special_tokens
+        self.marker_token_ids = getattr(inner, "marker_token_ids", None)
         self.text: list[str] = []
         self.calls: list[ToolCall] = []
         self.content: str | None = None

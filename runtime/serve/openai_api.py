@@ -6,7 +6,7 @@ import asyncio
 import itertools
 from typing import AsyncIterator
 
-from ..detokenize import IncrementalDetokenizer
+from ..detokenize import IncrementalDetokenizer, special_token_ids
 from ..messages import LogprobsEntry
 from ..parse import (ContentDelta, Delta, ParsedMessage, ReasoningDelta,
                                      ToolCallDelta)
@@ -351,14 +351,13 @@ def chat_sampling_params(ctx: ServeContext, req: ChatCompletionRequest, run_pars
         raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
     check_logprobs(req, ctx.client.model_info, "top_logprobs", "prompt_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    skip = run_parser.skip_special_tokens  # markers such as <tool_call> are special tokens
     structured = structured_from(req)
     if structured is not None and mode.structured() is not None:
         raise APIError("the tools constrain the output already (tool_choice required / named, or "
                        "strict tools); drop response_format / structured_outputs", param="tool_choice")
     structured = ctx.constraint(structured or mode.structured(), prompt_ids)
     return ctx.with_thinking(ctx.with_bad_words(sampling_params(
-        req, ctx.defaults, req.max_completion_tokens or req.max_tokens, logprobs, skip,
+        req, ctx.defaults, req.max_completion_tokens or req.max_tokens, logprobs, run_parser,
         ctx.client.model_info.get("vocab_size"), structured)), req.thinking_token_budget)
 
 
@@ -540,8 +539,12 @@ def derender(ctx: ServeContext, req: DerenderRequest) -> dict:
     finish = "length"
     if ids and ids[-1] in eos:  # the answer ended: its EOS is no text
         ids, finish = ids[:-1], "stop"
-    skip = parser.skip_special_tokens if parser.skip_special_tokens is not None else True
-    text = ctx.tokenizer.decode(ids, skip_special_tokens=skip)
+    kept = getattr(parser, "marker_token_ids", None)  # (special tokens skipped but these)
+    if kept is not None:
+        dropped = special_token_ids(ctx.tokenizer._tokenizer if hasattr(ctx.tokenizer, "_tokenizer")
+                                    else ctx.tokenizer) - set(kept)
+        ids = [t for t in ids if t not in dropped]
+    text = ctx.tokenizer.decode(ids, skip_special_tokens=kept is None)
     parser.feed(ids, text)
     parser.finish()
     msg = parser.result()
