@@ -258,6 +258,20 @@ def test_chat_template_per_request_and_flag(http):
              {"messages": CHAT, "chat_template": "{% if %}"}), "messages")
 
 
+def test_message_names_reach_the_chat_template(http):
+    """OpenAI's `name` of a participant (any role): vLLM hands it to the chat template, which
+    may show it; it was dropped from all but tool messages, so a template using it got none."""
+    template = "{% for m in messages %}{{ m.role }}/{{ m.name }}: {{ m.content }}\n{% endfor %}"
+    msgs = [{"role": "system", "name": "rules", "content": "be brief"},
+            {"role": "user", "name": "bob", "content": "hi"},
+            {"role": "assistant", "name": "ann", "content": "yo"}, {"role": "user", "content": "x"}]
+    r = post(http, "/v1/chat/completions/render", {"messages": msgs, "chat_template": template})
+    assert r.json()["prompt"].split("\n")[:4] == [
+        "system/rules: be brief", "user/bob: hi", "assistant/ann: yo", "user/: x"], r.text
+    bad(post(http, "/v1/chat/completions", {"messages": [{"role": "user", "name": 5,
+                                                          "content": "hi"}]}), "messages")
+
+
 def test_chat_template_flag_value():
     from rankserve.runtime.render import load_chat_template
     assert load_chat_template(TEMPLATE) == TEMPLATE

@@ -117,12 +117,14 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
             raise ValueError(f"{where}: a {role} message needs content")
         msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
                                "content": _text(m.get("content"), where)}
+        if m.get("name") is not None:  # the participant's name (OpenAI's), for the template
+            if not isinstance(m["name"], str):
+                raise ValueError(f"{where}: name must be a string")
+            msg["name"] = m["name"]
         if role == "tool":
             if not m.get("tool_call_id"):
                 raise ValueError(f"{where}: a tool message needs tool_call_id")
             msg["tool_call_id"] = m["tool_call_id"]
-            if m.get("name"):
-                msg["name"] = m["name"]
         if role == "assistant":
             reasoning = m.get("reasoning_content", m.get("reasoning"))
             if reasoning is not None:
