@@ -222,3 +222,20 @@ def test_echo_text_offset_points_into_the_prompt_as_sent(client, prompt):
         if start == 0 and tok.startswith(" ") and not prompt.startswith(" "):
             tok = tok[1:]  # (SentencePiece's space before the text's first word)
         assert prompt[start:start + len(tok)] == tok, (tok, start, lp.text_offset)
+
+
+def test_unknown_message_fields_are_400_and_sdk_round_trips_pass(client, http):
+    """A message field the server does not know was dropped without a word (Mistral's
+    `prefix: true` asking to continue the message, an Ollama-style `images` list): now a 400
+    naming it. An answer's message as the openai SDK dumps it back into the history (refusal,
+    annotations, audio, function_call null) still passes."""
+    for extra in ({"prefix": True}, {"images": ["aGk="]}, {"refusal": "no"}):
+        body = {"model": "s", "max_tokens": 2, "messages": [
+            {"role": "user", "content": PROMPT}, {"role": "assistant", "content": "x", **extra}]}
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400 and next(iter(extra)) in r.json()["error"]["message"], r.text
+    answer = client.chat.completions.create(model="s", max_tokens=3, temperature=0, messages=[
+        {"role": "user", "content": PROMPT}]).choices[0].message
+    again = client.chat.completions.create(model="s", max_tokens=3, messages=[
+        {"role": "user", "content": PROMPT}, answer.model_dump(), {"role": "user", "content": "x"}])
+    assert again.choices[0].message.content is not None
