@@ -4,17 +4,39 @@ from __future__ import annotations
 from tokenizers.decoders import DecodeStream
 
 
+_SPECIAL: dict[int, tuple[object, frozenset[int]]] = {}  # id(backend) → (backend, its ids)
+
+
+def special_token_ids(backend) -> frozenset[int]:
+    """The ids skip_special_tokens skips: the tokenizer's added tokens marked special (none
+    known for a tokenizer without that listing: nothing is dropped then)."""
+    known = _SPECIAL.get(id(backend))
+    if known is None or known[0] is not backend:
+        try:
+            ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+        except Exception:  # noqa: BLE001
+            ids = frozenset()
+        known = _SPECIAL[id(backend)] = (backend, ids)
+    return known[1]
+
+
 class IncrementalDetokenizer:
     """Turns generated token ids into text deltas, with the prompt as left context so the first
     token's leading space and multi-byte characters come out as in a full decode."""
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
                  stop: list[str] | None = None, include_stop_str_in_output: bool = False,
-                 min_tokens: int = 0):
+                 min_tokens: int = 0, kept_special_token_ids: list[int] | None = None):
         self.backend = tokenizer._tokenizer if hasattr(tokenizer, "_tokenizer") else tokenizer
+        # skip_special_tokens but for the kept ones (a parser's markers): the others are
+        # dropped before decoding, which is what skipping them does
+        self.dropped = special_token_ids(self.backend) - set(kept_special_token_ids) \
+            if skip_special_tokens and kept_special_token_ids is not None else set()
+        if self.dropped:
+            skip_special_tokens = False
         # a few prompt tokens are enough context for the decoder's prefix-space handling
         self.skip_special = skip_special_tokens
-        self.context = list(prompt_token_ids[-8:])
+        self.context = [t for t in prompt_token_ids if t not in self.dropped][-8:]
         self.stream = DecodeStream(ids=self.context, skip_special_tokens=skip_special_tokens)
         self.token_ids: list[int] = []
         self.text = ""
@@ -42,6 +64,8 @@ class IncrementalDetokenizer:
         for n, tok in enumerate(token_ids, 1):
             self.token_ids.append(tok)
             start = len(self.text)
+            if tok in self.dropped:
+                continue
             try:
                 piece = self.stream.step(self.backend, tok)
             except Exception:  # noqa: BLE001  (invalid byte sequences from a sampled token)
@@ -57,7 +81,7 @@ class IncrementalDetokenizer:
 
     def _resync(self) -> str:
         """Decode everything so far in one go and restart the stream after it."""
-        ctx = self.context + self.token_ids
+        ctx = self.context + [t for t in self.token_ids if t not in self.dropped]
         full = self.backend.decode(ctx, skip_special_tokens=self.skip_special)
         prefix = self.backend.decode(self.context, skip_special_tokens=self.skip_special)
         self.stream = DecodeStream(ids=ctx[-8:], skip_special_tokens=self.skip_special)

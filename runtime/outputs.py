@@ -75,7 +75,7 @@ class RequestState:
             self.detok = IncrementalDetokenizer(tokenizer, parent.output.prompt_token_ids,
                                                 params.skip_special_tokens, params.stop,
                                                 params.include_stop_str_in_output,
-                                                params.min_tokens)
+                                                params.min_tokens, params.kept_special_token_ids)
 
 
 class ParentState:

@@ -89,6 +89,9 @@ def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         seen = (md.output_counts > 0) | md.prompt_mask
         rp = md.repetition_penalty[:, None]
         penalised = torch.where(logits > 0, logits / rp, logits * rp)
+        # a tiny (huge) penalty may overflow finite logits to inf (-inf): keep them finite
+        big = torch.finfo(logits.dtype).max
+        penalised = torch.where(logits.isfinite(), penalised.clamp(-big, big), logits)
         logits = torch.where(seen, penalised, logits)
     if md.frequency_penalty is not None:
         counts = md.output_counts.to(logits.dtype)
@@ -114,7 +117,9 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, md: SamplingMetadata) -> torch
         probs = sorted_logits.softmax(-1)
         # drop a token when the mass before it already reaches p (the top token always stays)
         before = probs.cumsum(-1) - probs
-        sorted_logits = sorted_logits.masked_fill(before >= md.top_p[:, None], float("-inf"))
+        drop = before >= md.top_p[:, None]
+        drop[:, 0] = False  # (also when top_p is 0 in float32, e.g. 1e-320)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
 
 

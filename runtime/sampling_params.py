@@ -4,6 +4,9 @@ from __future__ import annotations
 import msgspec
 
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+FLOAT32_MAX = 3.4028234663852886e38  # the sampler's float32: a larger value becomes inf
+MAX_STOP_STRINGS = 1024  # each is searched at every token, on the API server's event loop
+MAX_BAD_WORDS = 1024  # each is tokenized for the request and checked at every step
 
 
 class ParamError(ValueError):
@@ -63,6 +66,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     logprobs: int | None = None  # number of top logprobs per generated token (0: only the sampled one)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # with skip_special_tokens: special tokens that stay in the text all the same (a tool or
+    # reasoning parser's markers, filled by the frontend); None: all are skipped
+    kept_special_token_ids: list[int] | None = None
     detokenize: bool = True
     truncate_prompt_tokens: int | None = None  # offline: keep the prompt's last k tokens (-1: max_model_len)
     structured_outputs: StructuredOutputsParams | None = None
@@ -109,6 +115,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             bad("frequency_penalty", "in [-2, 2]")
         if self.repetition_penalty <= 0:
             bad("repetition_penalty", "> 0")
+        for name in ("temperature", "repetition_penalty"):  # (inf: NaN logits, masks lost)
+            if getattr(self, name) > FLOAT32_MAX:
+                bad(name, f"at most {FLOAT32_MAX:.4g}")
         if self.max_tokens is not None and self.max_tokens < 1:
             bad("max_tokens", ">= 1")
         if self.min_tokens < 0:
@@ -126,6 +135,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
                 bad(name, f"in [0, {most}] (--max-logprobs)" if max_logprobs is not None else ">= 0")
         if any(not s for s in self.stop):
             raise ParamError("stop strings must be non-empty", "stop")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ParamError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}", "stop")
         if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX - self.n:
             bad("seed", f"a 64-bit integer (at most {INT64_MAX - self.n} with n={self.n})")
         if self.max_tokens is not None and self.max_tokens > INT64_MAX:
@@ -140,6 +151,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         if self.allowed_token_ids is not None and (not self.allowed_token_ids or any(
                 not 0 <= t < hi for t in self.allowed_token_ids)):
             bad("allowed_token_ids", f"a non-empty list of token ids in [0, {hi})")
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise ParamError(f"at most {MAX_BAD_WORDS} bad_words, got {len(self.bad_words)}", "bad_words")
         if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):  # (no tokens)
             raise ParamError("bad_words must be non-empty words (not only whitespace)", "bad_words")
         if any(not w or any(not 0 <= t < hi for t in w) for w in self.bad_words_token_ids):

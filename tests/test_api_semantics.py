@@ -173,3 +173,69 @@ def test_chat_tool_choice_of_another_shape_says_which_shape(http, choice):
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
     assert "None" not in r.json()["error"]["message"]
     assert '{"type": "function", "function": {"name": ...}}' in r.json()["error"]["message"]
+
+
+EMOJI = "😀 a 中文 end"  # stories' byte-fallback tokens: 4 for 😀, 3 for each CJK character
+
+
+def test_logprobs_of_byte_tokens_line_up_with_the_text(client):
+    """A character made of several byte tokens (each decodes to "�" alone): completions'
+    text_offset counted one character per byte token, so every later offset was off (the "d"
+    of "end" at 16 in a 13-character text), and streamed chunks carried other tokens than their
+    text's (the tokens of "😀" came with " a", those of " a" with "文"); chat's `bytes` were
+    those of "�" for each, so the bytes did not add up to the content (OpenAI: they do)."""
+    kw = dict(max_tokens=20, extra_body={"guided_choice": [EMOJI]})
+    c = complete(client, logprobs=0, **kw).choices[0]
+    lp = c.logprobs
+    assert c.text == EMOJI and lp.tokens[-1] == "</s>"
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] == len(c.text)
+    for tok, start in zip(lp.tokens[:-1], lp.text_offset):
+        assert tok == "\ufffd" or c.text[start:start + len(tok)] == tok, (tok, lp.text_offset)
+    assert lp.text_offset[:5] == [0, 0, 0, 0, 1]  # the bytes of 😀, then " a"
+    done, tokens, offsets = "", [], []
+    for ch in complete(client, logprobs=0, stream=True, **kw):
+        ch = ch.choices[0]
+        tokens += ch.logprobs.tokens
+        offsets += ch.logprobs.text_offset
+        assert all(len(done) <= o <= len(done) + len(ch.text) for o in ch.logprobs.text_offset)
+        if ch.text.strip():  # the chunk of a character carries the tokens that made it
+            assert ch.logprobs.tokens, ch
+        done += ch.text
+    assert done == c.text and tokens == lp.tokens and offsets == lp.text_offset
+    msg = client.chat.completions.create(
+        model="s", messages=[{"role": "user", "content": PROMPT}], temperature=0, logprobs=True,
+        **kw).choices[0]
+    content = msg.logprobs.content
+    assert content[-1].token == "</s>" and msg.message.content == EMOJI
+    assert bytes(b for e in content[:-1] for b in e.bytes).decode() == EMOJI
+
+
+@pytest.mark.parametrize("prompt", ["<s>Once upon a time", "  Lily went", "Once upon a time"])
+def test_echo_text_offset_points_into_the_prompt_as_sent(client, prompt):
+    """echo gives back the prompt's own text, but text_offset counted the decoded tokens: when
+    that text differs from the prompt (special-token text as in a prompt already in its chat
+    template, leading spaces), every later offset pointed elsewhere ("O" of "<s>Once" at 0)."""
+    r = complete(client, prompt=prompt, max_tokens=0, echo=True, logprobs=0).choices[0]
+    lp = r.logprobs
+    assert r.text == prompt and lp.text_offset == sorted(lp.text_offset)
+    for tok, start in list(zip(lp.tokens, lp.text_offset))[1:]:  # (the first: the added BOS)
+        if start == 0 and tok.startswith(" ") and not prompt.startswith(" "):
+            tok = tok[1:]  # (SentencePiece's space before the text's first word)
+        assert prompt[start:start + len(tok)] == tok, (tok, start, lp.text_offset)
+
+
+def test_unknown_message_fields_are_400_and_sdk_round_trips_pass(client, http):
+    """A message field the server does not know was dropped without a word (Mistral's
+    `prefix: true` asking to continue the message, an Ollama-style `images` list): now a 400
+    naming it. An answer's message as the openai SDK dumps it back into the history (refusal,
+    annotations, audio, function_call null) still passes."""
+    for extra in ({"prefix": True}, {"images": ["aGk="]}, {"refusal": "no"}):
+        body = {"model": "s", "max_tokens": 2, "messages": [
+            {"role": "user", "content": PROMPT}, {"role": "assistant", "content": "x", **extra}]}
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400 and next(iter(extra)) in r.json()["error"]["message"], r.text
+    answer = client.chat.completions.create(model="s", max_tokens=3, temperature=0, messages=[
+        {"role": "user", "content": PROMPT}]).choices[0].message
+    again = client.chat.completions.create(model="s", max_tokens=3, messages=[
+        {"role": "user", "content": PROMPT}, answer.model_dump(), {"role": "user", "content": "x"}])
+    assert again.choices[0].message.content is not None

@@ -233,6 +233,21 @@ def test_truncate_prompt_tokens(client):
     assert r.usage.prompt_tokens == 10
 
 
+def test_truncate_prompt_tokens_takes_prompts_longer_than_the_context(client):
+    """truncate_prompt_tokens is there for prompts over the context: a text of 3 contexts was
+    refused by the length check made before tokenizing (as if nothing would be cut)."""
+    long = "Lily went to the park. " * 400  # ~2800 tokens, 9200 characters; context 512
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client.completions.create(model="stories260K", prompt=long, max_tokens=2)
+    r = client.completions.create(model="stories260K", prompt=[long, "Once"], max_tokens=2,
+                                  extra_body={"truncate_prompt_tokens": 10})
+    assert r.usage.prompt_tokens == 10 + 2
+    r = client.chat.completions.create(model="stories260K", max_tokens=2,
+                                       messages=[{"role": "user", "content": long}],
+                                       extra_body={"truncate_prompt_tokens": 10})
+    assert r.usage.prompt_tokens == 10
+
+
 def test_chat_template_per_request_and_flag(http):
     r = post(http, "/v1/chat/completions/render", {"messages": CHAT}).json()
     assert r["prompt"].strip() == "Once upon a time"  # the --chat-template flag
@@ -241,6 +256,20 @@ def test_chat_template_per_request_and_flag(http):
     assert r["prompt"].strip() == "Lily Once upon a time"
     bad(post(http, "/v1/chat/completions/render",
              {"messages": CHAT, "chat_template": "{% if %}"}), "messages")
+
+
+def test_message_names_reach_the_chat_template(http):
+    """OpenAI's `name` of a participant (any role): vLLM hands it to the chat template, which
+    may show it; it was dropped from all but tool messages, so a template using it got none."""
+    template = "{% for m in messages %}{{ m.role }}/{{ m.name }}: {{ m.content }}\n{% endfor %}"
+    msgs = [{"role": "system", "name": "rules", "content": "be brief"},
+            {"role": "user", "name": "bob", "content": "hi"},
+            {"role": "assistant", "name": "ann", "content": "yo"}, {"role": "user", "content": "x"}]
+    r = post(http, "/v1/chat/completions/render", {"messages": msgs, "chat_template": template})
+    assert r.json()["prompt"].split("\n")[:4] == [
+        "system/rules: be brief", "user/bob: hi", "assistant/ann: yo", "user/: x"], r.text
+    bad(post(http, "/v1/chat/completions", {"messages": [{"role": "user", "name": 5,
+                                                          "content": "hi"}]}), "messages")
 
 
 def test_chat_template_flag_value():
@@ -263,6 +292,43 @@ def test_chat_echo(client):
 
 
 # ---- defect 8: semantics ------------------------------------------------------------------------
+def test_stop_strings_and_bad_words_are_capped(http, claude):
+    """Every stop string is searched at every token, on the API process's event loop: 100,000
+    of them (1 MB of JSON) stalled every other request for seconds; so did 50,000 bad_words
+    (each tokenized, then checked at every step). At most 1024 of each now."""
+    many = [f"zq{i:06d}" for i in range(100_000)]
+    for path, body in (("/v1/completions", {"prompt": "Once upon a time"}),
+                       ("/v1/chat/completions", {"messages": CHAT})):
+        for field in ("stop", "bad_words"):
+            bad(post(http, path, {**body, "max_tokens": 2, field: many}), field)
+            r = post(http, path, {**body, "max_tokens": 2, field: many[:1024]})
+            assert r.status_code == 200, r.text
+    with pytest.raises(anthropic.BadRequestError, match="stop"):
+        claude.messages.create(model="stories260K", max_tokens=2, stop_sequences=many,
+                               messages=[{"role": "user", "content": "Once"}])
+
+
+def test_sampling_values_beyond_float32_break_no_mask(http):
+    """The sampler works in float32: a temperature over its range (1e39, plain JSON) became inf
+    and the masked logits NaN, so tokens outside allowed_token_ids / the grammar (<unk>) came
+    out; a top_p that is 0 in float32 masked every token; a repetition penalty that small made
+    the seen logits inf (NaN probabilities: <unk> again)."""
+    def raw(body: str) -> httpx.Response:
+        return http.post("/v1/completions", content=body,
+                         headers={"content-type": "application/json"})
+    base = '"prompt": "Once upon a time", "max_tokens": 4, "return_token_ids": true'
+    bad(raw('{%s, "temperature": 1e39, "allowed_token_ids": [5, 6, 7]}' % base), "temperature")
+    r = raw('{%s, "temperature": 3e38, "allowed_token_ids": [5, 6, 7]}' % base)
+    assert set(r.json()["choices"][0]["token_ids"]) <= {5, 6, 7}, r.text
+    greedy = raw('{%s, "temperature": 0}' % base).json()["choices"][0]["token_ids"]
+    for top_p in ("1e-320", "1e-45"):  # (0 and the least float32 above it): the top token only
+        r = raw('{%s, "top_p": %s, "seed": 1}' % (base, top_p))
+        assert r.json()["choices"][0]["token_ids"] == greedy, (top_p, r.text)
+    r = raw('{%s, "repetition_penalty": 1e-39, "seed": 1}' % base)  # seen tokens win
+    ids = r.json()["choices"][0]["token_ids"]
+    assert all(t in [1, 403, 407, 261, 378] + ids[:i] for i, t in enumerate(ids)), ids
+
+
 def test_max_tokens_beyond_the_context_is_400(http):
     err = bad(post(http, "/v1/completions", {"prompt": "Once", "max_tokens": 10_000}),
               "max_tokens")

@@ -89,6 +89,21 @@ def test_chat_stop_and_max_completion_tokens(client):
     assert chat(client, max_tokens=None, max_completion_tokens=3).usage.completion_tokens == 3
 
 
+def test_special_tokens_other_than_the_parsers_markers_are_skipped(client):
+    """With a tool or reasoning parser the output was detokenized with every special token
+    kept (the parser needs its markers), whatever skip_special_tokens (default true) said: a
+    sampled <|im_start|> (no marker of hermes / qwen3) ended up in the content, where vLLM
+    skips it. Now only the parser's markers stay; skip_special_tokens=false keeps them all."""
+    kw = dict(max_tokens=3, logit_bias={"151644": 100})  # <|im_start|>
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    c = chat(client, **kw, extra_body=off).choices[0]
+    assert c.message.content == "" and c.finish_reason == "length", c
+    streamed = chat(client, **kw, extra_body=off, stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices) == ""
+    kept = chat(client, **kw, extra_body={**off, "skip_special_tokens": False}).choices[0]
+    assert kept.message.content == "<|im_start|>" * 3
+
+
 def test_tools_and_tool_choice(client):
     r = chat(client, tools=TOOLS, tool_choice="auto")  # parsed; random weights call nothing
     assert r.choices[0].finish_reason in ("length", "stop", "tool_calls")

@@ -510,3 +510,17 @@ def test_responses_stream_marks_a_cut_call_incomplete():
         assert [(i["type"], i["status"]) for i in done] == [("function_call", status),
                                                              ("message", "incomplete")]
         assert items.items[0]["status"] == status
+
+
+def test_detokenizer_keeps_only_the_named_special_tokens():
+    """skip_special_tokens with kept ids (a parser's markers, e.g. Llama 3's <|python_tag|>):
+    those stay in the text, the other special tokens are skipped as by skip_special_tokens."""
+    from rankserve.runtime.detokenize import IncrementalDetokenizer
+    llama = transformers.AutoTokenizer.from_pretrained(SHARED / "tokenizers" / "llama3")
+    tag, other = 128010, 128002  # <|python_tag|>, <|reserved_special_token_0|>
+    ids = [other, tag, *llama.encode('{"a": 1}', add_special_tokens=False), other]
+    for kept, want in ((None, '{"a": 1}'), ([tag], '<|python_tag|>{"a": 1}')):
+        d = IncrementalDetokenizer(llama, [128000, other], True, kept_special_token_ids=kept)
+        for t in ids:
+            d.push([t])
+        assert d.text == want

@@ -2,8 +2,8 @@
 it arrives and turns it into content / reasoning / tool-call deltas.
 
 Input contract: `feed(token_ids, text)` gets the new token ids and their detokenized text with
-special tokens kept (skip_special_tokens=False), since markers such as <tool_call> or [TOOL_CALLS]
-are special tokens. Feeding the same output in any chunking gives the same result."""
+the parser's marker tokens kept (`marker_token_ids`), since markers such as <tool_call> or
+[TOOL_CALLS] are special tokens. Feeding the same output in any chunking gives the same result."""
 from __future__ import annotations
 
 import re
@@ -22,8 +22,6 @@ class _Call:
 
 
 class StreamingParser:
-    skip_special_tokens = False  # what the detokenizer feeding this parser must use
-
     def __init__(self, grammar: Grammar, start: str | None = None):
         self.g = grammar
         self.state = start or grammar.entry
@@ -47,6 +45,12 @@ class StreamingParser:
         self._next: str | None = None  # set by a handler: move to this state
         self._broken = False  # set by a handler: the tool call is not valid
         self._raw_skip = 0  # characters of the text being consumed that belong to an ended call
+
+    @property
+    def marker_token_ids(self) -> list[int]:
+        """The tokens the detokenizer feeding this parser must keep (its markers): its text
+        needs them even when special; other special tokens may be skipped."""
+        return list(self._id_terms)
 
     # public API -----------------------------------------------------------------------------
     def feed(self, token_ids: list[int], text: str) -> list[Delta]:

@@ -100,6 +100,12 @@ def _text(content: Any, where: str) -> str:
     raise ValueError(f"{where}: content must be a string or a list of parts")
 
 
+MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning",
+                  "reasoning_content"}
+# OpenAI's answer fields a client may send back in the history: only as null (or empty)
+MESSAGE_NULL_FIELDS = {"refusal", "annotations", "audio", "function_call"}
+
+
 def normalize_messages(messages: list[dict]) -> list[dict]:
     """Validate OpenAI chat messages and bring them to one shape for the templates: content is a
     string, developer is system, tool-call arguments are dicts, reasoning is `reasoning_content`."""
@@ -113,16 +119,22 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
         role = m.get("role")
         if role not in ROLES:
             raise ValueError(f"{where}: unknown role {role!r}; expected one of {', '.join(ROLES)}")
+        for key in m.keys() - MESSAGE_FIELDS:
+            if key not in MESSAGE_NULL_FIELDS or m[key] not in (None, "", [], {}):
+                raise ValueError(f"{where}: the field {key!r} is not supported (a message has "
+                                 f"{', '.join(sorted(MESSAGE_FIELDS))})")
         if role != "assistant" and m.get("content") is None:  # (OpenAI: required but there)
             raise ValueError(f"{where}: a {role} message needs content")
         msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
                                "content": _text(m.get("content"), where)}
+        if m.get("name") is not None:  # the participant's name (OpenAI's), for the template
+            if not isinstance(m["name"], str):
+                raise ValueError(f"{where}: name must be a string")
+            msg["name"] = m["name"]
         if role == "tool":
             if not m.get("tool_call_id"):
                 raise ValueError(f"{where}: a tool message needs tool_call_id")
             msg["tool_call_id"] = m["tool_call_id"]
-            if m.get("name"):
-                msg["name"] = m["name"]
         if role == "assistant":
             reasoning = m.get("reasoning_content", m.get("reasoning"))
             if reasoning is not None:

@@ -23,7 +23,9 @@ class MistralRenderer(Renderer):
             raise ValueError(f"the mistral renderer takes no chat_template_kwargs ({sorted(kwargs)})")
         msgs = []
         for m in messages:
-            m = {k: v for k, v in m.items() if k != "reasoning_content"}
+            # (mistral-common takes a name on tool messages only)
+            m = {k: v for k, v in m.items()
+                 if k != "reasoning_content" and (k != "name" or m["role"] == "tool")}
             if "tool_calls" in m:
                 m["content"] = m["content"] or None
                 m["tool_calls"] = [{"id": mistral_call_id(tc["id"]), "type": "function",

@@ -281,7 +281,7 @@ async def create_message(ctx: ServeContext, req: MessagesRequest):
     sreq = SamplingRequest(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                            stop=req.stop_sequences)
     params = ctx.with_thinking(sampling_params(sreq, ctx.defaults, req.max_tokens, None,
-                                               run.parsers[0].skip_special_tokens,
+                                               run.parsers[0],
                                                ctx.client.model_info.get("vocab_size"),
                                                ctx.constraint(structured or mode.structured(),
                                                               prompt_ids)),

@@ -321,7 +321,8 @@ def build_app(ctx: ServeContext, metrics: Metrics, state: ServeState | None = No
     async def completions(req: CompletionRequest, request: Request):
         prompt = req.prompt
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)):
-            await ctx.prepare(openai_api.completion_prompts, ctx, prompt)
+            await ctx.prepare(openai_api.completion_prompts, ctx, prompt,
+                              req.truncate_prompt_tokens is None)
         # (token ids have nothing to tokenize: no trip through the tokenizer threads)
         return await cancel_on_disconnect(request.receive, openai_api.create_completion(ctx, req))
 

@@ -7,6 +7,7 @@ import asyncio
 import contextvars
 import json
 import logging
+import re
 from dataclasses import dataclass
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -76,7 +77,6 @@ def _text_chars(obj: Any) -> int:
 class PlainParser:
     """No --tool-call-parser / --reasoning-parser (or tool_choice none without reasoning): all
     output is content, detokenized as the request asks."""
-    skip_special_tokens = None
 
     def __init__(self):
         self.parts: list[str] = []
@@ -115,7 +115,7 @@ class ForcedToolParser:
 
     def __init__(self, inner, forced: str):
         self.inner, self.forced = inner, forced
-        self.skip_special_tokens = inner.skip_special_tokens
+        self.marker_token_ids = getattr(inner, "marker_token_ids", None)
         self.text: list[str] = []
         self.calls: list[ToolCall] = []
         self.content: str | None = None
@@ -244,10 +244,13 @@ class ServeContext:
         if self.tokenizer is None:
             raise APIError("this model has no tokenizer: only token-id prompts are served")
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
+    def encode(self, prompt: str | list[int], bounded: bool = True) -> list[int]:
+        """`bounded`: refuse a text too long for the context before tokenizing it (not when the
+        request truncates its prompt: truncate_prompt_tokens is for prompts over the context)."""
         if isinstance(prompt, str):
             self.need_tokenizer()
-            self.check_prompt_chars(prompt, "prompt")
+            if bounded:
+                self.check_prompt_chars(prompt, "prompt")
 
         def run():
             try:
@@ -260,9 +263,10 @@ class ServeContext:
     def render_chat(self, messages: list[dict], tools: list[dict] | None,
                     template_kwargs: dict | None = None, add_generation_prompt: bool = True,
                     continue_final_message: bool = False,
-                    chat_template: str | None = None) -> list[int]:
+                    chat_template: str | None = None, bounded: bool = True) -> list[int]:
         self.need_tokenizer()
-        self.check_prompt_chars(messages, "messages")
+        if bounded:  # (as encode's)
+            self.check_prompt_chars(messages, "messages")
 
         def run():
             try:
@@ -396,6 +400,22 @@ class ServeContext:
             self._token_text[token_id] = text
         return text
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's own bytes (OpenAI's logprobs `bytes`): those of its text, but for a token
+        holding part of a character (its text alone is "�") the raw byte(s) it stands for, so
+        that the bytes of consecutive tokens add up to the output's UTF-8."""
+        text = self.token_text(token_id)
+        if "\ufffd" not in text or self.tokenizer is None:
+            return text.encode()
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str):
+            m = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)  # SentencePiece byte fallback
+            if m:
+                return bytes([int(m[1], 16)])
+            if all(ch in _BYTE_OF_CHAR for ch in piece):  # byte-level BPE (GPT-2, Qwen, Llama 3)
+                return bytes(_BYTE_OF_CHAR[ch] for ch in piece)
+        return text.encode()
+
     # ---- responses --------------------------------------------------------------------------
     async def respond(self, streams: list[RequestStream], streaming: bool,
                       collect: Callable[[], Awaitable[dict]],
@@ -422,6 +442,21 @@ class ServeContext:
         finally:
             if not handed_over:
                 close()
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """Byte-level BPE's alphabet: each byte is spelt by one printable character (the
+    printable Latin-1 bytes by themselves, the others by chr(256 + i) in byte order)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    out, extra = {chr(b): b for b in keep}, 0
+    for b in range(256):
+        if b not in keep:
+            out[chr(256 + extra)] = b
+            extra += 1
+    return out
+
+
+_BYTE_OF_CHAR = _byte_level_chars()
 
 
 class ChatRun:

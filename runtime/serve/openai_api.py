@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from typing import AsyncIterator
 
-from ..detokenize import IncrementalDetokenizer
+from ..detokenize import IncrementalDetokenizer, special_token_ids
 from ..messages import LogprobsEntry
 from ..parse import (ContentDelta, Delta, ParsedMessage, ReasoningDelta,
                                      ToolCallDelta)
@@ -23,18 +24,19 @@ def chat_logprobs(ctx: ServeContext, entries: list[LogprobsEntry] | None,
         return None
 
     def item(tid, lp):
-        text = ctx.token_text(tid)
-        return {"token": text, "logprob": max(lp, -9999.0), "bytes": list(text.encode())}
+        return {"token": ctx.token_text(tid), "logprob": max(lp, -9999.0),
+                "bytes": list(ctx.token_bytes(tid))}
     return {"content": [dict(item(e.token_ids[0], e.logprobs[0]), top_logprobs=[
         item(t, lp) for t, lp in zip(e.token_ids[1:top + 1], e.logprobs[1:top + 1])])
         for e in entries]}
 
 
 def completion_logprobs(ctx: ServeContext, entries: list[LogprobsEntry] | None,
-                        text_offset: int) -> dict | None:
+                        text_offset: list[int]) -> dict | None:
+    """`text_offset`: where each entry's token starts in the choice's text (TokenOffsets)."""
     if entries is None:
         return None
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": text_offset}
     for e in entries:
         text = ctx.token_text(e.token_ids[0])
         out["tokens"].append(text)
@@ -42,9 +44,29 @@ def completion_logprobs(ctx: ServeContext, entries: list[LogprobsEntry] | None,
         top = {ctx.token_text(t): max(lp, -9999.0) for t, lp in zip(e.token_ids[1:], e.logprobs[1:])}
         top.setdefault(text, out["token_logprobs"][-1])  # OpenAI, vLLM: the sampled one always
         out["top_logprobs"].append(top)
-        out["text_offset"].append(text_offset)
-        text_offset += len(text)
     return out
+
+
+class TokenOffsets:
+    """Where each generated token's text starts in its choice's text, the tokens detokenized one
+    at a time as the output was: the byte tokens of one character (each "�" alone) all start
+    where the character does, a skipped special token takes no room."""
+
+    def __init__(self, ctx: ServeContext, prompt: list[int], skip_special_tokens: bool,
+                 base: int = 0):
+        self.detok = IncrementalDetokenizer(ctx.tokenizer, prompt, skip_special_tokens) \
+            if ctx.tokenizer is not None else None
+        self.base = base  # (echo: the prompt's text comes first)
+
+    def span(self, token_id: int) -> tuple[int, int]:
+        if self.detok is None:
+            return self.base, self.base
+        start = len(self.detok.text)
+        self.detok.push([token_id])
+        return self.base + start, self.base + len(self.detok.text)
+
+    def starts(self, token_ids: list[int]) -> list[int]:
+        return [self.span(t)[0] for t in token_ids]
 
 
 def prompt_logprobs(ctx: ServeContext, entries: list[LogprobsEntry | None] | None,
@@ -61,24 +83,24 @@ def prompt_logprobs(ctx: ServeContext, entries: list[LogprobsEntry | None] | Non
 
 class AlignedLogprobs:
     """Streamed completion logprobs leave with the text their tokens produced: while the
-    detokenizer holds text back (it may start a stop string), the entries wait too, so each
-    chunk's tokens and text_offset line up with its text (as they do without streaming)."""
+    detokenizer holds text back (it may start a stop string, or be the first bytes of a
+    character), the entries wait too, so each chunk's tokens and text_offset line up with its
+    text (as they do without streaming)."""
 
-    def __init__(self, ctx: ServeContext, base: int = 0):
-        self.ctx, self.pending, self.sent, self.covered = ctx, [], 0, 0
-        self.base = base  # offsets count from here (echo: the prompt's text comes first)
+    def __init__(self, ctx: ServeContext, offsets: TokenOffsets):
+        self.ctx, self.offsets, self.pending = ctx, offsets, []
+        self.sent = offsets.base
 
     def take(self, entries: list[LogprobsEntry] | None, text: str, final: bool) -> dict:
-        self.pending += entries or []
+        self.pending += [(e, *self.offsets.span(e.token_ids[0])) for e in entries or []]
         self.sent += len(text)
-        start, out = self.covered, []
-        while self.pending:
-            size = len(self.ctx.token_text(self.pending[0].token_ids[0]))
-            if not final and self.covered + size > self.sent:
-                break
-            out.append(self.pending.pop(0))
-            self.covered += size
-        return completion_logprobs(self.ctx, out, self.base + start)
+        n = len(self.pending)
+        if not final:
+            n = sum(1 for _ in itertools.takewhile(lambda p: p[2] <= self.sent, self.pending))
+            while n and self.pending[n - 1][1] == self.pending[n - 1][2] == self.sent:
+                n -= 1  # (bytes of a character to come go with it)
+        out, self.pending = self.pending[:n], self.pending[n:]
+        return completion_logprobs(self.ctx, [e for e, _, _ in out], [s for _, s, _ in out])
 
 
 # ---- echo -------------------------------------------------------------------------------------
@@ -98,6 +120,8 @@ class Echo:
                 detok.push([t])
             keep = isinstance(orig, str) and req.truncate_prompt_tokens is None
             text = orig if keep else detok.text
+            if keep:  # the client's own text: its tokens' places in it, not in the decoded text
+                offsets = _offsets_in(ctx, orig, ids) or offsets
             self.texts.append(text)
             self.offsets.append([min(o, len(text)) for o in offsets])
         self.top = req.logprobs
@@ -121,6 +145,19 @@ class Echo:
         return out
 
 
+def _offsets_in(ctx: ServeContext, text: str, ids: list[int]) -> list[int] | None:
+    """Where each token of a text prompt starts in that text, by the tokenizer's offset mapping
+    (special-token text and spaces the decoded tokens do not give back are counted); None when
+    the tokenizer gives none, or other tokens than the prompt's."""
+    try:
+        enc = ctx.tokenizer(text, return_offsets_mapping=True)
+    except Exception:  # noqa: BLE001  (a tokenizer without offsets: the decoded text's)
+        return None
+    if list(enc["input_ids"]) != list(ids):
+        return None
+    return [start for start, _ in enc["offset_mapping"]]
+
+
 def joined_logprobs(first: dict | None, then: dict | None) -> dict | None:
     if first is None or then is None:
         return first or then
@@ -128,14 +165,14 @@ def joined_logprobs(first: dict | None, then: dict | None) -> dict | None:
 
 
 # ---- completions ------------------------------------------------------------------------------
-def completion_prompts(ctx: ServeContext, prompt) -> list[list[int]]:
+def completion_prompts(ctx: ServeContext, prompt, bounded: bool = True) -> list[list[int]]:
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompts = [prompt]
     else:
         prompts = list(prompt)
     if not prompts:
         raise APIError("prompt must not be empty", param="prompt")
-    return [ctx.encode(p) for p in prompts]
+    return [ctx.encode(p, bounded) for p in prompts]
 
 
 async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Update]]:
@@ -171,8 +208,8 @@ def prepare_completion(ctx: ServeContext, req: CompletionRequest):
     info = ctx.client.model_info
     max_tokens = 1 if req.max_tokens == 0 else req.max_tokens  # (0: echo alone, as vLLM)
     check_logprobs(req, info, "logprobs", "prompt_logprobs")
-    prompts = check_prompts(completion_prompts(ctx, req.prompt), info, max_tokens, req.n,
-                            truncate=req.truncate_prompt_tokens)
+    prompts = completion_prompts(ctx, req.prompt, req.truncate_prompt_tokens is None)
+    prompts = check_prompts(prompts, info, max_tokens, req.n, truncate=req.truncate_prompt_tokens)
     params = ctx.with_thinking(ctx.with_bad_words(sampling_params(
         req, ctx.defaults, max_tokens, req.logprobs, vocab_size=info.get("vocab_size"),
         structured=structured_from(req))), req.thinking_token_budget)
@@ -227,7 +264,11 @@ async def create_completion(ctx: ServeContext, req: CompletionRequest):
         choices = []
         for k, t in enumerate(texts):
             head = echo.texts[k // n] if echo else ""
-            lp = completion_logprobs(ctx, lps[k], len(head))
+            lp = None
+            if lps[k] is not None:
+                spans = TokenOffsets(ctx, prompts[k // n], req.skip_special_tokens, len(head))
+                starts = await ctx.run_sync(spans.starts, [e.token_ids[0] for e in lps[k]])
+                lp = completion_logprobs(ctx, lps[k], starts)
             if echo and lp is not None:
                 lp = joined_logprobs(echo.logprobs(k // n, plps[k // n]), lp)
             choices.append(choice(k, head + "".join(t), lp, *ends[k], ids[k], plps[k // n]))
@@ -236,12 +277,13 @@ async def create_completion(ctx: ServeContext, req: CompletionRequest):
                 "usage": usage(num_prompt, tokens, cached)}
 
     async def events():
-        aligned = [AlignedLogprobs(ctx, len(echo.texts[k // n]) if echo else 0)
-                   for k in range(len(prompts) * n)]
-        started = [False] * len(aligned)
+        aligned = [AlignedLogprobs(ctx, TokenOffsets(ctx, prompts[k // n], req.skip_special_tokens,
+                                                     len(echo.texts[k // n]) if echo else 0))
+                   for k in range(len(prompts) * n) if req.logprobs is not None]
+        started = [False] * (len(prompts) * n)
         plps: list = [None] * len(prompts)
         tokens = cached = 0
-        counts = [0] * len(aligned)  # tokens of each choice so far
+        counts = [0] * len(started)  # tokens of each choice so far
 
         def usage_so_far(k) -> dict:  # OpenAI: null until the last chunk; vLLM's continuous
             if req.continuous_usage:
@@ -295,7 +337,8 @@ def prepare_chat(ctx: ServeContext, req: ChatCompletionRequest) -> tuple[list[in
         kwargs.setdefault("enable_thinking", req.reasoning_effort not in ("none", "minimal"))
     ids = ctx.render_chat(req.messages, tools, kwargs,
                           req.add_generation_prompt and not req.continue_final_message,
-                          req.continue_final_message, req.chat_template)
+                          req.continue_final_message, req.chat_template,
+                          bounded=req.truncate_prompt_tokens is None)
     tokens_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
     [ids] = check_prompts([ids], ctx.client.model_info, req.max_completion_tokens or req.max_tokens,
                           req.n, "messages", tokens_param, req.truncate_prompt_tokens)
@@ -308,14 +351,13 @@ def chat_sampling_params(ctx: ServeContext, req: ChatCompletionRequest, run_pars
         raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
     check_logprobs(req, ctx.client.model_info, "top_logprobs", "prompt_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    skip = run_parser.skip_special_tokens  # markers such as <tool_call> are special tokens
     structured = structured_from(req)
     if structured is not None and mode.structured() is not None:
         raise APIError("the tools constrain the output already (tool_choice required / named, or "
                        "strict tools); drop response_format / structured_outputs", param="tool_choice")
     structured = ctx.constraint(structured or mode.structured(), prompt_ids)
     return ctx.with_thinking(ctx.with_bad_words(sampling_params(
-        req, ctx.defaults, req.max_completion_tokens or req.max_tokens, logprobs, skip,
+        req, ctx.defaults, req.max_completion_tokens or req.max_tokens, logprobs, run_parser,
         ctx.client.model_info.get("vocab_size"), structured)), req.thinking_token_budget)
 
 
@@ -497,8 +539,12 @@ def derender(ctx: ServeContext, req: DerenderRequest) -> dict:
     finish = "length"
     if ids and ids[-1] in eos:  # the answer ended: its EOS is no text
         ids, finish = ids[:-1], "stop"
-    skip = parser.skip_special_tokens if parser.skip_special_tokens is not None else True
-    text = ctx.tokenizer.decode(ids, skip_special_tokens=skip)
+    kept = getattr(parser, "marker_token_ids", None)  # (special tokens skipped but these)
+    if kept is not None:
+        dropped = special_token_ids(ctx.tokenizer._tokenizer if hasattr(ctx.tokenizer, "_tokenizer")
+                                    else ctx.tokenizer) - set(kept)
+        ids = [t for t in ids if t not in dropped]
+    text = ctx.tokenizer.decode(ids, skip_special_tokens=kept is None)
     parser.feed(ids, text)
     parser.finish()
     msg = parser.result()

@@ -239,11 +239,11 @@ class SamplingRequest(Request):
 
 
 def sampling_params(req: SamplingRequest, defaults: dict, max_tokens: int | None,
-                    logprobs: int | None, skip_special_tokens: bool | None = None,
-                    vocab_size: int | None = None,
+                    logprobs: int | None, parser=None, vocab_size: int | None = None,
                     structured: StructuredOutputsParams | None = None) -> SamplingParams:
     """Request fields → SamplingParams; fields the client left out take the model's
-    generation_config defaults (as vLLM does), then the OpenAI defaults."""
+    generation_config defaults (as vLLM does), then the OpenAI defaults. `parser`: the chat
+    output's parser, whose markers (special tokens among them) must reach it as text."""
     def pick(name, fallback):
         v = getattr(req, name, None)
         return v if v is not None else defaults.get(name, fallback)
@@ -259,8 +259,8 @@ def sampling_params(req: SamplingRequest, defaults: dict, max_tokens: int | None
         min_tokens=req.min_tokens, stop=stop, stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
         logprobs=logprobs, prompt_logprobs=req.prompt_logprobs,
-        skip_special_tokens=req.skip_special_tokens if skip_special_tokens is None
-        else skip_special_tokens,
+        skip_special_tokens=req.skip_special_tokens,
+        kept_special_token_ids=getattr(parser, "marker_token_ids", None),
         structured_outputs=structured, logit_bias=logit_bias(req.logit_bias),
         allowed_token_ids=req.allowed_token_ids, bad_words=list(req.bad_words or []))
     try:

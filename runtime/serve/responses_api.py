@@ -283,7 +283,7 @@ async def create_response(ctx: ServeContext, req: ResponsesRequest):
     run = ChatRun(ctx, prompt_ids, 1, mode)
     params = sampling_params(SamplingRequest(temperature=req.temperature, top_p=req.top_p),
                              ctx.defaults, req.max_output_tokens, None,
-                             run.parsers[0].skip_special_tokens,
+                             run.parsers[0],
                              ctx.client.model_info.get("vocab_size"),
                              ctx.constraint(structured or mode.structured(), prompt_ids))
     stream = ctx.client.generate(prompt_ids, params, lora_request=ctx.lora_for(req.model))
