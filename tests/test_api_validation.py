@@ -511,6 +511,38 @@ def test_anthropic_thinking_and_tools_that_anthropic_allows(claude):
     assert m.stop_reason in ("tool_use", "max_tokens")
 
 
+@pytest.mark.parametrize("messages,words", [
+    ([{"role": "user", "content": [{"type": "text", "text": 5}]}], "messages[0].content[0].text"),
+    ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content[0].text"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t1", "name": "f", "input": {}}]}, {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": None}]}]}],
+     "messages[2].content[0].content[0].text"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": 5, "signature": ""}]}, {"role": "user", "content": "x"}],
+     "messages[1].content[0].thinking"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": 5, "name": "f", "input": {}}]}], "messages[1].content[0].id"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t1", "name": "f", "input": "x"}]}], "content[0].input"),
+    # a tool_result answers a tool_use of the assistant message just before it (Anthropic's)
+    ([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t9", "content": "ok"}]}],
+     "t9"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t1", "name": "f", "input": {}}]}, {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t1", "content": 5}]}], "content"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t1", "name": "f", "input": {}}]}, {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t1", "is_error": "yes"}]}], "is_error"),
+])
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_anthropic_malformed_blocks_are_400(server, path, messages, words):
+    """A block field of the wrong type was a 500 (`sequence item 0: expected str instance`), a
+    tool_result for no tool_use was rendered as an answer to nothing: 400s naming the place."""
+    anthropic_bad(server, {"messages": messages}, words, path)
+    anthropic_bad(server, {"system": [{"type": "text", "text": 5}]}, "system[0].text", path)
+
+
 def test_logprobs_minus_one_is_the_vocabulary_and_top_logprobs_zero_alone_passes(http):
     """vLLM: -1 asks the whole vocabulary (then held to --max-logprobs); top_logprobs 0 without
     logprobs asks nothing, so it is no error (above 0 it is)."""

@@ -22,49 +22,70 @@ MIN_THINKING_BUDGET = 1024  # Anthropic's
 UNKNOWN_RELEASE = "1970-01-01T00:00:00Z"  # Anthropic's `created_at` when the date is unknown
 
 
+def _field(block: dict, key: str, kind: type, where: str):
+    """A block's required field, of its type (Anthropic's; a wrong one was a 500 downstream)."""
+    value = block.get(key)
+    if not isinstance(value, kind):
+        name = {str: "string", dict: "object", bool: "boolean"}[kind]
+        raise APIError(f"{where}.{key}: Input should be a valid {name}", param="messages")
+    return value
+
+
 def _text(content, where: str) -> str:
     if isinstance(content, str):
         return content
+    if not isinstance(content, list):
+        raise APIError(f"{where}: content must be a string or a list of blocks")
     parts = []
-    for b in content or []:
+    for j, b in enumerate(content):
         if not isinstance(b, dict) or b.get("type") != "text":
             kind = b.get("type") if isinstance(b, dict) else type(b).__name__
             raise APIError(f"{where}: content block {kind!r} is not supported here (only text)")
-        parts.append(b.get("text", ""))
+        parts.append(_field(b, "text", str, f"{where}[{j}]"))
     return "\n".join(parts)
 
 
 def to_chat(system, messages: list[dict]) -> list[dict]:
     """Anthropic system + messages → OpenAI chat messages."""
     out = [{"role": "system", "content": _text(system, "system")}] if system else []
+    asked: set[str] = set()  # the tool_use ids of the assistant message just before
     for i, m in enumerate(messages):
         where, role, content = f"messages[{i}]", m.get("role"), m.get("content")
         if role not in ("user", "assistant"):
             raise APIError(f"{where}: role must be 'user' or 'assistant', got {role!r}")
         if isinstance(content, str):
             out.append({"role": role, "content": content})
+            asked = set()
             continue
         if not isinstance(content, list):
             raise APIError(f"{where}: content must be a string or a list of blocks")
         texts, reasoning, calls = [], [], []
         for j, b in enumerate(content):
-            kind = b.get("type") if isinstance(b, dict) else None
+            kind, at = b.get("type") if isinstance(b, dict) else None, f"{where}.content[{j}]"
             if kind == "text":
-                texts.append(b.get("text", ""))
+                texts.append(_field(b, "text", str, at))
             elif kind == "thinking" and role == "assistant":
-                reasoning.append(b.get("thinking", ""))
+                reasoning.append(_field(b, "thinking", str, at))
             elif kind == "redacted_thinking":
                 continue
             elif kind == "tool_use" and role == "assistant":
-                calls.append({"id": b.get("id", ""), "type": "function", "function": {
-                    "name": b.get("name", ""), "arguments": json.dumps(b.get("input") or {})}})
+                calls.append({"id": _field(b, "id", str, at), "type": "function", "function": {
+                    "name": _field(b, "name", str, at),
+                    "arguments": json.dumps(_field(b, "input", dict, at))}})
             elif kind == "tool_result" and role == "user":
                 # tool results come first in a user turn; they answer the previous tool_use
-                out.append({"role": "tool", "tool_call_id": b.get("tool_use_id", ""),
-                            "content": _text(b.get("content", ""), f"{where}.content[{j}]")})
+                call_id = _field(b, "tool_use_id", str, at)
+                if call_id not in asked:
+                    raise APIError(f"{at}: unexpected tool_use_id {call_id!r} in a tool_result "
+                                   "block: each tool_result must answer a tool_use block of "
+                                   "the assistant message just before")
+                if "is_error" in b:
+                    _field(b, "is_error", bool, at)
+                out.append({"role": "tool", "tool_call_id": call_id,
+                            "content": _text(b.get("content", ""), f"{at}.content")})
             else:
-                raise APIError(f"{where}.content[{j}]: block type {kind!r} is not supported "
-                               f"in a {role} message")
+                raise APIError(f"{at}: block type {kind!r} is not supported in a {role} message")
+        asked = {c["id"] for c in calls}
         if role == "assistant":
             msg = {"role": "assistant", "content": "".join(texts)}
             if reasoning:
