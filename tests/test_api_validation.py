@@ -543,6 +543,27 @@ def test_anthropic_malformed_blocks_are_400(server, path, messages, words):
     anthropic_bad(server, {"system": [{"type": "text", "text": 5}]}, "system[0].text", path)
 
 
+def test_anthropic_final_assistant_message_is_a_prefill(server, http, claude):
+    """Anthropic: a final assistant message is a prefill, the answer continues it. It was
+    rendered as a finished turn, the answer a new one after it."""
+    msgs = CHAT + [{"role": "assistant", "content": "there was a little"}]
+    want = post(http, "/tokenize", {"messages": msgs, "add_generation_prompt": False,
+                                    "continue_final_message": True}).json()["tokens"]
+    assert claude.messages.count_tokens(model="stories260K", messages=msgs).input_tokens == \
+        len(want)
+    m = claude.messages.create(model="stories260K", max_tokens=8, messages=msgs,
+                               extra_body={"temperature": 0})
+    assert m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) == len(want)
+    text = post(http, "/v1/completions", {"prompt": want, "max_tokens": 8,
+                                          "temperature": 0}).json()["choices"][0]["text"]
+    assert m.content[0].text == text
+    anthropic_bad(server, {"messages": CHAT + [{"role": "assistant", "content": "there was "}]},
+                  "trailing whitespace")
+    anthropic_bad(server, {"messages": msgs, "thinking": {"type": "adaptive"}}, "prefill")
+    anthropic_bad(server, {"messages": CHAT + [{"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t1", "name": "f", "input": {}}]}]}, "tool_use")
+
+
 def test_logprobs_minus_one_is_the_vocabulary_and_top_logprobs_zero_alone_passes(http):
     """vLLM: -1 asks the whole vocabulary (then held to --max-logprobs); top_logprobs 0 without
     logprobs asks nothing, so it is no error (above 0 it is)."""

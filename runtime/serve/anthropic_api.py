@@ -194,9 +194,27 @@ def _render(ctx: ServeContext, req) -> tuple[list[int], ToolMode]:
     thinking = _thinking(req, forced=choice == "required" or isinstance(choice, dict))
     counting = isinstance(req, CountTokensRequest)  # counting calls nothing
     mode = ToolMode() if counting else _tool_mode(ctx, tools, choice, req.tool_choice)
-    ids = ctx.render_chat(to_chat(req.system, req.messages), tools if choice != "none" else None,
-                          {"enable_thinking": thinking})
+    chat = to_chat(req.system, req.messages)
+    prefill = req.messages[-1].get("role") == "assistant"
+    if prefill:
+        _check_prefill(chat[-1], thinking)
+    ids = ctx.render_chat(chat, tools if choice != "none" else None, {"enable_thinking": thinking},
+                          add_generation_prompt=not prefill, continue_final_message=prefill)
     return ids, mode
+
+
+def _check_prefill(msg: dict, thinking: bool) -> None:
+    """A final assistant message is a prefill: the answer continues its text (Anthropic's)."""
+    if thinking:
+        raise APIError("an assistant prefill (a final assistant message) cannot be used with "
+                       "thinking", param="messages")
+    if msg.get("tool_calls"):
+        raise APIError("the final assistant message (a prefill) cannot end with tool_use "
+                       "blocks: answer them with tool_result blocks in a user message",
+                       param="messages")
+    if msg["content"] != msg["content"].rstrip():
+        raise APIError("final assistant content cannot end with trailing whitespace",
+                       param="messages")
 
 
 def output_format(cfg: dict | None) -> StructuredOutputsParams | None:
