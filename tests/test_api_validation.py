@@ -564,6 +564,23 @@ def test_anthropic_final_assistant_message_is_a_prefill(server, http, claude):
         {"type": "tool_use", "id": "t1", "name": "f", "input": {}}]}]}, "tool_use")
 
 
+@pytest.mark.parametrize("body,words", [
+    ({"metadata": {"foo": "u1"}}, "metadata.foo"),
+    ({"metadata": {"user_id": 5}}, "metadata.user_id"),
+    ({"service_tier": "fastest"}, "service_tier"),
+    ({"cache_control": {"type": "forever"}}, "cache_control.type"),
+])
+def test_anthropic_request_fields_are_checked(server, claude, body, words):
+    """metadata (only user_id), service_tier (auto / standard_only) took anything; the
+    anthropic client's own top-level cache_control was refused as an unknown field (on blocks
+    it is taken: prefix caching is automatic, the marker a hint)."""
+    anthropic_bad(server, body, words)
+    m = claude.messages.create(model="stories260K", max_tokens=2, messages=CHAT,
+                               metadata={"user_id": "u1"}, service_tier="standard_only",
+                               cache_control={"type": "ephemeral", "ttl": "1h"})
+    assert m.usage.output_tokens == 2
+
+
 def test_logprobs_minus_one_is_the_vocabulary_and_top_logprobs_zero_alone_passes(http):
     """vLLM: -1 asks the whole vocabulary (then held to --max-logprobs); top_logprobs 0 without
     logprobs asks nothing, so it is no error (above 0 it is)."""

@@ -545,6 +545,18 @@ class UnloadLoRAAdapterRequest(Request):
 
 
 # ---- Anthropic ----------------------------------------------------------------------------------
+class AnthropicMetadata(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    user_id: str | None = None
+
+
+class CacheControl(BaseModel):
+    """A prompt-caching marker: a hint only (prefix caching is automatic), so it is taken."""
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+
 class MessagesRequest(Request):
     UNSUPPORTED = {"container": "no code execution", "mcp_servers": "no MCP servers"}
     model: str
@@ -560,8 +572,9 @@ class MessagesRequest(Request):
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None  # its `format`: structured outputs
-    metadata: dict[str, Any] | None = None
-    service_tier: str | None = None
+    metadata: AnthropicMetadata | None = None
+    service_tier: Literal["auto", "standard_only"] | None = None
+    cache_control: CacheControl | None = None
 
 
 class CountTokensRequest(Request):
