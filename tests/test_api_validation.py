@@ -185,6 +185,9 @@ def test_unimplemented_fields_with_noop_values_pass(http):
     ("/v1/responses", {"input": "hi", "background": True}, "background"),
     ("/v1/chat/completions", {"messages": CHAT, "reasoning_effort": "extreme"},
      "reasoning_effort"),
+    # Responses' reasoning took any field (a typo of effort was dropped)
+    ("/v1/responses", {"input": "hi", "reasoning": {"efort": "low"}}, "reasoning.efort"),
+    ("/v1/responses", {"input": "hi", "reasoning": {"summary": "verbose"}}, "reasoning.summary"),
 ])
 def test_other_unimplemented_values_are_400(http, path, body, param):
     bad(post(http, path, body), param)

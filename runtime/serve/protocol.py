@@ -623,6 +623,13 @@ class ResponsesRequest(Request):
             if value != "reasoning.encrypted_content":
                 raise APIError(f"include {value!r} is not supported: only "
                                "reasoning.encrypted_content", param="include")
+        extra = sorted((self.reasoning or {}).keys() - {"effort", "summary", "generate_summary"})
+        if extra:
+            raise APIError(f"reasoning: unknown field {extra[0]!r}", param=f"reasoning.{extra[0]}")
+        for key in ("summary", "generate_summary"):  # taken; the reasoning item has it whole
+            if (self.reasoning or {}).get(key) not in (None, "auto", "concise", "detailed"):
+                raise APIError(f"reasoning.{key} must be auto, concise or detailed",
+                               param=f"reasoning.{key}")
         effort = (self.reasoning or {}).get("effort")
         if effort not in (None, "none", "minimal", "low", "medium", "high"):
             raise APIError(f"reasoning.effort must be none, minimal, low, medium or high; got "
