@@ -113,8 +113,12 @@ def to_tools(tools: list[dict] | None) -> list[dict] | None:
             raise APIError(f"tools[{i}].input_schema: Field required", param="tools")
         if schema.get("type") != "object":
             raise APIError(f"tools[{i}].input_schema.type: Input should be 'object'", param="tools")
-        out.append({"type": "function", "function": {
-            "name": t["name"], "description": t.get("description", ""), "parameters": schema}})
+        if t.get("strict") not in (None, True, False):
+            raise APIError(f"tools[{i}].strict: Input should be a valid boolean", param="tools")
+        fn = {"name": t["name"], "description": t.get("description", ""), "parameters": schema}
+        if t.get("strict"):  # a call, under auto too, follows the schema
+            fn["strict"] = True
+        out.append({"type": "function", "function": fn})
     return out
 
 
@@ -314,8 +318,8 @@ async def create_message(ctx: ServeContext, req: MessagesRequest):
     check_prompts([prompt_ids], ctx.client.model_info, req.max_tokens, prompt_param="messages")
     structured = output_format(req.output_config)
     if structured is not None and mode.structured() is not None:
-        raise APIError("tool_choice any / tool constrains the output already; drop "
-                       "output_config.format", param="tool_choice")
+        raise APIError("the tools constrain the output already (tool_choice any / tool, or "
+                       "strict tools); drop output_config.format", param="tool_choice")
     run = ChatRun(ctx, prompt_ids, 1, mode)
     sreq = SamplingRequest(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                            stop=req.stop_sequences)

@@ -115,9 +115,13 @@ def to_tools(tools: list[dict] | None) -> list[dict] | None:
     for i, t in enumerate(tools):
         if not isinstance(t, dict) or t.get("type") != "function" or not t.get("name"):
             raise APIError(f"tools[{i}]: only function tools are supported", param="tools")
-        out.append({"type": "function", "function": {
-            "name": t["name"], "description": t.get("description") or "",
-            "parameters": t.get("parameters") or {"type": "object", "properties": {}}}})
+        if t.get("strict") not in (None, True, False):
+            raise APIError(f"tools[{i}].strict must be a boolean", param="tools")
+        fn = {"name": t["name"], "description": t.get("description") or "",
+              "parameters": t.get("parameters") or {"type": "object", "properties": {}}}
+        if t.get("strict"):  # a call, under auto too, follows the schema
+            fn["strict"] = True
+        out.append({"type": "function", "function": fn})
     return out
 
 
