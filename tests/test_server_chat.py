@@ -279,3 +279,15 @@ def test_responses_function_call_items(client):
     assert r.usage.input_tokens > 20
     with pytest.raises(openai.BadRequestError, match="previous_response_id"):
         client.responses.create(model="q", input="Hi", previous_response_id="resp_1")
+
+
+def test_stored_response_routes_say_nothing_is_stored(client):
+    """retrieve / delete / cancel / input_items of a response id were a bare 404 "Not Found",
+    as for a route the server lacks: now a 404 naming the id and why (no response is stored)."""
+    for call in (lambda: client.responses.retrieve("resp_1"),
+                 lambda: client.responses.delete("resp_1"),
+                 lambda: client.responses.cancel("resp_1"),
+                 lambda: client.responses.input_items.list("resp_1")):
+        with pytest.raises(openai.NotFoundError) as e:
+            call()
+        assert "resp_1" in e.value.message and "not stored" in e.value.message, e.value.message
