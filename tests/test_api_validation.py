@@ -584,6 +584,21 @@ def test_anthropic_request_fields_are_checked(server, claude, body, words):
     assert m.usage.output_tokens == 2
 
 
+def test_anthropic_count_tokens_takes_what_messages_take(server, claude):
+    """The client's count_tokens sends cache_control and output_config as messages.create does:
+    both were 400s ('Extra inputs'); they do not change the prompt, so not the count either.
+    A malformed one is still a 400."""
+    n = claude.messages.count_tokens(model="stories260K", messages=CHAT).input_tokens
+    assert claude.messages.count_tokens(
+        model="stories260K", messages=CHAT, cache_control={"type": "ephemeral"},
+        output_config={"format": {"type": "json_schema", "schema": {"type": "object"}}},
+    ).input_tokens == n
+    anthropic_bad(server, {"output_config": {"format": {"type": "yaml"}}}, "output_config.format",
+                  "/v1/messages/count_tokens")
+    anthropic_bad(server, {"cache_control": {"type": "x"}}, "cache_control",
+                  "/v1/messages/count_tokens")
+
+
 def test_logprobs_minus_one_is_the_vocabulary_and_top_logprobs_zero_alone_passes(http):
     """vLLM: -1 asks the whole vocabulary (then held to --max-logprobs); top_logprobs 0 without
     logprobs asks nothing, so it is no error (above 0 it is)."""

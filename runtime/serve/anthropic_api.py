@@ -370,6 +370,7 @@ async def create_message(ctx: ServeContext, req: MessagesRequest):
 
 
 def count_tokens(ctx: ServeContext, req: CountTokensRequest) -> dict:
+    output_format(req.output_config)
     ids, _ = _render(ctx, req)
     return {"input_tokens": len(ids)}
 

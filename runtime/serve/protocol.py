@@ -584,6 +584,8 @@ class CountTokensRequest(Request):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None  # checked; it does not change the prompt
+    cache_control: CacheControl | None = None
 
 
 # ---- Responses ----------------------------------------------------------------------------------
