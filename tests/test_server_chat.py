@@ -291,3 +291,34 @@ def test_stored_response_routes_say_nothing_is_stored(client):
         with pytest.raises(openai.NotFoundError) as e:
             call()
         assert "resp_1" in e.value.message and "not stored" in e.value.message, e.value.message
+
+
+def test_anthropic_consecutive_turns_of_a_role_are_one_turn(claude, server):
+    """Anthropic: "Consecutive user or assistant turns in your request will be combined into a
+    single turn." They were rendered as separate turns (a different prompt)."""
+    def tokens(msgs):
+        return httpx.post(server.url + "/tokenize", json={
+            "messages": msgs, "chat_template_kwargs": {"enable_thinking": False}}).json()["tokens"]
+    cases = [([{"role": "user", "content": "a"}, {"role": "user", "content": [
+                {"type": "text", "text": "b"}]}],
+              [{"role": "user", "content": "a\nb"}]),
+             ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "x"},
+               {"role": "assistant", "content": [{"type": "text", "text": "y"}]},
+               {"role": "user", "content": "z"}],
+              [{"role": "user", "content": "q"}, {"role": "assistant", "content": "xy"},
+               {"role": "user", "content": "z"}]),
+             # results split over two user messages answer the calls of the turn before
+             ([{"role": "user", "content": "q"}, {"role": "assistant", "content": [
+                 {"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
+               {"role": "assistant", "content": [
+                   {"type": "tool_use", "id": "t2", "name": "f", "input": {}}]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1"}]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t2"}]}],
+              [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [
+                  {"id": t, "type": "function", "function": {"name": "f", "arguments": "{}"}}
+                  for t in ("t1", "t2")]},
+               {"role": "tool", "tool_call_id": "t1", "content": ""},
+               {"role": "tool", "tool_call_id": "t2", "content": ""}])]
+    for given, combined in cases:
+        n = claude.messages.count_tokens(model="q", messages=given).input_tokens
+        assert n == len(tokens(combined))

@@ -48,14 +48,19 @@ def _text(content, where: str) -> str:
 def to_chat(system, messages: list[dict]) -> list[dict]:
     """Anthropic system + messages → OpenAI chat messages."""
     out = [{"role": "system", "content": _text(system, "system")}] if system else []
-    asked: set[str] = set()  # the tool_use ids of the assistant message just before
+    # the tool_use ids of the assistant turn just before (a run of messages of one role is one
+    # turn, Anthropic's: see _add)
+    asked: set[str] = set()
+    prev = None
     for i, m in enumerate(messages):
         where, role, content = f"messages[{i}]", m.get("role"), m.get("content")
         if role not in ("user", "assistant"):
             raise APIError(f"{where}: role must be 'user' or 'assistant', got {role!r}")
-        if isinstance(content, str):
-            out.append({"role": role, "content": content})
+        if role == "assistant" and prev != "assistant":
             asked = set()
+        prev = role
+        if isinstance(content, str):
+            _add(out, {"role": role, "content": content})
             continue
         if not isinstance(content, list):
             raise APIError(f"{where}: content must be a string or a list of blocks")
@@ -66,7 +71,7 @@ def to_chat(system, messages: list[dict]) -> list[dict]:
                 texts.append(_field(b, "text", str, at))
             elif kind == "thinking" and role == "assistant":
                 reasoning.append(_field(b, "thinking", str, at))
-            elif kind == "redacted_thinking":
+            elif kind == "redacted_thinking" and role == "assistant":
                 continue
             elif kind == "tool_use" and role == "assistant":
                 calls.append({"id": _field(b, "id", str, at), "type": "function", "function": {
@@ -85,19 +90,35 @@ def to_chat(system, messages: list[dict]) -> list[dict]:
                             "content": _text(b.get("content", ""), f"{at}.content")})
             else:
                 raise APIError(f"{at}: block type {kind!r} is not supported in a {role} message")
-        asked = {c["id"] for c in calls}
+        asked |= {c["id"] for c in calls}
         if role == "assistant":
             msg = {"role": "assistant", "content": "".join(texts)}
             if reasoning:
                 msg["reasoning_content"] = "".join(reasoning)
             if calls:
                 msg["tool_calls"] = calls
-            out.append(msg)
+            _add(out, msg)
         elif texts:
-            out.append({"role": "user", "content": "\n".join(texts)})
+            _add(out, {"role": "user", "content": "\n".join(texts)})
         elif not content:  # dropping it would make the previous assistant turn a prefill
             raise APIError(f"{where}: a user message needs at least one content block")
     return out
+
+
+def _add(out: list[dict], msg: dict) -> None:
+    """Append a turn; consecutive turns of a role are one turn (Anthropic combines them), their
+    texts joined as a message's own text blocks are."""
+    last = out[-1] if out else None
+    if last is None or last["role"] != msg["role"] or msg["role"] not in ("user", "assistant"):
+        out.append(msg)
+    elif msg["role"] == "user":
+        last["content"] += "\n" + msg["content"]
+    else:
+        last["content"] += msg["content"]
+        if msg.get("reasoning_content"):
+            last["reasoning_content"] = last.get("reasoning_content", "") + msg["reasoning_content"]
+        if msg.get("tool_calls"):
+            last["tool_calls"] = last.get("tool_calls", []) + msg["tool_calls"]
 
 
 def to_tools(tools: list[dict] | None) -> list[dict] | None:
