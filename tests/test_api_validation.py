@@ -132,6 +132,10 @@ def test_unknown_model_404_is_openai_format(http, client):
     [{"role": "user", "content": [5]}],
     [{"type": "function_call", "name": 3, "arguments": {}, "call_id": "c"}],
     [{"role": "robot", "content": "hi"}],
+    # OpenAI requires call_id, name and arguments: a call without them was taken as "" / "{}"
+    [{"role": "user", "content": "hi"}, {"type": "function_call", "name": "f", "arguments": "{}"}],
+    [{"role": "user", "content": "hi"}, {"type": "function_call", "call_id": "c", "arguments": "{}"}],
+    [{"role": "user", "content": "hi"}, {"type": "function_call", "call_id": "c", "name": "f"}],
 ])
 def test_responses_input_of_the_wrong_type_is_400(http, input_):
     bad(post(http, "/v1/responses", {"input": input_}), "input")

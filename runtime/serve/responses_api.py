@@ -88,11 +88,10 @@ def to_chat(instructions: str | None, items) -> list[dict]:
                 [dict(p, type="text") if isinstance(p, dict) else p for p in parts]
                 if isinstance(parts, list) else parts, where)
         elif kind == "function_call":
-            fields = {k: item.get(k, d) for k, d in
-                      (("call_id", ""), ("name", ""), ("arguments", "{}"))}
+            fields = {k: item.get(k) for k in ("call_id", "name", "arguments")}
             if not all(isinstance(v, str) for v in fields.values()):
-                raise APIError(f"{where}: call_id, name and arguments must be strings",
-                               param="input")
+                raise APIError(f"{where}: a function_call needs call_id, name and arguments, "
+                               "all strings", param="input")
             assistant().setdefault("tool_calls", []).append({
                 "id": fields["call_id"], "type": "function",
                 "function": {"name": fields["name"], "arguments": fields["arguments"]}})
