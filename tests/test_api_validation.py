@@ -136,6 +136,9 @@ def test_unknown_model_404_is_openai_format(http, client):
     [{"role": "user", "content": "hi"}, {"type": "function_call", "name": "f", "arguments": "{}"}],
     [{"role": "user", "content": "hi"}, {"type": "function_call", "call_id": "c", "arguments": "{}"}],
     [{"role": "user", "content": "hi"}, {"type": "function_call", "call_id": "c", "name": "f"}],
+    # a call needs its output (OpenAI's "No tool output found for function call")
+    [{"role": "user", "content": "hi"}, {"type": "function_call", "call_id": "c", "name": "f",
+                                         "arguments": "{}"}],
 ])
 def test_responses_input_of_the_wrong_type_is_400(http, input_):
     bad(post(http, "/v1/responses", {"input": input_}), "input")
@@ -535,6 +538,13 @@ def test_anthropic_thinking_and_tools_that_anthropic_allows(claude):
     # a tool_result answers a tool_use of the assistant message just before it (Anthropic's)
     ([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t9", "content": "ok"}]}],
      "t9"),
+    # and a tool_use needs its tool_result in the next (user) turn, Anthropic's too
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t1", "name": "f", "input": {}},
+        {"type": "tool_use", "id": "t2", "name": "f", "input": {}}]},
+      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1"}]},
+      {"role": "assistant", "content": "ok"}, {"role": "user", "content": "x"}],
+     "without tool_result blocks immediately after: t2"),
     ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
         {"type": "tool_use", "id": "t1", "name": "f", "input": {}}]}, {"role": "user", "content": [
             {"type": "tool_result", "tool_use_id": "t1", "content": 5}]}], "content"),

@@ -51,12 +51,14 @@ def to_chat(system, messages: list[dict]) -> list[dict]:
     # the tool_use ids of the assistant turn just before (a run of messages of one role is one
     # turn, Anthropic's: see _add)
     asked: set[str] = set()
+    pending: list[str] = []  # ... and those no tool_result answered yet
     prev = None
     for i, m in enumerate(messages):
         where, role, content = f"messages[{i}]", m.get("role"), m.get("content")
         if role not in ("user", "assistant"):
             raise APIError(f"{where}: role must be 'user' or 'assistant', got {role!r}")
         if role == "assistant" and prev != "assistant":
+            _check_answered(pending)
             asked = set()
         prev = role
         if isinstance(content, str):
@@ -86,11 +88,13 @@ def to_chat(system, messages: list[dict]) -> list[dict]:
                                    "the assistant message just before")
                 if "is_error" in b:
                     _field(b, "is_error", bool, at)
+                pending = [p for p in pending if p != call_id]
                 out.append({"role": "tool", "tool_call_id": call_id,
                             "content": _text(b.get("content", ""), f"{at}.content")})
             else:
                 raise APIError(f"{at}: block type {kind!r} is not supported in a {role} message")
         asked |= {c["id"] for c in calls}
+        pending += [c["id"] for c in calls]
         if role == "assistant":
             msg = {"role": "assistant", "content": "".join(texts)}
             if reasoning:
@@ -102,7 +106,16 @@ def to_chat(system, messages: list[dict]) -> list[dict]:
             _add(out, {"role": "user", "content": "\n".join(texts)})
         elif not content:  # dropping it would make the previous assistant turn a prefill
             raise APIError(f"{where}: a user message needs at least one content block")
+    if prev == "user":  # (calls of a final assistant turn: see _check_prefill)
+        _check_answered(pending)
     return out
+
+
+def _check_answered(pending: list[str]) -> None:
+    if pending:
+        raise APIError("tool_use ids were found without tool_result blocks immediately after: "
+                       f"{', '.join(pending)}. Each tool_use block must have a corresponding "
+                       "tool_result block in the next message.", param="messages")
 
 
 def _add(out: list[dict], msg: dict) -> None:

@@ -104,6 +104,10 @@ def to_chat(instructions: str | None, items) -> list[dict]:
                          "content": out if isinstance(out, str) else _text(out, where)})
         else:
             raise APIError(f"{where}: item type {kind!r} is not supported", param="input")
+    answered = {m["tool_call_id"] for m in msgs if m["role"] == "tool"}
+    for tc in (tc for m in msgs for tc in m.get("tool_calls", ())):
+        if tc["id"] not in answered:  # (OpenAI's words)
+            raise APIError(f"No tool output found for function call {tc['id']}.", param="input")
     return msgs
 
 
