@@ -144,6 +144,18 @@ def test_responses_input_of_the_wrong_type_is_400(http, input_):
     bad(post(http, "/v1/responses", {"input": input_}), "input")
 
 
+def test_responses_metadata_is_strings(http):
+    """OpenAI's metadata: up to 16 string values (keys up to 64 characters, values up to 512);
+    any JSON was taken and echoed back, where the client's Response type holds strings."""
+    for metadata in ({"a": 1}, {"a": {"b": "c"}}, {f"k{i}": "v" for i in range(17)},
+                     {"k" * 65: "v"}, {"a": "v" * 513}):
+        err = bad(post(http, "/v1/responses", {"input": "hi", "max_output_tokens": 1,
+                                               "metadata": metadata}))
+        assert err["param"].startswith("metadata"), err
+    r = post(http, "/v1/responses", {"input": "hi", "max_output_tokens": 1, "metadata": {"a": "b"}})
+    assert r.json()["metadata"] == {"a": "b"}
+
+
 def test_whole_request_is_validated_before_anything_is_sent():
     """n=2 with a seed that fits choice 0 but not choice 1: nothing reaches the engine."""
     from rankserve.runtime.serve import openai_api

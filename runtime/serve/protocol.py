@@ -589,6 +589,11 @@ class CountTokensRequest(Request):
 
 
 # ---- Responses ----------------------------------------------------------------------------------
+# OpenAI's metadata: up to 16 pairs, keys up to 64 characters, string values up to 512
+OpenAIMetadata = Annotated[dict[Annotated[str, Field(max_length=64)],
+                                Annotated[str, Field(max_length=512)]], Field(max_length=16)]
+
+
 class ResponsesRequest(Request):
     UNSUPPORTED = {"background": "responses are not stored",
                    "conversation": "responses are not stored", "prompt": "no stored prompts",
@@ -610,7 +615,7 @@ class ResponsesRequest(Request):
     parallel_tool_calls: Bool = True
     store: Bool | None = None
     truncation: Literal["disabled"] | None = None
-    metadata: dict[str, Any] | None = None
+    metadata: OpenAIMetadata | None = None
     user: str | None = None
     service_tier: str | None = None
     safety_identifier: str | None = None
