@@ -156,6 +156,20 @@ def test_responses_metadata_is_strings(http):
     assert r.json()["metadata"] == {"a": "b"}
 
 
+@pytest.mark.parametrize("tools,words", [
+    ([{"name": "f"}, {"name": "f"}], "unique"),  # (a forced call took the last one's schema)
+    ([{"name": 5}], "tools[0].name"),
+    ([{"name": "f", "description": 5}], "tools[0].description"),
+])
+def test_tool_names_are_unique_strings(server, http, tools, words):
+    """Anthropic ("Tool names must be unique") and OpenAI refuse these; they were rendered."""
+    anthropic_bad(server, {"tools": [{**t, "input_schema": {"type": "object"}} for t in tools]},
+                  words)
+    err = bad(post(http, "/v1/responses", {"input": "hi", "tools": [
+        {"type": "function", **t} for t in tools]}), "tools")
+    assert words in err["message"], err
+
+
 def test_whole_request_is_validated_before_anything_is_sent():
     """n=2 with a seed that fits choice 0 but not choice 1: nothing reaches the engine."""
     from rankserve.runtime.serve import openai_api

@@ -11,7 +11,8 @@ from ..parse import ContentDelta, Delta, ParsedMessage, ReasoningDelta, ToolCall
 from ..sampling_params import StructuredOutputsParams
 from .context import ChatRun, ServeContext, ToolMode, sse
 from .protocol import (APIError, CountTokensRequest, MessagesRequest, SamplingRequest,
-                       check_prompts, check_tool_schemas, random_id, sampling_params)
+                       check_prompts, check_tool_names, check_tool_schemas, random_id,
+                       sampling_params)
 
 TOOL_CHOICE = {"auto": "auto", "none": "none", "any": "required"}
 # the fields of each tool_choice type (Anthropic's); any other is a 400, not dropped
@@ -153,6 +154,7 @@ def to_tools(tools: list[dict] | None) -> list[dict] | None:
         if t.get("strict"):  # a call, under auto too, follows the schema
             fn["strict"] = True
         out.append({"type": "function", "function": fn})
+    check_tool_names(tools)
     return out
 
 

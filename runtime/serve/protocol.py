@@ -450,6 +450,20 @@ def check_tool_schemas(tools: list[dict] | None, key: str = "parameters",
             raise APIError(f"{name} is not a valid JSON schema: {e.message}", param=name) from None
 
 
+def check_tool_names(tools: list) -> None:
+    """Tools (Anthropic's or Responses', flat) have a name and a description, both strings,
+    and the names are unique (a forced call names one; both APIs refuse duplicates)."""
+    seen = set()
+    for i, t in enumerate(tools):
+        for key in ("name", "description"):
+            if (key == "name" or t.get(key) is not None) and not isinstance(t.get(key), str):
+                raise APIError(f"tools[{i}].{key}: Input should be a valid string", param="tools")
+        if t["name"] in seen:
+            raise APIError(f"tools[{i}].name: tool names must be unique; {t['name']!r} is twice",
+                           param="tools")
+        seen.add(t["name"])
+
+
 def validation_param(errors: list[dict]) -> str | None:
     """The field a pydantic validation error is about, for the error body's `param`."""
     for e in errors:

@@ -11,8 +11,8 @@ from typing import AsyncIterator
 
 from ..parse import ContentDelta, Delta, ReasoningDelta, ToolCallDelta
 from .context import ChatRun, ServeContext, sse
-from .protocol import (APIError, ResponsesRequest, SamplingRequest, check_prompts, now,
-                       random_id, sampling_params, structured_from)
+from .protocol import (APIError, ResponsesRequest, SamplingRequest, check_prompts,
+                       check_tool_names, now, random_id, sampling_params, structured_from)
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 # include=["reasoning.encrypted_content"]: the reasoning's text, encoded (opaque to clients, but
@@ -125,6 +125,7 @@ def to_tools(tools: list[dict] | None) -> list[dict] | None:
         if t.get("strict"):  # a call, under auto too, follows the schema
             fn["strict"] = True
         out.append({"type": "function", "function": fn})
+    check_tool_names(tools)
     return out
 
 
