@@ -322,3 +322,15 @@ def test_anthropic_consecutive_turns_of_a_role_are_one_turn(claude, server):
     for given, combined in cases:
         n = claude.messages.count_tokens(model="q", messages=given).input_tokens
         assert n == len(tokens(combined))
+
+
+def test_responses_text_parts_join_as_chat_parts(client, server):
+    """A message's text parts are joined with a newline, as chat's (vLLM's) are: Responses glued
+    them ("Weather inParis?"), so one conversation made two prompts on the two APIs."""
+    parts = ["Weather in", "Paris?"]
+    n = client.responses.input_tokens.count(model="q", reasoning={"effort": "none"}, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": t} for t in parts]}]).input_tokens
+    ids = httpx.post(server.url + "/tokenize", json={
+        "messages": [{"role": "user", "content": [{"type": "text", "text": t} for t in parts]}],
+        "chat_template_kwargs": {"enable_thinking": False}}).json()["tokens"]
+    assert n == len(ids)

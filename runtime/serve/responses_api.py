@@ -34,7 +34,8 @@ def unseal(token, where: str) -> str:
                    "item as this server returned it)", param="input")
 
 
-def _text(content, where: str) -> str:
+def _text(content, where: str, sep: str = "\n") -> str:
+    """A string, or text parts joined as chat's (vLLM's) are."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -48,7 +49,7 @@ def _text(content, where: str) -> str:
         if not isinstance(p.get("text", ""), str):
             raise APIError(f"{where}: a text part's text must be a string", param="input")
         parts.append(p.get("text", ""))
-    return "".join(parts)
+    return sep.join(parts)
 
 
 def to_chat(instructions: str | None, items) -> list[dict]:
@@ -86,7 +87,7 @@ def to_chat(instructions: str | None, items) -> list[dict]:
             parts = parts or item.get("summary") or []
             assistant()["reasoning_content"] = _text(
                 [dict(p, type="text") if isinstance(p, dict) else p for p in parts]
-                if isinstance(parts, list) else parts, where)
+                if isinstance(parts, list) else parts, where, sep="")
         elif kind == "function_call":
             fields = {k: item.get(k) for k in ("call_id", "name", "arguments")}
             if not all(isinstance(v, str) for v in fields.values()):
