@@ -537,6 +537,17 @@ def test_anthropic_thinking_budget_is_checked(server, thinking, max_tokens, word
     anthropic_bad(server, {"thinking": thinking, "max_tokens": max_tokens}, words)
 
 
+def test_anthropic_thinking_display(server, claude):
+    """The client's `thinking.display`: "summarized" is how thinking is returned here anyway
+    (it was a 400 'Extra inputs'); "omitted" (redacted thinking) is not implemented: a 400."""
+    m = claude.messages.create(model="stories260K", max_tokens=2, messages=CHAT,
+                               thinking={"type": "adaptive", "display": "summarized"})
+    assert m.usage.output_tokens == 2
+    for kind in ({"type": "adaptive"}, {"type": "enabled", "budget_tokens": 1024}):
+        anthropic_bad(server, {"thinking": {**kind, "display": "omitted"}}, "thinking.display")
+        anthropic_bad(server, {"thinking": {**kind, "display": "full"}}, "thinking.display")
+
+
 def test_anthropic_thinking_and_tools_that_anthropic_allows(claude):
     m = claude.messages.create(model="stories260K", max_tokens=3, messages=CHAT,
                                thinking={"type": "adaptive"}, tools=[WEATHER],

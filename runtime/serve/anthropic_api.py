@@ -18,7 +18,8 @@ TOOL_CHOICE = {"auto": "auto", "none": "none", "any": "required"}
 # the fields of each tool_choice type (Anthropic's); any other is a 400, not dropped
 TOOL_CHOICE_FIELDS = {"auto": {"disable_parallel_tool_use"}, "any": {"disable_parallel_tool_use"},
                       "tool": {"name", "disable_parallel_tool_use"}, "none": set()}
-THINKING_FIELDS = {"enabled": {"type", "budget_tokens"}, "disabled": {"type"}, "adaptive": {"type"}}
+THINKING_FIELDS = {"enabled": {"type", "budget_tokens", "display"}, "disabled": {"type"},
+                   "adaptive": {"type", "display"}}
 MIN_THINKING_BUDGET = 1024  # Anthropic's
 UNKNOWN_RELEASE = "1970-01-01T00:00:00Z"  # Anthropic's `created_at` when the date is unknown
 
@@ -210,6 +211,10 @@ def _thinking(req, forced: bool) -> bool:
     if extra:
         raise APIError(f"thinking.{extra[0]}: Extra inputs are not permitted (thinking type "
                        f"{kind!r})", param="thinking")
+    if req.thinking.get("display") not in (None, "summarized"):  # (summarized: as returned)
+        raise APIError(f"thinking.display: only 'summarized' is supported (the thinking is "
+                       f"returned), got {json.dumps(req.thinking['display'])[:40]}",
+                       param="thinking.display")
     if kind == "enabled":
         budget = req.thinking.get("budget_tokens")
         if type(budget) is not int or budget < MIN_THINKING_BUDGET:
