@@ -132,9 +132,42 @@ def test_unknown_model_404_is_openai_format(http, client):
     [{"role": "user", "content": [5]}],
     [{"type": "function_call", "name": 3, "arguments": {}, "call_id": "c"}],
     [{"role": "robot", "content": "hi"}],
+    # OpenAI requires call_id, name and arguments: a call without them was taken as "" / "{}"
+    [{"role": "user", "content": "hi"}, {"type": "function_call", "name": "f", "arguments": "{}"}],
+    [{"role": "user", "content": "hi"}, {"type": "function_call", "call_id": "c", "arguments": "{}"}],
+    [{"role": "user", "content": "hi"}, {"type": "function_call", "call_id": "c", "name": "f"}],
+    # a call needs its output (OpenAI's "No tool output found for function call")
+    [{"role": "user", "content": "hi"}, {"type": "function_call", "call_id": "c", "name": "f",
+                                         "arguments": "{}"}],
 ])
 def test_responses_input_of_the_wrong_type_is_400(http, input_):
     bad(post(http, "/v1/responses", {"input": input_}), "input")
+
+
+def test_responses_metadata_is_strings(http):
+    """OpenAI's metadata: up to 16 string values (keys up to 64 characters, values up to 512);
+    any JSON was taken and echoed back, where the client's Response type holds strings."""
+    for metadata in ({"a": 1}, {"a": {"b": "c"}}, {f"k{i}": "v" for i in range(17)},
+                     {"k" * 65: "v"}, {"a": "v" * 513}):
+        err = bad(post(http, "/v1/responses", {"input": "hi", "max_output_tokens": 1,
+                                               "metadata": metadata}))
+        assert err["param"].startswith("metadata"), err
+    r = post(http, "/v1/responses", {"input": "hi", "max_output_tokens": 1, "metadata": {"a": "b"}})
+    assert r.json()["metadata"] == {"a": "b"}
+
+
+@pytest.mark.parametrize("tools,words", [
+    ([{"name": "f"}, {"name": "f"}], "unique"),  # (a forced call took the last one's schema)
+    ([{"name": 5}], "tools[0].name"),
+    ([{"name": "f", "description": 5}], "tools[0].description"),
+])
+def test_tool_names_are_unique_strings(server, http, tools, words):
+    """Anthropic ("Tool names must be unique") and OpenAI refuse these; they were rendered."""
+    anthropic_bad(server, {"tools": [{**t, "input_schema": {"type": "object"}} for t in tools]},
+                  words)
+    err = bad(post(http, "/v1/responses", {"input": "hi", "tools": [
+        {"type": "function", **t} for t in tools]}), "tools")
+    assert words in err["message"], err
 
 
 def test_whole_request_is_validated_before_anything_is_sent():
@@ -185,6 +218,9 @@ def test_unimplemented_fields_with_noop_values_pass(http):
     ("/v1/responses", {"input": "hi", "background": True}, "background"),
     ("/v1/chat/completions", {"messages": CHAT, "reasoning_effort": "extreme"},
      "reasoning_effort"),
+    # Responses' reasoning took any field (a typo of effort was dropped)
+    ("/v1/responses", {"input": "hi", "reasoning": {"efort": "low"}}, "reasoning.efort"),
+    ("/v1/responses", {"input": "hi", "reasoning": {"summary": "verbose"}}, "reasoning.summary"),
 ])
 def test_other_unimplemented_values_are_400(http, path, body, param):
     bad(post(http, path, body), param)
@@ -567,6 +603,17 @@ def test_anthropic_thinking_budget_is_checked(server, thinking, max_tokens, word
     anthropic_bad(server, {"thinking": thinking, "max_tokens": max_tokens}, words)
 
 
+def test_anthropic_thinking_display(server, claude):
+    """The client's `thinking.display`: "summarized" is how thinking is returned here anyway
+    (it was a 400 'Extra inputs'); "omitted" (redacted thinking) is not implemented: a 400."""
+    m = claude.messages.create(model="stories260K", max_tokens=2, messages=CHAT,
+                               thinking={"type": "adaptive", "display": "summarized"})
+    assert m.usage.output_tokens == 2
+    for kind in ({"type": "adaptive"}, {"type": "enabled", "budget_tokens": 1024}):
+        anthropic_bad(server, {"thinking": {**kind, "display": "omitted"}}, "thinking.display")
+        anthropic_bad(server, {"thinking": {**kind, "display": "full"}}, "thinking.display")
+
+
 def test_anthropic_thinking_and_tools_that_anthropic_allows(claude):
     m = claude.messages.create(model="stories260K", max_tokens=3, messages=CHAT,
                                thinking={"type": "adaptive"}, tools=[WEATHER],
@@ -575,6 +622,98 @@ def test_anthropic_thinking_and_tools_that_anthropic_allows(claude):
     m = claude.messages.create(model="stories260K", max_tokens=3, messages=CHAT, tools=[WEATHER],
                                tool_choice={"type": "any"}, thinking={"type": "disabled"})
     assert m.stop_reason in ("tool_use", "max_tokens")
+
+
+@pytest.mark.parametrize("messages,words", [
+    ([{"role": "user", "content": [{"type": "text", "text": 5}]}], "messages[0].content[0].text"),
+    ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content[0].text"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t1", "name": "f", "input": {}}]}, {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": None}]}]}],
+     "messages[2].content[0].content[0].text"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": 5, "signature": ""}]}, {"role": "user", "content": "x"}],
+     "messages[1].content[0].thinking"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": 5, "name": "f", "input": {}}]}], "messages[1].content[0].id"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t1", "name": "f", "input": "x"}]}], "content[0].input"),
+    # a tool_result answers a tool_use of the assistant message just before it (Anthropic's)
+    ([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t9", "content": "ok"}]}],
+     "t9"),
+    # and a tool_use needs its tool_result in the next (user) turn, Anthropic's too
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t1", "name": "f", "input": {}},
+        {"type": "tool_use", "id": "t2", "name": "f", "input": {}}]},
+      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1"}]},
+      {"role": "assistant", "content": "ok"}, {"role": "user", "content": "x"}],
+     "without tool_result blocks immediately after: t2"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t1", "name": "f", "input": {}}]}, {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t1", "content": 5}]}], "content"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t1", "name": "f", "input": {}}]}, {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t1", "is_error": "yes"}]}], "is_error"),
+])
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_anthropic_malformed_blocks_are_400(server, path, messages, words):
+    """A block field of the wrong type was a 500 (`sequence item 0: expected str instance`), a
+    tool_result for no tool_use was rendered as an answer to nothing: 400s naming the place."""
+    anthropic_bad(server, {"messages": messages}, words, path)
+    anthropic_bad(server, {"system": [{"type": "text", "text": 5}]}, "system[0].text", path)
+
+
+def test_anthropic_final_assistant_message_is_a_prefill(server, http, claude):
+    """Anthropic: a final assistant message is a prefill, the answer continues it. It was
+    rendered as a finished turn, the answer a new one after it."""
+    msgs = CHAT + [{"role": "assistant", "content": "there was a little"}]
+    want = post(http, "/tokenize", {"messages": msgs, "add_generation_prompt": False,
+                                    "continue_final_message": True}).json()["tokens"]
+    assert claude.messages.count_tokens(model="stories260K", messages=msgs).input_tokens == \
+        len(want)
+    m = claude.messages.create(model="stories260K", max_tokens=8, messages=msgs,
+                               extra_body={"temperature": 0})
+    assert m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) == len(want)
+    text = post(http, "/v1/completions", {"prompt": want, "max_tokens": 8,
+                                          "temperature": 0}).json()["choices"][0]["text"]
+    assert m.content[0].text == text
+    anthropic_bad(server, {"messages": CHAT + [{"role": "assistant", "content": "there was "}]},
+                  "trailing whitespace")
+    anthropic_bad(server, {"messages": msgs, "thinking": {"type": "adaptive"}}, "prefill")
+    anthropic_bad(server, {"messages": CHAT + [{"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t1", "name": "f", "input": {}}]}]}, "tool_use")
+
+
+@pytest.mark.parametrize("body,words", [
+    ({"metadata": {"foo": "u1"}}, "metadata.foo"),
+    ({"metadata": {"user_id": 5}}, "metadata.user_id"),
+    ({"service_tier": "fastest"}, "service_tier"),
+    ({"cache_control": {"type": "forever"}}, "cache_control.type"),
+])
+def test_anthropic_request_fields_are_checked(server, claude, body, words):
+    """metadata (only user_id), service_tier (auto / standard_only) took anything; the
+    anthropic client's own top-level cache_control was refused as an unknown field (on blocks
+    it is taken: prefix caching is automatic, the marker a hint)."""
+    anthropic_bad(server, body, words)
+    m = claude.messages.create(model="stories260K", max_tokens=2, messages=CHAT,
+                               metadata={"user_id": "u1"}, service_tier="standard_only",
+                               cache_control={"type": "ephemeral", "ttl": "1h"})
+    assert m.usage.output_tokens == 2
+
+
+def test_anthropic_count_tokens_takes_what_messages_take(server, claude):
+    """The client's count_tokens sends cache_control and output_config as messages.create does:
+    both were 400s ('Extra inputs'); they do not change the prompt, so not the count either.
+    A malformed one is still a 400."""
+    n = claude.messages.count_tokens(model="stories260K", messages=CHAT).input_tokens
+    assert claude.messages.count_tokens(
+        model="stories260K", messages=CHAT, cache_control={"type": "ephemeral"},
+        output_config={"format": {"type": "json_schema", "schema": {"type": "object"}}},
+    ).input_tokens == n
+    anthropic_bad(server, {"output_config": {"format": {"type": "yaml"}}}, "output_config.format",
+                  "/v1/messages/count_tokens")
+    anthropic_bad(server, {"cache_control": {"type": "x"}}, "cache_control",
+                  "/v1/messages/count_tokens")
 
 
 def test_logprobs_minus_one_is_the_vocabulary_and_top_logprobs_zero_alone_passes(http):

@@ -294,3 +294,58 @@ def test_responses_function_call_items(client):
     assert r.usage.input_tokens > 20
     with pytest.raises(openai.BadRequestError, match="previous_response_id"):
         client.responses.create(model="q", input="Hi", previous_response_id="resp_1")
+
+
+def test_stored_response_routes_say_nothing_is_stored(client):
+    """retrieve / delete / cancel / input_items of a response id were a bare 404 "Not Found",
+    as for a route the server lacks: now a 404 naming the id and why (no response is stored)."""
+    for call in (lambda: client.responses.retrieve("resp_1"),
+                 lambda: client.responses.delete("resp_1"),
+                 lambda: client.responses.cancel("resp_1"),
+                 lambda: client.responses.input_items.list("resp_1")):
+        with pytest.raises(openai.NotFoundError) as e:
+            call()
+        assert "resp_1" in e.value.message and "not stored" in e.value.message, e.value.message
+
+
+def test_anthropic_consecutive_turns_of_a_role_are_one_turn(claude, server):
+    """Anthropic: "Consecutive user or assistant turns in your request will be combined into a
+    single turn." They were rendered as separate turns (a different prompt)."""
+    def tokens(msgs):
+        return httpx.post(server.url + "/tokenize", json={
+            "messages": msgs, "chat_template_kwargs": {"enable_thinking": False}}).json()["tokens"]
+    cases = [([{"role": "user", "content": "a"}, {"role": "user", "content": [
+                {"type": "text", "text": "b"}]}],
+              [{"role": "user", "content": "a\nb"}]),
+             ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "x"},
+               {"role": "assistant", "content": [{"type": "text", "text": "y"}]},
+               {"role": "user", "content": "z"}],
+              [{"role": "user", "content": "q"}, {"role": "assistant", "content": "xy"},
+               {"role": "user", "content": "z"}]),
+             # results split over two user messages answer the calls of the turn before
+             ([{"role": "user", "content": "q"}, {"role": "assistant", "content": [
+                 {"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
+               {"role": "assistant", "content": [
+                   {"type": "tool_use", "id": "t2", "name": "f", "input": {}}]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1"}]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t2"}]}],
+              [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [
+                  {"id": t, "type": "function", "function": {"name": "f", "arguments": "{}"}}
+                  for t in ("t1", "t2")]},
+               {"role": "tool", "tool_call_id": "t1", "content": ""},
+               {"role": "tool", "tool_call_id": "t2", "content": ""}])]
+    for given, combined in cases:
+        n = claude.messages.count_tokens(model="q", messages=given).input_tokens
+        assert n == len(tokens(combined))
+
+
+def test_responses_text_parts_join_as_chat_parts(client, server):
+    """A message's text parts are joined with a newline, as chat's (vLLM's) are: Responses glued
+    them ("Weather inParis?"), so one conversation made two prompts on the two APIs."""
+    parts = ["Weather in", "Paris?"]
+    n = client.responses.input_tokens.count(model="q", reasoning={"effort": "none"}, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": t} for t in parts]}]).input_tokens
+    ids = httpx.post(server.url + "/tokenize", json={
+        "messages": [{"role": "user", "content": [{"type": "text", "text": t} for t in parts]}],
+        "chat_template_kwargs": {"enable_thinking": False}}).json()["tokens"]
+    assert n == len(ids)

@@ -302,7 +302,8 @@ def test_anthropic_and_responses_inputs_become_chats():
     # OpenAI's: an output for a call the input does not hold is a 400 (the template would render
     # a tool answer to nothing)
     with pytest.raises(APIError, match=r"input\[1\]: no function_call with call_id 'c9'"):
-        responses_api.to_chat(None, [{"type": "function_call", "call_id": "c1", "name": "f"},
+        responses_api.to_chat(None, [{"type": "function_call", "call_id": "c1", "name": "f",
+                                      "arguments": "{}"},
                                      {"type": "function_call_output", "call_id": "c9", "output": "x"}])
 
 

@@ -235,6 +235,30 @@ def test_responses_text_format_and_required_tools(client):
         valid(c.arguments, SCHEMAS[c.name])
 
 
+def test_responses_and_anthropic_strict_tools_are_strict(client, claude):
+    """`strict: true` on a Responses function tool or an Anthropic tool was dropped on the way to
+    the chat form, so a call under tool_choice auto was not held to its schema (chat's strict
+    tools are): the schema now holds, and with an output format too that is the same 400."""
+    fmt = {"type": "json_schema", "name": "f", "schema": SCHEMA}
+    for strict in (True, False):
+        tools = [{"type": "function", **t["function"], "strict": strict} for t in TOOLS]
+        kw = dict(model="q", input="Weather?", max_output_tokens=2, tools=tools, text={"format": fmt})
+        if strict:
+            with pytest.raises(openai.BadRequestError, match="strict tools"):
+                client.responses.create(**kw)
+        else:
+            assert client.responses.create(**kw).usage.output_tokens <= 2
+        tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"],
+                  "strict": strict} for t in TOOLS]
+        kw = dict(model="q", max_tokens=2, messages=MESSAGES, tools=tools,
+                  output_config={"format": {"type": "json_schema", "schema": SCHEMA}})
+        if strict:
+            with pytest.raises(anthropic.BadRequestError, match="strict tools"):
+                claude.messages.create(**kw)
+        else:
+            assert claude.messages.create(**kw).usage.output_tokens <= 2
+
+
 def test_token_masks(server):
     url = server.url + "/v1/completions"
     r = httpx.post(url, json={"prompt": "a", "max_tokens": 8, "temperature": 1.0,

@@ -11,72 +11,129 @@ from ..parse import ContentDelta, Delta, ParsedMessage, ReasoningDelta, ToolCall
 from ..sampling_params import StructuredOutputsParams
 from .context import ChatRun, ServeContext, ToolMode, sse
 from .protocol import (APIError, CountTokensRequest, MessagesRequest, SamplingRequest,
-                       check_prompts, check_tool_schemas, random_id, sampling_params)
+                       check_prompts, check_tool_names, check_tool_schemas, random_id,
+                       sampling_params)
 
 TOOL_CHOICE = {"auto": "auto", "none": "none", "any": "required"}
 # the fields of each tool_choice type (Anthropic's); any other is a 400, not dropped
 TOOL_CHOICE_FIELDS = {"auto": {"disable_parallel_tool_use"}, "any": {"disable_parallel_tool_use"},
                       "tool": {"name", "disable_parallel_tool_use"}, "none": set()}
-THINKING_FIELDS = {"enabled": {"type", "budget_tokens"}, "disabled": {"type"}, "adaptive": {"type"}}
+THINKING_FIELDS = {"enabled": {"type", "budget_tokens", "display"}, "disabled": {"type"},
+                   "adaptive": {"type", "display"}}
 MIN_THINKING_BUDGET = 1024  # Anthropic's
 UNKNOWN_RELEASE = "1970-01-01T00:00:00Z"  # Anthropic's `created_at` when the date is unknown
+
+
+def _field(block: dict, key: str, kind: type, where: str):
+    """A block's required field, of its type (Anthropic's; a wrong one was a 500 downstream)."""
+    value = block.get(key)
+    if not isinstance(value, kind):
+        name = {str: "string", dict: "object", bool: "boolean"}[kind]
+        raise APIError(f"{where}.{key}: Input should be a valid {name}", param="messages")
+    return value
 
 
 def _text(content, where: str) -> str:
     if isinstance(content, str):
         return content
+    if not isinstance(content, list):
+        raise APIError(f"{where}: content must be a string or a list of blocks")
     parts = []
-    for b in content or []:
+    for j, b in enumerate(content):
         if not isinstance(b, dict) or b.get("type") != "text":
             kind = b.get("type") if isinstance(b, dict) else type(b).__name__
             raise APIError(f"{where}: content block {kind!r} is not supported here (only text)")
-        parts.append(b.get("text", ""))
+        parts.append(_field(b, "text", str, f"{where}[{j}]"))
     return "\n".join(parts)
 
 
 def to_chat(system, messages: list[dict]) -> list[dict]:
     """Anthropic system + messages → OpenAI chat messages."""
     out = [{"role": "system", "content": _text(system, "system")}] if system else []
+    # the tool_use ids of the assistant turn just before (a run of messages of one role is one
+    # turn, Anthropic's: see _add)
+    asked: set[str] = set()
+    pending: list[str] = []  # ... and those no tool_result answered yet
+    prev = None
     for i, m in enumerate(messages):
         where, role, content = f"messages[{i}]", m.get("role"), m.get("content")
         if role not in ("user", "assistant"):
             raise APIError(f"{where}: role must be 'user' or 'assistant', got {role!r}")
+        if role == "assistant" and prev != "assistant":
+            _check_answered(pending)
+            asked = set()
+        prev = role
         if isinstance(content, str):
-            out.append({"role": role, "content": content})
+            _add(out, {"role": role, "content": content})
             continue
         if not isinstance(content, list):
             raise APIError(f"{where}: content must be a string or a list of blocks")
         texts, reasoning, calls = [], [], []
         for j, b in enumerate(content):
-            kind = b.get("type") if isinstance(b, dict) else None
+            kind, at = b.get("type") if isinstance(b, dict) else None, f"{where}.content[{j}]"
             if kind == "text":
-                texts.append(b.get("text", ""))
+                texts.append(_field(b, "text", str, at))
             elif kind == "thinking" and role == "assistant":
-                reasoning.append(b.get("thinking", ""))
-            elif kind == "redacted_thinking":
+                reasoning.append(_field(b, "thinking", str, at))
+            elif kind == "redacted_thinking" and role == "assistant":
                 continue
             elif kind == "tool_use" and role == "assistant":
-                calls.append({"id": b.get("id", ""), "type": "function", "function": {
-                    "name": b.get("name", ""), "arguments": json.dumps(b.get("input") or {})}})
+                calls.append({"id": _field(b, "id", str, at), "type": "function", "function": {
+                    "name": _field(b, "name", str, at),
+                    "arguments": json.dumps(_field(b, "input", dict, at))}})
             elif kind == "tool_result" and role == "user":
                 # tool results come first in a user turn; they answer the previous tool_use
-                out.append({"role": "tool", "tool_call_id": b.get("tool_use_id", ""),
-                            "content": _text(b.get("content", ""), f"{where}.content[{j}]")})
+                call_id = _field(b, "tool_use_id", str, at)
+                if call_id not in asked:
+                    raise APIError(f"{at}: unexpected tool_use_id {call_id!r} in a tool_result "
+                                   "block: each tool_result must answer a tool_use block of "
+                                   "the assistant message just before")
+                if "is_error" in b:
+                    _field(b, "is_error", bool, at)
+                pending = [p for p in pending if p != call_id]
+                out.append({"role": "tool", "tool_call_id": call_id,
+                            "content": _text(b.get("content", ""), f"{at}.content")})
             else:
-                raise APIError(f"{where}.content[{j}]: block type {kind!r} is not supported "
-                               f"in a {role} message")
+                raise APIError(f"{at}: block type {kind!r} is not supported in a {role} message")
+        asked |= {c["id"] for c in calls}
+        pending += [c["id"] for c in calls]
         if role == "assistant":
             msg = {"role": "assistant", "content": "".join(texts)}
             if reasoning:
                 msg["reasoning_content"] = "".join(reasoning)
             if calls:
                 msg["tool_calls"] = calls
-            out.append(msg)
+            _add(out, msg)
         elif texts:
-            out.append({"role": "user", "content": "\n".join(texts)})
+            _add(out, {"role": "user", "content": "\n".join(texts)})
         elif not content:  # dropping it would make the previous assistant turn a prefill
             raise APIError(f"{where}: a user message needs at least one content block")
+    if prev == "user":  # (calls of a final assistant turn: see _check_prefill)
+        _check_answered(pending)
     return out
+
+
+def _check_answered(pending: list[str]) -> None:
+    if pending:
+        raise APIError("tool_use ids were found without tool_result blocks immediately after: "
+                       f"{', '.join(pending)}. Each tool_use block must have a corresponding "
+                       "tool_result block in the next message.", param="messages")
+
+
+def _add(out: list[dict], msg: dict) -> None:
+    """Append a turn; consecutive turns of a role are one turn (Anthropic combines them), their
+    texts joined as a message's own text blocks are."""
+    last = out[-1] if out else None
+    if last is None or last["role"] != msg["role"] or msg["role"] not in ("user", "assistant"):
+        out.append(msg)
+    elif msg["role"] == "user":
+        last["content"] += "\n" + msg["content"]
+    else:
+        last["content"] += msg["content"]
+        if msg.get("reasoning_content"):
+            last["reasoning_content"] = last.get("reasoning_content", "") + msg["reasoning_content"]
+        if msg.get("tool_calls"):
+            last["tool_calls"] = last.get("tool_calls", []) + msg["tool_calls"]
 
 
 def to_tools(tools: list[dict] | None) -> list[dict] | None:
@@ -92,8 +149,13 @@ def to_tools(tools: list[dict] | None) -> list[dict] | None:
             raise APIError(f"tools[{i}].input_schema: Field required", param="tools")
         if schema.get("type") != "object":
             raise APIError(f"tools[{i}].input_schema.type: Input should be 'object'", param="tools")
-        out.append({"type": "function", "function": {
-            "name": t["name"], "description": t.get("description", ""), "parameters": schema}})
+        if t.get("strict") not in (None, True, False):
+            raise APIError(f"tools[{i}].strict: Input should be a valid boolean", param="tools")
+        fn = {"name": t["name"], "description": t.get("description", ""), "parameters": schema}
+        if t.get("strict"):  # a call, under auto too, follows the schema
+            fn["strict"] = True
+        out.append({"type": "function", "function": fn})
+    check_tool_names(tools)
     return out
 
 
@@ -149,6 +211,10 @@ def _thinking(req, forced: bool) -> bool:
     if extra:
         raise APIError(f"thinking.{extra[0]}: Extra inputs are not permitted (thinking type "
                        f"{kind!r})", param="thinking")
+    if req.thinking.get("display") not in (None, "summarized"):  # (summarized: as returned)
+        raise APIError(f"thinking.display: only 'summarized' is supported (the thinking is "
+                       f"returned), got {json.dumps(req.thinking['display'])[:40]}",
+                       param="thinking.display")
     if kind == "enabled":
         budget = req.thinking.get("budget_tokens")
         if type(budget) is not int or budget < MIN_THINKING_BUDGET:
@@ -173,9 +239,27 @@ def _render(ctx: ServeContext, req) -> tuple[list[int], ToolMode]:
     thinking = _thinking(req, forced=choice == "required" or isinstance(choice, dict))
     counting = isinstance(req, CountTokensRequest)  # counting calls nothing
     mode = ToolMode() if counting else _tool_mode(ctx, tools, choice, req.tool_choice)
-    ids = ctx.render_chat(to_chat(req.system, req.messages), tools if choice != "none" else None,
-                          {"enable_thinking": thinking})
+    chat = to_chat(req.system, req.messages)
+    prefill = req.messages[-1].get("role") == "assistant"
+    if prefill:
+        _check_prefill(chat[-1], thinking)
+    ids = ctx.render_chat(chat, tools if choice != "none" else None, {"enable_thinking": thinking},
+                          add_generation_prompt=not prefill, continue_final_message=prefill)
     return ids, mode
+
+
+def _check_prefill(msg: dict, thinking: bool) -> None:
+    """A final assistant message is a prefill: the answer continues its text (Anthropic's)."""
+    if thinking:
+        raise APIError("an assistant prefill (a final assistant message) cannot be used with "
+                       "thinking", param="messages")
+    if msg.get("tool_calls"):
+        raise APIError("the final assistant message (a prefill) cannot end with tool_use "
+                       "blocks: answer them with tool_result blocks in a user message",
+                       param="messages")
+    if msg["content"] != msg["content"].rstrip():
+        raise APIError("final assistant content cannot end with trailing whitespace",
+                       param="messages")
 
 
 def output_format(cfg: dict | None) -> StructuredOutputsParams | None:
@@ -275,8 +359,8 @@ async def create_message(ctx: ServeContext, req: MessagesRequest):
     check_prompts([prompt_ids], ctx.client.model_info, req.max_tokens, prompt_param="messages")
     structured = output_format(req.output_config)
     if structured is not None and mode.structured() is not None:
-        raise APIError("tool_choice any / tool constrains the output already; drop "
-                       "output_config.format", param="tool_choice")
+        raise APIError("the tools constrain the output already (tool_choice any / tool, or "
+                       "strict tools); drop output_config.format", param="tool_choice")
     run = ChatRun(ctx, prompt_ids, 1, mode)
     sreq = SamplingRequest(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                            stop=req.stop_sequences)
@@ -327,6 +411,7 @@ async def create_message(ctx: ServeContext, req: MessagesRequest):
 
 
 def count_tokens(ctx: ServeContext, req: CountTokensRequest) -> dict:
+    output_format(req.output_config)
     ids, _ = _render(ctx, req)
     return {"input_tokens": len(ids)}
 

@@ -362,6 +362,13 @@ def build_app(ctx: ServeContext, metrics: Metrics, state: ServeState | None = No
     async def responses_input_tokens(req: ResponsesRequest):
         return await ctx.run_sync(responses_api.count_input_tokens, ctx, req)
 
+    @v1.api_route("/responses/{response_id}", methods=["GET", "DELETE"])
+    @v1.post("/responses/{response_id}/cancel")
+    @v1.get("/responses/{response_id}/input_items")
+    async def stored_response(response_id: str):
+        raise APIError(f"No response with id {response_id!r}: responses are not stored by this "
+                       "server (store is not supported)", 404, "response_id")
+
     app.include_router(v1)
     add_admin_routes(app, client, metrics)  # sleep mode and weight updates
     app.add_middleware(ServeMiddleware, state=state, key=ctx.args.api_key,

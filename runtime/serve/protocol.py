@@ -450,6 +450,20 @@ def check_tool_schemas(tools: list[dict] | None, key: str = "parameters",
             raise APIError(f"{name} is not a valid JSON schema: {e.message}", param=name) from None
 
 
+def check_tool_names(tools: list) -> None:
+    """Tools (Anthropic's or Responses', flat) have a name and a description, both strings,
+    and the names are unique (a forced call names one; both APIs refuse duplicates)."""
+    seen = set()
+    for i, t in enumerate(tools):
+        for key in ("name", "description"):
+            if (key == "name" or t.get(key) is not None) and not isinstance(t.get(key), str):
+                raise APIError(f"tools[{i}].{key}: Input should be a valid string", param="tools")
+        if t["name"] in seen:
+            raise APIError(f"tools[{i}].name: tool names must be unique; {t['name']!r} is twice",
+                           param="tools")
+        seen.add(t["name"])
+
+
 def validation_param(errors: list[dict]) -> str | None:
     """The field a pydantic validation error is about, for the error body's `param`."""
     for e in errors:
@@ -545,6 +559,18 @@ class UnloadLoRAAdapterRequest(Request):
 
 
 # ---- Anthropic ----------------------------------------------------------------------------------
+class AnthropicMetadata(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    user_id: str | None = None
+
+
+class CacheControl(BaseModel):
+    """A prompt-caching marker: a hint only (prefix caching is automatic), so it is taken."""
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+
 class MessagesRequest(Request):
     UNSUPPORTED = {"container": "no code execution", "mcp_servers": "no MCP servers"}
     model: str
@@ -560,8 +586,9 @@ class MessagesRequest(Request):
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None  # its `format`: structured outputs
-    metadata: dict[str, Any] | None = None
-    service_tier: str | None = None
+    metadata: AnthropicMetadata | None = None
+    service_tier: Literal["auto", "standard_only"] | None = None
+    cache_control: CacheControl | None = None
 
 
 class CountTokensRequest(Request):
@@ -571,9 +598,16 @@ class CountTokensRequest(Request):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None  # checked; it does not change the prompt
+    cache_control: CacheControl | None = None
 
 
 # ---- Responses ----------------------------------------------------------------------------------
+# OpenAI's metadata: up to 16 pairs, keys up to 64 characters, string values up to 512
+OpenAIMetadata = Annotated[dict[Annotated[str, Field(max_length=64)],
+                                Annotated[str, Field(max_length=512)]], Field(max_length=16)]
+
+
 class ResponsesRequest(Request):
     UNSUPPORTED = {"background": "responses are not stored",
                    "conversation": "responses are not stored", "prompt": "no stored prompts",
@@ -595,7 +629,7 @@ class ResponsesRequest(Request):
     parallel_tool_calls: Bool = True
     store: Bool | None = None
     truncation: Literal["disabled"] | None = None
-    metadata: dict[str, Any] | None = None
+    metadata: OpenAIMetadata | None = None
     user: str | None = None
     service_tier: str | None = None
     safety_identifier: str | None = None
@@ -610,6 +644,13 @@ class ResponsesRequest(Request):
             if value != "reasoning.encrypted_content":
                 raise APIError(f"include {value!r} is not supported: only "
                                "reasoning.encrypted_content", param="include")
+        extra = sorted((self.reasoning or {}).keys() - {"effort", "summary", "generate_summary"})
+        if extra:
+            raise APIError(f"reasoning: unknown field {extra[0]!r}", param=f"reasoning.{extra[0]}")
+        for key in ("summary", "generate_summary"):  # taken; the reasoning item has it whole
+            if (self.reasoning or {}).get(key) not in (None, "auto", "concise", "detailed"):
+                raise APIError(f"reasoning.{key} must be auto, concise or detailed",
+                               param=f"reasoning.{key}")
         effort = (self.reasoning or {}).get("effort")
         if effort not in (None, "none", "minimal", "low", "medium", "high"):
             raise APIError(f"reasoning.effort must be none, minimal, low, medium or high; got "

@@ -11,8 +11,8 @@ from typing import AsyncIterator
 
 from ..parse import ContentDelta, Delta, ReasoningDelta, ToolCallDelta
 from .context import ChatRun, ServeContext, sse
-from .protocol import (APIError, ResponsesRequest, SamplingRequest, check_prompts, now,
-                       random_id, sampling_params, structured_from)
+from .protocol import (APIError, ResponsesRequest, SamplingRequest, check_prompts,
+                       check_tool_names, now, random_id, sampling_params, structured_from)
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 # include=["reasoning.encrypted_content"]: the reasoning's text, encoded (opaque to clients, but
@@ -34,7 +34,8 @@ def unseal(token, where: str) -> str:
                    "item as this server returned it)", param="input")
 
 
-def _text(content, where: str) -> str:
+def _text(content, where: str, sep: str = "\n") -> str:
+    """A string, or text parts joined as chat's (vLLM's) are."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -48,7 +49,7 @@ def _text(content, where: str) -> str:
         if not isinstance(p.get("text", ""), str):
             raise APIError(f"{where}: a text part's text must be a string", param="input")
         parts.append(p.get("text", ""))
-    return "".join(parts)
+    return sep.join(parts)
 
 
 def to_chat(instructions: str | None, items) -> list[dict]:
@@ -86,13 +87,12 @@ def to_chat(instructions: str | None, items) -> list[dict]:
             parts = parts or item.get("summary") or []
             assistant()["reasoning_content"] = _text(
                 [dict(p, type="text") if isinstance(p, dict) else p for p in parts]
-                if isinstance(parts, list) else parts, where)
+                if isinstance(parts, list) else parts, where, sep="")
         elif kind == "function_call":
-            fields = {k: item.get(k, d) for k, d in
-                      (("call_id", ""), ("name", ""), ("arguments", "{}"))}
+            fields = {k: item.get(k) for k in ("call_id", "name", "arguments")}
             if not all(isinstance(v, str) for v in fields.values()):
-                raise APIError(f"{where}: call_id, name and arguments must be strings",
-                               param="input")
+                raise APIError(f"{where}: a function_call needs call_id, name and arguments, "
+                               "all strings", param="input")
             assistant().setdefault("tool_calls", []).append({
                 "id": fields["call_id"], "type": "function",
                 "function": {"name": fields["name"], "arguments": fields["arguments"]}})
@@ -105,6 +105,10 @@ def to_chat(instructions: str | None, items) -> list[dict]:
                          "content": out if isinstance(out, str) else _text(out, where)})
         else:
             raise APIError(f"{where}: item type {kind!r} is not supported", param="input")
+    answered = {m["tool_call_id"] for m in msgs if m["role"] == "tool"}
+    for tc in (tc for m in msgs for tc in m.get("tool_calls", ())):
+        if tc["id"] not in answered:  # (OpenAI's words)
+            raise APIError(f"No tool output found for function call {tc['id']}.", param="input")
     return msgs
 
 
@@ -115,9 +119,14 @@ def to_tools(tools: list[dict] | None) -> list[dict] | None:
     for i, t in enumerate(tools):
         if not isinstance(t, dict) or t.get("type") != "function" or not t.get("name"):
             raise APIError(f"tools[{i}]: only function tools are supported", param="tools")
-        out.append({"type": "function", "function": {
-            "name": t["name"], "description": t.get("description") or "",
-            "parameters": t.get("parameters") or {"type": "object", "properties": {}}}})
+        if t.get("strict") not in (None, True, False):
+            raise APIError(f"tools[{i}].strict must be a boolean", param="tools")
+        fn = {"name": t["name"], "description": t.get("description") or "",
+              "parameters": t.get("parameters") or {"type": "object", "properties": {}}}
+        if t.get("strict"):  # a call, under auto too, follows the schema
+            fn["strict"] = True
+        out.append({"type": "function", "function": fn})
+    check_tool_names(tools)
     return out
 
 
