@@ -331,3 +331,29 @@ def test_registry_and_toggles():
     # neither toggle: everything is content, untouched
     p = make_parser(None)
     assert p.parse([], "<think>a</think> b ") .content == "<think>a</think> b "
+
+
+@needs_shared
+def test_deepseek_text_after_a_finished_call_has_no_marker(deepseek):
+    """A complete call's <｜tool▁call▁end｜> belongs to it: text after it (the model skipping
+    <｜tool▁calls▁end｜>), or a broken second call given back as content, does not repeat it."""
+    call = f"<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{ARGS1}<｜tool▁call▁end｜>"
+    make = lambda: make_parser(deepseek.tok, "deepseek_v3", "deepseek_v3")  # noqa: E731
+    check(make, deepseek, deepseek.ids("<｜tool▁calls▁begin｜>" + call + "Done."),
+          ("Done.", None, [("get_weather", ARGS1)]))
+    bad = "<｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{now}<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+    check(make, deepseek, deepseek.ids("<｜tool▁calls▁begin｜>" + call + bad),
+          (bad, None, [("get_weather", ARGS1)]), well_formed=False)
+
+
+@needs_shared
+def test_text_after_calls_does_not_depend_on_chunking(llama3, deepseek):
+    """Whitespace between a finished call and the text after it is dropped whether it arrives
+    alone or with the text (it came back as content when it was its own token)."""
+    check(lambda: make_parser(llama3.tok, "llama3_json"), llama3,
+          llama3.ids(f'{{"name": "get_weather", "parameters": {ARGS1}}}\nThat is all.'),
+          ("That is all.", None, [("get_weather", ARGS1)]))
+    check(lambda: make_parser(deepseek.tok, "deepseek_v3"), deepseek,
+          deepseek.ids("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{}"
+                       "<｜tool▁call▁end｜>\n\nDone."),
+          ("Done.", None, [("get_time", "{}")]))

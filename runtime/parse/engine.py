@@ -144,6 +144,8 @@ class StreamingParser:
             self._raw = self._held_ws  # so a broken call gives back its text exactly
         if rule.consume:
             self._consume(len(rule.on.text))
+        if st.emit in ("tool_args", "tool_json"):  # the call is complete: its end marker is
+            self._raw = ""  # its own, never text to give back if what follows breaks
         self._enter(rule.to)
 
     def _enter(self, name: str) -> None:
@@ -181,7 +183,7 @@ class StreamingParser:
             body = text.lstrip()
             if not body:
                 return len(text)
-            if self._raw:
+            if (self._raw or "").strip():  # an unfinished tool region (whitespace after a call is not)
                 self._broken = True
             else:
                 self._next = st.other or "content"
