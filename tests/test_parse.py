@@ -183,6 +183,21 @@ def test_qwen3_starts_in_reasoning(qwen3):
 
 
 @needs_shared
+def test_a_think_tag_in_the_user_text_does_not_open_the_reasoning(qwen3):
+    """A "<think>" typed in a user message is the tag's token too: only the generation prompt's
+    own tag says the output starts inside the reasoning (the answer's reasoning began with a
+    stray "<think>", and an answer without tags was all reasoning)."""
+    prompt = qwen3.tok.apply_chat_template(
+        [{"role": "user", "content": "What does the <think> tag do?"}],
+        add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert 151667 in prompt
+    make = lambda: make_parser(qwen3.tok, "hermes", "qwen3", prompt_token_ids=prompt)  # noqa: E731
+    check(make, qwen3, qwen3.ids("<think>\nA tag.\n</think>\n\nIt marks reasoning."),
+          ("It marks reasoning.", "A tag.", []))
+    check(make, qwen3, qwen3.ids("It marks reasoning."), ("It marks reasoning.", None, []))
+
+
+@needs_shared
 def test_qwen3_reasoning_only_and_tools_only(qwen3):
     call = f'<tool_call>\n{{"name": "get_weather", "arguments": {ARGS1}}}\n</tool_call>'
     out = f"<think>\nHmm.\n</think>\n\nSure.\n{call}"

@@ -123,6 +123,20 @@ def with_thinking_tags(params, tokenizer: Any, reasoning_parser: str = "qwen3"):
                                    thinking_end_token_ids=[end, *sep])
 
 
+def prompt_opens_reasoning(tokenizer: Any, reasoning_parser: str, prompt_token_ids: list[int]) -> bool:
+    """Whether the generation prompt itself opened the reasoning block: its opening tag after the
+    last turn marker (any other special token). A tag in a user's text, or an earlier turn's
+    closed block, says nothing about this turn."""
+    opener, closer = reasoning_tags(tokenizer, reasoning_parser)
+    turn_marks = set(getattr(tokenizer, "all_special_ids", None) or ())
+    for t in reversed(prompt_token_ids):
+        if t == opener:
+            return True
+        if t == closer or t in turn_marks:
+            return False
+    return False
+
+
 def make_parser(tokenizer: Any, tool_parser: str | None = None,
                 reasoning_parser: str | None = None, *, starts_in_reasoning: bool | None = None,
                 prompt_token_ids: list[int] | None = None) -> StreamingParser:
@@ -144,9 +158,8 @@ def make_parser(tokenizer: Any, tool_parser: str | None = None,
     start = None
     if reasoning is not None:
         if starts_in_reasoning is None and prompt_token_ids:
-            opener, closer = reasoning_tags(tokenizer, reasoning_parser)
-            last = {t: i for i, t in enumerate(prompt_token_ids) if t in (opener, closer)}
-            starts_in_reasoning = last.get(opener, -1) > last.get(closer, -1)
+            starts_in_reasoning = prompt_opens_reasoning(tokenizer, reasoning_parser,
+                                                         prompt_token_ids)
         if starts_in_reasoning:
             start = "reasoning"
     return StreamingParser(grammar, start)
