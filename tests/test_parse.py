@@ -228,6 +228,28 @@ def test_qwen3_plain_marker_text_is_content(qwen3):
 
 
 @needs_shared
+def test_plain_marker_text_and_the_marker_token_in_one_feed(qwen3):
+    """The non-streamed parse (and a streamed update of several tokens) holds the model spelling
+    a marker in plain tokens and the marker token itself: the token is the marker, wherever the
+    plain text is (the plain one was taken: the call was lost, the reasoning cut short)."""
+    def plain(*parts):
+        return [t for part in parts for t in qwen3.ids(part)]
+    call = f'<tool_call>\n{{"name": "get_weather", "arguments": {ARGS1}}}\n</tool_call>'
+    ids = plain("Use the <", "tool_call", "> tag.\n") + qwen3.ids(call)
+    assert ids.count(151657) == 1
+    check(lambda: make_parser(qwen3.tok, "hermes", "qwen3"), qwen3, ids,
+          ("Use the <tool_call> tag.", None, [("get_weather", ARGS1)]))
+    ids = plain("I think </", "think", "> is a tag.") + qwen3.ids("</think>\n\nAnswer.")
+    check(lambda: make_parser(qwen3.tok, None, "qwen3", starts_in_reasoning=True), qwen3, ids,
+          ("Answer.", "I think </think> is a tag.", []))
+    # a finished call closed by the marker's text in plain tokens (a strict tool's structural
+    # tag writes it so) ends there in any chunking
+    ids = qwen3.ids(call.removesuffix("</tool_call>")) + plain("</", "tool_call", ">\nDone.")
+    check(lambda: make_parser(qwen3.tok, "hermes", "qwen3"), qwen3, ids,
+          ("Done.", None, [("get_weather", ARGS1)]))
+
+
+@needs_shared
 @pytest.mark.parametrize("bad", [
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',  # cut off
     '<tool_call>\n{"name": get_weather, "arguments": {}}\n</tool_call>',  # not JSON

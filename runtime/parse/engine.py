@@ -7,6 +7,7 @@ are special tokens. Feeding the same output in any chunking gives the same resul
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 from .calls import CallReader
 from .grammar import TEXT_KINDS, TOOL_KINDS, Grammar, Rule, State
@@ -24,12 +25,19 @@ class _Call:
 class StreamingParser:
     skip_special_tokens = False  # what the detokenizer feeding this parser must use
 
-    def __init__(self, grammar: Grammar, start: str | None = None):
+    def __init__(self, grammar: Grammar, start: str | None = None,
+                 decode: Callable[[list[int]], str] | None = None):
         self.g = grammar
         self.state = start or grammar.entry
         self.buf = ""  # received text not yet consumed
+        self._base = 0  # characters consumed before buf
         self._id_terms = {t.token_id: t.text for t in grammar.terminals if t.token_id is not None}
-        self._pending: dict[int, int] = {}  # special tokens seen whose text is not consumed yet
+        # where the special tokens' texts are: output positions (`_marks`), found with `decode`
+        # (token ids -> text, special tokens kept) when a feed holds the token and the text after
+        # it; otherwise only counted (`_pending`: the next occurrences of the text are the token)
+        self._decode = decode
+        self._marks: dict[int, set[int]] = {}
+        self._pending: dict[int, int] = {}
         self._out: list[Delta] = []
         self._content: list[str] = []
         self._reasoning: list[str] = []
@@ -50,9 +58,14 @@ class StreamingParser:
 
     # public API -----------------------------------------------------------------------------
     def feed(self, token_ids: list[int], text: str) -> list[Delta]:
-        for t in token_ids:
+        at = self._base + len(self.buf)
+        for j, t in enumerate(token_ids):
             if t in self._id_terms:
-                self._pending[t] = self._pending.get(t, 0) + 1
+                pos = self._locate(token_ids[j + 1:], text, self._id_terms[t])
+                if pos is None:
+                    self._pending[t] = self._pending.get(t, 0) + 1
+                else:
+                    self._marks.setdefault(t, set()).add(at + pos)
         self.buf += text
         self._run(final=False)
         return self._take()
@@ -80,6 +93,26 @@ class StreamingParser:
         return ParsedMessage("".join(self._content) or None, "".join(self._reasoning) or None,
                              list(self.tool_calls))
 
+    def _locate(self, after: list[int], text: str, marker: str) -> int | None:
+        """Where in `text` a special token is, given the tokens after it in this feed (a plain
+        spelling of its text elsewhere in the feed is not it); None if the text does not show
+        (held back by the detokenizer, or no decoder)."""
+        if after and self._decode is None:
+            return None
+        tail = self._decode(after) if after else ""
+        pos = len(text) - len(tail) - len(marker)
+        if pos >= 0 and text.startswith(marker, pos) and text.endswith(tail):
+            return pos
+        return None
+
+    def _token_at(self, tid: int, text: str) -> int:
+        """Index in buf of the first occurrence of special token `tid`, or -1."""
+        found = [m - self._base for m in self._marks.get(tid, ())]
+        if self._pending.get(tid):
+            found.append(self.buf.find(text))
+        found = [i for i in found if i >= 0]
+        return min(found) if found else -1
+
     # the walk -------------------------------------------------------------------------------
     def _run(self, final: bool) -> None:
         while self.buf:
@@ -93,6 +126,8 @@ class StreamingParser:
                 continue
             if self._next:
                 self._enter(self._next)
+                continue
+            if n < limit:  # the handler stopped early (a tool call's JSON ended): look again
                 continue
             if rule is None:
                 return
@@ -108,9 +143,7 @@ class StreamingParser:
         for rule in st.rules:
             t = rule.on
             literal = t.token_id is None or (closed and st.emit in TOOL_KINDS)
-            if not literal and not self._pending.get(t.token_id):
-                continue
-            i = self.buf.find(t.text)
+            i = self.buf.find(t.text) if literal else self._token_at(t.token_id, t.text)
             if i >= 0 and (i < best or (i == best and best_rule and len(t.text) > len(best_rule.on.text))):
                 best, best_rule = i, rule
             if literal and not final:
@@ -122,10 +155,16 @@ class StreamingParser:
 
     def _consume(self, n: int) -> None:
         eaten, self.buf = self.buf[:n], self.buf[n:]
+        self._base += n
         skip, self._raw_skip = self._raw_skip, 0  # the part of `eaten` that ended a call
         for tid, text in self._id_terms.items():
+            marks = self._marks.get(tid)
+            gone = 0
+            if marks:
+                kept = {m for m in marks if m >= self._base}
+                gone, self._marks[tid] = len(marks) - len(kept), kept
             if self._pending.get(tid) and text in eaten:
-                self._pending[tid] = max(0, self._pending[tid] - eaten.count(text))
+                self._pending[tid] = max(0, self._pending[tid] - (eaten.count(text) - gone))
         if self._raw is not None:
             self._raw += eaten[skip:]
 
@@ -191,6 +230,7 @@ class StreamingParser:
         if st.emit == "tool_name":
             self._name += text
             return len(text)
+        done_before = self._reader.done
         for i, ch in enumerate(text):
             for act in self._reader.feed(ch):
                 self._act(act)
@@ -198,8 +238,8 @@ class StreamingParser:
                     self._raw_skip = i + 1  # (see _consume)
                 if self._broken:
                     return i
-            if self._reader.done and st.after:
-                self._next = st.after
+            if self._reader.done and not done_before:  # the value is complete: what may follow
+                self._next = st.after  # it (a closing marker) is looked for again from here
                 return i + 1
         return len(text)
 

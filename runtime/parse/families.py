@@ -26,6 +26,18 @@ def token_id(tokenizer: Any, text: str) -> int | None:
     return tid if isinstance(tid, int) and tokenizer.convert_ids_to_tokens(tid) == text else None
 
 
+def decoder(tokenizer: Any) -> Callable[[list[int]], str] | None:
+    """Token ids -> text with special tokens kept, as the detokenizer feeding a parser gives it."""
+    if tokenizer is None:
+        return None
+    inner = getattr(getattr(tokenizer, "instruct_tokenizer", None), "tokenizer", None)
+    if inner is not None:  # mistral-common
+        from mistral_common.tokens.tokenizers.base import SpecialTokenPolicy
+        return lambda ids: inner.decode(ids, special_token_policy=SpecialTokenPolicy.KEEP)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=False,
+                                        clean_up_tokenization_spaces=False)
+
+
 def _t(tokenizer: Any, text: str) -> Terminal:
     return Terminal(text, token_id(tokenizer, text))
 
@@ -162,4 +174,4 @@ def make_parser(tokenizer: Any, tool_parser: str | None = None,
                                                          prompt_token_ids)
         if starts_in_reasoning:
             start = "reasoning"
-    return StreamingParser(grammar, start)
+    return StreamingParser(grammar, start, decoder(tokenizer))
