@@ -225,6 +225,34 @@ def test_tools_enabled_rules(tok):
         make_ctx(tok, tool_call_parser="nonesuch")
 
 
+
+def test_tool_choice_none_keeps_the_tools_in_the_prompt(tok):
+    """vLLM's default: under tool_choice none the template still shows the tools (the model
+    knows them, the prompt is the one an auto turn of the same conversation has), no call is
+    parsed; --exclude-tools-when-tool-choice-none leaves them out."""
+    from rankserve.runtime.serve import openai_api
+    from rankserve.runtime.serve.protocol import MessagesRequest, ResponsesRequest
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    msgs = [{"role": "user", "content": "Paris?"}]
+    shown = tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=True,
+                                    return_dict=False)
+    bare = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                   return_dict=False)
+    for exclude, want in ((False, shown), (True, bare)):
+        ctx = make_ctx(tok, exclude_tools_when_tool_choice_none=exclude)
+        ctx.client.model_info = {"vocab_size": len(tok), "max_model_len": 4096}
+        ids, mode = openai_api.prepare_chat(ctx, ChatCompletionRequest(
+            messages=msgs, tools=tools, tool_choice="none"))
+        assert ids == want and not mode.parse
+        ids = responses_api.render(ctx, ResponsesRequest(
+            input="Paris?", tool_choice="none", tools=[{"type": "function", **tools[0]["function"]}]))
+        assert ("get_weather" in tok.decode(ids)) != exclude
+        ids, mode = anthropic_api._render(ctx, MessagesRequest(
+            model="m", max_tokens=10, messages=msgs, tool_choice={"type": "none"},
+            tools=[{"name": "get_weather", "input_schema": tools[0]["function"]["parameters"]}]))
+        assert ("get_weather" in tok.decode(ids)) != exclude and not mode.parse
+
 # ---- Anthropic / Responses builders -----------------------------------------------------------
 DELTAS = [ReasoningDelta("Think"), ReasoningDelta("ing."), ContentDelta("Hi"),
           ToolCallDelta(0, "call_a", "f", '{"x"'), ToolCallDelta(0, None, None, ": 1}"),

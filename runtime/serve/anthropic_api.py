@@ -173,7 +173,7 @@ def _render(ctx: ServeContext, req) -> tuple[list[int], ToolMode]:
     thinking = _thinking(req, forced=choice == "required" or isinstance(choice, dict))
     counting = isinstance(req, CountTokensRequest)  # counting calls nothing
     mode = ToolMode() if counting else _tool_mode(ctx, tools, choice, req.tool_choice)
-    ids = ctx.render_chat(to_chat(req.system, req.messages), tools if choice != "none" else None,
+    ids = ctx.render_chat(to_chat(req.system, req.messages), ctx.prompt_tools(tools, choice == "none"),
                           {"enable_thinking": thinking})
     return ids, mode
 

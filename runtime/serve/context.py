@@ -311,6 +311,12 @@ class ServeContext:
                            f"tools ({', '.join(map(str, schemas))})", param="tool_choice")
         return ToolMode(forced=name, schema=schemas[name])
 
+    def prompt_tools(self, tools: list | None, none: bool) -> list | None:
+        """The tools the chat template shows: all of them, also under tool_choice none (the
+        model knows them but is not asked to call; vLLM's default), unless
+        --exclude-tools-when-tool-choice-none."""
+        return None if none and self.args.exclude_tools_when_tool_choice_none else tools
+
     def _strict_tag(self, tools: list) -> dict | None:
         """`strict: true` tools under tool_choice auto: the text stays free, but a call, once
         begun, follows its function's schema (a structural tag triggered by the call marker).
