@@ -281,6 +281,15 @@ def test_llama3_json_python_tag_and_several(llama3):
 
 
 @needs_shared
+def test_llama3_json_call_with_a_type_key(llama3):
+    """Llama 3.2 often writes {"type": "function", "name": ..., "parameters": ...}: a call (as
+    vLLM's llama3_json and hermes parsers read it), not content."""
+    out = f'{{"type": "function", "name": "get_weather", "parameters": {ARGS1}}}'
+    check(lambda: make_parser(llama3.tok, "llama3_json"), llama3, llama3.ids(out),
+          (None, None, [("get_weather", ARGS1)]))
+
+
+@needs_shared
 @pytest.mark.parametrize("out", [
     "The weather in Paris is sunny: {\"city\": \"Paris\"} ☀️.",
     '{"answer": 42, "name": "not a call"}',  # JSON content is not a tool call

@@ -9,6 +9,7 @@ from .json_scan import JsonScanner
 
 NAME_KEYS = ("name",)
 ARGS_KEYS = ("arguments", "parameters")
+OTHER_KEYS = ("id", "type")  # mistral v3 echoes ids; Llama 3.2 writes "type": "function"
 
 
 class CallReader:
@@ -56,7 +57,7 @@ class CallReader:
                 elif depth == fields and self.key in ARGS_KEYS:
                     self.capturing = belongs = True
             elif kind == "key" and depth == fields:
-                if ev[2] not in NAME_KEYS + ARGS_KEYS + ("id",):  # mistral v3 echoes ids
+                if ev[2] not in NAME_KEYS + ARGS_KEYS + OTHER_KEYS:
                     return [("error",)]  # not a tool call (e.g. plain JSON content)
                 self.key = ev[2]
             elif kind == "end":
