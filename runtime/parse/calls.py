@@ -63,8 +63,9 @@ class CallReader:
             elif kind == "end":
                 inclusive, text = ev[2], ev[3]
                 if depth == fields and self.key in NAME_KEYS:
-                    if not isinstance(text, str) or not text or self.has_name:
-                        return [("error",)]
+                    if not isinstance(text, str) or not text or self.has_name \
+                            or not text.isprintable():  # (control characters, a lone
+                        return [("error",)]  # surrogate: no reply could carry it)
                     self.has_name = True
                     acts.append(("name", text))
                 elif depth == fields and self.capturing:
