@@ -326,6 +326,16 @@ def test_mistral_v11_name_args(mistral_v11):
           ("Checking both.", None, [("get_weather", ARGS1), ("search", ARGS2)]))
 
 
+def test_mistral_v11_call_ids(mistral_v11):
+    """v11 models write the call id their history shows (mistral-common encodes
+    [TOOL_CALLS]name[CALL_ID]id[ARGS]{...}): the id is skipped, the call kept."""
+    ids = mistral_v11.ids([("[TOOL_CALLS]",), "get_weather", ("[CALL_ID]",), "abc123XYZ",
+                           ("[ARGS]",), ARGS1, ("[TOOL_CALLS]",), "search", ("[CALL_ID]",),
+                           "k9L2m3N4p", ("[ARGS]",), ARGS2])
+    check(lambda: make_parser(mistral_v11.tok, "mistral"), mistral_v11, ids,
+          (None, None, [("get_weather", ARGS1), ("search", ARGS2)]))
+
+
 def test_mistral_v11_bad_name_is_content(mistral_v11):
     ids = mistral_v11.ids([("[TOOL_CALLS]",), "get weather now", ("[ARGS]",), "{}"])
     check(lambda: make_parser(mistral_v11.tok, "mistral"), mistral_v11, ids,

@@ -230,6 +230,8 @@ class StreamingParser:
         if st.emit == "tool_name":
             self._name += text
             return len(text)
+        if st.emit == "tool_id":
+            return len(text)
         done_before = self._reader.done
         for i, ch in enumerate(text):
             for act in self._reader.feed(ch):

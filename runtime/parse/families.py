@@ -71,9 +71,10 @@ def mistral_tools(tok: Any) -> Piece:
     if args.token_id is None:  # v2/v3: [TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]
         return Piece({"content": State("content", (Rule(calls, "calls"),)),
                       "calls": State("tool_json", json="list", after="content")})
-    # v11+: [TOOL_CALLS]name[ARGS]{...}, repeated
+    # v11+: [TOOL_CALLS]name[ARGS]{...}, repeated; v11 writes [TOOL_CALLS]name[CALL_ID]id[ARGS]{...}
     return Piece({"content": State("content", (Rule(calls, "name"),)),
-                  "name": State("tool_name", (Rule(args, "args"),)),
+                  "name": State("tool_name", (Rule(args, "args"), Rule(_t(tok, "[CALL_ID]"), "id"))),
+                  "id": State("tool_id", (Rule(args, "args"),)),
                   "args": State("tool_args", after="between"),
                   "between": State("none", (Rule(calls, "name"),), other="content")})
 
