@@ -368,6 +368,22 @@ def test_deepseek_non_thinking(deepseek):
 
 
 @needs_shared
+def test_deepseek_v3_and_r1_call_format(deepseek):
+    """DeepSeek-V3 (0324) and R1 write function<｜tool▁sep｜>name, then the arguments in a ```json
+    block; vLLM's deepseek_v3 parser reads that format, so this one does too (next to V3.1's)."""
+    def call(name, args):
+        return (f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{args}\n```"
+                "<｜tool▁call▁end｜>")
+    out = ("Let me check.<｜tool▁calls▁begin｜>" + call("get_weather", ARGS1)
+           + call("search", ARGS2) + "<｜tool▁calls▁end｜>")
+    check(lambda: make_parser(deepseek.tok, "deepseek_v3", "deepseek_r1"), deepseek,
+          deepseek.ids(out), ("Let me check.", None, [("get_weather", ARGS1), ("search", ARGS2)]))
+    bad = "<｜tool▁calls▁begin｜>" + call("get_weather", "{city}") + "<｜tool▁calls▁end｜>"
+    check(lambda: make_parser(deepseek.tok, "deepseek_v3"), deepseek, deepseek.ids(bad),
+          (bad, None, []), well_formed=False)
+
+
+@needs_shared
 def test_deepseek_malformed_arguments(deepseek):
     out = ("Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
            "{city: Paris}<｜tool▁call▁end｜><｜tool▁calls▁end｜>")

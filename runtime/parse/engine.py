@@ -151,6 +151,8 @@ class StreamingParser:
                     if self.buf.endswith(t.text[:k]):
                         hold = min(hold, len(self.buf) - k)
                         break
+        if best_rule is not None and hold <= best:  # a longer literal may be starting there
+            best_rule = None
         return best, best_rule, hold
 
     def _consume(self, n: int) -> None:

@@ -81,13 +81,19 @@ def mistral_tools(tok: Any) -> Piece:
 
 def deepseek_v31_tools(tok: Any) -> Piece:
     # <｜tool▁calls▁begin｜>(<｜tool▁call▁begin｜>name<｜tool▁sep｜>{args}<｜tool▁call▁end｜>)+<｜tool▁calls▁end｜>
+    # and V3 / R1's call: <｜tool▁call▁begin｜>function<｜tool▁sep｜>name\n```json\n{args}\n```<｜tool▁call▁end｜>
     t = {k: _t(tok, f"<｜tool▁{k}｜>")
          for k in ("calls▁begin", "calls▁end", "call▁begin", "call▁end", "sep")}
+    v3 = Terminal(t["call▁begin"].text + "function" + t["sep"].text)
     return Piece({
         "content": State("content", (Rule(t["calls▁begin"], "calls"),)),
-        "calls": State("none", (Rule(t["call▁begin"], "name"), Rule(t["calls▁end"], "content"))),
+        "calls": State("none", (Rule(t["call▁begin"], "name"), Rule(v3, "v3_name"),
+                                Rule(t["calls▁end"], "content"))),
         "name": State("tool_name", (Rule(t["sep"], "args"),)),
         "args": State("tool_args", (Rule(t["call▁end"], "calls"),)),
+        "v3_name": State("tool_name", (Rule(Terminal("\n```json\n"), "v3_args"),)),
+        "v3_args": State("tool_args", (Rule(Terminal("\n```"), "v3_end"),)),
+        "v3_end": State("none", (Rule(t["call▁end"], "calls"),)),
     })
 
 
@@ -103,8 +109,8 @@ PARSERS.register("llama3_json")(Family(None, llama3_json_tools))
 PARSERS.register("mistral")(Family(None, mistral_tools))
 PARSERS.register("deepseek_v3", "deepseek_v31")(Family(think_tags, deepseek_v31_tools))
 # DeepSeek-R1 (vLLM's --reasoning-parser name): <think>...</think>, the opening tag either
-# generated or already in the prompt (make_parser decides from the prompt); its older tool-call
-# format (function<｜tool▁sep｜>name + a ```json block) is not implemented, so no tools
+# generated or already in the prompt (make_parser decides from the prompt); its tool calls are
+# --tool-call-parser deepseek_v3's (as in vLLM)
 PARSERS.register("deepseek_r1")(Family(think_tags, None))
 
 
