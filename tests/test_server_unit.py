@@ -111,6 +111,29 @@ def test_chat_stream_with_tool_call_and_reasoning(tok):
     assert "<|im_end|>" not in content + args
 
 
+
+def test_one_update_with_a_plain_marker_and_the_call_ending_in_eos(tok):
+    """An update of many tokens (the consumer was behind, or non-streamed) that ends with the
+    EOS: the parser still finds the marker token, not the model's plain spelling before it."""
+    plain = [t for part in ("Use the <", "tool_call", "> tag.\n") for t in tok.encode(part)]
+    call = tok.encode('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+                      '</tool_call>')
+
+    async def main():
+        ctx = make_ctx(tok, reasoning_parser=None)
+        run = ChatRun(ctx, [1, 2], 1, ToolMode(parse=True))
+        stream = ctx.client.generate([1, 2], SamplingParams(max_tokens=100, skip_special_tokens=False),
+                                     request_id="r")
+        ctx.client._handle(EngineCoreOutputs(outputs=[EngineCoreOutput(
+            "r", plain + call + [EOS], finish_reason=FinishReason.STOP)]))
+        async for upd in stream:
+            run.update(upd)
+        return run
+    run = asyncio.run(main())
+    msg = run.result(0)
+    assert msg.content == "Use the <tool_call> tag." and run.finish_reason(0) == "tool_calls"
+    assert [(c.name, json.loads(c.arguments)) for c in msg.tool_calls] == [("get_weather", {"city": "Paris"})]
+
 def test_stop_string_aborts_in_the_engine(tok):
     async def main():
         client = make_client(tok)

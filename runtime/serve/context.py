@@ -449,14 +449,15 @@ class ChatRun:
 
     def update(self, upd: Update) -> list[Delta]:
         p = self.parsers[upd.index]
-        text = upd.text
-        if upd.finish_reason == "stop" and upd.stop_reason is None and upd.token_ids:
+        text, ids = upd.text, upd.token_ids
+        if upd.finish_reason == "stop" and upd.stop_reason is None and ids:
             # the EOS that ended the answer is no text, even with include_stop_str_in_output
             # (that keeps stop strings): its marker would end up in the content or a call's JSON
-            end = self.eos.get(upd.token_ids[-1])
+            end = self.eos.get(ids[-1])
             if end and text.endswith(end):
                 text = text[:-len(end)]
-        deltas = p.feed(upd.token_ids, text)
+            ids = ids[:-1]  # (the parser lines tokens up with their text)
+        deltas = p.feed(ids, text)
         self.num_tokens[upd.index] += len(upd.token_ids)
         self.num_cached_tokens = upd.num_cached_tokens
         if upd.finish_reason is not None:
