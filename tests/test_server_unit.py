@@ -249,6 +249,25 @@ def test_tools_enabled_rules(tok):
 
 
 
+
+def test_mistral_call_ids_also_for_forced_calls(tok):
+    """--tool-call-parser mistral: call ids are Mistral's 9 alphanumerics (its chat templates
+    refuse a history with others), for tool_choice required / named calls too."""
+    import re
+    ctx = make_ctx(tok, tool_call_parser="mistral", reasoning_parser=None)
+    for mode, text in ((ToolMode(forced="f"), '{"a": 1}'),
+                       (ToolMode(forced="required"), '[{"name": "f", "parameters": {"a": 1}}]'),
+                       (ToolMode(parse=True), '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}]')):
+        p = ctx.new_parser([1], mode)
+        p.feed([], text)
+        p.finish()
+        [call] = p.result().tool_calls
+        assert re.fullmatch(r"[A-Za-z0-9]{9}", call.id) and call.name == "f"
+    p = make_ctx(tok).new_parser([1], ToolMode(forced="f"))  # others: OpenAI's call_ ids
+    p.feed([], "{}")
+    p.finish()
+    assert p.result().tool_calls[0].id.startswith("call_")
+
 def test_tool_choice_none_keeps_the_tools_in_the_prompt(tok):
     """vLLM's default: under tool_choice none the template still shows the tools (the model
     knows them, the prompt is the one an auto turn of the same conversation has), no call is

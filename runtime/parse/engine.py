@@ -18,16 +18,18 @@ _NAME = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
 
 
 class _Call:
-    def __init__(self, index: int, name: str):
-        self.index, self.id, self.name, self.args = index, new_tool_call_id(), name, []
+    def __init__(self, index: int, id: str, name: str):
+        self.index, self.id, self.name, self.args = index, id, name, []
 
 
 class StreamingParser:
     skip_special_tokens = False  # what the detokenizer feeding this parser must use
 
     def __init__(self, grammar: Grammar, start: str | None = None,
-                 decode: Callable[[list[int]], str] | None = None):
+                 decode: Callable[[list[int]], str] | None = None,
+                 new_id: Callable[[], str] = new_tool_call_id):
         self.g = grammar
+        self._new_id = new_id  # the tool-call id format
         self.state = start or grammar.entry
         self.buf = ""  # received text not yet consumed
         self._base = 0  # characters consumed before buf
@@ -281,7 +283,7 @@ class StreamingParser:
 
     # tool calls -----------------------------------------------------------------------------
     def _start_call(self, name: str) -> None:
-        self._call = _Call(self._index, name)
+        self._call = _Call(self._index, self._new_id(), name)
         self._index += 1
         self._emit(ToolCallDelta(self._call.index, self._call.id, name, ""))
 

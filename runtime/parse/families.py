@@ -10,6 +10,7 @@ from typing import Any, Callable
 from ...models.registry import Registry
 from .engine import StreamingParser
 from .grammar import Piece, Rule, State, Terminal, combine
+from .types import mistral_tool_call_id, new_tool_call_id
 
 
 def token_id(tokenizer: Any, text: str) -> int | None:
@@ -101,12 +102,13 @@ def deepseek_v31_tools(tok: Any) -> Piece:
 class Family:
     reasoning: Callable[[Any], Piece] | None
     tools: Callable[[Any], Piece] | None
+    call_id: Callable[[], str] = new_tool_call_id  # a new tool call's id
 
 
 PARSERS: Registry[Family] = Registry("parser")
 PARSERS.register("qwen3", "hermes")(Family(think_tags, hermes_tools))
 PARSERS.register("llama3_json")(Family(None, llama3_json_tools))
-PARSERS.register("mistral")(Family(None, mistral_tools))
+PARSERS.register("mistral")(Family(None, mistral_tools, mistral_tool_call_id))
 PARSERS.register("deepseek_v3", "deepseek_v31")(Family(think_tags, deepseek_v31_tools))
 # DeepSeek-R1 (vLLM's --reasoning-parser name): <think>...</think>, the opening tag either
 # generated or already in the prompt (make_parser decides from the prompt); its tool calls are
@@ -163,6 +165,7 @@ def make_parser(tokenizer: Any, tool_parser: str | None = None,
     template already opened the reasoning block (<think> after the last </think>), the output
     starts inside it."""
     reasoning = tools = None
+    new_id = new_tool_call_id
     if reasoning_parser:
         fam = PARSERS.get(reasoning_parser)
         if fam.reasoning is None:
@@ -172,7 +175,7 @@ def make_parser(tokenizer: Any, tool_parser: str | None = None,
         fam = PARSERS.get(tool_parser)
         if fam.tools is None:
             raise ValueError(f"parser {tool_parser!r} has no tool-call format")
-        tools = fam.tools(tokenizer)
+        tools, new_id = fam.tools(tokenizer), fam.call_id
     grammar = combine(reasoning, tools)
     start = None
     if reasoning is not None:
@@ -181,4 +184,4 @@ def make_parser(tokenizer: Any, tool_parser: str | None = None,
                                                          prompt_token_ids)
         if starts_in_reasoning:
             start = "reasoning"
-    return StreamingParser(grammar, start, decoder(tokenizer))
+    return StreamingParser(grammar, start, decoder(tokenizer), new_id)

@@ -16,7 +16,7 @@ import msgspec
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..parse import ContentDelta, Delta, ParsedMessage, ToolCallDelta, make_parser
-from ..parse.families import token_id, with_thinking_tags
+from ..parse.families import PARSERS, token_id, with_thinking_tags
 from ..parse.types import ToolCall, new_tool_call_id
 from ..inputs import bad_words_token_ids
 from ..sampling_params import SamplingParams, StructuredOutputsParams
@@ -113,8 +113,8 @@ class ForcedToolParser:
     {"name", "parameters"} or the named function's arguments — and becomes tool calls at the end.
     Reasoning passes through the inner parser as it streams."""
 
-    def __init__(self, inner, forced: str):
-        self.inner, self.forced = inner, forced
+    def __init__(self, inner, forced: str, new_id=new_tool_call_id):
+        self.inner, self.forced, self.new_id = inner, forced, new_id
         self.skip_special_tokens = inner.skip_special_tokens
         self.text: list[str] = []
         self.calls: list[ToolCall] = []
@@ -140,10 +140,10 @@ class ForcedToolParser:
             self.content = text
             return out + [ContentDelta(text)]
         if self.forced == "required":
-            self.calls = [ToolCall(new_tool_call_id(), c["name"],
+            self.calls = [ToolCall(self.new_id(), c["name"],
                                    json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
         else:
-            self.calls = [ToolCall(new_tool_call_id(), self.forced, text)]
+            self.calls = [ToolCall(self.new_id(), self.forced, text)]
         return out + [ToolCallDelta(i, c.id, c.name, c.arguments) for i, c in enumerate(self.calls)]
 
     def result(self) -> ParsedMessage:
@@ -385,7 +385,10 @@ class ServeContext:
         else:
             inner = make_parser(self.tokenizer, tool, self.args.reasoning_parser,
                                 prompt_token_ids=prompt_token_ids)
-        return ForcedToolParser(inner, mode.forced) if mode.forced else inner
+        if not mode.forced:
+            return inner
+        fam = self.args.tool_call_parser  # its model's call id format, also for forced calls
+        return ForcedToolParser(inner, mode.forced, PARSERS.get(fam).call_id if fam else new_tool_call_id)
 
     def token_text(self, token_id: int) -> str:
         """A token's text as it appears inside the output (decoded after an anchor token, since
