@@ -61,13 +61,20 @@ class StreamingParser:
     # public API -----------------------------------------------------------------------------
     def feed(self, token_ids: list[int], text: str) -> list[Delta]:
         at = self._base + len(self.buf)
-        for j, t in enumerate(token_ids):
-            if t in self._id_terms:
-                pos = self._locate(token_ids[j + 1:], text, self._id_terms[t])
-                if pos is None:
-                    self._pending[t] = self._pending.get(t, 0) + 1
-                else:
-                    self._marks.setdefault(t, set()).add(at + pos)
+        tail, end = "", len(token_ids)  # the text after the token at hand, from the last one back
+        for j in reversed(range(len(token_ids))):
+            t = token_ids[j]
+            if t not in self._id_terms:
+                continue
+            if tail is not None and j + 1 < end:  # (decoded piecewise between special tokens)
+                tail = None if self._decode is None else self._decode(token_ids[j + 1:end]) + tail
+            marker, end = self._id_terms[t], j
+            pos = self._locate(text, marker, tail)
+            if pos is None:
+                self._pending[t] = self._pending.get(t, 0) + 1
+            else:
+                self._marks.setdefault(t, set()).add(at + pos)
+            tail = None if tail is None else marker + tail
         self.buf += text
         self._run(final=False)
         return self._take()
@@ -95,13 +102,13 @@ class StreamingParser:
         return ParsedMessage("".join(self._content) or None, "".join(self._reasoning) or None,
                              list(self.tool_calls))
 
-    def _locate(self, after: list[int], text: str, marker: str) -> int | None:
-        """Where in `text` a special token is, given the tokens after it in this feed (a plain
-        spelling of its text elsewhere in the feed is not it); None if the text does not show
-        (held back by the detokenizer, or no decoder)."""
-        if after and self._decode is None:
+    @staticmethod
+    def _locate(text: str, marker: str, tail: str | None) -> int | None:
+        """Where in `text` a special token is, given the text of the tokens after it in this feed
+        (a plain spelling of its text elsewhere in the feed is not it); None if the text does not
+        show it so (held back by the detokenizer, or no decoder: `tail` None)."""
+        if tail is None:
             return None
-        tail = self._decode(after) if after else ""
         pos = len(text) - len(tail) - len(marker)
         if pos >= 0 and text.startswith(marker, pos) and text.endswith(tail):
             return pos
