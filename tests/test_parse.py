@@ -263,6 +263,8 @@ def test_plain_marker_text_and_the_marker_token_in_one_feed(qwen3):
     "<tool_call>\n</tool_call> done",
     # a name no response can carry (a lone surrogate: JSON encoding of the reply would fail)
     '<tool_call>\n{"name": "get_\\ud83d", "arguments": {}}\n</tool_call>',
+    # two argument values: no one JSON text of arguments ('{"a": 1}{"b": 2}' was given)
+    '<tool_call>\n{"name": "f", "arguments": {"a": 1}, "parameters": {"b": 2}}\n</tool_call>',
 ])
 def test_qwen3_malformed_tool_call_is_content(qwen3, bad):
     out = "I will call a tool.\n" + bad

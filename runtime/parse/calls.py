@@ -20,6 +20,7 @@ class CallReader:
         self.key: str | None = None
         self.capturing = False
         self.has_name = False
+        self.has_args = False
 
     @property
     def done(self) -> bool:
@@ -53,9 +54,12 @@ class CallReader:
                 if depth == self.call_depth:
                     if ch != "{":
                         return [("error",)]
-                    self.has_name, self.key = False, None
+                    self.has_name = self.has_args = False
+                    self.key = None
                 elif depth == fields and self.key in ARGS_KEYS:
-                    self.capturing = belongs = True
+                    if self.has_args:  # a second arguments value: no one JSON text
+                        return [("error",)]
+                    self.capturing = belongs = self.has_args = True
             elif kind == "key" and depth == fields:
                 if ev[2] not in NAME_KEYS + ARGS_KEYS + OTHER_KEYS:
                     return [("error",)]  # not a tool call (e.g. plain JSON content)
