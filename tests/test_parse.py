@@ -3,6 +3,7 @@ content / reasoning / tool calls for each family, on token streams of the real t
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -123,11 +124,16 @@ def run_stream(make, ids, pieces, sizes):
     return p, deltas
 
 
-def check(make, stream, ids, expected, well_formed=True):
+OPENAI_ID = r"call_[A-Za-z0-9]{24}"
+MISTRAL_ID = r"[A-Za-z0-9]{9}"  # Mistral's chat templates refuse history with other call ids
+
+
+def check(make, stream, ids, expected, well_formed=True, call_id=OPENAI_ID):
     pieces = stream.pieces(ids)
     whole = make().parse(ids, "".join(pieces))
     assert view(whole) == expected
-    assert all(len(c.id) == 29 and c.id.startswith("call_") for c in whole.tool_calls)
+    assert all(re.fullmatch(call_id, c.id) for c in whole.tool_calls)
+    assert len({c.id for c in whole.tool_calls}) == len(whole.tool_calls)
     for sizes in chunkings(len(ids)):
         p, deltas = run_stream(make, ids, pieces, sizes)
         assert view(p.result()) == expected, sizes
@@ -183,6 +189,21 @@ def test_qwen3_starts_in_reasoning(qwen3):
 
 
 @needs_shared
+def test_a_think_tag_in_the_user_text_does_not_open_the_reasoning(qwen3):
+    """A "<think>" typed in a user message is the tag's token too: only the generation prompt's
+    own tag says the output starts inside the reasoning (the answer's reasoning began with a
+    stray "<think>", and an answer without tags was all reasoning)."""
+    prompt = qwen3.tok.apply_chat_template(
+        [{"role": "user", "content": "What does the <think> tag do?"}],
+        add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert 151667 in prompt
+    make = lambda: make_parser(qwen3.tok, "hermes", "qwen3", prompt_token_ids=prompt)  # noqa: E731
+    check(make, qwen3, qwen3.ids("<think>\nA tag.\n</think>\n\nIt marks reasoning."),
+          ("It marks reasoning.", "A tag.", []))
+    check(make, qwen3, qwen3.ids("It marks reasoning."), ("It marks reasoning.", None, []))
+
+
+@needs_shared
 def test_qwen3_reasoning_only_and_tools_only(qwen3):
     call = f'<tool_call>\n{{"name": "get_weather", "arguments": {ARGS1}}}\n</tool_call>'
     out = f"<think>\nHmm.\n</think>\n\nSure.\n{call}"
@@ -213,11 +234,37 @@ def test_qwen3_plain_marker_text_is_content(qwen3):
 
 
 @needs_shared
+def test_plain_marker_text_and_the_marker_token_in_one_feed(qwen3):
+    """The non-streamed parse (and a streamed update of several tokens) holds the model spelling
+    a marker in plain tokens and the marker token itself: the token is the marker, wherever the
+    plain text is (the plain one was taken: the call was lost, the reasoning cut short)."""
+    def plain(*parts):
+        return [t for part in parts for t in qwen3.ids(part)]
+    call = f'<tool_call>\n{{"name": "get_weather", "arguments": {ARGS1}}}\n</tool_call>'
+    ids = plain("Use the <", "tool_call", "> tag.\n") + qwen3.ids(call)
+    assert ids.count(151657) == 1
+    check(lambda: make_parser(qwen3.tok, "hermes", "qwen3"), qwen3, ids,
+          ("Use the <tool_call> tag.", None, [("get_weather", ARGS1)]))
+    ids = plain("I think </", "think", "> is a tag.") + qwen3.ids("</think>\n\nAnswer.")
+    check(lambda: make_parser(qwen3.tok, None, "qwen3", starts_in_reasoning=True), qwen3, ids,
+          ("Answer.", "I think </think> is a tag.", []))
+    # a finished call closed by the marker's text in plain tokens (a strict tool's structural
+    # tag writes it so) ends there in any chunking
+    ids = qwen3.ids(call.removesuffix("</tool_call>")) + plain("</", "tool_call", ">\nDone.")
+    check(lambda: make_parser(qwen3.tok, "hermes", "qwen3"), qwen3, ids,
+          ("Done.", None, [("get_weather", ARGS1)]))
+
+
+@needs_shared
 @pytest.mark.parametrize("bad", [
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',  # cut off
     '<tool_call>\n{"name": get_weather, "arguments": {}}\n</tool_call>',  # not JSON
     '<tool_call>\n{"arguments": {"city": "Paris"}}\n</tool_call>',  # no name
     "<tool_call>\n</tool_call> done",
+    # a name no response can carry (a lone surrogate: JSON encoding of the reply would fail)
+    '<tool_call>\n{"name": "get_\\ud83d", "arguments": {}}\n</tool_call>',
+    # two argument values: no one JSON text of arguments ('{"a": 1}{"b": 2}' was given)
+    '<tool_call>\n{"name": "f", "arguments": {"a": 1}, "parameters": {"b": 2}}\n</tool_call>',
 ])
 def test_qwen3_malformed_tool_call_is_content(qwen3, bad):
     out = "I will call a tool.\n" + bad
@@ -244,6 +291,15 @@ def test_llama3_json_python_tag_and_several(llama3):
 
 
 @needs_shared
+def test_llama3_json_call_with_a_type_key(llama3):
+    """Llama 3.2 often writes {"type": "function", "name": ..., "parameters": ...}: a call (as
+    vLLM's llama3_json and hermes parsers read it), not content."""
+    out = f'{{"type": "function", "name": "get_weather", "parameters": {ARGS1}}}'
+    check(lambda: make_parser(llama3.tok, "llama3_json"), llama3, llama3.ids(out),
+          (None, None, [("get_weather", ARGS1)]))
+
+
+@needs_shared
 @pytest.mark.parametrize("out", [
     "The weather in Paris is sunny: {\"city\": \"Paris\"} ☀️.",
     '{"answer": 42, "name": "not a call"}',  # JSON content is not a tool call
@@ -260,7 +316,7 @@ def test_mistral_v3_list(mistral_v3):
              f'{{"name": "search", "arguments": {ARGS2}, "id": "xyz987654"}}]')
     ids = mistral_v3.ids(["Let me check. ", ("[TOOL_CALLS]",), calls])
     check(lambda: make_parser(mistral_v3.tok, "mistral"), mistral_v3, ids,
-          ("Let me check.", None, [("get_weather", ARGS1), ("search", ARGS2)]))
+          ("Let me check.", None, [("get_weather", ARGS1), ("search", ARGS2)]), call_id=MISTRAL_ID)
 
 
 def test_mistral_v3_malformed(mistral_v3):
@@ -275,7 +331,17 @@ def test_mistral_v11_name_args(mistral_v11):
     ids = mistral_v11.ids(["Checking both.", ("[TOOL_CALLS]",), "get_weather", ("[ARGS]",), ARGS1,
                            ("[TOOL_CALLS]",), "search", ("[ARGS]",), ARGS2])
     check(lambda: make_parser(mistral_v11.tok, "mistral"), mistral_v11, ids,
-          ("Checking both.", None, [("get_weather", ARGS1), ("search", ARGS2)]))
+          ("Checking both.", None, [("get_weather", ARGS1), ("search", ARGS2)]), call_id=MISTRAL_ID)
+
+
+def test_mistral_v11_call_ids(mistral_v11):
+    """v11 models write the call id their history shows (mistral-common encodes
+    [TOOL_CALLS]name[CALL_ID]id[ARGS]{...}): the id is skipped, the call kept."""
+    ids = mistral_v11.ids([("[TOOL_CALLS]",), "get_weather", ("[CALL_ID]",), "abc123XYZ",
+                           ("[ARGS]",), ARGS1, ("[TOOL_CALLS]",), "search", ("[CALL_ID]",),
+                           "k9L2m3N4p", ("[ARGS]",), ARGS2])
+    check(lambda: make_parser(mistral_v11.tok, "mistral"), mistral_v11, ids,
+          (None, None, [("get_weather", ARGS1), ("search", ARGS2)]), call_id=MISTRAL_ID)
 
 
 def test_mistral_v11_bad_name_is_content(mistral_v11):
@@ -310,6 +376,22 @@ def test_deepseek_non_thinking(deepseek):
 
 
 @needs_shared
+def test_deepseek_v3_and_r1_call_format(deepseek):
+    """DeepSeek-V3 (0324) and R1 write function<｜tool▁sep｜>name, then the arguments in a ```json
+    block; vLLM's deepseek_v3 parser reads that format, so this one does too (next to V3.1's)."""
+    def call(name, args):
+        return (f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{args}\n```"
+                "<｜tool▁call▁end｜>")
+    out = ("Let me check.<｜tool▁calls▁begin｜>" + call("get_weather", ARGS1)
+           + call("search", ARGS2) + "<｜tool▁calls▁end｜>")
+    check(lambda: make_parser(deepseek.tok, "deepseek_v3", "deepseek_r1"), deepseek,
+          deepseek.ids(out), ("Let me check.", None, [("get_weather", ARGS1), ("search", ARGS2)]))
+    bad = "<｜tool▁calls▁begin｜>" + call("get_weather", "{city}") + "<｜tool▁calls▁end｜>"
+    check(lambda: make_parser(deepseek.tok, "deepseek_v3"), deepseek, deepseek.ids(bad),
+          (bad, None, []), well_formed=False)
+
+
+@needs_shared
 def test_deepseek_malformed_arguments(deepseek):
     out = ("Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
            "{city: Paris}<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
@@ -331,3 +413,29 @@ def test_registry_and_toggles():
     # neither toggle: everything is content, untouched
     p = make_parser(None)
     assert p.parse([], "<think>a</think> b ") .content == "<think>a</think> b "
+
+
+@needs_shared
+def test_deepseek_text_after_a_finished_call_has_no_marker(deepseek):
+    """A complete call's <｜tool▁call▁end｜> belongs to it: text after it (the model skipping
+    <｜tool▁calls▁end｜>), or a broken second call given back as content, does not repeat it."""
+    call = f"<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{ARGS1}<｜tool▁call▁end｜>"
+    make = lambda: make_parser(deepseek.tok, "deepseek_v3", "deepseek_v3")  # noqa: E731
+    check(make, deepseek, deepseek.ids("<｜tool▁calls▁begin｜>" + call + "Done."),
+          ("Done.", None, [("get_weather", ARGS1)]))
+    bad = "<｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{now}<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+    check(make, deepseek, deepseek.ids("<｜tool▁calls▁begin｜>" + call + bad),
+          (bad, None, [("get_weather", ARGS1)]), well_formed=False)
+
+
+@needs_shared
+def test_text_after_calls_does_not_depend_on_chunking(llama3, deepseek):
+    """Whitespace between a finished call and the text after it is dropped whether it arrives
+    alone or with the text (it came back as content when it was its own token)."""
+    check(lambda: make_parser(llama3.tok, "llama3_json"), llama3,
+          llama3.ids(f'{{"name": "get_weather", "parameters": {ARGS1}}}\nThat is all.'),
+          ("That is all.", None, [("get_weather", ARGS1)]))
+    check(lambda: make_parser(deepseek.tok, "deepseek_v3"), deepseek,
+          deepseek.ids("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{}"
+                       "<｜tool▁call▁end｜>\n\nDone."),
+          ("Done.", None, [("get_time", "{}")]))

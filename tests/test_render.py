@@ -205,3 +205,13 @@ def test_no_chat_template_and_registry_errors():
     with pytest.raises(ValueError, match="chat_template_kwargs may not set"):
         get_renderer(None, tok).render_chat([{"role": "user", "content": "hi"}],
                                             chat_template_kwargs={"tokenize": False})
+
+
+def test_deepseek_tool_description_without_description_or_parameters(deepseek):
+    """A tool sent with `"description": null` (or none) and no parameters: the prompt says
+    nothing about them ("Description: None" / "Parameters: null" were written)."""
+    tools = [{"type": "function", "function": {"name": "ping", "description": None}}]
+    text = deepseek.decode(get_renderer(None, deepseek, "deepseek_v3").render_chat(
+        [{"role": "user", "content": "Ping?"}], tools=tools))
+    assert "### ping\nDescription: \n\nParameters: {}\n" in text
+    assert "None" not in text and "null" not in text

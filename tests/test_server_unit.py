@@ -111,6 +111,29 @@ def test_chat_stream_with_tool_call_and_reasoning(tok):
     assert "<|im_end|>" not in content + args
 
 
+
+def test_one_update_with_a_plain_marker_and_the_call_ending_in_eos(tok):
+    """An update of many tokens (the consumer was behind, or non-streamed) that ends with the
+    EOS: the parser still finds the marker token, not the model's plain spelling before it."""
+    plain = [t for part in ("Use the <", "tool_call", "> tag.\n") for t in tok.encode(part)]
+    call = tok.encode('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+                      '</tool_call>')
+
+    async def main():
+        ctx = make_ctx(tok, reasoning_parser=None)
+        run = ChatRun(ctx, [1, 2], 1, ToolMode(parse=True))
+        stream = ctx.client.generate([1, 2], SamplingParams(max_tokens=100, skip_special_tokens=False),
+                                     request_id="r")
+        ctx.client._handle(EngineCoreOutputs(outputs=[EngineCoreOutput(
+            "r", plain + call + [EOS], finish_reason=FinishReason.STOP)]))
+        async for upd in stream:
+            run.update(upd)
+        return run
+    run = asyncio.run(main())
+    msg = run.result(0)
+    assert msg.content == "Use the <tool_call> tag." and run.finish_reason(0) == "tool_calls"
+    assert [(c.name, json.loads(c.arguments)) for c in msg.tool_calls] == [("get_weather", {"city": "Paris"})]
+
 def test_stop_string_aborts_in_the_engine(tok):
     async def main():
         client = make_client(tok)
@@ -224,6 +247,53 @@ def test_tools_enabled_rules(tok):
     with pytest.raises(ValueError, match="unsupported parser"):
         make_ctx(tok, tool_call_parser="nonesuch")
 
+
+
+
+def test_mistral_call_ids_also_for_forced_calls(tok):
+    """--tool-call-parser mistral: call ids are Mistral's 9 alphanumerics (its chat templates
+    refuse a history with others), for tool_choice required / named calls too."""
+    import re
+    ctx = make_ctx(tok, tool_call_parser="mistral", reasoning_parser=None)
+    for mode, text in ((ToolMode(forced="f"), '{"a": 1}'),
+                       (ToolMode(forced="required"), '[{"name": "f", "parameters": {"a": 1}}]'),
+                       (ToolMode(parse=True), '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}]')):
+        p = ctx.new_parser([1], mode)
+        p.feed([], text)
+        p.finish()
+        [call] = p.result().tool_calls
+        assert re.fullmatch(r"[A-Za-z0-9]{9}", call.id) and call.name == "f"
+    p = make_ctx(tok).new_parser([1], ToolMode(forced="f"))  # others: OpenAI's call_ ids
+    p.feed([], "{}")
+    p.finish()
+    assert p.result().tool_calls[0].id.startswith("call_")
+
+def test_tool_choice_none_keeps_the_tools_in_the_prompt(tok):
+    """vLLM's default: under tool_choice none the template still shows the tools (the model
+    knows them, the prompt is the one an auto turn of the same conversation has), no call is
+    parsed; --exclude-tools-when-tool-choice-none leaves them out."""
+    from rankserve.runtime.serve import openai_api
+    from rankserve.runtime.serve.protocol import MessagesRequest, ResponsesRequest
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    msgs = [{"role": "user", "content": "Paris?"}]
+    shown = tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=True,
+                                    return_dict=False)
+    bare = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                   return_dict=False)
+    for exclude, want in ((False, shown), (True, bare)):
+        ctx = make_ctx(tok, exclude_tools_when_tool_choice_none=exclude)
+        ctx.client.model_info = {"vocab_size": len(tok), "max_model_len": 4096}
+        ids, mode = openai_api.prepare_chat(ctx, ChatCompletionRequest(
+            messages=msgs, tools=tools, tool_choice="none"))
+        assert ids == want and not mode.parse
+        ids = responses_api.render(ctx, ResponsesRequest(
+            input="Paris?", tool_choice="none", tools=[{"type": "function", **tools[0]["function"]}]))
+        assert ("get_weather" in tok.decode(ids)) != exclude
+        ids, mode = anthropic_api._render(ctx, MessagesRequest(
+            model="m", max_tokens=10, messages=msgs, tool_choice={"type": "none"},
+            tools=[{"name": "get_weather", "input_schema": tools[0]["function"]["parameters"]}]))
+        assert ("get_weather" in tok.decode(ids)) != exclude and not mode.parse
 
 # ---- Anthropic / Responses builders -----------------------------------------------------------
 DELTAS = [ReasoningDelta("Think"), ReasoningDelta("ing."), ContentDelta("Hi"),

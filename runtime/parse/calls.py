@@ -9,6 +9,7 @@ from .json_scan import JsonScanner
 
 NAME_KEYS = ("name",)
 ARGS_KEYS = ("arguments", "parameters")
+OTHER_KEYS = ("id", "type")  # mistral v3 echoes ids; Llama 3.2 writes "type": "function"
 
 
 class CallReader:
@@ -19,6 +20,7 @@ class CallReader:
         self.key: str | None = None
         self.capturing = False
         self.has_name = False
+        self.has_args = False
 
     @property
     def done(self) -> bool:
@@ -52,18 +54,22 @@ class CallReader:
                 if depth == self.call_depth:
                     if ch != "{":
                         return [("error",)]
-                    self.has_name, self.key = False, None
+                    self.has_name = self.has_args = False
+                    self.key = None
                 elif depth == fields and self.key in ARGS_KEYS:
-                    self.capturing = belongs = True
+                    if self.has_args:  # a second arguments value: no one JSON text
+                        return [("error",)]
+                    self.capturing = belongs = self.has_args = True
             elif kind == "key" and depth == fields:
-                if ev[2] not in NAME_KEYS + ARGS_KEYS + ("id",):  # mistral v3 echoes ids
+                if ev[2] not in NAME_KEYS + ARGS_KEYS + OTHER_KEYS:
                     return [("error",)]  # not a tool call (e.g. plain JSON content)
                 self.key = ev[2]
             elif kind == "end":
                 inclusive, text = ev[2], ev[3]
                 if depth == fields and self.key in NAME_KEYS:
-                    if not isinstance(text, str) or not text or self.has_name:
-                        return [("error",)]
+                    if not isinstance(text, str) or not text or self.has_name \
+                            or not text.isprintable():  # (control characters, a lone
+                        return [("error",)]  # surrogate: no reply could carry it)
                     self.has_name = True
                     acts.append(("name", text))
                 elif depth == fields and self.capturing:

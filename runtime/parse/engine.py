@@ -7,6 +7,7 @@ the parser's marker tokens kept (`marker_token_ids`), since markers such as <too
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 from .calls import CallReader
 from .grammar import TEXT_KINDS, TOOL_KINDS, Grammar, Rule, State
@@ -17,17 +18,26 @@ _NAME = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
 
 
 class _Call:
-    def __init__(self, index: int, name: str):
-        self.index, self.id, self.name, self.args = index, new_tool_call_id(), name, []
+    def __init__(self, index: int, id: str, name: str):
+        self.index, self.id, self.name, self.args = index, id, name, []
 
 
 class StreamingParser:
-    def __init__(self, grammar: Grammar, start: str | None = None):
+    def __init__(self, grammar: Grammar, start: str | None = None,
+                 decode: Callable[[list[int]], str] | None = None,
+                 new_id: Callable[[], str] = new_tool_call_id):
         self.g = grammar
+        self._new_id = new_id  # the tool-call id format
         self.state = start or grammar.entry
         self.buf = ""  # received text not yet consumed
+        self._base = 0  # characters consumed before buf
         self._id_terms = {t.token_id: t.text for t in grammar.terminals if t.token_id is not None}
-        self._pending: dict[int, int] = {}  # special tokens seen whose text is not consumed yet
+        # where the special tokens' texts are: output positions (`_marks`), found with `decode`
+        # (token ids -> text, special tokens kept) when a feed holds the token and the text after
+        # it; otherwise only counted (`_pending`: the next occurrences of the text are the token)
+        self._decode = decode
+        self._marks: dict[int, set[int]] = {}
+        self._pending: dict[int, int] = {}
         self._out: list[Delta] = []
         self._content: list[str] = []
         self._reasoning: list[str] = []
@@ -54,9 +64,21 @@ class StreamingParser:
 
     # public API -----------------------------------------------------------------------------
     def feed(self, token_ids: list[int], text: str) -> list[Delta]:
-        for t in token_ids:
-            if t in self._id_terms:
+        at = self._base + len(self.buf)
+        tail, end = "", len(token_ids)  # the text after the token at hand, from the last one back
+        for j in reversed(range(len(token_ids))):
+            t = token_ids[j]
+            if t not in self._id_terms:
+                continue
+            if tail is not None and j + 1 < end:  # (decoded piecewise between special tokens)
+                tail = None if self._decode is None else self._decode(token_ids[j + 1:end]) + tail
+            marker, end = self._id_terms[t], j
+            pos = self._locate(text, marker, tail)
+            if pos is None:
                 self._pending[t] = self._pending.get(t, 0) + 1
+            else:
+                self._marks.setdefault(t, set()).add(at + pos)
+            tail = None if tail is None else marker + tail
         self.buf += text
         self._run(final=False)
         return self._take()
@@ -84,6 +106,26 @@ class StreamingParser:
         return ParsedMessage("".join(self._content) or None, "".join(self._reasoning) or None,
                              list(self.tool_calls))
 
+    @staticmethod
+    def _locate(text: str, marker: str, tail: str | None) -> int | None:
+        """Where in `text` a special token is, given the text of the tokens after it in this feed
+        (a plain spelling of its text elsewhere in the feed is not it); None if the text does not
+        show it so (held back by the detokenizer, or no decoder: `tail` None)."""
+        if tail is None:
+            return None
+        pos = len(text) - len(tail) - len(marker)
+        if pos >= 0 and text.startswith(marker, pos) and text.endswith(tail):
+            return pos
+        return None
+
+    def _token_at(self, tid: int, text: str) -> int:
+        """Index in buf of the first occurrence of special token `tid`, or -1."""
+        found = [m - self._base for m in self._marks.get(tid, ())]
+        if self._pending.get(tid):
+            found.append(self.buf.find(text))
+        found = [i for i in found if i >= 0]
+        return min(found) if found else -1
+
     # the walk -------------------------------------------------------------------------------
     def _run(self, final: bool) -> None:
         while self.buf:
@@ -97,6 +139,8 @@ class StreamingParser:
                 continue
             if self._next:
                 self._enter(self._next)
+                continue
+            if n < limit:  # the handler stopped early (a tool call's JSON ended): look again
                 continue
             if rule is None:
                 return
@@ -112,9 +156,7 @@ class StreamingParser:
         for rule in st.rules:
             t = rule.on
             literal = t.token_id is None or (closed and st.emit in TOOL_KINDS)
-            if not literal and not self._pending.get(t.token_id):
-                continue
-            i = self.buf.find(t.text)
+            i = self.buf.find(t.text) if literal else self._token_at(t.token_id, t.text)
             if i >= 0 and (i < best or (i == best and best_rule and len(t.text) > len(best_rule.on.text))):
                 best, best_rule = i, rule
             if literal and not final:
@@ -122,14 +164,22 @@ class StreamingParser:
                     if self.buf.endswith(t.text[:k]):
                         hold = min(hold, len(self.buf) - k)
                         break
+        if best_rule is not None and hold <= best:  # a longer literal may be starting there
+            best_rule = None
         return best, best_rule, hold
 
     def _consume(self, n: int) -> None:
         eaten, self.buf = self.buf[:n], self.buf[n:]
+        self._base += n
         skip, self._raw_skip = self._raw_skip, 0  # the part of `eaten` that ended a call
         for tid, text in self._id_terms.items():
+            marks = self._marks.get(tid)
+            gone = 0
+            if marks:
+                kept = {m for m in marks if m >= self._base}
+                gone, self._marks[tid] = len(marks) - len(kept), kept
             if self._pending.get(tid) and text in eaten:
-                self._pending[tid] = max(0, self._pending[tid] - eaten.count(text))
+                self._pending[tid] = max(0, self._pending[tid] - (eaten.count(text) - gone))
         if self._raw is not None:
             self._raw += eaten[skip:]
 
@@ -148,6 +198,8 @@ class StreamingParser:
             self._raw = self._held_ws  # so a broken call gives back its text exactly
         if rule.consume:
             self._consume(len(rule.on.text))
+        if st.emit in ("tool_args", "tool_json"):  # the call is complete: its end marker is
+            self._raw = ""  # its own, never text to give back if what follows breaks
         self._enter(rule.to)
 
     def _enter(self, name: str) -> None:
@@ -185,7 +237,7 @@ class StreamingParser:
             body = text.lstrip()
             if not body:
                 return len(text)
-            if self._raw:
+            if (self._raw or "").strip():  # an unfinished tool region (whitespace after a call is not)
                 self._broken = True
             else:
                 self._next = st.other or "content"
@@ -193,6 +245,9 @@ class StreamingParser:
         if st.emit == "tool_name":
             self._name += text
             return len(text)
+        if st.emit == "tool_id":
+            return len(text)
+        done_before = self._reader.done
         for i, ch in enumerate(text):
             for act in self._reader.feed(ch):
                 self._act(act)
@@ -200,8 +255,8 @@ class StreamingParser:
                     self._raw_skip = i + 1  # (see _consume)
                 if self._broken:
                     return i
-            if self._reader.done and st.after:
-                self._next = st.after
+            if self._reader.done and not done_before:  # the value is complete: what may follow
+                self._next = st.after  # it (a closing marker) is looked for again from here
                 return i + 1
         return len(text)
 
@@ -239,7 +294,7 @@ class StreamingParser:
 
     # tool calls -----------------------------------------------------------------------------
     def _start_call(self, name: str) -> None:
-        self._call = _Call(self._index, name)
+        self._call = _Call(self._index, self._new_id(), name)
         self._index += 1
         self._emit(ToolCallDelta(self._call.index, self._call.id, name, ""))
 

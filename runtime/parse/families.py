@@ -10,6 +10,7 @@ from typing import Any, Callable
 from ...models.registry import Registry
 from .engine import StreamingParser
 from .grammar import Piece, Rule, State, Terminal, combine
+from .types import mistral_tool_call_id, new_tool_call_id
 
 
 def token_id(tokenizer: Any, text: str) -> int | None:
@@ -24,6 +25,18 @@ def token_id(tokenizer: Any, text: str) -> int | None:
             return None
     tid = tokenizer.convert_tokens_to_ids(text)
     return tid if isinstance(tid, int) and tokenizer.convert_ids_to_tokens(tid) == text else None
+
+
+def decoder(tokenizer: Any) -> Callable[[list[int]], str] | None:
+    """Token ids -> text with special tokens kept, as the detokenizer feeding a parser gives it."""
+    if tokenizer is None:
+        return None
+    inner = getattr(getattr(tokenizer, "instruct_tokenizer", None), "tokenizer", None)
+    if inner is not None:  # mistral-common
+        from mistral_common.tokens.tokenizers.base import SpecialTokenPolicy
+        return lambda ids: inner.decode(ids, special_token_policy=SpecialTokenPolicy.KEEP)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=False,
+                                        clean_up_tokenization_spaces=False)
 
 
 def _t(tokenizer: Any, text: str) -> Terminal:
@@ -59,22 +72,29 @@ def mistral_tools(tok: Any) -> Piece:
     if args.token_id is None:  # v2/v3: [TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]
         return Piece({"content": State("content", (Rule(calls, "calls"),)),
                       "calls": State("tool_json", json="list", after="content")})
-    # v11+: [TOOL_CALLS]name[ARGS]{...}, repeated
+    # v11+: [TOOL_CALLS]name[ARGS]{...}, repeated; v11 writes [TOOL_CALLS]name[CALL_ID]id[ARGS]{...}
     return Piece({"content": State("content", (Rule(calls, "name"),)),
-                  "name": State("tool_name", (Rule(args, "args"),)),
+                  "name": State("tool_name", (Rule(args, "args"), Rule(_t(tok, "[CALL_ID]"), "id"))),
+                  "id": State("tool_id", (Rule(args, "args"),)),
                   "args": State("tool_args", after="between"),
                   "between": State("none", (Rule(calls, "name"),), other="content")})
 
 
 def deepseek_v31_tools(tok: Any) -> Piece:
     # <｜tool▁calls▁begin｜>(<｜tool▁call▁begin｜>name<｜tool▁sep｜>{args}<｜tool▁call▁end｜>)+<｜tool▁calls▁end｜>
+    # and V3 / R1's call: <｜tool▁call▁begin｜>function<｜tool▁sep｜>name\n```json\n{args}\n```<｜tool▁call▁end｜>
     t = {k: _t(tok, f"<｜tool▁{k}｜>")
          for k in ("calls▁begin", "calls▁end", "call▁begin", "call▁end", "sep")}
+    v3 = Terminal(t["call▁begin"].text + "function" + t["sep"].text)
     return Piece({
         "content": State("content", (Rule(t["calls▁begin"], "calls"),)),
-        "calls": State("none", (Rule(t["call▁begin"], "name"), Rule(t["calls▁end"], "content"))),
+        "calls": State("none", (Rule(t["call▁begin"], "name"), Rule(v3, "v3_name"),
+                                Rule(t["calls▁end"], "content"))),
         "name": State("tool_name", (Rule(t["sep"], "args"),)),
         "args": State("tool_args", (Rule(t["call▁end"], "calls"),)),
+        "v3_name": State("tool_name", (Rule(Terminal("\n```json\n"), "v3_args"),)),
+        "v3_args": State("tool_args", (Rule(Terminal("\n```"), "v3_end"),)),
+        "v3_end": State("none", (Rule(t["call▁end"], "calls"),)),
     })
 
 
@@ -82,16 +102,17 @@ def deepseek_v31_tools(tok: Any) -> Piece:
 class Family:
     reasoning: Callable[[Any], Piece] | None
     tools: Callable[[Any], Piece] | None
+    call_id: Callable[[], str] = new_tool_call_id  # a new tool call's id
 
 
 PARSERS: Registry[Family] = Registry("parser")
 PARSERS.register("qwen3", "hermes")(Family(think_tags, hermes_tools))
 PARSERS.register("llama3_json")(Family(None, llama3_json_tools))
-PARSERS.register("mistral")(Family(None, mistral_tools))
+PARSERS.register("mistral")(Family(None, mistral_tools, mistral_tool_call_id))
 PARSERS.register("deepseek_v3", "deepseek_v31")(Family(think_tags, deepseek_v31_tools))
 # DeepSeek-R1 (vLLM's --reasoning-parser name): <think>...</think>, the opening tag either
-# generated or already in the prompt (make_parser decides from the prompt); its older tool-call
-# format (function<｜tool▁sep｜>name + a ```json block) is not implemented, so no tools
+# generated or already in the prompt (make_parser decides from the prompt); its tool calls are
+# --tool-call-parser deepseek_v3's (as in vLLM)
 PARSERS.register("deepseek_r1")(Family(think_tags, None))
 
 
@@ -123,6 +144,20 @@ def with_thinking_tags(params, tokenizer: Any, reasoning_parser: str = "qwen3"):
                                    thinking_end_token_ids=[end, *sep])
 
 
+def prompt_opens_reasoning(tokenizer: Any, reasoning_parser: str, prompt_token_ids: list[int]) -> bool:
+    """Whether the generation prompt itself opened the reasoning block: its opening tag after the
+    last turn marker (any other special token). A tag in a user's text, or an earlier turn's
+    closed block, says nothing about this turn."""
+    opener, closer = reasoning_tags(tokenizer, reasoning_parser)
+    turn_marks = set(getattr(tokenizer, "all_special_ids", None) or ())
+    for t in reversed(prompt_token_ids):
+        if t == opener:
+            return True
+        if t == closer or t in turn_marks:
+            return False
+    return False
+
+
 def make_parser(tokenizer: Any, tool_parser: str | None = None,
                 reasoning_parser: str | None = None, *, starts_in_reasoning: bool | None = None,
                 prompt_token_ids: list[int] | None = None) -> StreamingParser:
@@ -130,6 +165,7 @@ def make_parser(tokenizer: Any, tool_parser: str | None = None,
     template already opened the reasoning block (<think> after the last </think>), the output
     starts inside it."""
     reasoning = tools = None
+    new_id = new_tool_call_id
     if reasoning_parser:
         fam = PARSERS.get(reasoning_parser)
         if fam.reasoning is None:
@@ -139,14 +175,13 @@ def make_parser(tokenizer: Any, tool_parser: str | None = None,
         fam = PARSERS.get(tool_parser)
         if fam.tools is None:
             raise ValueError(f"parser {tool_parser!r} has no tool-call format")
-        tools = fam.tools(tokenizer)
+        tools, new_id = fam.tools(tokenizer), fam.call_id
     grammar = combine(reasoning, tools)
     start = None
     if reasoning is not None:
         if starts_in_reasoning is None and prompt_token_ids:
-            opener, closer = reasoning_tags(tokenizer, reasoning_parser)
-            last = {t: i for i, t in enumerate(prompt_token_ids) if t in (opener, closer)}
-            starts_in_reasoning = last.get(opener, -1) > last.get(closer, -1)
+            starts_in_reasoning = prompt_opens_reasoning(tokenizer, reasoning_parser,
+                                                         prompt_token_ids)
         if starts_in_reasoning:
             start = "reasoning"
-    return StreamingParser(grammar, start)
+    return StreamingParser(grammar, start, decoder(tokenizer), new_id)

@@ -5,6 +5,7 @@ Each state says what its text is (`emit`):
   content / reasoning  text for that channel (whitespace next to terminals is dropped)
   none                 only whitespace expected; other text leaves for `other`
   tool_name            a function name, ended by a terminal
+  tool_id              a call id the model echoes (skipped), ended by a terminal
   tool_args            one JSON value: the arguments
   tool_json            a JSON call object {"name": ..., "arguments"|"parameters": ...}, or a list
                        of them (`json="list"`)
@@ -16,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 TEXT_KINDS = ("content", "reasoning")
-TOOL_KINDS = ("tool_name", "tool_args", "tool_json")
+TOOL_KINDS = ("tool_name", "tool_id", "tool_args", "tool_json")
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,11 @@ def new_tool_call_id() -> str:
     return "call_" + "".join(secrets.choice(_ALNUM) for _ in range(24))
 
 
+def mistral_tool_call_id() -> str:
+    """Mistral's: 9 alphanumerics (its chat templates refuse history with other ids; vLLM's)."""
+    return "".join(secrets.choice(_ALNUM) for _ in range(9))
+
+
 @dataclass
 class ContentDelta:
     text: str

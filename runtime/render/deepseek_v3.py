@@ -21,8 +21,8 @@ def tool_description(tools: list[dict]) -> str:
     parts = ["## Tools\nYou have access to the following tools:\n"]
     for t in tools:
         fn = t["function"]
-        parts.append(f"### {fn['name']}\nDescription: {fn.get('description', '')}\n\n"
-                     f"Parameters: {json.dumps(fn.get('parameters', {}), ensure_ascii=False)}\n")
+        parts.append(f"### {fn['name']}\nDescription: {fn.get('description') or ''}\n\n"
+                     f"Parameters: {json.dumps(fn.get('parameters') or {}, ensure_ascii=False)}\n")
     return "\n".join(parts) + "\n" + TOOL_FORMAT
 
 

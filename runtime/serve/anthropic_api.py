@@ -243,7 +243,7 @@ def _render(ctx: ServeContext, req) -> tuple[list[int], ToolMode]:
     prefill = req.messages[-1].get("role") == "assistant"
     if prefill:
         _check_prefill(chat[-1], thinking)
-    ids = ctx.render_chat(chat, tools if choice != "none" else None, {"enable_thinking": thinking},
+    ids = ctx.render_chat(chat, ctx.prompt_tools(tools, choice == "none"), {"enable_thinking": thinking},
                           add_generation_prompt=not prefill, continue_final_message=prefill)
     return ids, mode
 

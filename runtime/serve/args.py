@@ -33,6 +33,9 @@ class ServerArgs:
                                              "deepseek_v3")
     enable_auto_tool_choice: bool = opt(False, "let the model decide to call tools "
                                                "(tool_choice auto; needs --tool-call-parser)")
+    exclude_tools_when_tool_choice_none: bool = opt(
+        False, "leave the tools out of the prompt when a request's tool_choice is none (by "
+               "default the template still shows them, as vLLM's)")
     chat_template: str | None = opt(None, "chat template for chat requests instead of the "
                                           "tokenizer's: a file path or the template itself")
     engine_address: str | None = opt(None, "ZMQ address the engine binds for the API process: "

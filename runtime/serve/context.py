@@ -17,7 +17,7 @@ import msgspec
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..parse import ContentDelta, Delta, ParsedMessage, ToolCallDelta, make_parser
-from ..parse.families import token_id, with_thinking_tags
+from ..parse.families import PARSERS, token_id, with_thinking_tags
 from ..parse.types import ToolCall, new_tool_call_id
 from ..inputs import bad_words_token_ids
 from ..sampling_params import SamplingParams, StructuredOutputsParams
@@ -113,8 +113,8 @@ class ForcedToolParser:
     {"name", "parameters"} or the named function's arguments — and becomes tool calls at the end.
     Reasoning passes through the inner parser as it streams."""
 
-    def __init__(self, inner, forced: str):
-        self.inner, self.forced = inner, forced
+    def __init__(self, inner, forced: str, new_id=new_tool_call_id):
+        self.inner, self.forced, self.new_id = inner, forced, new_id
         self.marker_token_ids = getattr(inner, "marker_token_ids", None)
         self.text: list[str] = []
         self.calls: list[ToolCall] = []
@@ -140,10 +140,10 @@ class ForcedToolParser:
             self.content = text
             return out + [ContentDelta(text)]
         if self.forced == "required":
-            self.calls = [ToolCall(new_tool_call_id(), c["name"],
+            self.calls = [ToolCall(self.new_id(), c["name"],
                                    json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
         else:
-            self.calls = [ToolCall(new_tool_call_id(), self.forced, text)]
+            self.calls = [ToolCall(self.new_id(), self.forced, text)]
         return out + [ToolCallDelta(i, c.id, c.name, c.arguments) for i, c in enumerate(self.calls)]
 
     def result(self) -> ParsedMessage:
@@ -315,6 +315,12 @@ class ServeContext:
                            f"tools ({', '.join(map(str, schemas))})", param="tool_choice")
         return ToolMode(forced=name, schema=schemas[name])
 
+    def prompt_tools(self, tools: list | None, none: bool) -> list | None:
+        """The tools the chat template shows: all of them, also under tool_choice none (the
+        model knows them but is not asked to call; vLLM's default), unless
+        --exclude-tools-when-tool-choice-none."""
+        return None if none and self.args.exclude_tools_when_tool_choice_none else tools
+
     def _strict_tag(self, tools: list) -> dict | None:
         """`strict: true` tools under tool_choice auto: the text stays free, but a call, once
         begun, follows its function's schema (a structural tag triggered by the call marker).
@@ -383,7 +389,10 @@ class ServeContext:
         else:
             inner = make_parser(self.tokenizer, tool, self.args.reasoning_parser,
                                 prompt_token_ids=prompt_token_ids)
-        return ForcedToolParser(inner, mode.forced) if mode.forced else inner
+        if not mode.forced:
+            return inner
+        fam = self.args.tool_call_parser  # its model's call id format, also for forced calls
+        return ForcedToolParser(inner, mode.forced, PARSERS.get(fam).call_id if fam else new_tool_call_id)
 
     def token_text(self, token_id: int) -> str:
         """A token's text as it appears inside the output (decoded after an anchor token, since
@@ -478,14 +487,15 @@ class ChatRun:
 
     def update(self, upd: Update) -> list[Delta]:
         p = self.parsers[upd.index]
-        text = upd.text
-        if upd.finish_reason == "stop" and upd.stop_reason is None and upd.token_ids:
+        text, ids = upd.text, upd.token_ids
+        if upd.finish_reason == "stop" and upd.stop_reason is None and ids:
             # the EOS that ended the answer is no text, even with include_stop_str_in_output
             # (that keeps stop strings): its marker would end up in the content or a call's JSON
-            end = self.eos.get(upd.token_ids[-1])
+            end = self.eos.get(ids[-1])
             if end and text.endswith(end):
                 text = text[:-len(end)]
-        deltas = p.feed(upd.token_ids, text)
+            ids = ids[:-1]  # (the parser lines tokens up with their text)
+        deltas = p.feed(ids, text)
         self.num_tokens[upd.index] += len(upd.token_ids)
         self.num_cached_tokens = upd.num_cached_tokens
         if upd.finish_reason is not None:

@@ -331,7 +331,7 @@ def prepare_chat(ctx: ServeContext, req: ChatCompletionRequest) -> tuple[list[in
     req.check_unsupported()
     ctx.check_priority(req.priority)
     mode = ctx.tool_mode(req.tools, req.tool_choice, req.parallel_tool_calls)
-    tools = req.tools if req.tool_choice != "none" else None
+    tools = ctx.prompt_tools(req.tools, req.tool_choice == "none")
     kwargs = dict(req.chat_template_kwargs or {})
     if req.reasoning_effort is not None:  # as for the Responses API's reasoning.effort
         kwargs.setdefault("enable_thinking", req.reasoning_effort not in ("none", "minimal"))

@@ -256,7 +256,7 @@ def render(ctx: ServeContext, req: ResponsesRequest) -> list[int]:
     if req.reasoning is not None and req.reasoning.get("effort") is not None:
         kwargs["enable_thinking"] = req.reasoning["effort"] not in ("none", "minimal")
     return ctx.render_chat(to_chat(req.instructions, req.input),
-                           tools if choice != "none" else None, kwargs)
+                           ctx.prompt_tools(tools, choice == "none"), kwargs)
 
 
 def check(ctx: ServeContext, req: ResponsesRequest) -> None:
