@@ -565,14 +565,15 @@ class EngineConfig:
         window - 1 + --max-num-batched-tokens, one block more for the window's first straddling
         block, one for the null block)."""
         bs = self.cache.block_size
-        capacity = num_blocks * bs
+        usable = num_blocks - (sliding_window > 0)  # (a window reserves the null block)
+        capacity = usable * bs
         if sliding_window:
             live = min(max_model_len, sliding_window - 1 + self.scheduler.max_num_batched_tokens)
             if num_blocks >= -(-live // bs) + 2:
                 return
         if capacity < max_model_len:
             raise ConfigError(
-                f"the KV cache holds {capacity} tokens ({num_blocks} blocks of "
+                f"the KV cache holds {capacity} tokens ({usable} usable blocks of "
                 f"{self.cache.block_size}), fewer than one request of --max-model-len "
                 f"{max_model_len} needs; raise --gpu-memory-utilization (--kv-cache-memory-gb on "
                 f"CPU) or --num-gpu-blocks-override, or lower --max-model-len to {capacity} or less")

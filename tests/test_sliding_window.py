@@ -90,8 +90,26 @@ def test_cache_smaller_than_the_context_serves_a_window_model(checkpoint):
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.scheduler.kv.num_blocks
-    with pytest.raises(ConfigError, match="holds 32 tokens"):
+    with pytest.raises(ConfigError, match="holds 24 tokens"):  # 4 blocks, one the null block
         LLM(path, num_gpu_blocks_override=4, **tight)
+
+
+def test_window_cache_of_exactly_max_model_len_is_refused_not_hung(checkpoint):
+    """Window 12 + a 96-token step covers the whole 96-token context, so a request may hold every
+    block of it; 12 blocks of 8 are 96 tokens, but one of them is the null block: a 95-token
+    prompt waited forever for a 12th usable block on an idle engine. Refused at startup now;
+    one block more serves it."""
+    from rankserve.runtime.config import ConfigError
+    path = checkpoint("MistralForCausalLM", sliding_window=12)
+    tight = dict(max_model_len=96, block_size=8, max_num_batched_tokens=96)
+    with pytest.raises(ConfigError, match=r"holds 88 tokens \(11 usable blocks"):
+        LLM(path, num_gpu_blocks_override=12, **tight)
+    prompt = [{"prompt_token_ids": [3 + j * 7 % 500 for j in range(95)]}]
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    want = LLM(path, max_model_len=96).generate(prompt, params)[0].outputs[0].token_ids
+    llm = LLM(path, num_gpu_blocks_override=13, **tight)
+    assert llm.generate(prompt, params)[0].outputs[0].token_ids == want
+    assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.scheduler.kv.num_blocks
 
 
 def test_prefix_hit_filling_the_cache_is_served(checkpoint):
