@@ -263,12 +263,13 @@ class KVCacheManager:
         """Release the request's blocks. Blocks past `num_valid_tokens` were allocated for a step
         that will not run: drop them from the prefix cache, their KV was never written.
         `to_host` False (a preemption that recomputes): none of them goes to the host tier."""
-        blocks = [b for b in self.req_blocks.pop(req.request_id, []) if b is not self.pool.null]
+        held = self.req_blocks.pop(req.request_id, [])
         self.num_registered.pop(req.request_id, None)
-        if num_valid_tokens is not None:
-            for b in blocks[num_valid_tokens // self.block_size:]:
-                if b.ref_cnt == 1 and b.block_hash is not None:
+        if num_valid_tokens is not None:  # (indexed before the window's null blocks are dropped)
+            for b in held[num_valid_tokens // self.block_size:]:
+                if b is not self.pool.null and b.ref_cnt == 1 and b.block_hash is not None:
                     self.pool.forget(b)
+        blocks = [b for b in held if b is not self.pool.null]
         self.pool.release(list(reversed(blocks)))
         if self.offload is not None and to_host:
             self._to_host(list(reversed(blocks)))
