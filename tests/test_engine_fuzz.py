@@ -13,6 +13,8 @@ block that was never written, or a placeholder that differs from the token the s
 sends, fails the test. With the host tier it also keeps a shadow host cache and runs the plans'
 block copies (device → host, then host → device) before the step, so a copy from a block that
 was already overwritten, or a load of a host block that holds other tokens, fails the same way.
+After every step of a tight engine each block the prefix cache (either tier) can hand out must
+hold the tokens its hash stands for, so a stale entry fails when it is made, hit or not.
 One combination per policy also runs the real stories260K model (the priority one with the host
 tier: the runner's real copies).
 """
@@ -121,6 +123,36 @@ class CheckingExecutor:
                 sampled.append(tok)
         return ModelRunnerOutput(req_ids, sampled)
 
+    def check_cached(self, kv, hashes: dict) -> None:
+        """Every block the prefix cache can hand out (device, or host tier once its copy has
+        run) holds the KV of the tokens its hash stands for (`hashes`: hash → (block index,
+        tokens)), so a stale entry fails when it is made, not only when a hit reads it."""
+        bs = self.bs
+        for where, store, entries in [("device", self.kv, {h: b.block_id for h, b in kv.pool.cached.items()})] + (
+                [("host", self.host, kv.offload.tier.lru)] if kv.offload is not None else []):
+            queued = {h for _, h in kv.offload.to_host} if where == "host" else set()
+            for h, bid in entries.items():
+                i, tokens = hashes[h]
+                if bid not in queued:
+                    for k in range(bs):
+                        got = store.get((bid, k))
+                        assert got == (i * bs + k, tokens[k]), \
+                            f"{where} block {bid} is cached as block {i} but holds {got} at slot {k}"
+
+
+def record_hashes(kv) -> dict:
+    """hash → (block index, tokens) of every block hash the KV manager computes."""
+    hashes, real = {}, kv.update_hashes
+
+    def update_hashes(req):
+        start = len(req.block_hashes)
+        real(req)
+        bs = kv.block_size
+        for i in range(start, len(req.block_hashes)):
+            hashes[req.block_hashes[i]] = (i, tuple(req.all_token_ids[i * bs:(i + 1) * bs]))
+    kv.update_hashes = update_hashes
+    return hashes
+
 
 # (policy, async, chunked, caching, host tier); the host tier needs caching
 COMBOS = [c + (off,) for c in itertools.product(("fcfs", "priority"), (False, True), (False, True),
@@ -164,6 +196,9 @@ def run_trace(engine: EngineCore, trace, aborts, tokenizer, max_steps=4000, foll
     pending = list(trace)
     prompts = {rid: (p, sp) for _, rid, p, sp, _ in trace}
     results, live, aborted = {}, {}, set()
+    # (the tight engines: a check of every cached block each step is slow for a large cache)
+    checking = type(engine.executor) is CheckingExecutor and engine.scheduler.kv.num_blocks <= 64
+    hashes = record_hashes(engine.scheduler.kv) if checking else {}
     for step in range(max_steps):
         while pending and pending[0][0] <= step:
             _, rid, prompt, sp, prio = pending.pop(0)
@@ -180,6 +215,8 @@ def run_trace(engine: EngineCore, trace, aborts, tokenizer, max_steps=4000, foll
                 aborted.add(rid)
         outs = engine.step()
         engine.scheduler.check_invariants()
+        if checking:
+            engine.executor.check_cached(engine.scheduler.kv, hashes)
         for o in outs.outputs:
             ro, abort = proc.process(o)
             if abort:
