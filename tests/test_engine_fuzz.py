@@ -197,7 +197,7 @@ def run_trace(engine: EngineCore, trace, aborts, tokenizer, max_steps=4000, foll
     prompts = {rid: (p, sp) for _, rid, p, sp, _ in trace}
     results, live, aborted = {}, {}, set()
     # (the tight engines: a check of every cached block each step is slow for a large cache)
-    checking = type(engine.executor) is CheckingExecutor and engine.scheduler.kv.num_blocks <= 64
+    checking = isinstance(engine.executor, CheckingExecutor) and engine.scheduler.kv.num_blocks <= 64
     hashes = record_hashes(engine.scheduler.kv) if checking else {}
     for step in range(max_steps):
         while pending and pending[0][0] <= step:
