@@ -70,7 +70,8 @@ class CheckingExecutor:
     def next_token(seq) -> int:
         return zlib.crc32(np.asarray(seq, dtype=np.int64).tobytes()) % VOCAB
 
-    def submit(self, plan) -> ModelRunnerOutput:
+    def run_copies(self, plan) -> None:
+        """The plan's host-tier copies, device → host, then host → device."""
         for src, dst, a, b in [(self.kv, self.host, d, h) for d, h in plan.blocks_to_host] + \
                 [(self.host, self.kv, h, d) for h, d in plan.blocks_from_host]:
             for off in range(self.bs):
@@ -78,6 +79,9 @@ class CheckingExecutor:
                     dst[(b, off)] = src[(a, off)]
                 else:
                     dst.pop((b, off), None)
+
+    def submit(self, plan) -> ModelRunnerOutput:
+        self.run_copies(plan)
         outgoing = {d for d, _ in plan.blocks_to_host}
         for rid in plan.finished_req_ids:
             self.reqs.pop(rid, None)
