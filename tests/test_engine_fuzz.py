@@ -248,11 +248,11 @@ STORIES_BLOCK_BYTES = 2 * 8 * 4 * 8 * 4 * 5  # K and V, 8 tokens, 4 KV heads × 
 
 def engine_for(combo, num_blocks, block_size=8, max_model_len=96, executor=None, **extra):
     policy, use_async, chunked, caching, offload = combo + (False,) * (5 - len(combo))
+    extra = dict(dict(max_num_batched_tokens=max_model_len if not chunked else 24, max_num_seqs=6), **extra)
     cfg = EngineConfig.from_kwargs(
         model=str(STORIES_EMBEDDED), scheduling_policy=policy, async_scheduling=use_async,
         enable_chunked_prefill=chunked, enable_prefix_caching=caching, block_size=block_size,
         max_model_len=max_model_len, num_gpu_blocks_override=num_blocks,
-        max_num_batched_tokens=max_model_len if not chunked else 24, max_num_seqs=6,
         kv_offload_size=(HOST_BLOCKS + 0.5) * STORIES_BLOCK_BYTES / 2**30 if offload else None, **extra)
     return EngineCore(cfg, executor or CheckingExecutor(num_blocks, block_size, max_model_len,
                                                         HOST_BLOCKS if offload else 0))
@@ -286,6 +286,30 @@ def test_random_traces_keep_invariants_and_outputs(combo, tokenizer):
         except AssertionError as e:
             raise AssertionError(f"seed {seed}, combo {combo}: {e}") from e
     assert loaded > 0 or not combo[4], "no prefix hit in the host tier in any trace"
+
+
+@pytest.mark.parametrize("block_size,blocks,budget,seqs", [(8, 12, 1, 1), (8, 13, 3, 2), (16, 6, 2, 9),
+                                                          (32, 3, 7, 5)])
+@pytest.mark.parametrize("combo", [("fcfs", True, True, True), ("priority", False, True, True, True)],
+                         ids=["async", "priority-host"])
+def test_extreme_budgets_and_sequence_limits(combo, block_size, blocks, budget, seqs, tokenizer):
+    """Steps of 1 to 7 tokens, one to nine sequences, blocks of 8 to 32 tokens in a cache of
+    one full-length request: every chunking, preemption and decode order still gives the
+    unconstrained run's outputs and leaks nothing."""
+    for seed in range(3):
+        trace, aborts = make_trace(200 + seed, 96)
+        try:
+            tight = engine_for(combo, num_blocks=blocks, block_size=block_size, executor=CheckingExecutor(
+                blocks, block_size, 96, HOST_BLOCKS if len(combo) > 4 else 0),
+                max_num_batched_tokens=budget, max_num_seqs=seqs)
+            got, aborted = run_trace(tight, trace, aborts, tokenizer, max_steps=20000, follow_ups=True)
+            want, _ = run_trace(engine_for(("fcfs", False, True, False), num_blocks=1000), trace, {},
+                                tokenizer, follow_ups=True)
+            for rid, outs in want.items():
+                if rid.rstrip("+") not in aborted:
+                    assert got[rid] == outs, rid
+        except AssertionError as e:
+            raise AssertionError(f"seed {200 + seed}: {e}") from e
 
 
 @pytest.mark.parametrize("combo,window,blocks,seeds", [
