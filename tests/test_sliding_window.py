@@ -186,3 +186,23 @@ def test_block_of_a_step_dropped_by_a_preemption_is_not_a_prefix_hit(checkpoint)
     assert tight.scheduler.num_preemptions > 0
     assert got["next"] == want
     assert tight.scheduler.kv.num_free_blocks == tight.scheduler.kv.num_blocks
+
+
+def test_window_cache_counts_a_drafters_lookahead(checkpoint):
+    """Every layer windowed (8), a draft model writing 3 slots past each step's token, 1-token
+    steps: a cache of 3 blocks (window - 1 + the step, a straddling block, the null block) was
+    accepted, but a decode at an unlucky offset needs a third usable block for the lookahead:
+    the lone request preempted itself and came back to the same place, forever. Refused now,
+    naming the blocks it needs; 4 blocks serve it with the plain greedy tokens."""
+    from rankserve.runtime.config import ConfigError
+    path = checkpoint("MistralForCausalLM", sliding_window=8)
+    prompt = [{"prompt_token_ids": [3 + (j * 37) % 500 for j in range(10)]}]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    want = LLM(path, max_model_len=96).generate(prompt, params)[0].outputs[0].token_ids
+    tight = dict(max_model_len=96, block_size=8, max_num_batched_tokens=1, speculative_config={
+        "method": "draft_model", "model": path, "num_speculative_tokens": 3})
+    with pytest.raises(ConfigError, match="sliding window 8: or at least 4 blocks"):
+        LLM(path, num_gpu_blocks_override=3, **tight)
+    llm = LLM(path, num_gpu_blocks_override=4, **tight)
+    assert llm.generate(prompt, params)[0].outputs[0].token_ids == want
+    assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.scheduler.kv.num_blocks
