@@ -558,24 +558,31 @@ class EngineConfig:
         if self.offload.enable_sleep_mode:
             raise ConfigError(f"{flag} does not work with --enable-sleep-mode yet")
 
-    def check_kv_capacity(self, num_blocks: int, max_model_len: int, sliding_window: int = 0) -> None:
+    def check_kv_capacity(self, num_blocks: int, max_model_len: int, sliding_window: int = 0,
+                          lookahead: int = 0) -> None:
         """A request may grow to max_model_len tokens: a KV cache smaller than that would leave
         it waiting forever, so refuse the configuration (as vLLM does). With a sliding window on
         every layer a request holds at most its window and one step's tokens (as vLLM counts:
         window - 1 + --max-num-batched-tokens, one block more for the window's first straddling
-        block, one for the null block)."""
+        block, one for the null block), and the `lookahead` slots a drafter writes past them
+        (speculative decoding: else a lone request preempted itself for them, again and again)."""
         bs = self.cache.block_size
-        capacity = num_blocks * bs
+        usable = num_blocks - (sliding_window > 0)  # (a window reserves the null block)
+        capacity = usable * bs
+        window = ""
         if sliding_window:
-            live = min(max_model_len, sliding_window - 1 + self.scheduler.max_num_batched_tokens)
+            live = min(max_model_len,
+                       sliding_window - 1 + self.scheduler.max_num_batched_tokens + lookahead)
             if num_blocks >= -(-live // bs) + 2:
                 return
+            window = f" (with the sliding window {sliding_window}: or at least {-(-live // bs) + 2} blocks)"
         if capacity < max_model_len:
             raise ConfigError(
-                f"the KV cache holds {capacity} tokens ({num_blocks} blocks of "
+                f"the KV cache holds {capacity} tokens ({usable} usable blocks of "
                 f"{self.cache.block_size}), fewer than one request of --max-model-len "
                 f"{max_model_len} needs; raise --gpu-memory-utilization (--kv-cache-memory-gb on "
-                f"CPU) or --num-gpu-blocks-override, or lower --max-model-len to {capacity} or less")
+                f"CPU) or --num-gpu-blocks-override, or lower --max-model-len to {capacity} or less"
+                + window)
 
     def summary(self) -> str:
         """One line of every option that differs from its default (logged once at startup)."""

@@ -85,7 +85,7 @@ class EngineCore:
             window = kv_sliding_window(hf_config)
         if window >= executor.max_model_len:  # nothing ever leaves the window
             window = 0
-        cfg.check_kv_capacity(num_blocks, executor.max_model_len, window)
+        cfg.check_kv_capacity(num_blocks, executor.max_model_len, window, lookahead_slots(cfg.spec))
         self.sliding_window = window
         executor.initialize(num_blocks)
         self.timings = dict(executor.timings)  # startup phases in seconds

@@ -198,16 +198,20 @@ class KVCacheManager:
         return max(0, -(-total // self.block_size) - have)
 
     def allocate_slots(self, req: Request, num_new_tokens: int,
-                       computed: list[Block] | None = None) -> list[int] | None:
+                       computed: list[Block] | None = None, num_ahead: int = 0) -> list[int] | None:
         """Reserve blocks for `num_new_tokens` more tokens (after the cached prefix `computed`).
+        The last `num_ahead` of them are slots this step computes no token of the request's KV
+        in (speculative decoding: drafts, a proposer's lookahead): their blocks are not
+        registered for prefix hits yet (a chunk cut by the budget has known tokens there).
         Returns the ids of newly added blocks, or None if the pool cannot supply them."""
         self.release_outside_window(req, req.num_computed_tokens)
         if not computed:  # the common decode case: usually no new block, nothing to register
             total = req.num_computed_tokens + num_new_tokens
             need = -(-total // self.block_size) - len(self.req_blocks.get(req.request_id, ()))
             if need <= 0:
-                if self.enable_caching and total // self.block_size > self.num_registered.get(req.request_id, 0):
-                    self._register_full_blocks(req, total)
+                done = total - num_ahead
+                if self.enable_caching and done // self.block_size > self.num_registered.get(req.request_id, 0):
+                    self._register_full_blocks(req, done)
                 return []
         computed = computed or []
         need = self.blocks_needed(req, num_new_tokens, computed)
@@ -229,7 +233,7 @@ class KVCacheManager:
         new = [self.pool.null] * dead + live + self.pool.take(need)
         blocks.extend(new)
         if self.enable_caching:
-            self._register_full_blocks(req, req.num_computed_tokens + num_hit + num_new_tokens)
+            self._register_full_blocks(req, req.num_computed_tokens + num_hit + num_new_tokens - num_ahead)
         return [b.block_id for b in new]
 
     def _load_from_host(self, computed: list) -> list[Block]:
@@ -263,12 +267,13 @@ class KVCacheManager:
         """Release the request's blocks. Blocks past `num_valid_tokens` were allocated for a step
         that will not run: drop them from the prefix cache, their KV was never written.
         `to_host` False (a preemption that recomputes): none of them goes to the host tier."""
-        blocks = [b for b in self.req_blocks.pop(req.request_id, []) if b is not self.pool.null]
+        held = self.req_blocks.pop(req.request_id, [])
         self.num_registered.pop(req.request_id, None)
-        if num_valid_tokens is not None:
-            for b in blocks[num_valid_tokens // self.block_size:]:
-                if b.ref_cnt == 1 and b.block_hash is not None:
+        if num_valid_tokens is not None:  # (indexed before the window's null blocks are dropped)
+            for b in held[num_valid_tokens // self.block_size:]:
+                if b is not self.pool.null and b.ref_cnt == 1 and b.block_hash is not None:
                     self.pool.forget(b)
+        blocks = [b for b in held if b is not self.pool.null]
         self.pool.release(list(reversed(blocks)))
         if self.offload is not None and to_host:
             self._to_host(list(reversed(blocks)))

@@ -249,7 +249,8 @@ class Scheduler:
                 i += 1  # its last step is still in flight
                 continue
             spec = self._drafts(req, n, budget)
-            new_blocks = self.kv.allocate_slots(req, n + len(spec) + self._ahead(req, n + len(spec)))
+            ahead = len(spec) + self._ahead(req, n + len(spec))  # slots past n: no known token's KV
+            new_blocks = self.kv.allocate_slots(req, n + ahead, num_ahead=ahead)
             while new_blocks is None:
                 victim = max((r for r in self.running if r.num_in_flight == 0),
                              key=lambda r: r.sort_key(self.cfg.policy), default=None)
@@ -264,7 +265,7 @@ class Scheduler:
                 preempted = True
                 if victim is req:
                     break
-                new_blocks = self.kv.allocate_slots(req, n + len(spec) + self._ahead(req, n + len(spec)))
+                new_blocks = self.kv.allocate_slots(req, n + ahead, num_ahead=ahead)
             if new_blocks is None:
                 if req.status == RequestStatus.RUNNING:
                     i += 1
@@ -295,7 +296,8 @@ class Scheduler:
             if n > budget and not self.cfg.enable_chunked_prefill:
                 break
             n = min(n, budget)
-            new_blocks = self.kv.allocate_slots(req, n + self._ahead(req, n, num_cached), computed)
+            ahead = self._ahead(req, n, num_cached)
+            new_blocks = self.kv.allocate_slots(req, n + ahead, computed, num_ahead=ahead)
             if new_blocks is None:
                 break
             self.waiting.pop(j)

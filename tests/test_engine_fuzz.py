@@ -1,5 +1,6 @@
 """The real EngineCore under pressure: seeded, bounded random traces (arrivals, aborts, n > 1,
-stop strings, priorities, tight KV budgets that force preemption) through every combination of
+stop strings, priorities, follow-up turns of finished conversations, tight KV budgets that
+force preemption) through every combination of
 policy × async scheduling × chunked prefill × prefix caching (× a small host KV tier, with
 caching). After every step the scheduler's and the KV cache's invariants are checked; at the end
 every request has finished and the greedy outputs equal those of an unconstrained run.
@@ -12,6 +13,8 @@ block that was never written, or a placeholder that differs from the token the s
 sends, fails the test. With the host tier it also keeps a shadow host cache and runs the plans'
 block copies (device → host, then host → device) before the step, so a copy from a block that
 was already overwritten, or a load of a host block that holds other tokens, fails the same way.
+After every step of a tight engine each block the prefix cache (either tier) can hand out must
+hold the tokens its hash stands for, so a stale entry fails when it is made, hit or not.
 One combination per policy also runs the real stories260K model (the priority one with the host
 tier: the runner's real copies).
 """
@@ -67,7 +70,8 @@ class CheckingExecutor:
     def next_token(seq) -> int:
         return zlib.crc32(np.asarray(seq, dtype=np.int64).tobytes()) % VOCAB
 
-    def submit(self, plan) -> ModelRunnerOutput:
+    def run_copies(self, plan) -> None:
+        """The plan's host-tier copies, device → host, then host → device."""
         for src, dst, a, b in [(self.kv, self.host, d, h) for d, h in plan.blocks_to_host] + \
                 [(self.host, self.kv, h, d) for h, d in plan.blocks_from_host]:
             for off in range(self.bs):
@@ -75,6 +79,9 @@ class CheckingExecutor:
                     dst[(b, off)] = src[(a, off)]
                 else:
                     dst.pop((b, off), None)
+
+    def submit(self, plan) -> ModelRunnerOutput:
+        self.run_copies(plan)
         outgoing = {d for d, _ in plan.blocks_to_host}
         for rid in plan.finished_req_ids:
             self.reqs.pop(rid, None)
@@ -120,6 +127,36 @@ class CheckingExecutor:
                 sampled.append(tok)
         return ModelRunnerOutput(req_ids, sampled)
 
+    def check_cached(self, kv, hashes: dict) -> None:
+        """Every block the prefix cache can hand out (device, or host tier once its copy has
+        run) holds the KV of the tokens its hash stands for (`hashes`: hash → (block index,
+        tokens)), so a stale entry fails when it is made, not only when a hit reads it."""
+        bs = self.bs
+        for where, store, entries in [("device", self.kv, {h: b.block_id for h, b in kv.pool.cached.items()})] + (
+                [("host", self.host, kv.offload.tier.lru)] if kv.offload is not None else []):
+            queued = {h for _, h in kv.offload.to_host} if where == "host" else set()
+            for h, bid in entries.items():
+                i, tokens = hashes[h]
+                if bid not in queued:
+                    for k in range(bs):
+                        got = store.get((bid, k))
+                        assert got == (i * bs + k, tokens[k]), \
+                            f"{where} block {bid} is cached as block {i} but holds {got} at slot {k}"
+
+
+def record_hashes(kv) -> dict:
+    """hash → (block index, tokens) of every block hash the KV manager computes."""
+    hashes, real = {}, kv.update_hashes
+
+    def update_hashes(req):
+        start = len(req.block_hashes)
+        real(req)
+        bs = kv.block_size
+        for i in range(start, len(req.block_hashes)):
+            hashes[req.block_hashes[i]] = (i, tuple(req.all_token_ids[i * bs:(i + 1) * bs]))
+    kv.update_hashes = update_hashes
+    return hashes
+
 
 # (policy, async, chunked, caching, host tier); the host tier needs caching
 COMBOS = [c + (off,) for c in itertools.product(("fcfs", "priority"), (False, True), (False, True),
@@ -145,10 +182,27 @@ def make_trace(seed: int, max_model_len: int):
     return reqs, aborts
 
 
-def run_trace(engine: EngineCore, trace, aborts, tokenizer, max_steps=4000):
+def follow_up(rid: str, prompt: list[int], sp: SamplingParams, out: list[int], max_model_len: int):
+    """The next turn of a finished greedy conversation (one of three, by id): its prompt and
+    first choice's output, continued. Its prefix hits read blocks that hold output tokens, so a
+    block left cached without its KV written fails the shadow check."""
+    if sp.temperature != 0 or zlib.crc32(rid.encode()) % 3:
+        return None
+    extra = [3 + zlib.crc32(f"{rid}{k}".encode()) % (VOCAB - 3) for k in range(1 + len(out) % 5)]
+    prompt = (prompt + out + extra)[-(max_model_len - 8):]
+    return rid + "+", prompt, msgspec.structs.replace(sp, n=1, max_tokens=min(sp.max_tokens, 6))
+
+
+def run_trace(engine: EngineCore, trace, aborts, tokenizer, max_steps=4000, follow_ups=False):
+    """Run the trace; `follow_ups`: a finished request may send its next turn (`follow_up`);
+    those of aborted requests count as aborted."""
     proc = OutputProcessor(tokenizer)
     pending = list(trace)
+    prompts = {rid: (p, sp) for _, rid, p, sp, _ in trace}
     results, live, aborted = {}, {}, set()
+    # (the tight engines: a check of every cached block each step is slow for a large cache)
+    checking = isinstance(engine.executor, CheckingExecutor) and engine.scheduler.kv.num_blocks <= 64
+    hashes = record_hashes(engine.scheduler.kv) if checking else {}
     for step in range(max_steps):
         while pending and pending[0][0] <= step:
             _, rid, prompt, sp, prio = pending.pop(0)
@@ -165,13 +219,21 @@ def run_trace(engine: EngineCore, trace, aborts, tokenizer, max_steps=4000):
                 aborted.add(rid)
         outs = engine.step()
         engine.scheduler.check_invariants()
+        if checking:
+            engine.executor.check_cached(engine.scheduler.kv, hashes)
         for o in outs.outputs:
             ro, abort = proc.process(o)
             if abort:
                 engine.abort_requests([o.request_id])
             if ro is not None and ro.finished and ro.request_id in live:
-                del live[ro.request_id]
-                results[ro.request_id] = [(c.token_ids, c.text, c.finish_reason) for c in ro.outputs]
+                rid = ro.request_id
+                del live[rid]
+                results[rid] = [(c.token_ids, c.text, c.finish_reason) for c in ro.outputs]
+                nxt = follow_ups and follow_up(rid, *prompts[rid], list(ro.outputs[0].token_ids),
+                                               engine.max_model_len)
+                if nxt:
+                    prompts[nxt[0]] = nxt[1:]
+                    pending.insert(0, (step + 1, *nxt, 0))
         if not pending and not live and not engine.has_work:
             break
     assert not live and not engine.has_work, f"stuck after {max_steps} steps: {sorted(live)}"
@@ -186,11 +248,11 @@ STORIES_BLOCK_BYTES = 2 * 8 * 4 * 8 * 4 * 5  # K and V, 8 tokens, 4 KV heads × 
 
 def engine_for(combo, num_blocks, block_size=8, max_model_len=96, executor=None, **extra):
     policy, use_async, chunked, caching, offload = combo + (False,) * (5 - len(combo))
+    extra = dict(dict(max_num_batched_tokens=max_model_len if not chunked else 24, max_num_seqs=6), **extra)
     cfg = EngineConfig.from_kwargs(
         model=str(STORIES_EMBEDDED), scheduling_policy=policy, async_scheduling=use_async,
         enable_chunked_prefill=chunked, enable_prefix_caching=caching, block_size=block_size,
         max_model_len=max_model_len, num_gpu_blocks_override=num_blocks,
-        max_num_batched_tokens=max_model_len if not chunked else 24, max_num_seqs=6,
         kv_offload_size=(HOST_BLOCKS + 0.5) * STORIES_BLOCK_BYTES / 2**30 if offload else None, **extra)
     return EngineCore(cfg, executor or CheckingExecutor(num_blocks, block_size, max_model_len,
                                                         HOST_BLOCKS if offload else 0))
@@ -211,14 +273,14 @@ def test_random_traces_keep_invariants_and_outputs(combo, tokenizer):
         trace, aborts = make_trace(seed, 96)
         try:
             tight = engine_for(combo, num_blocks=13)  # 104 slots: one full-length request + a bit
-            got, aborted = run_trace(tight, trace, aborts, tokenizer)
+            got, aborted = run_trace(tight, trace, aborts, tokenizer, follow_ups=True)
             assert tight.scheduler.num_preemptions > 0 or seed > 0 or not combo[2]
             if combo[4]:
                 loaded += tight.scheduler.stats().host_blocks_loaded
             free = engine_for(("fcfs", False, True, False), num_blocks=1000)
-            want, _ = run_trace(free, trace, {}, tokenizer)
+            want, _ = run_trace(free, trace, {}, tokenizer, follow_ups=True)
             for rid, outs in want.items():
-                if rid in aborted:
+                if rid.rstrip("+") in aborted:  # (and its follow-ups)
                     continue
                 assert got[rid] == outs, rid
         except AssertionError as e:
@@ -226,23 +288,52 @@ def test_random_traces_keep_invariants_and_outputs(combo, tokenizer):
     assert loaded > 0 or not combo[4], "no prefix hit in the host tier in any trace"
 
 
-@pytest.mark.parametrize("combo", [("fcfs", False, True, True), ("priority", True, True, True),
-                                   ("fcfs", True, False, False), ("priority", False, True, True, True)],
-                         ids=["sync-chunked-cache", "async-chunked-cache", "async-whole", "host"])
-def test_sliding_window_traces(combo, tokenizer):
+@pytest.mark.parametrize("block_size,blocks,budget,seqs", [(8, 12, 1, 1), (8, 13, 3, 2), (16, 6, 2, 9),
+                                                          (32, 3, 7, 5)])
+@pytest.mark.parametrize("combo", [("fcfs", True, True, True), ("priority", False, True, True, True)],
+                         ids=["async", "priority-host"])
+def test_extreme_budgets_and_sequence_limits(combo, block_size, blocks, budget, seqs, tokenizer):
+    """Steps of 1 to 7 tokens, one to nine sequences, blocks of 8 to 32 tokens in a cache of
+    one full-length request: every chunking, preemption and decode order still gives the
+    unconstrained run's outputs and leaks nothing."""
+    for seed in range(3):
+        trace, aborts = make_trace(200 + seed, 96)
+        try:
+            tight = engine_for(combo, num_blocks=blocks, block_size=block_size, executor=CheckingExecutor(
+                blocks, block_size, 96, HOST_BLOCKS if len(combo) > 4 else 0),
+                max_num_batched_tokens=budget, max_num_seqs=seqs)
+            got, aborted = run_trace(tight, trace, aborts, tokenizer, max_steps=20000, follow_ups=True)
+            want, _ = run_trace(engine_for(("fcfs", False, True, False), num_blocks=1000), trace, {},
+                                tokenizer, follow_ups=True)
+            for rid, outs in want.items():
+                if rid.rstrip("+") not in aborted:
+                    assert got[rid] == outs, rid
+        except AssertionError as e:
+            raise AssertionError(f"seed {200 + seed}: {e}") from e
+
+
+@pytest.mark.parametrize("combo,window,blocks,seeds", [
+    (("fcfs", False, True, True), 12, 13, 4), (("priority", True, True, True), 12, 13, 4),
+    (("fcfs", True, False, False), 12, 13, 4), (("priority", False, True, True, True), 12, 13, 4),
+    (("priority", False, True, True, True), 8, 6, 48)],
+    ids=["sync-chunked-cache", "async-chunked-cache", "async-whole", "host", "host-tight"])
+def test_sliding_window_traces(combo, window, blocks, seeds, tokenizer):
     """A model whose every layer has a 12-token window: blocks that leave the window go back to
     the pool (the shadow KV check reads exactly each step's window, so a released block that
     was still needed fails), with admission, preemption, aborts, prefix hits and the host tier;
-    outputs equal an unconstrained run's."""
+    outputs equal an unconstrained run's. `host-tight`: an 8-token window in 5 usable blocks,
+    where a request preempted after its step was planned (its first blocks already out of the
+    window) left a block whose KV was never written in the prefix cache, found by a follow-up
+    turn (seed 43)."""
     released = 0
-    for seed in range(4):
+    for seed in range(seeds):
         trace, aborts = make_trace(seed, 96)
         try:
             policy, use_async, chunked, caching, offload = combo + (False,) * (5 - len(combo))
-            tight = engine_for(combo, num_blocks=13, executor=CheckingExecutor(
-                13, 8, 96, HOST_BLOCKS if offload else 0, window=12))
+            tight = engine_for(combo, num_blocks=blocks, executor=CheckingExecutor(
+                blocks, 8, 96, HOST_BLOCKS if offload else 0, window=window))
             kv = tight.scheduler.kv
-            assert kv.sliding_window == 12 and kv.num_blocks == 12  # block 0: the null block
+            assert kv.sliding_window == window and kv.num_blocks == blocks - 1  # block 0: null
             real = kv.release_outside_window
 
             def counting(req, n, real=real):  # blocks that left the window
@@ -252,11 +343,11 @@ def test_sliding_window_traces(combo, tokenizer):
                 real(req, n)
                 released += nulls() - before
             kv.release_outside_window = counting
-            got, aborted = run_trace(tight, trace, aborts, tokenizer)
+            got, aborted = run_trace(tight, trace, aborts, tokenizer, follow_ups=True)
             free = engine_for(("fcfs", False, True, False), num_blocks=1000)
-            want, _ = run_trace(free, trace, {}, tokenizer)
+            want, _ = run_trace(free, trace, {}, tokenizer, follow_ups=True)
             for rid, outs in want.items():
-                if rid not in aborted:
+                if rid.rstrip("+") not in aborted:
                     assert got[rid] == outs, rid
         except AssertionError as e:
             raise AssertionError(f"seed {seed}, combo {combo}: {e}") from e

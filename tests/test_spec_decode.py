@@ -415,3 +415,26 @@ def test_echo_bench_configs_accept_every_draft(tmp_path):
         assert _greedy(llm, prompts, max_tokens=40, ignore_eos=True) == want
         s = llm.engine.scheduler.stats()
         assert s.spec_num_accepted_tokens >= 0.9 * s.spec_num_draft_tokens > 0, spec["method"]
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+def test_prompt_aborted_mid_prefill_leaves_no_uncomputed_block_cached(stories_base, draft_dir, use_async):
+    """A draft model reserves its lookahead slots past each step's tokens; a prefill chunk cut by
+    the budget (21 of 40 prompt tokens, + 3 slots) registered in the prefix cache the block
+    that the slots filled, though its last 3 prompt tokens were not computed. A client that
+    disconnects then (the request aborted) left it there: the same prompt sent again read
+    never-written KV (other greedy tokens than without speculative decoding)."""
+    from rankserve.runtime.messages import EngineCoreRequest
+    prompt = [int(t) for t in np.random.default_rng(0).integers(3, 500, 40)]
+    want = _greedy(stories_base, [{"prompt_token_ids": prompt}], max_tokens=8)[0]
+    llm = LLM(str(STORIES_EMBEDDED), block_size=8, max_model_len=96, max_num_batched_tokens=21,
+              async_scheduling=use_async,
+              speculative_config={"method": "draft_model", "model": draft_dir, "num_speculative_tokens": 3})
+    eng = llm.engine
+    eng.add_request(EngineCoreRequest("gone", prompt, SamplingParams(temperature=0, max_tokens=8), 0.0))
+    eng.step()  # the first chunk
+    eng.abort_requests(["gone"])
+    while eng.has_work:
+        eng.step()
+    assert _greedy(llm, [{"prompt_token_ids": prompt}], max_tokens=8)[0] == want
+    assert eng.scheduler.kv.num_free_blocks == eng.scheduler.kv.num_blocks

@@ -12,7 +12,7 @@ import pytest
 from rankserve.runtime.model_runner import ModelRunnerOutput
 
 from conftest import STORIES_EMBEDDED
-from test_engine_fuzz import CheckingExecutor, engine_for, make_trace, run_trace
+from test_engine_fuzz import HOST_BLOCKS, CheckingExecutor, engine_for, make_trace, run_trace
 from test_engine_fuzz import tokenizer  # noqa: F401 - the fixture
 
 K = 3
@@ -31,6 +31,7 @@ class SpecCheckingExecutor(CheckingExecutor):
         return seq[-n:] if n else []
 
     def submit(self, plan) -> ModelRunnerOutput:
+        self.run_copies(plan)
         for rid in plan.finished_req_ids:
             self.reqs.pop(rid, None)
         start = {}
@@ -89,10 +90,14 @@ class SpecCheckingExecutor(CheckingExecutor):
         return ModelRunnerOutput(req_ids, sampled, accepted=accepted, draft_token_ids=proposals)
 
 
-@pytest.mark.parametrize("combo", [("fcfs", False, True, True), ("priority", True, True, False),
-                                   ("fcfs", True, False, True)],
-                         ids=["chunked-cache", "priority-async-chunked", "async-whole-cache"])
-@pytest.mark.parametrize("method", ["ngram", "draft_model", "mtp"])
+COMBOS = {"chunked-cache": ("fcfs", False, True, True), "priority-async-chunked": ("priority", True, True, False),
+          "async-whole-cache": ("fcfs", True, False, True),
+          "async-chunked-cache-host": ("priority", True, True, True, True)}  # (host tier: n-gram only)
+
+
+@pytest.mark.parametrize("combo,method", [
+    pytest.param(COMBOS[c], m, id=f"{m}-{c}") for c in COMBOS
+    for m in (["ngram"] if c.endswith("host") else ["ngram", "draft_model", "mtp"])])
 def test_spec_traces_keep_invariants_no_leaks_same_outputs(combo, method, tokenizer):  # noqa: F811
     spec = {"method": method, "num_speculative_tokens": K}
     if method == "draft_model":
@@ -103,7 +108,8 @@ def test_spec_traces_keep_invariants_no_leaks_same_outputs(combo, method, tokeni
     for seed in range(6):
         trace, aborts = make_trace(seed, 96)
         try:
-            ex = SpecCheckingExecutor(13, 8, 96, lookahead=lookahead, seed=seed)
+            ex = SpecCheckingExecutor(13, 8, 96, HOST_BLOCKS if len(combo) > 4 else 0,
+                                      lookahead=lookahead, seed=seed)
             tight = engine_for(combo, num_blocks=13, executor=ex, speculative_config=spec)
             got, aborted = run_trace(tight, trace, aborts, tokenizer)
             assert tight.scheduler.num_preemptions > 0 or seed > 0 or not combo[2]
