@@ -759,3 +759,19 @@ def test_explicit_nulls_are_the_defaults(http):
                                      "parallel_tool_calls": None})
     assert r.status_code == 200, r.text
     bad(post(http, "/v1/chat/completions", {"messages": None, "max_tokens": 2}), "messages")
+
+
+def test_generation_prompt_options_and_special_token_spacing(http):
+    """vLLM's rules: continue_final_message with an explicit add_generation_prompt true is a 400
+    (true by default gives way); spaces_between_special_tokens takes its default only."""
+    msgs = [{"role": "user", "content": "Once"}, {"role": "assistant", "content": "upon a"}]
+    chat = {"model": "stories260K", "messages": msgs}
+    for path, extra in (("/v1/chat/completions", {"max_tokens": 2}), ("/tokenize", {})):
+        body = {**chat, **extra}
+        r = http.post(path, json={**body, "continue_final_message": True, "add_generation_prompt": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
+        assert http.post(path, json={**body, "continue_final_message": True}).status_code == 200
+    comp = {"model": "stories260K", "prompt": "Once", "max_tokens": 2}
+    assert http.post("/v1/completions", json={**comp, "spaces_between_special_tokens": True}).status_code == 200
+    r = http.post("/v1/completions", json={**comp, "spaces_between_special_tokens": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "spaces_between_special_tokens"

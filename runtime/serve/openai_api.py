@@ -13,7 +13,8 @@ from ..parse import (ContentDelta, Delta, ParsedMessage, ReasoningDelta,
 from .client import RequestStream, Update
 from .context import SSE_DONE, ChatRun, ServeContext, ToolMode, sse, usage
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DerenderRequest,
-                       DetokenizeRequest, TokenizeRequest, check_logprobs, check_prompts,
+                       DetokenizeRequest, TokenizeRequest, check_generation_prompt, check_logprobs,
+                       check_prompts,
                        check_token_ids, now, random_id, sampling_params, structured_from)
 
 
@@ -559,6 +560,7 @@ def tokenize(ctx: ServeContext, req: TokenizeRequest) -> dict:
     if (req.prompt is None) == (req.messages is None):
         raise APIError("give exactly one of prompt and messages", param="prompt")
     if req.messages is not None:
+        check_generation_prompt(req)
         ids = ctx.render_chat(req.messages, req.tools, req.chat_template_kwargs,
                               req.add_generation_prompt and not req.continue_final_message,
                               req.continue_final_message, req.chat_template)

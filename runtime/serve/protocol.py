@@ -202,6 +202,7 @@ class SamplingRequest(Request):
     ignore_eos: Bool = False
     min_tokens: Int64 = Field(0, ge=0)
     skip_special_tokens: Bool = True
+    spaces_between_special_tokens: Bool = True  # (what a fast tokenizer's decode does; false refused)
     include_stop_str_in_output: Bool = False
     priority: Int64 = 0
     prompt_logprobs: int | None = Field(None, ge=-1)  # -1: the vocabulary
@@ -236,6 +237,10 @@ class SamplingRequest(Request):
         if self.truncate_prompt_tokens == 0:
             raise APIError("truncate_prompt_tokens must be >= 1 (or -1)",
                            param="truncate_prompt_tokens")
+        if not self.spaces_between_special_tokens:
+            raise APIError("spaces_between_special_tokens=false is not supported (special tokens "
+                           "are decoded as the tokenizer joins them)",
+                           param="spaces_between_special_tokens")
 
 
 def sampling_params(req: SamplingRequest, defaults: dict, max_tokens: int | None,
@@ -520,10 +525,20 @@ class ChatCompletionRequest(SamplingRequest):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
+        check_generation_prompt(self)
         if not self.include_reasoning:
             raise APIError("include_reasoning=false is not supported yet",
                            param="include_reasoning")
         check_tool_schemas(self.tools)
+
+
+def check_generation_prompt(req) -> None:
+    """vLLM's rule: continuing the final message and opening a new turn are exclusive (an
+    add_generation_prompt left at its default true gives way)."""
+    if req.continue_final_message and req.add_generation_prompt \
+            and "add_generation_prompt" in req.model_fields_set:
+        raise APIError("Cannot set both `continue_final_message` and `add_generation_prompt` to "
+                       "True.", param="continue_final_message")
 
 
 class DerenderRequest(Request):
