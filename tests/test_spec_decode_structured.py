@@ -1,0 +1,146 @@
+"""Structured outputs under speculative decoding: a constrained request's drafts are verified
+with a grammar mask per draft position, so its greedy output is token for token the one without
+speculation, always valid, and its drafts are accepted where the model agrees (stories260K,
+n-gram and a draft model)."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from rankserve import LLM, SamplingParams
+from rankserve.runtime.sampling_params import StructuredOutputsParams as SO
+
+from conftest import STORIES_EMBEDDED
+from test_spec_decode import stories_draft
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+STORY = "Lily and Tom went to the park. Lily and Tom went to the"
+SCHEMA = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 40},
+                                           "b": {"enum": ["cat", "dog"]}},
+          "required": ["a", "b"], "additionalProperties": False}
+JSON_PROMPT = ('{"a": "Lily and Tom went to the park", "b": "cat"} '
+               '{"a": "Lily and Tom went to the park", "b": "cat"} {"a": "Lily')
+CHOICES = ["park. Lily and Tom went", "park", "tree"]
+REGEX = r" park\. [A-Za-z]+( [a-z]+){0,6}\."
+
+
+def _cases():
+    """(prompt, params, check of the text) for each kind of constraint."""
+    json_so = SO(json=SCHEMA, disable_any_whitespace=True)
+    return [
+        (JSON_PROMPT, json_so, lambda t: jsonschema.validate(json.loads(t), SCHEMA)),
+        (STORY, SO(regex=REGEX), lambda t: re.fullmatch(REGEX, t) or pytest.fail(t)),
+        (STORY, SO(choice=CHOICES), lambda t: t in CHOICES or pytest.fail(t)),
+        (STORY, SO(grammar='root ::= " park." [a-z ]+ "."'),
+         lambda t: re.fullmatch(r" park\.[a-z ]+\.", t) or pytest.fail(t)),
+    ]
+
+
+def _sps(cases, **kw):
+    return [SamplingParams(temperature=0, max_tokens=40, structured_outputs=so, **kw)
+            for _, so, _ in cases]
+
+
+def _ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def base():
+    return LLM(str(STORIES_EMBEDDED), max_num_seqs=8, kv_cache_memory_gb=0.05)
+
+
+@pytest.fixture(scope="module")
+def ngram():
+    return LLM(str(STORIES_EMBEDDED), max_num_seqs=8, kv_cache_memory_gb=0.05, speculative_config=NGRAM)
+
+
+def test_constrained_greedy_speculates_and_equals_plain(base, ngram):
+    cases = _cases()
+    prompts, sps = [c[0] for c in cases], _sps(cases)
+    want = base.generate(prompts, sps)
+    before = ngram.engine.scheduler.stats()
+    got = ngram.generate(prompts, sps)
+    assert _ids(got) == _ids(want)
+    for (_, _, check), o in zip(cases, got):
+        assert o.outputs[0].finish_reason == "stop", o.outputs[0]
+        check(o.outputs[0].text)
+    s = ngram.engine.scheduler.stats()  # only constrained requests ran: their drafts
+    assert s.spec_num_accepted_tokens - getattr(before, "spec_num_accepted_tokens", 0) > 0
+    assert ngram.engine.scheduler.kv.num_free_blocks == ngram.engine.scheduler.kv.num_blocks
+
+
+def test_each_constraint_speculates_alone(base, ngram):
+    """The JSON and regex requests each get drafts accepted (their prompts repeat what the
+    constraint lets the model write)."""
+    for prompt, so, check in _cases()[:2]:
+        sp = _sps([(prompt, so, check)])
+        before = ngram.engine.scheduler.spec.num_accepted_tokens
+        got = ngram.generate(prompt, sp)[0].outputs[0]
+        assert got.token_ids == base.generate(prompt, sp)[0].outputs[0].token_ids
+        check(got.text)
+        assert ngram.engine.scheduler.spec.num_accepted_tokens > before, so.kind
+
+
+def test_a_stop_token_inside_the_drafts(base, ngram):
+    """The prompt repeats 'p ar k .' then EOS, and ends with 'p ar'; the constraint makes the
+    first token 'k', so the n-gram drafts are '.', EOS, 'p'. Where the grammar may end after
+    '.', EOS is accepted inside the draft run and the output stops there (the rows after it are
+    free; with ignore_eos the grammar's end still ends it); where it may not, the mask rejects
+    the EOS draft: the same tokens as without drafts either way."""
+    tok = base.get_tokenizer()
+    park, eos = tok.encode(" park.")[1:], tok.eos_token_id
+    prompt = [1] + (park + [eos] + park + [eos]) * 2 + park[:2]
+    for regex, kw in [(r"k\.", {}), (r"k\.", {"ignore_eos": True}), (r"k\.[a-z]+\.", {})]:
+        sp = SamplingParams(temperature=0, max_tokens=20, structured_outputs=SO(regex=regex), **kw)
+        before = ngram.engine.scheduler.spec.num_accepted_tokens
+        got = ngram.generate([prompt], sp)[0].outputs[0]
+        want = base.generate([prompt], sp)[0].outputs[0]
+        assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason, regex
+        assert re.fullmatch(regex, got.text), got.text
+        assert ngram.engine.scheduler.spec.num_accepted_tokens > before, (regex, kw)
+    assert got.finish_reason == "stop" and eos not in got.token_ids[:-1]
+
+
+def test_drafts_across_the_start_of_the_constraint(base, ngram):
+    """A constraint that starts after a token (a reasoning's end; here the first '.'): the
+    drafts ' ar', 'k', '.' are free, and the token after them is held to the grammar (' Tom',
+    where the model would write ' Lily')."""
+    prompt = "Lily and Tom went to the park. Lily and Tom went to the park. Lily and Tom went to the"
+    so = SO(regex=r" Tom( [a-z]+){0,6}\.", start_after_token_id=base.get_tokenizer().encode(".")[-1])
+    sp = SamplingParams(temperature=0, max_tokens=30, structured_outputs=so)
+    before = ngram.engine.scheduler.spec.num_accepted_tokens
+    got = ngram.generate(prompt, sp)[0].outputs[0]
+    assert got.token_ids == base.generate(prompt, sp)[0].outputs[0].token_ids
+    head, _, answer = got.text.partition(".")
+    assert head == " park" and re.fullmatch(r" Tom( [a-z]+){0,6}\.", answer), got.text
+    assert got.finish_reason == "stop" and ngram.engine.scheduler.spec.num_accepted_tokens > before
+
+
+def test_mixed_batch_with_logprobs_under_pressure(base, tmp_path_factory):
+    """Constrained, plain and logprobs requests together, with chunked prefill and preemption
+    (a small KV cache), with n-gram and with a draft model under async scheduling: the same
+    tokens as plain, every constrained output valid."""
+    cases = _cases()
+    prompts = [c[0] for c in cases] + [STORY, JSON_PROMPT]
+    sps = _sps(cases) + [SamplingParams(temperature=0, max_tokens=30, logprobs=2),
+                         SamplingParams(temperature=0, max_tokens=30)]
+    sps[1] = SamplingParams(temperature=0, max_tokens=40, logprobs=1, structured_outputs=cases[1][1])
+    want = base.generate(prompts, sps)
+    draft = stories_draft(tmp_path_factory.mktemp("draft"), 2)
+    for spec in (NGRAM, {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}):
+        llm = LLM(str(STORIES_EMBEDDED), max_num_seqs=6, block_size=8, num_gpu_blocks_override=18,
+                  max_model_len=128, max_num_batched_tokens=24, speculative_config=spec,
+                  async_scheduling=spec["method"] == "draft_model")
+        got = llm.generate(prompts, sps)
+        assert _ids(got) == _ids(want), spec["method"]
+        for (_, _, check), o in zip(cases, got):
+            check(o.outputs[0].text)
+        lp_got, lp_want = got[1].outputs[0].logprobs, want[1].outputs[0].logprobs
+        assert [list(e) for e in lp_got] == [list(e) for e in lp_want]
+        sch = llm.engine.scheduler
+        assert sch.num_preemptions > 0 and sch.spec.num_accepted_tokens > 0, spec["method"]
+        assert sch.kv.num_free_blocks == sch.kv.num_blocks
