@@ -144,3 +144,82 @@ def test_mixed_batch_with_logprobs_under_pressure(base, tmp_path_factory):
         sch = llm.engine.scheduler
         assert sch.num_preemptions > 0 and sch.spec.num_accepted_tokens > 0, spec["method"]
         assert sch.kv.num_free_blocks == sch.kv.num_blocks
+
+
+
+def test_draft_rows_equal_fresh_fills():
+    """Random walks of JSON matchers (stories' vocabulary) with random drafts, mostly ones the
+    grammar allows, some not: every draft row equals a fresh fill after the drafts before it
+    (reused string rows included), rows past a rejected draft or the grammar's end are full,
+    the matchers are back where they were, and the accepted tokens then advance them once."""
+    import numpy as np
+    import torch
+
+    from rankserve.runtime.bench.throughput import SCHEMAS
+    from rankserve.runtime.structured_output import StructuredOutputManager
+    from test_structured_output_reuse import HARD, allowed, new_grammar
+
+    size, eos = 512, 2
+    m = StructuredOutputManager(str(STORIES_EMBEDDED), str(STORIES_EMBEDDED), size)
+    sos = [SO(json=s) for s in SCHEMAS + HARD] + [SO(json_object=True)]
+    rng = np.random.default_rng(0)
+    fresh = torch.zeros((1, (size + 31) // 32), dtype=torch.int32)
+
+    def fill(g):
+        g.matcher.fill_next_token_bitmask(fresh, 0)
+        return fresh[0].numpy().copy()
+
+    def walk(g, d):
+        """The fresh rows after each prefix of d (None past a rejection or the end)."""
+        want, n = [fill(g)], 0
+        for t in d:
+            if want[-1] is None or not g.matcher.accept_token(t):
+                want.append(None)
+                continue
+            n += 1
+            want.append(None if g.matcher.is_terminated() else fill(g))
+        g.matcher.rollback(n)
+        return want
+
+    try:
+        gs = [new_grammar(m, sos[i % len(sos)], eos) for i in range(8)]
+        checked = 0
+        for step in range(40):
+            drafts = []
+            for g in gs:  # a walk the grammar allows, sometimes a random token, then rolled back
+                d, n = [], 0
+                for _ in range(int(rng.integers(0, 5))):
+                    ok = allowed(fill(g), size) if not g.matcher.is_terminated() else [eos]
+                    d.append(int(rng.choice(ok)) if rng.random() > 0.1 else int(rng.integers(size)))
+                    if not g.matcher.accept_token(d[-1]):
+                        break
+                    n += 1
+                g.matcher.rollback(n)
+                drafts.append(d)
+            wants = [walk(g, d) for g, d in zip(gs, drafts)]
+            seen = [g.num_seen for g in gs]
+            rows = m.fill_bitmask(gs, drafts=drafts)
+            at = 0
+            for d, want in zip(drafts, wants):
+                for j, w in enumerate(want):
+                    if w is None:
+                        assert (rows[at + j] == -1).all(), (step, j)
+                    else:
+                        assert np.array_equal(rows[at + j], w), (step, j)
+                        checked += 1
+                at += len(d) + 1
+            assert [g.num_seen for g in gs] == seen
+            assert all(np.array_equal(fill(g), w[0]) for g, w in zip(gs, wants))  # rolled back
+            runs = []
+            for g, d, want in zip(gs, drafts, wants):  # accept a valid prefix, then a bonus token
+                a = int(rng.integers(0, next((j for j, w in enumerate(want) if w is None), len(want))))
+                runs.append((g, d[:a] + [int(rng.choice(allowed(want[a], size)))]))
+            used = m.accept_runs(runs)
+            for i, ((g, toks), n) in enumerate(zip(runs, used)):
+                assert not g.failed and g.num_seen == seen[i] + n
+                assert n == len(toks) or g.terminated
+                if g.terminated:
+                    gs[i] = new_grammar(m, sos[int(rng.integers(len(sos)))], eos)
+        assert checked > 300 and m.rows_reused > 0
+    finally:
+        m.shutdown()
