@@ -120,6 +120,21 @@ def test_drafts_across_the_start_of_the_constraint(base, ngram):
     assert got.finish_reason == "stop" and ngram.engine.scheduler.spec.num_accepted_tokens > before
 
 
+def test_sampled_constrained_outputs_are_valid(ngram):
+    """Temperature 1: drafts are accepted with the probability the masked target gives them,
+    so an accepted one is always allowed; every output is valid and drafts are accepted."""
+    json_so, regex_so = SO(json=SCHEMA, disable_any_whitespace=True), SO(regex=REGEX)
+    sps = [SamplingParams(temperature=1.0, seed=s, max_tokens=80, structured_outputs=so)
+           for so in (json_so, regex_so) for s in range(6)]
+    before = ngram.engine.scheduler.spec.num_accepted_tokens
+    outs = [o.outputs[0] for o in ngram.generate([JSON_PROMPT] * 6 + [STORY] * 6, sps)]
+    assert all(o.finish_reason == "stop" for o in outs), outs
+    for o in outs[:6]:
+        jsonschema.validate(json.loads(o.text), SCHEMA)
+    assert all(re.fullmatch(REGEX, o.text) for o in outs[6:]), [o.text for o in outs[6:]]
+    assert len({o.text for o in outs}) > 2 and ngram.engine.scheduler.spec.num_accepted_tokens > before
+
+
 def test_mixed_batch_with_logprobs_under_pressure(base, tmp_path_factory):
     """Constrained, plain and logprobs requests together, with chunked prefill and preemption
     (a small KV cache), with n-gram and with a draft model under async scheduling: the same
