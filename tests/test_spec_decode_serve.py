@@ -67,4 +67,9 @@ def test_tp2_matches_single_rank(checkpoint):
     spec = json.dumps({"method": "draft_model", "model": draft, "num_speculative_tokens": 2,
                        "draft_tensor_parallel_size": 2})
     assert mpi_generate(2, model, "--tp", "2", "--speculative-config", spec) == want
-    assert PROMPTS  # the prompts test_multirank uses
+    # a constrained output's mask rows (one per draft position) travel in the plan to rank 1
+    regex = "( [a-z]+| [A-Z][a-z]+[.,]){2,12}"
+    so = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                        structured_outputs=StructuredOutputsParams(regex=regex))
+    want = [o.outputs[0].token_ids for o in LLM(model).generate(PROMPTS, so)]
+    assert mpi_generate(2, model, "--tp", "2", "--speculative-config", NGRAM, "--regex", regex) == want
