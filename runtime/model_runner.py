@@ -582,7 +582,7 @@ class ModelRunner:
             # collect). Without drafts everything else of the sampling is done now (the logits
             # GEMM queues behind the forward), so only the masks' copy and the sampling kernels
             # wait, and the next step's host work does not depend on this one's request states.
-            plan.fill_async(self.sampling.bits_buffer(len(plan.grammar_req_ids)))
+            plan.fill_async(self.sampling.bits_buffer(plan.grammar_num_rows or len(plan.grammar_req_ids)))
             out = self._deferred = ModelRunnerOutput(inp.sample_req_ids, [])
             self._deferred_after_prepare = inp.num_drafts is None and self.proposer is None
             out._sample = (self._begin_sample(inp, hidden, out) if self._deferred_after_prepare
@@ -697,7 +697,6 @@ class ModelRunner:
                  tokens: torch.Tensor, num_acc: torch.Tensor | None) -> ProposeContext | None:
         """num_acc None: a plain sampling step (nothing accepted, one token each). Returns the
         context (its `host()` copy, if one was made, serves the caller too), None if idle."""
-        from .spec_decode import can_speculate
         # requests paused by the backoff (or whose proposer state still lags) get no work: None
         active = self.proposer.step_active[inp.sample_index]
         if not active.any():  # (most steps of drafts that miss: nothing to do on the host)
@@ -705,10 +704,8 @@ class ModelRunner:
         if num_acc is None:
             num_acc = torch.zeros_like(tokens[:, 0])
         rows = np.array([self.reqs[r].row for r in inp.sample_req_ids], dtype=np.int64)
-        eligible = np.array([can_speculate(self.reqs[r].sampling_params) for r in inp.sample_req_ids],
-                            dtype=bool)
         ctx = ProposeContext(inp.sample_req_ids, rows, inp.base_pos, tokens, num_acc, hidden,
-                             inp.logits_indices, eligible, inp.num_drafts)
+                             inp.logits_indices, inp.num_drafts)
         last_try = active & inp.pause_on_miss[inp.sample_index]
         if last_try.any():  # (the host needs the accepted counts for the drafts anyway)
             done = last_try & (np.asarray(ctx.host()[1]) == 0)  # pauses now: no proposals

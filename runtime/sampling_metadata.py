@@ -51,9 +51,14 @@ class SamplingMetadataBuilder:
             self.bad_words[row] = sp.bad_words_token_ids
 
     def _next_pinned(self, rows: int) -> tuple[torch.Tensor, torch.cuda.Event]:
-        if not self.bits_pinned:
+        if not self.bits_pinned or len(self.bits_pinned[0][0]) < rows:
+            # a row per request; with drafts (speculative decoding) one per verified position:
+            # made again, larger, once both buffers' copies are done
+            for _, done in self.bits_pinned:
+                done.synchronize()
             width = (self.vocab_size + 31) // 32
-            self.bits_pinned = [(torch.empty((self.max_num_seqs, width), dtype=torch.int32,
+            size = max(self.max_num_seqs, rows)
+            self.bits_pinned = [(torch.empty((size, width), dtype=torch.int32,
                                              pin_memory=True), torch.cuda.Event()) for _ in range(2)]
         self.bits_step ^= 1
         buf, done = self.bits_pinned[self.bits_step]
@@ -112,8 +117,15 @@ class SamplingMetadataBuilder:
             self._token_masks(md, req_ids, np.flatnonzero(p[:, P_MASKS]), banned_rows, banned_toks,
                               extra_tokens)
         if grammar is not None and grammar[0]:
-            pos = {rid: i for i, rid in enumerate(req_ids)}
-            md.grammar = (stage(np.array([pos[r] for r in grammar[0]], dtype=np.int64)),
+            # a request's rows are consecutive (with drafts, one per verified position): the
+            # grammar has a row for each, in the same order
+            first: dict[str, int] = {}
+            count: dict[str, int] = {}
+            for i, rid in enumerate(req_ids):
+                first.setdefault(rid, i)
+                count[rid] = count.get(rid, 0) + 1
+            idx = [first[r] + j for r in grammar[0] for j in range(count[r])]
+            md.grammar = (stage(np.array(idx, dtype=np.int64)),
                           None if defer_bits else self.bits_to_device(grammar[1]()))
         under_min = np.flatnonzero(out_counts < p[:, P_MIN_TOKENS])
         if len(under_min):  # EOS and stop tokens may not end the output yet

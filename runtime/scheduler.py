@@ -65,9 +65,11 @@ class SchedulerOutput:
     finished_req_ids: list[str] = field(default_factory=list)  # runner may drop their state
     # of those, the preempted ones: the runner keeps their seeded generators for their return
     preempted_req_ids: list[str] = field(default_factory=list)
-    # structured outputs: allowed-token bits (int32 words, [len(ids), ceil(V / 32)]) for the
-    # constrained requests that sample this step; only the last pipeline stage reads them
+    # structured outputs: allowed-token bits (int32 words, [rows, ceil(V / 32)]) for the
+    # constrained requests that sample this step, a row per sampled position (one, or with
+    # drafts one per draft and one more); only the last pipeline stage reads them
     grammar_req_ids: list[str] = field(default_factory=list)
+    grammar_num_rows: int = 0
     grammar_bitmask: np.ndarray | None = None
     grammar_fill: Callable[..., object] | None = field(default=None, repr=False)
     grammar_future: object = field(default=None, repr=False)  # a fill running on the grammar thread
@@ -342,7 +344,11 @@ class Scheduler:
                     out.forced_token_ids[req.request_id] = forced
         if constrained:
             out.grammar_req_ids = [r.request_id for r in constrained]
-            out.grammar_fill = lambda background=False, out=None: self._fill_bitmask(constrained, background, out)
+            spec = [out.spec_token_ids.get(rid, []) for rid in out.grammar_req_ids]
+            out.grammar_num_rows = len(constrained) + sum(map(len, spec))
+            spec = spec if out.grammar_num_rows > len(constrained) else None
+            out.grammar_fill = lambda background=False, out=None: self._fill_bitmask(
+                constrained, background, out, spec)
             out.grammar_stats = self.structured
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         if self.kv.offload is not None and not out.is_empty:  # (an empty plan is not sent)
@@ -355,13 +361,16 @@ class Scheduler:
                 self.structured.wait_any([r.grammar for r in self.compiling], 0.01)
         return out
 
-    def _fill_bitmask(self, reqs: list[Request], background: bool = False, out=None):
+    def _fill_bitmask(self, reqs: list[Request], background: bool = False, out=None,
+                      drafts: list[list[int]] | None = None):
         """The masks of a plan's constrained requests, filled after its forward is launched.
         Under async scheduling the previous step may still be in flight: its tokens are taken
         from its result (waiting for it while this step's forward runs) and accepted first, so
         `update` finds them seen. `background`: run on the grammar thread and return a future;
         `update` waits until the accepting is done (it reads and advances the same requests).
-        `out`: where to write the rows (StructuredOutputManager.fill_bitmask)."""
+        `out`: where to write the rows; `drafts`: each request's drafts this step verifies, a
+        row for each (StructuredOutputManager.fill_bitmask). A request with drafts has no step
+        in flight (it does not run ahead), so its matcher is where the drafts start."""
         results = [r for r in self.results_in_flight() if r is not None] if self.async_scheduling else []
         done = threading.Event()
         self._accepting = done
@@ -371,7 +380,7 @@ class Scheduler:
                 self._accept_in_flight(reqs, results)
             finally:
                 done.set()
-            return self.structured.fill_bitmask([r.grammar for r in reqs], out)
+            return self.structured.fill_bitmask([r.grammar for r in reqs], out, drafts)
         return self.structured.fill_pool.submit(fill) if background else fill()
 
     def _accept_in_flight(self, reqs: list[Request], results: list) -> None:
@@ -380,12 +389,13 @@ class Scheduler:
         pairs = []
         for res in results:
             res.resolve()
-            for rid, tok in zip(res.req_ids, res.sampled_token_ids):
+            for i, (rid, tok) in enumerate(zip(res.req_ids, res.sampled_token_ids)):
                 r = want.get(rid)
-                if r is not None:
-                    k = seen[rid] = seen.get(rid, 0) + 1
-                    if r.grammar.num_seen < r.num_output_tokens + k:
-                        pairs.append((r.grammar, tok))
+                if r is not None:  # (tokens of a step with drafts: the accepted ones first)
+                    for t in (res.accepted[i] if res.accepted else []) + [tok]:
+                        k = seen[rid] = seen.get(rid, 0) + 1
+                        if r.grammar.num_seen < r.num_output_tokens + k:
+                            pairs.append((r.grammar, t))
         if pairs:
             self.structured.accept(pairs)
 
@@ -525,19 +535,22 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is not None:
                 req.num_pending -= 1
-        unseen = []  # grammar tokens not accepted at fill time (sync scheduling, or last step)
-        for rid, tok in zip(result.req_ids, result.sampled_token_ids):
+        accepted = result.accepted
+        unseen, unseen_ids = [], []  # grammar tokens not accepted at fill time (sync scheduling, or last step)
+        for i, (rid, tok) in enumerate(zip(result.req_ids, result.sampled_token_ids)):
             req = self.requests.get(rid)
             if (req is not None and req.grammar is not None and req.status == RequestStatus.RUNNING
                     and req.grammar.num_seen == req.num_output_tokens):
-                unseen.append((req.grammar, tok))
+                unseen.append((req.grammar, (accepted[i] if rid in sched.spec_token_ids else []) + [tok]))
+                unseen_ids.append(rid)
+        # with drafts, the grammar may end (or fail) before the step's last token: the output stops there
+        grammar_ends = {}
         if unseen:
-            self.structured.accept(unseen)
+            grammar_ends = dict(zip(unseen_ids, self.structured.accept_runs(unseen)))
         # before the outputs: a request that ends on this step's token (max_tokens 1) is gone after
         for rid, entries in result.prompt_logprobs.items():
             if rid in self.requests:
                 self.requests[rid].prompt_logprobs.extend(entries)
-        accepted = result.accepted
         for i, (rid, tok, lp) in enumerate(zip(result.req_ids, result.sampled_token_ids, logprobs)):
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:
@@ -548,6 +561,9 @@ class Scheduler:
                 self._roll_back(req, len(sched.spec_token_ids[rid]), len(accepted[i]))
             self._take_proposals(req, None if result.draft_token_ids is None
                                  else result.draft_token_ids[i])
+            if grammar_ends.get(rid, len(new)) < len(new):
+                del new[max(grammar_ends[rid], 1):]
+                lp = lp[:len(new)] if lp is not None else None
             reason = None
             for k, tok in enumerate(new):
                 req.append_token(tok)

@@ -35,17 +35,10 @@ from .config import SpecDecodeParams
 
 if TYPE_CHECKING:
     from .model_runner import ModelRunner, StepInputs
-    from .sampling_params import SamplingParams
 
 log = logging.getLogger("rankserve.spec_decode")
 
 PROPOSERS: Registry[type] = Registry("speculative decoding method")
-
-
-def can_speculate(sp: SamplingParams) -> bool:
-    """Requests that get drafts. Grammars would need a mask per draft position (not done yet):
-    those requests decode one token a step."""
-    return sp.structured_outputs is None
 
 
 def lookahead_slots(spec: SpecDecodeParams | None) -> int:
@@ -68,7 +61,6 @@ class ProposeContext:
     num_accepted: torch.Tensor  # [B] (device)
     hidden: torch.Tensor  # [T, H] the target's last-layer hidden states of the step
     logits_indices: torch.Tensor  # rows of `hidden` that were scored, request by request
-    eligible: np.ndarray  # [B] bool: can_speculate
     num_drafts: np.ndarray | None = None  # [B] drafts each request verified (None: none did)
     _host: tuple[list[list[int]], list[int]] | None = None
     _parent: tuple[ProposeContext, list[int]] | None = None  # (context selected from, its rows)
@@ -81,7 +73,7 @@ class ProposeContext:
         d = stage(idx)
         sub = ProposeContext([self.req_ids[i] for i in idx], self.rows[idx], self.base_pos[idx],
                              self.tokens[d], self.num_accepted[d], self.hidden,
-                             self.logits_indices[stage(scored)], self.eligible[idx],
+                             self.logits_indices[stage(scored)],
                              None if self.num_drafts is None else self.num_drafts[idx])
         root, at = self._parent or (self, None)
         sub._parent = (root, idx.tolist() if at is None else [at[i] for i in idx])
@@ -90,8 +82,7 @@ class ProposeContext:
     @classmethod
     def of(cls, tokens: torch.Tensor, num_accepted: torch.Tensor) -> ProposeContext:
         """Only the step's results (for `host`)."""
-        return cls([], np.zeros(0, np.int64), np.zeros(0, np.int64), tokens, num_accepted, None, None,
-                   np.zeros(0, bool))
+        return cls([], np.zeros(0, np.int64), np.zeros(0, np.int64), tokens, num_accepted, None, None)
 
     def host(self, extra: torch.Tensor | None = None):
         """(emitted tokens, num accepted) on the host, with the rows of `extra` ([B, n] on the
@@ -165,9 +156,10 @@ class Proposer:
         dropped): only what keeps the proposer's state right up to the emitted tokens."""
 
     def room(self, ctx: ProposeContext, num_tokens: np.ndarray) -> np.ndarray:
-        """Drafts each request may get: k, fewer near max_model_len, 0 if not eligible."""
-        room = self.runner.max_model_len - 1 - num_tokens
-        return np.where(ctx.eligible, np.clip(room, 0, self.k), 0)
+        """Drafts each request may get: k, fewer near max_model_len. (Every request drafts: a
+        structured output's drafts are verified with a grammar mask per draft position,
+        `StructuredOutputManager.fill_bitmask`.)"""
+        return np.clip(self.runner.max_model_len - 1 - num_tokens, 0, self.k)
 
     # ---- for proposers that decode ahead one token a request at a time (draft model, MTP) ----
     def ahead_table(self, ctx: ProposeContext, out: torch.Tensor | None = None) -> torch.Tensor:

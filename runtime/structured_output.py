@@ -247,6 +247,22 @@ class RequestGrammar:
         return self.active and self.matcher.is_terminated()
 
 
+class _Walk:
+    """A matcher's walk through a request's drafts (`StructuredOutputManager._draft_rows`): the
+    request's grammar state as it would be after them, the matcher itself aside."""
+
+    def __init__(self, g: RequestGrammar, drafts: list[int], at: int):
+        self.g, self.drafts, self.at = g, drafts, at
+        self.active, self.seen, self.known = g.active, g.num_seen, g.row
+        self.taken = 0  # drafts the matcher accepted (rolled back after)
+        self.done = False
+
+    def end(self, rows: np.ndarray, r: int) -> None:
+        """Rows r.. of its drafts are never read: full."""
+        rows[r:self.at + 1 + len(self.drafts)] = -1
+        self.done = True
+
+
 # Building a compiler (tokenizer load, xgrammar's vocabulary tables, the per-token tables of
 # grammar_state) takes seconds with a 150k vocabulary; an engine made again in the same process
 # (tests, notebooks, `LLM` re-created) reuses the last few. They are read-only once built, and
@@ -389,17 +405,22 @@ class StructuredOutputManager:
             stop = sorted(self._stop_ids | {eos_token_id})  # EOS only where the grammar may end
         g.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop)
 
-    def fill_bitmask(self, grammars: list[RequestGrammar], out=None) -> np.ndarray:
-        """One row of allowed-token bits (int32 words) per matcher, for this step, written into
-        `out` (an int32 tensor of len(grammars) rows: the runner's pinned buffer, so the rows go
-        to the device without another host copy) or a new array. A matcher that has ended or
-        failed gets a full row: its request finishes when the engine sees the token that ended
-        it, and whatever this step samples for it is dropped. A row whose mask is known (`g.row`:
-        inside a JSON string, see grammar_state.py) is copied, not filled."""
+    def fill_bitmask(self, grammars: list[RequestGrammar], out=None,
+                     drafts: list[list[int]] | None = None) -> np.ndarray:
+        """Rows of allowed-token bits (int32 words) for this step, written into `out` (an int32
+        tensor of as many rows: the runner's pinned buffer, so the rows go to the device
+        without another host copy) or a new array: one row per matcher, or with `drafts`
+        (speculative decoding) 1 + len(drafts[i]) rows for matcher i, the mask of each verified
+        position (`_draft_rows`). A matcher that has ended or failed gets a full row: its
+        request finishes when the engine sees the token that ended it, and whatever this step
+        samples for it is dropped. A row whose mask is known (`g.row`: inside a JSON string, see
+        grammar_state.py) is copied, not filled."""
         import torch
         import xgrammar as xgr
         t0 = time.perf_counter()
-        n = len(grammars)
+        sizes = [1] * len(grammars) if drafts is None else [1 + len(d) for d in drafts]
+        at = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int).tolist()  # row 0 of each
+        n = sum(sizes)
         mask = out if out is not None else torch.empty((n, (self.vocab_size + 31) // 32), dtype=torch.int32)
         if self._batch is None:  # fills the rows on several threads, without the GIL
             self._batch = xgr.BatchGrammarMatcher(fill_threads())
@@ -414,23 +435,82 @@ class StructuredOutputManager:
         rows = mask.numpy()
         if fill:
             self._batch.batch_fill_next_token_bitmask([grammars[i].matcher for i in fill], mask,
-                                                      fill if len(fill) < n else None)
+                                                      [at[i] for i in fill] if len(fill) < n else None)
         for i in live:
             g = grammars[i]
             if g.row is not None:  # the state's mask is known: an earlier step filled it
-                rows[i] = g.row
+                rows[at[i]] = g.row
             elif g.string_rules and at_string_start(g.matcher, g.string_rules, g.num_bytes):
-                g.row = rows[i].copy()
+                g.row = rows[at[i]].copy()
         for i in live:  # (after the rows kept for reuse: the opener is allowed once)
             if grammars[i].choosing:
                 op = grammars[i].opener
-                rows.view(np.uint32)[i, op >> 5] |= np.uint32(1 << (op & 31))
+                rows.view(np.uint32)[at[i], op >> 5] |= np.uint32(1 << (op & 31))
         self.rows_filled += len(fill)
         self.rows_reused += len(live) - len(fill)
-        if len(live) < n:  # through numpy: the runner's buffer is an inference tensor (made in
-            rows[sorted(set(range(n)) - set(live))] = -1  # its step), which torch won't edit here
+        if len(live) < len(grammars):  # through numpy: the runner's buffer is an inference tensor
+            rows[sorted(at[i] for i in set(range(len(grammars))) - set(live))] = -1  # (made in its step)
+        walks = [(g, drafts[i], at[i]) for i, g in enumerate(grammars) if sizes[i] > 1]
+        if walks:
+            self._draft_rows(walks, mask, rows)
         self.fill_seconds += time.perf_counter() - t0
         return rows
+
+    def _draft_rows(self, walks: list[tuple[RequestGrammar, list[int], int]], mask, rows: np.ndarray) -> None:
+        """For each (grammar, drafts, row of its current state, already filled): the rows after
+        it, the mask after each draft. The matchers are walked through the drafts, a batched
+        accept and fill per draft position, then rolled back: the tokens the step accepts are
+        given to them once, in `Scheduler.update`. A draft the grammar rejects is not allowed
+        by the row before it, so the verify step stops there and the rows after it are never
+        read (full rows); past the grammar's end (a stop token accepted) the same: the request
+        ends at that token. Inside a JSON string a plain token keeps the row (grammar_state.py);
+        before a reasoning ends the rows are free, as the request's own are."""
+        import xgrammar as xgr
+        state = [_Walk(g, d, at) for g, d, at in walks]
+        for j in range(max(len(d) for _, d, _ in walks)):
+            step, fill = [], []
+            for w in state:
+                if w.done or j >= len(w.drafts):
+                    continue
+                g, tok, r = w.g, w.drafts[j], w.at + 1 + j
+                if not w.active and w.seen == 0 and g.opener is not None and tok != g.opener:
+                    w.active = True  # the first token, not the opener: begins the answer
+                w.seen += 1
+                if w.active and not g.failed and not g.matcher.is_terminated():
+                    step.append(w)
+                elif w.active:
+                    w.end(rows, r)
+                else:  # reasoning: free, until the token that begins the answer
+                    w.active, w.known = tok == g.start_after, None
+                    if not w.active:
+                        rows[r] = -1
+                    elif g.matcher.is_terminated():
+                        w.end(rows, r)
+                    else:
+                        fill.append((g, r))
+            oks = xgr.BatchGrammarMatcher.batch_accept_token(
+                [w.g.matcher for w in step], [w.drafts[j] for w in step]) if step else []
+            for w, ok in zip(step, oks):
+                r = w.at + 1 + j
+                if not ok:
+                    w.end(rows, r)
+                    continue
+                w.taken += 1
+                if w.known is not None and self._plain[w.drafts[j]]:
+                    rows[r] = w.known
+                    self.rows_reused += 1
+                elif w.g.matcher.is_terminated():
+                    w.end(rows, r)
+                else:
+                    w.known = None
+                    fill.append((w.g, r))
+            if fill:
+                self._batch.batch_fill_next_token_bitmask([g.matcher for g, _ in fill], mask,
+                                                          [r for _, r in fill])
+                self.rows_filled += len(fill)
+        for w in state:
+            if w.taken:
+                w.g.matcher.rollback(w.taken)
 
     def accept(self, pairs: list[tuple[RequestGrammar, int]]) -> None:
         """Feed sampled tokens to their matchers (the active ones in one xgrammar call)."""
@@ -455,6 +535,22 @@ class StructuredOutputManager:
                 if not (ok and plain[tok]):  # a plain token: the string goes on, same mask
                     g.row = None
         self.accept_seconds += time.perf_counter() - t0
+
+    def accept_runs(self, runs: list[tuple[RequestGrammar, list[int]]]) -> list[int]:
+        """Feed each matcher its tokens of a step (speculative decoding: the accepted drafts,
+        then the sampled token), a batched `accept` per position. A matcher stops at the token
+        that ends the grammar or that it rejects; returns how many tokens each one read (the
+        request's output stops there)."""
+        used = [0] * len(runs)
+        for k in range(max((len(t) for _, t in runs), default=0)):
+            idx = [i for i, (g, toks) in enumerate(runs) if len(toks) > k and used[i] == k
+                   and not g.failed and not g.terminated]
+            if not idx:
+                break
+            self.accept([(runs[i][0], runs[i][1][k]) for i in idx])
+            for i in idx:
+                used[i] += 1
+        return used
 
     def wait_any(self, grammars: list[RequestGrammar], timeout: float) -> None:
         concurrent.futures.wait([g.future for g in grammars], timeout, concurrent.futures.FIRST_COMPLETED)

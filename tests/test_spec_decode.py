@@ -229,9 +229,9 @@ def test_tiny_random_models_greedy(checkpoint, arch):
 
 
 def test_logprobs_and_structured_requests_beside_drafting_ones(stories_base):
-    """A request with logprobs (it verifies drafts too) and one with a grammar (the verifier does
-    not serve it yet: one token a step) beside one that speculates: the same tokens (and
-    logprobs) as plain."""
+    """A request with logprobs and one with a grammar (both verify drafts too, the grammar's
+    with a mask per draft position) beside one that speculates: the same tokens (and logprobs)
+    as plain."""
     from rankserve.runtime.sampling_params import StructuredOutputsParams
     llm = LLM(str(STORIES_EMBEDDED), max_num_seqs=8, kv_cache_memory_gb=0.05, speculative_config=NGRAM)
     free = stories_base.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]

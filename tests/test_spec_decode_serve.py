@@ -7,6 +7,7 @@ import httpx
 import pytest
 
 from rankserve import LLM, SamplingParams
+from rankserve.runtime.sampling_params import StructuredOutputsParams
 
 from conftest import STORIES_EMBEDDED
 from test_multirank import PROMPTS, mpi_generate, single
@@ -22,6 +23,9 @@ def test_server_greedy_equals_plain_and_metrics(tmp_path):
     draft = stories_draft(tmp_path / "draft")
     llm = LLM(str(STORIES_EMBEDDED), kv_cache_memory_gb=0.05)
     want = llm.generate([REPEAT, "Once upon a time"], SamplingParams(temperature=0, max_tokens=40))
+    regex = r" park\. [A-Za-z]+( [a-z]+){0,6}\."  # structured outputs speculate too
+    so = llm.generate(REPEAT, SamplingParams(temperature=0, max_tokens=40, structured_outputs=(
+        StructuredOutputsParams(regex=regex))))[0].outputs[0].text
     for spec in (NGRAM, json.dumps({"method": "draft_model", "model": draft, "num_speculative_tokens": 2})):
         s = Server("--speculative-config", spec, "--kv-cache-memory-gb", "0.05")
         try:
@@ -31,6 +35,9 @@ def test_server_greedy_equals_plain_and_metrics(tmp_path):
                                                         "temperature": 0})
                     assert r.status_code == 200, r.text
                     assert r.json()["choices"][0]["text"] == w.outputs[0].text
+                r = c.post("/v1/completions", json={"prompt": REPEAT, "max_tokens": 40, "temperature": 0,
+                                                    "structured_outputs": {"regex": regex}})
+                assert r.status_code == 200 and r.json()["choices"][0]["text"] == so, r.text
                 # streamed: several tokens may arrive in one chunk; the text is the same
                 with c.stream("POST", "/v1/completions", json={
                         "prompt": REPEAT, "max_tokens": 40, "temperature": 0, "stream": True}) as r:
@@ -60,4 +67,9 @@ def test_tp2_matches_single_rank(checkpoint):
     spec = json.dumps({"method": "draft_model", "model": draft, "num_speculative_tokens": 2,
                        "draft_tensor_parallel_size": 2})
     assert mpi_generate(2, model, "--tp", "2", "--speculative-config", spec) == want
-    assert PROMPTS  # the prompts test_multirank uses
+    # a constrained output's mask rows (one per draft position) travel in the plan to rank 1
+    regex = "( [a-z]+| [A-Z][a-z]+[.,]){2,12}"
+    so = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                        structured_outputs=StructuredOutputsParams(regex=regex))
+    want = [o.outputs[0].token_ids for o in LLM(model).generate(PROMPTS, so)]
+    assert mpi_generate(2, model, "--tp", "2", "--speculative-config", NGRAM, "--regex", regex) == want
