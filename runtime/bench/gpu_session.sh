@@ -168,7 +168,7 @@ for stage in "$@"; do case $stage in
   s17tests) run s17tests 400 python3 -m pytest -q -p no:cacheprovider tests/test_thinking_budget.py \
           tests/test_gpu_sleep.py "tests/test_profiler.py::test_gpu_profile_window_records_kernels" \
           "tests/test_spec_decode_edge.py::test_gpu_stop_in_draft_run_and_seed_beside_drafts" ;;
-  s18tests) run s18tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_beam_search.py \
+  s18tests) run s18tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_beam_search.py tests/test_spec_decode_structured.py \
           tests/test_sampling.py ;;
   moediag) run moediag 200 python3 benchmarks/2026-12-05-s16/moe_fp8_diag.py ;;
   layers) run layers 200 python3 benchmarks/2026-12-04-h200-s12/gemv_chain.py --mode layers \
