@@ -129,16 +129,30 @@ def test_stream_options_continuous_usage_and_obfuscation(client):
     assert "include_usage" in e.value.message
 
 
-PREFILLED = [{"role": "user", "content": "Weather?"},  # the output starts inside the reasoning
-             {"role": "assistant", "content": "<think>\nhmm"}]
+@pytest.fixture(scope="module")
+def think_client(qwen3_chat_dir, tmp_path_factory):
+    """The Qwen3 template with a generation prompt that opens the reasoning (as DeepSeek-R1's
+    does), so the random model's output is reasoning: a server of its own."""
+    from test_server import Server
+    template = (qwen3_chat_dir / "chat_template.jinja").read_text()
+    head, sep, tail = template.rpartition("{{- '<|im_start|>assistant\\n' }}")
+    assert sep, "the Qwen3 template's generation prompt moved"
+    path = tmp_path_factory.mktemp("think") / "template.jinja"
+    path.write_text(head + "{{- '<|im_start|>assistant\\n<think>\\n' }}" + tail)
+    s = Server(str(qwen3_chat_dir), "--served-model-name", "q", "--max-model-len", "1024",
+               "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes",
+               "--enable-auto-tool-choice", "--chat-template", str(path))
+    yield openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+    assert s.stop() == 0
 
 
-def test_responses_stateless_reasoning_round_trip(client):
+def test_responses_stateless_reasoning_round_trip(think_client):
     """`store=False, include=["reasoning.encrypted_content"]` (how stateless agents keep their
     reasoning across turns) was a 400: the reasoning item now carries an opaque
     `encrypted_content`, streamed and not, and an item sent back with only that is read as the
     reasoning it holds; one this server did not make is a 400, as is another include value."""
-    kw = dict(model="q", input=PREFILLED, max_output_tokens=4, store=False,
+    client = think_client
+    kw = dict(model="q", input="Weather?", max_output_tokens=4, store=False,
               include=["reasoning.encrypted_content"])
     (item,) = client.responses.create(**kw).output
     text = item.content[0].text
