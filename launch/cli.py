@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -16,22 +17,30 @@ from ..runtime.config import ConfigError, EngineConfig
 
 
 class _TokenCount(click.ParamType):
-    """An int, or vLLM's human-readable form: 32k / 1m / 1g are powers of 1000, 32K / 1M / 1G
-    of 1024."""
+    """An int, or vLLM's human-readable form: 32k / 1m / 1g / 1t are powers of 1000 (25.6k too),
+    32K / 1M / 1G / 1T of 1024 (whole numbers only)."""
     name = "integer"
-    SCALE = {"k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}
+    SCALE = {"k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "t": 10 ** 12,
+             "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
 
     def convert(self, value, param, ctx):
-        if isinstance(value, int):
+        if isinstance(value, int) and not isinstance(value, bool):
             return value
         text = str(value).strip()
-        scale = self.SCALE.get(text[-1:], 1)
-        number = text[:-1] if scale > 1 else text
+        suffix = text[-1:] if text[-1:] in self.SCALE else ""
+        number = text[:-1] if suffix else text
         try:
-            return int(float(number) * scale) if scale > 1 else int(number)
+            if not suffix:
+                return int(number)
+            if suffix.isupper():  # binary multiples of whole numbers, as vLLM
+                return int(number) * self.SCALE[suffix]
+            x = float(number) * self.SCALE[suffix]
+            if math.isfinite(x):
+                return int(x)
         except ValueError:
-            self.fail(f"{value!r} is not an integer (or one like 32k = 32000, 32K = 32768)",
-                      param, ctx)
+            pass
+        self.fail(f"{value!r} is not an integer (or one like 32k = 32000, 32K = 32768)",
+                  param, ctx)
 
 
 def _click_type(f: dataclasses.Field):
@@ -99,32 +108,128 @@ def build_config(kwargs: dict) -> EngineConfig:
 
 # vLLM's `--lora-modules a=P b=Q '{"name": ...}'` (several values after one flag): the values
 # that follow it, as long as they look like `name=path` or JSON, each get a flag of their own
-# (`bench serve --lora-modules a b`: adapter names, every value up to the next flag)
+# (`bench serve --lora-modules a b`: adapter names, every value up to the next flag); the same
+# for `--served-model-name a b`, up to a model directory (the positional MODEL after the names)
 _LORA_MODULE = re.compile(r"[^-=/\s][^=\s]*=|\{")
 _LORA_NAME = re.compile(r"[^-]")
 
 
-def _spread_lora_modules(args: list[str]) -> list[str]:
-    out, taking = [], False
-    value = _LORA_NAME if args[:2] == ["bench", "serve"] else _LORA_MODULE
+class _ServedName:
+    @staticmethod
+    def match(a: str) -> bool:
+        return not a.startswith("-") and not os.path.isfile(os.path.join(a, "config.json"))
+
+
+def _spread_values(args: list[str]) -> list[str]:
+    lora = _LORA_NAME if args[:2] == ["bench", "serve"] else _LORA_MODULE
+    values = {"--lora-modules": lora, "--served-model-name": _ServedName}
+    out, taking = [], None
     for prev, a in zip([None, *args], args):
-        if prev == "--lora-modules":  # the flag's own value
-            taking = True
-        elif taking and value.match(a):
-            out.append("--lora-modules")
+        if prev in values:  # the flag's own value
+            taking = prev
+        elif taking and values[taking].match(a):
+            out.append(taking)
         else:
-            taking = a.startswith("--lora-modules=")
+            taking = next((f for f in values if a.startswith(f + "=")), None)
         out.append(a)
     return out
+
+
+def _config_path(args: list[str]) -> str | None:
+    """The value of `--config FILE` / `--config=FILE` on the command line (the last one)."""
+    path = None
+    for prev, a in zip([None, *args], args):
+        if prev == "--config":
+            path = a
+        elif a.startswith("--config="):
+            path = a.split("=", 1)[1]
+    return path
+
+
+def read_config_file(path: str, command: click.Command) -> dict:
+    """vLLM's `--config config.yaml`: a YAML mapping of long flag names (`max-model-len: 4096`,
+    `max_model_len` too; `model:` is MODEL) → click's default map of the command, so a flag
+    given on the command line wins over the file, and the file over the defaults. Values are
+    checked by the flag's own type (errors name it); a key that is no flag of this command is
+    an error naming it. JSON-valued flags may be YAML mappings or lists."""
+    import yaml
+    flag = f"--config {path}"
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise click.UsageError(f"{flag}: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise click.UsageError(f"{flag} is not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise click.UsageError(f"{flag} must be a YAML mapping of flag names to values "
+                               f"(e.g. `max-model-len: 4096`), got {type(data).__name__}")
+    params = {p.name: p for p in command.params if p.name and p.name != "config"}
+    by_key = {}
+    for p in params.values():
+        names = [o for o in p.opts if o.startswith("--")] if isinstance(p, click.Option) else []
+        for n in [*names, *getattr(p, "secondary_opts", ()), p.name]:
+            by_key[n.lstrip("-").replace("_", "-")] = p
+    out = {}
+    for key, value in data.items():
+        p = by_key.get(str(key).lstrip("-").replace("_", "-"))
+        if p is None or p.name == "help":
+            raise click.UsageError(f"{flag}: {key!r} is not a flag of `{command.name}`"
+                                   + (" (a config file cannot name another one)"
+                                      if str(key).lstrip("-") == "config" else ""))
+        if value is None:
+            continue
+        if str(key).lstrip("-").startswith("no-") and isinstance(value, bool):
+            value = not value  # `no-enable-prefix-caching: true`
+        if p.multiple:
+            value = [_config_value(v) for v in (value if isinstance(value, list) else [value])]
+        elif isinstance(value, bool) and not getattr(p, "is_bool_flag", False):
+            raise click.UsageError(f"{flag}: {key}: true/false is for on/off flags; "
+                                   f"--{p.name.replace('_', '-')} takes a value")
+        else:
+            value = _config_value(value)
+        out[p.name] = value
+    return out
+
+
+def _config_value(v):
+    if isinstance(v, (dict, list)):  # --speculative-config, --allowed-origins ...: JSON text
+        return json.dumps(v)
+    return v if isinstance(v, bool) else str(v)
+
+
+class _Command(click.Command):
+    """A subcommand that also reads its flags from `--config config.yaml` (as vLLM's)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.params.append(click.Option(
+            ["--config"], type=click.Path(dir_okay=False), expose_value=False,
+            help="read flags from a YAML file (vLLM's): long flag names as keys, e.g. "
+                 "`max-model-len: 4096`, `model: DIR`; flags given here win over it"))
+
+    def parse_args(self, ctx, args):
+        path = _config_path(args)
+        if path is not None:
+            ctx.default_map = {**(ctx.default_map or {}), **read_config_file(path, self)}
+        return super().parse_args(ctx, args)
+
+
+class _Bench(click.Group):
+    command_class = _Command
 
 
 class _Group(click.Group):
     """Startup errors of a single process (bad model path, context too long...) are reported
     like flag errors, without a traceback. Under mpirun the failure handlers take the job down
     with the rank's name instead."""
+    command_class = _Command
+    group_class = _Bench
 
     def parse_args(self, ctx, args):
-        return super().parse_args(ctx, _spread_lora_modules(list(args)))
+        return super().parse_args(ctx, _spread_values(list(args)))
 
     def invoke(self, ctx):
         from .preflight import LaunchError, report

@@ -53,17 +53,22 @@ def _check(cond: bool, name: str, rule: str, value) -> None:
         raise ConfigError(f"{_flag(name)} must be {rule}, got {value!r}")
 
 
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str = opt(DEFAULT_MODEL, "HF checkpoint directory (default: the embedded stories260K)",
                      positional=True)
     tokenizer: str | None = opt(None, "tokenizer directory (default: the model directory)")
-    dtype: str = opt("auto", "weight and activation dtype",
-                     choices=("auto", "float32", "bfloat16", "float16"))
+    dtype: str = opt("auto", "weight and activation dtype (half = float16, float = float32, "
+                     "as vLLM)", choices=("auto", "float32", "bfloat16", "float16", "half", "float"))
     max_model_len: int | None = opt(None, "context length (default: from the model config; "
                                     "32k = 32000, 32K = 32768, as vLLM)", tokens=True)
     seed: int = opt(0, "seed for dummy weights and unseeded sampling")
-    served_model_name: str | None = opt(None, "model name reported by the API")
+    served_model_name: tuple[str, ...] | None = opt(
+        None, "model name(s) of the API: requests may name any of them, responses report the "
+        "first (several after one flag, as vLLM, or repeated; default: MODEL)", multiple=True)
     quantization: str | None = opt(None, "weight quantization: read from the checkpoint's "
                                    "quantization_config; fp8 also quantizes a 16-bit checkpoint "
                                    "at load time", alias="q",
@@ -80,7 +85,22 @@ class ModelConfig:
     max_logprobs: int = opt(20, "most logprobs a request may ask (logprobs, top_logprobs, "
                             "prompt_logprobs; vLLM's flag); -1: the vocabulary size")
 
+    def __post_init__(self):  # vLLM's spellings: --dtype half / float, one served name as a str
+        object.__setattr__(self, "dtype", _DTYPE_ALIASES.get(self.dtype, self.dtype))
+        names = self.served_model_name
+        if isinstance(names, str):
+            names = (names,)
+        object.__setattr__(self, "served_model_name", tuple(names) if names else None)
+
+    @property
+    def served_names(self) -> list[str]:
+        """The names the API serves the model under (the first is the one it reports)."""
+        return list(self.served_model_name or (self.model,))
+
     def validate(self):
+        names = self.served_model_name or ()
+        if any(not isinstance(n, str) or not n.strip() for n in names) or len(set(names)) < len(names):
+            raise ConfigError(f"--served-model-name must be distinct non-empty names, got {list(names)!r}")
         _check(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "> 0",
                self.max_model_len)
         _check(self.max_logprobs >= -1, "max_logprobs", ">= 0 (or -1: the vocabulary size)",
@@ -524,7 +544,7 @@ class EngineConfig:
         if self.lora.lora_modules:  # an adapter of the base model's name would shadow it
             from .lora import parse_lora_modules
             for name, _path, _base in parse_lora_modules(self.lora.lora_modules):
-                if name in (self.model.model, self.model.served_model_name):
+                if name in (self.model.model, *self.model.served_names):
                     raise ConfigError(f"--lora-modules: {name!r} is the base model's name")
         if self.offload.kv_offload_size > 0 and not self.cache.enable_prefix_caching:
             raise ConfigError("--kv-offload-size keeps evicted prefix-cache blocks in host memory: "

@@ -39,7 +39,7 @@ class ServerArgs:
                                            "ipc://PATH or tcp://HOST:PORT (default: a private "
                                            "ipc:// socket)")
     uvicorn_log_level: str = opt("warning", "uvicorn's log level",
-                                 choices=("critical", "error", "warning", "info", "debug"))
+                                 choices=("critical", "error", "warning", "info", "debug", "trace"))
     disable_log_stats: bool = opt(False, "no periodic engine stats line (throughput, requests, "
                                          "KV cache; every RANKSERVE_LOG_STATS_INTERVAL seconds "
                                          "with work)")
@@ -87,6 +87,10 @@ class ServerArgs:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
                 s.bind(addr)
         except OSError as e:
+            if isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL:
+                raise ValueError(f"--host {self.host} is not an address of this machine "
+                                 f"({e.strerror or e}); use one of its addresses or hostnames, "
+                                 "0.0.0.0 for all (:: for IPv6)") from None
             what = "in use" if e.errno == errno.EADDRINUSE else "not usable"
             raise ValueError(f"--port {self.port} on --host {self.host} is {what} ({e.strerror or e}); "
                              "pick another --port, or stop the process that holds it") from None

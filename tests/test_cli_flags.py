@@ -1,0 +1,153 @@
+"""The command line as a vLLM user meets it: vLLM's flag spellings, `--config config.yaml`,
+several --served-model-name, bad values as errors naming the flag (no traceback)."""
+import types
+
+import pytest
+from click.testing import CliRunner
+
+import rankserve.launch.cli as cli
+from rankserve.runtime.serve.args import ServerArgs
+
+from conftest import STORIES_EMBEDDED
+
+MODEL = str(STORIES_EMBEDDED)
+
+
+class _Stop(Exception):
+    pass
+
+
+_BUILD, _VALIDATE = cli.build_config, ServerArgs.validate
+
+
+def parsed(argv, monkeypatch):
+    """(result, EngineConfig, ServerArgs or None) of a command line, stopped before any engine."""
+    seen = {}
+
+    def build(kwargs):
+        seen["cfg"] = _BUILD(kwargs)
+        raise _Stop
+
+    def validate(self):
+        seen["server"] = self
+        return _VALIDATE(self)
+    monkeypatch.setattr(cli, "build_config", build)
+    monkeypatch.setattr(ServerArgs, "validate", validate)
+    r = CliRunner().invoke(cli.main, argv)
+    if "cfg" in seen:
+        assert isinstance(r.exception, _Stop), r.output
+    return r, seen.get("cfg"), seen.get("server")
+
+
+def refused(argv, *words):
+    r = CliRunner().invoke(cli.main, argv)
+    assert r.exit_code == 2, (r.exit_code, r.output, r.exception)
+    assert not isinstance(r.exception, Exception) or isinstance(r.exception, SystemExit), r.exception
+    for w in words:
+        assert w in r.output, r.output
+    return r.output
+
+
+def test_dtype_takes_vllms_half_and_float(monkeypatch):
+    for given, dtype in (("half", "float16"), ("float", "float32"), ("bfloat16", "bfloat16")):
+        r, cfg, _ = parsed(["generate", MODEL, "--prompt", "x", "--dtype", given], monkeypatch)
+        assert cfg is not None and cfg.model.dtype == dtype, (r.output, r.exception)
+    from rankserve.runtime.config import EngineConfig
+    assert EngineConfig.from_kwargs(model=MODEL, dtype="half").model.dtype == "float16"
+    refused(["generate", MODEL, "--prompt", "x", "--dtype", "float64"], "--dtype", "half")
+
+
+def test_token_counts_as_vllm(monkeypatch):
+    """Decimal suffixes take fractions (25.6k), binary ones whole numbers (32K; 1.5K is an
+    error, as vLLM); t/T too; inf/nan with a suffix is an error naming the flag, not a traceback."""
+    for given, n in (("25.6k", 25600), ("32K", 32768), ("1t", 10 ** 12), ("2T", 2 ** 41)):
+        r, cfg, _ = parsed(["generate", MODEL, "--prompt", "x", "--max-num-batched-tokens", given],
+                           monkeypatch)
+        assert cfg.scheduler.max_num_batched_tokens == n, (given, r.output)
+    for bad in ("infk", "nank", "1.5K", "1e999k", "k", ""):
+        refused(["generate", MODEL, "--prompt", "x", "--max-model-len", bad], "--max-model-len")
+
+
+def test_several_served_model_names(monkeypatch):
+    """vLLM's `--served-model-name a b`: requests may name either, responses report the first;
+    a model directory after the names is MODEL."""
+    r, cfg, _ = parsed(["serve", "--served-model-name", "a", "b", MODEL, "--port", "8123"], monkeypatch)
+    assert cfg.model.served_model_name == ("a", "b") and cfg.model.model == MODEL, r.output
+    r, cfg, _ = parsed(["serve", MODEL, "--served-model-name", "a"], monkeypatch)
+    assert cfg.model.served_names == ["a"]
+    r, cfg, _ = parsed(["serve", MODEL], monkeypatch)
+    assert cfg.model.served_names == [MODEL]
+    refused(["serve", MODEL, "--served-model-name", "a", "a"], "--served-model-name")
+
+    from rankserve.runtime.serve import anthropic_api, openai_api
+    from rankserve.runtime.serve.context import APIError, ServeContext
+    ctx = ServeContext(ServerArgs(), ["a", "b"], MODEL, None,
+                       types.SimpleNamespace(model_info={"max_model_len": 512}))
+    for name in ("a", "b", MODEL, None):
+        ctx.check_model(name)
+    with pytest.raises(APIError, match="does not exist"):
+        ctx.check_model("c")
+    assert ctx.served_name("b") == "a"  # the first name, as vLLM documents
+    assert openai_api.model_card(ctx, "b")["id"] == "b"
+    assert openai_api.model_card(ctx, None)["id"] == "a"
+    assert anthropic_api.model_info(ctx, "b")["id"] == "b"
+
+
+def test_config_file_as_vllm(tmp_path, monkeypatch):
+    """`--config config.yaml` (vLLM's): long flag names (dashes or underscores), `model:` is
+    MODEL, YAML lists / mappings for repeatable and JSON flags; the command line wins."""
+    f = tmp_path / "config.yaml"
+    f.write_text(f"model: {MODEL}\nmax-model-len: 1k\nmax_num_seqs: 4\nenable-prefix-caching: false\n"
+                 "dtype: half\nserved-model-name: [a, b]\nport: 8123\nuvicorn-log-level: trace\n"
+                 "speculative-config: {method: ngram, num_speculative_tokens: 2}\n"
+                 "allowed-origins: ['http://x']\n")
+    r, cfg, server = parsed(["serve", "--config", str(f)], monkeypatch)
+    assert (cfg.model.model, cfg.model.max_model_len, cfg.scheduler.max_num_seqs) == (MODEL, 1000, 4), r.output
+    assert not cfg.cache.enable_prefix_caching and cfg.model.dtype == "float16"
+    assert cfg.model.served_model_name == ("a", "b") and cfg.spec.num_speculative_tokens == 2
+    assert (server.port, server.uvicorn_log_level) == (8123, "trace")
+    assert server.cors()["allowed_origins"] == ["http://x"]
+    other = tmp_path / "m"
+    other.mkdir()
+    (other / "config.json").write_text((STORIES_EMBEDDED / "config.json").read_text())
+    r, cfg, server = parsed(["serve", str(other), f"--config={f}", "--max-num-seqs", "9",
+                             "--enable-prefix-caching", "--port", "8124"], monkeypatch)
+    assert (cfg.model.model, cfg.scheduler.max_num_seqs, server.port) == (str(other), 9, 8124), r.output
+    assert cfg.cache.enable_prefix_caching and cfg.model.max_model_len == 1000
+    # generate and the benches read it too
+    g = tmp_path / "g.yaml"
+    g.write_text("prompt: [hello]\nmax-tokens: 3\nmax-num-seqs: 2\n")
+    r, cfg, _ = parsed(["generate", MODEL, "--config", str(g)], monkeypatch)
+    assert cfg.scheduler.max_num_seqs == 2, r.output
+    b = tmp_path / "b.yaml"
+    b.write_text("max-num-seqs: 3\nbatch-size: 2\n")
+    r, cfg, _ = parsed(["bench", "latency", MODEL, "--config", str(b)], monkeypatch)
+    assert cfg.scheduler.max_num_seqs == 3, r.output
+
+
+@pytest.mark.parametrize("text,words", [
+    ("swap-space: 4\n", ["'swap-space' is not a flag of `serve`"]),
+    ("max-num-seqs: abc\n", ["--max-num-seqs", "abc"]),
+    ("max-num-seqs: true\n", ["--max-num-seqs takes a value"]),
+    ("- a\n", ["must be a YAML mapping"]),
+    ("a: [\n", ["is not valid YAML"]),
+    ("config: other.yaml\n", ["cannot name another one"]),
+    ("speculative-config: '{bad'\n", ["--speculative-config must be a JSON object"]),
+    ("gpu-memory-utilization: 1.5\n", ["--gpu-memory-utilization must be in (0, 1]"]),
+])
+def test_config_file_errors_name_the_key(tmp_path, text, words):
+    f = tmp_path / "c.yaml"
+    f.write_text(text)
+    refused(["serve", MODEL, "--config", str(f)], *words)
+
+
+def test_config_file_missing_is_a_flag_error(tmp_path):
+    refused(["serve", "--config", str(tmp_path / "nope.yaml")], "--config", "nope.yaml")
+
+
+def test_host_that_is_no_address_here_names_host():
+    with pytest.raises(ValueError, match="--host not.a.host.invalid is not an address"):
+        ServerArgs(host="not.a.host.invalid", port=8123).check_port()
+    from rankserve.runtime.serve.app import public_url
+    assert public_url("::1", 8000) == "http://[::1]:8000"
+    assert public_url("127.0.0.1", 8000) == "http://127.0.0.1:8000"
