@@ -72,9 +72,11 @@ def engine_options(func):
         alias = f.metadata.get("alias")
         if alias:
             names.append(("-" if len(alias) == 1 else "--") + alias.replace("_", "-"))
+        if f.metadata.get("short"):  # vLLM's one-dash forms: -tp, -pp, -dp, -ep
+            names.append(f.metadata["short"])
         help_ = f.metadata.get("doc", "")
         if base is bool:
-            func = click.option(names[0] + "/--no-" + f.name.replace("_", "-"), f.name,
+            func = click.option(names[0] + "/--no-" + f.name.replace("_", "-"), *names[1:], f.name,
                                 default=None, help=f"{help_} [default: {f.default}]")(func)
         else:
             func = click.option(*names, f.name, type=ctype, default=None,
@@ -790,12 +792,12 @@ def server_options(func):
     from ..runtime.serve.args import ServerArgs
     for f in reversed(dataclasses.fields(ServerArgs)):
         ctype, base = _click_type(f)
-        name = "--" + f.name.replace("_", "-")
+        names = ["--" + f.name.replace("_", "-"), *filter(None, [f.metadata.get("short")])]
         if base is bool:
-            func = click.option(name, f.name, is_flag=True, default=False,
+            func = click.option(*names, f.name, is_flag=True, default=False,
                                 help=f.metadata["doc"])(func)
         else:
-            func = click.option(name, f.name, type=ctype, default=f.default, show_default=True,
+            func = click.option(*names, f.name, type=ctype, default=f.default, show_default=True,
                                 help=f.metadata["doc"])(func)
     return func
 

@@ -2,7 +2,7 @@
 
 The CLI flags are generated from these fields (`launch/cli.py`): field `max_num_seqs` becomes
 `--max-num-seqs`, the `doc` metadata becomes the help, `flag`/`alias` metadata override the name
-(vLLM's names where the meaning is the same). Validation errors name the flag.
+(vLLM's names where the meaning is the same), `short` adds vLLM's one-dash form (`-tp`). Validation errors name the flag.
 """
 from __future__ import annotations
 
@@ -184,11 +184,12 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tensor_parallel_size: int = opt(1, "tensor-parallel ranks", alias="tp")
-    pipeline_parallel_size: int = opt(1, "pipeline stages", alias="pp")
+    tensor_parallel_size: int = opt(1, "tensor-parallel ranks", alias="tp", short="-tp")
+    pipeline_parallel_size: int = opt(1, "pipeline stages", alias="pp", short="-pp")
     data_parallel_size: int = opt(1, "engine replicas, each of TP × PP ranks, behind one API "
-                                  "(rankserve serve; the job has TP × PP × DP ranks)", alias="dp")
-    enable_expert_parallel: bool = opt(False, "shard MoE experts across the TP group (EP = TP)")
+                                  "(rankserve serve; the job has TP × PP × DP ranks)", alias="dp", short="-dp")
+    enable_expert_parallel: bool = opt(False, "shard MoE experts across the TP group (EP = TP)",
+                                       short="-ep")
 
     def validate(self):
         _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", ">= 1",

@@ -151,3 +151,16 @@ def test_host_that_is_no_address_here_names_host():
     from rankserve.runtime.serve.app import public_url
     assert public_url("::1", 8000) == "http://[::1]:8000"
     assert public_url("127.0.0.1", 8000) == "http://127.0.0.1:8000"
+
+
+def test_vllms_one_dash_short_flags(monkeypatch):
+    """vLLM's -tp / -pp / -dp / -ep (and serve's -asc) mean what their long forms do; they were
+    `No such option '-t'`, naming no flag the user typed."""
+    r, cfg, _ = parsed(["generate", MODEL, "--prompt", "x", "-tp", "2", "-pp", "1", "-dp", "1", "-ep"],
+                       monkeypatch)
+    assert cfg.parallel.enable_expert_parallel, r.output  # (a model without experts: refused at load)
+    r, cfg, _ = parsed(["generate", MODEL, "--prompt", "x", "-tp", "2", "-pp", "3", "-dp", "4"],
+                       monkeypatch)
+    p = cfg.parallel
+    assert (p.tensor_parallel_size, p.pipeline_parallel_size, p.data_parallel_size) == (2, 3, 4), r.output
+    refused(["serve", MODEL, "-asc", "2"], "--api-server-count 2")

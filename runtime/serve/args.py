@@ -49,7 +49,7 @@ class ServerArgs:
     max_log_len: int | None = opt(None, "with --enable-log-requests: at most this many prompt "
                                         "characters (or token ids) a log line (default: all)")
     api_server_count: int = opt(1, "API server processes (vLLM's flag): rankserve runs one, "
-                                   "which streams W1's 256 requests at offline speed")
+                                   "which streams W1's 256 requests at offline speed", short="-asc")
     # as vLLM's: CORS for browsers, a path prefix behind a proxy, TLS
     allowed_origins: str = opt('["*"]', "CORS: origins allowed to call the API, a JSON list")
     allowed_methods: str = opt('["*"]', "CORS: HTTP methods allowed, a JSON list")
