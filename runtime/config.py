@@ -2,7 +2,8 @@
 
 The CLI flags are generated from these fields (`launch/cli.py`): field `max_num_seqs` becomes
 `--max-num-seqs`, the `doc` metadata becomes the help, `flag`/`alias` metadata override the name
-(vLLM's names where the meaning is the same), `short` adds vLLM's one-dash form (`-tp`). Validation errors name the flag.
+(vLLM's names where the meaning is the same), `short` adds vLLM's one-dash form (`-tp`).
+Validation errors name the flag.
 """
 from __future__ import annotations
 
