@@ -303,7 +303,8 @@ def main():
               help="default: the generation config's, else 0 (greedy)")
 @click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None,
               help="default: the generation config's, else 1")
-@click.option("--top-k", type=int, default=None, help="default: the generation config's, else 0 (off)")
+@click.option("--top-k", type=click.IntRange(min=-1), default=None,
+              help="default: the generation config's, else 0 (off; -1 too)")
 @click.option("--sampling-seed", type=int, default=None, help="per-request sampling seed")
 @click.option("--ignore-eos", is_flag=True)
 @click.option("--json", "as_json", is_flag=True, help="print token ids, text and finish reasons as JSON")
@@ -335,6 +336,21 @@ def generate(prompts, max_tokens, temperature, top_p, top_k, sampling_seed, igno
                                                m.override_generation_config),
                            **{k: v for k, v in given.items() if v is not None}},
                         seed=sampling_seed, ignore_eos=ignore_eos, structured_outputs=so)
+    # checked before the model loads, naming the flag (were errors after it, naming fields)
+    flags = {"top_k": "--top-k", "seed": "--sampling-seed", "max_tokens": "--max-tokens",
+             "temperature": "--temperature", "top_p": "--top-p"}
+    try:
+        sp.validate()
+    except ValueError as e:
+        field = getattr(e, "param", None) or str(e).split(" ", 1)[0]
+        raise click.UsageError(f"{flags.get(field, '--' + field.replace('_', '-'))}: {e}") from None
+    if so is not None:
+        from ..runtime.structured_output import parse_grammar
+        try:
+            parse_grammar(so)
+        except ValueError as e:
+            flag = "--regex" if regex is not None else "--json-schema"
+            raise click.UsageError(f"{flag}: {e}") from None
 
     loras = None
     if lora_names:

@@ -104,6 +104,8 @@ class ModelConfig:
             raise ConfigError(f"--served-model-name must be distinct non-empty names, got {list(names)!r}")
         _check(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "> 0",
                self.max_model_len)
+        _check(-2 ** 63 <= self.seed < 2 ** 64, "seed", "an integer in [-2**63, 2**64) (torch's "
+               "seed range)", self.seed)
         _check(self.max_logprobs >= -1, "max_logprobs", ">= 0 (or -1: the vocabulary size)",
                self.max_logprobs)
         if not os.path.isfile(os.path.join(self.model, "config.json")):
@@ -238,6 +240,8 @@ class CompilationConfig:
     def validate(self):
         _check(self.compilation_level in (-1, 0, 1, 2), "compilation_level", "one of -1, 0, 1, 2",
                self.compilation_level)
+        _check(self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs",
+               ">= 1", self.cuda_graph_max_bs)
 
     def level(self, device_type: str) -> int:
         if self.enforce_eager:

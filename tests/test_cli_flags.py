@@ -164,3 +164,36 @@ def test_vllms_one_dash_short_flags(monkeypatch):
     p = cfg.parallel
     assert (p.tensor_parallel_size, p.pipeline_parallel_size, p.data_parallel_size) == (2, 3, 4), r.output
     refused(["serve", MODEL, "-asc", "2"], "--api-server-count 2")
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--cuda-graph-max-bs", "0"], ["--cuda-graph-max-bs must be >= 1"]),  # was accepted
+    (["--seed", str(2 ** 70)], ["--seed must be an integer"]),  # was "Overflow when unpacking"
+    (["--top-k", "-5"], ["--top-k"]),  # these three were errors after the model loaded
+    (["--regex", "("], ["--regex", "parenthesis"]),
+    (["--json-schema", "{bad"], ["--json-schema"]),
+])
+def test_generate_bad_values_name_the_flag_before_loading(argv, words, monkeypatch):
+    import rankserve.launch.startup as startup
+    monkeypatch.setattr(startup, "run_on_ranks", lambda *a: pytest.fail("the model was loaded"))
+    refused(["generate", MODEL, "--prompt", "x", *argv], *words)
+
+
+@pytest.mark.parametrize("address", ["tcp://", "tcp://127.0.0.1", "tcp://h:99999", "ipc://", "http://x"])
+def test_engine_address_forms(address):
+    """zmq's own error came after the model loaded (a traceback)."""
+    with pytest.raises(ValueError, match="--engine-address must be ipc://PATH or tcp://HOST:PORT"):
+        ServerArgs(engine_address=address).validate()
+
+
+def test_engine_address_not_of_this_machine_is_refused_before_loading():
+    import socket
+    with socket.socket() as s, socket.socket() as free:  # a port in use, and a free one
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+        free.close()
+        busy = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        with pytest.raises(ValueError, match=f"--engine-address {busy} cannot be bound"):
+            ServerArgs(port=port, engine_address=busy).validate().check_port()

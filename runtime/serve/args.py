@@ -94,6 +94,31 @@ class ServerArgs:
             what = "in use" if e.errno == errno.EADDRINUSE else "not usable"
             raise ValueError(f"--port {self.port} on --host {self.host} is {what} ({e.strerror or e}); "
                              "pick another --port, or stop the process that holds it") from None
+        tcp = self._engine_tcp() if self.engine_address else None
+        if tcp is not None:  # the engine's socket, bound after the model loads: checked now too
+            host = "0.0.0.0" if tcp[0] in ("", "*") else tcp[0]
+            try:
+                family, kind, proto, _, addr = socket.getaddrinfo(host, tcp[1],
+                                                                  type=socket.SOCK_STREAM)[0]
+                with socket.socket(family, kind, proto) as s:
+                    s.bind(addr)
+            except OSError as e:
+                raise ValueError(f"--engine-address {self.engine_address} cannot be bound here "
+                                 f"({e.strerror or e})") from None
+
+    def _engine_tcp(self) -> tuple[str, int] | None:
+        """(host, port) of a tcp:// --engine-address (None for ipc://); ValueError naming the
+        flag when it is neither, or lacks a path / a port (zmq's own error came after the
+        model loaded, a traceback)."""
+        addr = self.engine_address
+        example = "ipc://PATH or tcp://HOST:PORT"
+        if addr.startswith("ipc://") and addr[len("ipc://"):]:
+            return None
+        if addr.startswith("tcp://"):
+            host, _, port = addr[len("tcp://"):].rpartition(":")
+            if port.isdigit() and 0 < int(port) < 65536:
+                return host.strip("[]"), int(port)
+        raise ValueError(f"--engine-address must be {example}, got {addr!r}")
 
     def validate(self) -> ServerArgs:
         if not 0 < self.port < 65536:
@@ -119,9 +144,8 @@ class ServerArgs:
         for flag, path in (("--ssl-keyfile", self.ssl_keyfile), ("--ssl-certfile", self.ssl_certfile)):
             if path and not os.path.isfile(path):
                 raise ValueError(f"{flag} {path}: no such file")
-        if self.engine_address and not self.engine_address.startswith(("ipc://", "tcp://")):
-            raise ValueError(f"--engine-address must start with ipc:// or tcp://, "
-                             f"got {self.engine_address!r}")
+        if self.engine_address:
+            self._engine_tcp()
         from ..parse import PARSERS
         from ..render import RENDERERS, load_chat_template
         if self.chat_template:
