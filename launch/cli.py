@@ -628,7 +628,7 @@ def bench_multiturn(num_conversations, prefix_len, turns, turn_len, output_len, 
 @click.option("--base-url", default=None, help="the server (rankserve or any OpenAI-compatible one) "
               "[default: http://HOST:PORT]")
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
 @click.option("--endpoint", default="/v1/completions", show_default=True,
               help="/v1/completions or /v1/chat/completions (chat: prompts sent as a user message)")
 @click.option("--model", default=None, help="the requests' model field [default: the server's first model]")

@@ -197,3 +197,17 @@ def test_engine_address_not_of_this_machine_is_refused_before_loading():
         busy = f"tcp://127.0.0.1:{s.getsockname()[1]}"
         with pytest.raises(ValueError, match=f"--engine-address {busy} cannot be bound"):
             ServerArgs(port=port, engine_address=busy).validate().check_port()
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--port", "99999"], ["--port"]),
+    (["--base-url", "foo"], ["--base-url must be http(s)://HOST[:PORT]"]),
+    (["--base-url", "http://127.0.0.1:99999"], ["--base-url"]),
+])
+def test_bench_serve_url_checked_before_sending(argv, words):
+    """Every request failed with aiohttp's InvalidUrlClientError (exit 1, 'N requests failed')."""
+    r = CliRunner().invoke(cli.main, ["bench", "serve", *argv, "--model", "m", "--num-prompts", "2",
+                                      "--random-vocab-size", "100", "--disable-tqdm"])
+    assert r.exit_code in (1, 2) and "request(s) failed" not in r.output, r.output
+    for w in words:
+        assert w in r.output, r.output
