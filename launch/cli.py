@@ -111,7 +111,8 @@ def build_config(kwargs: dict) -> EngineConfig:
 # vLLM's `--lora-modules a=P b=Q '{"name": ...}'` (several values after one flag): the values
 # that follow it, as long as they look like `name=path` or JSON, each get a flag of their own
 # (`bench serve --lora-modules a b`: adapter names, every value up to the next flag); the same
-# for `--served-model-name a b`, up to a model directory (the positional MODEL after the names)
+# for `--served-model-name a b org/c`, up to a path (the positional MODEL after the names: a
+# directory, or a value starting with / . ~)
 _LORA_MODULE = re.compile(r"[^-=/\s][^=\s]*=|\{")
 _LORA_NAME = re.compile(r"[^-]")
 
@@ -119,7 +120,7 @@ _LORA_NAME = re.compile(r"[^-]")
 class _ServedName:
     @staticmethod
     def match(a: str) -> bool:
-        return not a.startswith("-") and not os.path.isfile(os.path.join(a, "config.json"))
+        return not a.startswith(("-", "/", ".", "~")) and not os.path.isdir(a)
 
 
 def _spread_values(args: list[str]) -> list[str]:

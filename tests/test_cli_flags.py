@@ -73,6 +73,10 @@ def test_several_served_model_names(monkeypatch):
     a model directory after the names is MODEL."""
     r, cfg, _ = parsed(["serve", "--served-model-name", "a", "b", MODEL, "--port", "8123"], monkeypatch)
     assert cfg.model.served_model_name == ("a", "b") and cfg.model.model == MODEL, r.output
+    r, cfg, _ = parsed(["serve", "--served-model-name", "a", "org/b"], monkeypatch)
+    assert cfg.model.served_model_name == ("a", "org/b"), r.output
+    # a path after the names is MODEL: one that is not there is an error naming it, not a name
+    refused(["serve", "--served-model-name", "a", "/no/such/model"], "MODEL '/no/such/model'")
     r, cfg, _ = parsed(["serve", MODEL, "--served-model-name", "a"], monkeypatch)
     assert cfg.model.served_names == ["a"]
     r, cfg, _ = parsed(["serve", MODEL], monkeypatch)
