@@ -344,7 +344,9 @@ def generate(prompts, max_tokens, temperature, top_p, top_k, sampling_seed, igno
         sp.validate()
     except ValueError as e:
         field = getattr(e, "param", None) or str(e).split(" ", 1)[0]
-        raise click.UsageError(f"{flags.get(field, '--' + field.replace('_', '-'))}: {e}") from None
+        source = (flags[field] if field in flags and (given.get(field) is not None or field == "seed")
+                  else "the generation config's sampling defaults (--generation-config)")
+        raise click.UsageError(f"{source}: {e}") from None
     if so is not None:
         from ..runtime.structured_output import parse_grammar
         try:

@@ -215,3 +215,15 @@ def test_bench_serve_url_checked_before_sending(argv, words):
     assert r.exit_code in (1, 2) and "request(s) failed" not in r.output, r.output
     for w in words:
         assert w in r.output, r.output
+
+
+@pytest.mark.parametrize("override,words", [
+    ('{"top_p": 2}', ["--override-generation-config: top_p must be in (0, 1]"]),
+    ('{"top_p": "a"}', ["--override-generation-config: top_p must be a number"]),  # was a TypeError
+    ('{"max_new_tokens": 0}', ["--override-generation-config: max_tokens must be >= 1"]),
+    ('{"temperature": true}', ["--override-generation-config: temperature must be a number"]),
+])
+def test_override_generation_config_values_checked_at_start(override, words, monkeypatch):
+    """Bad values were taken: the server's every request then failed (offline: a traceback)."""
+    for cmd in (["serve", MODEL], ["generate", MODEL, "--prompt", "x"]):
+        refused([*cmd, "--override-generation-config", override], *words)
