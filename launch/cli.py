@@ -186,8 +186,10 @@ def read_config_file(path: str, command: click.Command) -> dict:
             continue
         if str(key).lstrip("-").startswith("no-") and isinstance(value, bool):
             value = not value  # `no-enable-prefix-caching: true`
-        if p.multiple:
-            value = [_config_value(v) for v in (value if isinstance(value, list) else [value])]
+        if p.multiple or p.nargs != 1:  # repeatable, or several values (`input-len: [128, 256]`)
+            if not isinstance(value, list):  # (`input-len: 128`: 128 128, as on the command line)
+                value = [value] * (p.nargs if p.name in getattr(command, "PAIRS", ()) else 1)
+            value = [_config_value(v) for v in value]
         elif isinstance(value, bool) and not getattr(p, "is_bool_flag", False):
             raise click.UsageError(f"{flag}: {key}: true/false is for on/off flags; "
                                    f"--{p.name.replace('_', '-')} takes a value")
@@ -483,10 +485,11 @@ def _run_bench(module, cfg, args) -> None:
         raise click.ClickException(str(e)) from None
 
 
-class _LengthRanges(click.Command):
+class _LengthRanges(_Command):
     """--input-len / --output-len take LO HI, or one N for a fixed length (vLLM's form): a lone
     N becomes N N before click reads the two values."""
     FLAGS = ("--input-len", "--output-len")
+    PAIRS = ("input_len", "output_len")
 
     def parse_args(self, ctx, args):
         def is_int(a):

@@ -227,3 +227,17 @@ def test_override_generation_config_values_checked_at_start(override, words, mon
     """Bad values were taken: the server's every request then failed (offline: a traceback)."""
     for cmd in (["serve", MODEL], ["generate", MODEL, "--prompt", "x"]):
         refused([*cmd, "--override-generation-config", override], *words)
+
+
+def test_every_command_reads_a_config_file(tmp_path, monkeypatch):
+    """`bench throughput` (a command class of its own) had no --config; its LO HI flags take a
+    YAML list, or one N (N N, as on the command line)."""
+    commands = [c for c in cli.main.commands.values() if c.name != "bench"] + list(cli.bench.commands.values())
+    for c in commands:
+        assert any("--config" in p.opts for p in c.params), c.name
+    f = tmp_path / "t.yaml"
+    f.write_text("input-len: [9, 12]\noutput-len: 2\nmax-num-seqs: 5\n")
+    assert cli.read_config_file(str(f), cli.bench.commands["throughput"]) == {
+        "input_len": ["9", "12"], "output_len": ["2", "2"], "max_num_seqs": "5"}
+    r, cfg, _ = parsed(["bench", "throughput", MODEL, "--config", str(f)], monkeypatch)
+    assert cfg.scheduler.max_num_seqs == 5, r.output
