@@ -241,3 +241,14 @@ def test_every_command_reads_a_config_file(tmp_path, monkeypatch):
         "input_len": ["9", "12"], "output_len": ["2", "2"], "max_num_seqs": "5"}
     r, cfg, _ = parsed(["bench", "throughput", MODEL, "--config", str(f)], monkeypatch)
     assert cfg.scheduler.max_num_seqs == 5, r.output
+
+
+def test_nan_sampling_values_are_refused(monkeypatch):
+    """--temperature nan generated (NaN passed `< 0`); repetition_penalty NaN too."""
+    import rankserve.launch.startup as startup
+    from rankserve.runtime.sampling_params import SamplingParams
+    monkeypatch.setattr(startup, "run_on_ranks", lambda *a: pytest.fail("the model was loaded"))
+    refused(["generate", MODEL, "--prompt", "x", "--temperature", "nan"], "--temperature")
+    for field in ("temperature", "repetition_penalty"):
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**{field: float("nan")}).validate()
