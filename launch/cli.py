@@ -43,6 +43,19 @@ class _TokenCount(click.ParamType):
                   param, ctx)
 
 
+class _NotNaN(click.FloatRange):
+    """A FloatRange that also refuses nan (it passes every comparison)."""
+
+    def convert(self, value, param, ctx):
+        x = super().convert(value, param, ctx)
+        if math.isnan(x):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        return x
+
+
+_TEMPERATURE = _NotNaN(min=0)
+
+
 def _click_type(f: dataclasses.Field):
     choices = f.metadata.get("choices")
     if f.metadata.get("tokens"):
@@ -302,7 +315,7 @@ def main():
 @click.option("--prompt", "prompts", multiple=True, required=True, help="prompt text (repeatable)")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=None,
               help="default: the generation config's max_new_tokens, else 64")
-@click.option("--temperature", type=click.FloatRange(min=0), default=None,
+@click.option("--temperature", type=_TEMPERATURE, default=None,
               help="default: the generation config's, else 0 (greedy)")
 @click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None,
               help="default: the generation config's, else 1")
@@ -561,7 +574,7 @@ def bench_throughput(workload, num_prompts, input_len, output_len, structured_ou
 @click.option("--prompt-kind", type=click.Choice(["random", "repeat"]), default="random",
               show_default=True, help="repeat: each prompt tiles a random 16-token segment, a text "
               "the answer can copy from (n-gram speculative decoding)")
-@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
+@click.option("--temperature", type=_TEMPERATURE, default=0.0, show_default=True,
               help="sampling temperature of every request (0: greedy; rankserve backend only)")
 @_bench_outputs
 def bench_latency(batch_size, input_len, output_len, num_iters, num_iters_warmup, prompt_kind,
@@ -671,7 +684,7 @@ def bench_multiturn(num_conversations, prefix_len, turns, turn_len, output_len, 
 @click.option("--prefix-repetition-num-prefixes", type=click.IntRange(min=1), default=10, show_default=True)
 @click.option("--prefix-repetition-output-len", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--ignore-eos", is_flag=True, help="ask for exactly the output length (checked)")
-@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True)
+@click.option("--temperature", type=_TEMPERATURE, default=0.0, show_default=True)
 @click.option("--percentile-metrics", default="ttft,tpot,itl", show_default=True,
               help="comma-separated: ttft, tpot, itl, e2el")
 @click.option("--metric-percentiles", default="99", show_default=True, help="comma-separated, e.g. 50,90,99")

@@ -252,3 +252,11 @@ def test_nan_sampling_values_are_refused(monkeypatch):
     for field in ("temperature", "repetition_penalty"):
         with pytest.raises(ValueError, match=field):
             SamplingParams(**{field: float("nan")}).validate()
+
+
+@pytest.mark.parametrize("cmd", [["bench", "serve", "--model", "m", "--random-vocab-size", "100"],
+                                 ["bench", "latency", MODEL]])
+def test_bench_temperature_nan_is_a_flag_error(cmd):
+    """bench serve sent NaN to the server (every request failed); bench latency failed after
+    loading the model."""
+    refused([*cmd, "--temperature", "nan"], "--temperature")
