@@ -260,3 +260,24 @@ def test_bench_temperature_nan_is_a_flag_error(cmd):
     """bench serve sent NaN to the server (every request failed); bench latency failed after
     loading the model."""
     refused([*cmd, "--temperature", "nan"], "--temperature")
+
+
+@pytest.mark.skipif(__import__("shutil").which("mpiexec") is None, reason="mpiexec not on PATH")
+def test_a_bad_config_file_on_one_rank_ends_the_mpi_job_naming_it(tmp_path):
+    """`mpiexec -n 2 rankserve serve --tp 2 --config c.yaml` where rank 1's file has a bad value:
+    the job ends at once with one line naming the flag and the rank (no rank left waiting)."""
+    import subprocess
+    import sys
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("max-num-seqs: abc\n")
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    common = [sys.executable, "-m", "rankserve.launch", "serve", MODEL, "--tp", "2", "--port", port]
+    r = subprocess.run(["mpiexec", "-n", "1", *common, ":", "-n", "1", *common, "--config", str(bad)],
+                       capture_output=True, text=True, timeout=120)
+    out = r.stdout + r.stderr
+    lines = [x for x in out.splitlines() if "rankserve: error:" in x]
+    assert r.returncode != 0 and len(lines) == 1, out[-3000:]
+    assert "rank 1 on" in lines[0] and "--max-num-seqs" in lines[0], out[-3000:]
