@@ -749,9 +749,12 @@ def _parse_size(text: str) -> int:
     t = text.strip().upper().removesuffix("B").removesuffix("I")
     num, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "")
     try:
-        return int(float(num) * units[unit])
-    except ValueError:
-        raise click.BadParameter(f"{text!r} is not a size like 4096, 64K, 16M or 1G") from None
+        n = int(float(num) * units[unit])
+    except (ValueError, OverflowError):
+        n = 0
+    if n < 1:
+        raise click.UsageError(f"--sizes: {text!r} is not a size like 4096, 64K, 16M or 1G")
+    return n
 
 
 @bench.command("comm")
@@ -789,6 +792,7 @@ def bench_comm(sizes, ops, iters, warmup, json_path, **kwargs):
                                    cfg.parallel.tensor_parallel_size, topk, hf.vocab_size)
     notice = None
     if sizes:
+        size_list = [_parse_size(x) for x in sizes.split(",")]  # checked before the rendezvous
         op_list = op_list or list(OPS)
     else:  # checked before the rendezvous: the same answer on every rank
         try:
@@ -803,7 +807,7 @@ def bench_comm(sizes, ops, iters, warmup, json_path, **kwargs):
         click.echo(f"bench comm: {notice}", err=True)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # what the model sends
     if sizes:
-        per_op = {op: [_parse_size(s) for s in sizes.split(",")] for op in op_list}
+        per_op = {op: size_list for op in op_list}
     else:
         per_op = {op: s for op, s in model_sizes(dtype.itemsize).items() if op in op_list}
     if sizes:  # the same sizes for every op: one table

@@ -281,3 +281,12 @@ def test_a_bad_config_file_on_one_rank_ends_the_mpi_job_naming_it(tmp_path):
     lines = [x for x in out.splitlines() if "rankserve: error:" in x]
     assert r.returncode != 0 and len(lines) == 1, out[-3000:]
     assert "rank 1 on" in lines[0] and "--max-num-seqs" in lines[0], out[-3000:]
+
+
+@pytest.mark.parametrize("size", ["abc", "infK", "0", "-4K"])
+def test_bench_comm_sizes_checked_before_the_ranks_start(size, monkeypatch):
+    """A bad --sizes was found after the rendezvous ('Invalid value: ...', naming no flag; infK
+    an OverflowError, 0 or negative sizes taken)."""
+    import rankserve.launch.startup as startup
+    monkeypatch.setattr(startup, "start_ranks", lambda *a: pytest.fail("the ranks were started"))
+    refused(["bench", "comm", MODEL, "--sizes", f"64K,{size}"], "--sizes", repr(size))
