@@ -290,3 +290,12 @@ def test_bench_comm_sizes_checked_before_the_ranks_start(size, monkeypatch):
     import rankserve.launch.startup as startup
     monkeypatch.setattr(startup, "start_ranks", lambda *a: pytest.fail("the ranks were started"))
     refused(["bench", "comm", MODEL, "--sizes", f"64K,{size}"], "--sizes", repr(size))
+
+
+def test_api_key_and_api_key_file_together_are_refused(tmp_path, monkeypatch):
+    """The file was silently ignored (--api-key won)."""
+    import rankserve.launch.startup as startup
+    monkeypatch.setattr(startup, "start_ranks", lambda *a: pytest.fail("the server was started"))
+    f = tmp_path / "key"
+    f.write_text("secret\n")
+    refused(["serve", MODEL, "--api-key", "other", "--api-key-file", str(f)], "--api-key-file")

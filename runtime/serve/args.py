@@ -129,6 +129,8 @@ class ServerArgs:
             raise ValueError("--shutdown-timeout must be >= 0")
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        if self.api_key and self.api_key_file:  # (the file was ignored)
+            raise ValueError("--api-key and --api-key-file both give the key: give one")
         if self.enable_log_requests and self.disable_log_requests:
             raise ValueError("--enable-log-requests and --disable-log-requests contradict: give one")
         if self.max_log_len is not None and self.max_log_len < 0:
