@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -16,22 +17,43 @@ from ..runtime.config import ConfigError, EngineConfig
 
 
 class _TokenCount(click.ParamType):
-    """An int, or vLLM's human-readable form: 32k / 1m / 1g are powers of 1000, 32K / 1M / 1G
-    of 1024."""
+    """An int, or vLLM's human-readable form: 32k / 1m / 1g / 1t are powers of 1000 (25.6k too),
+    32K / 1M / 1G / 1T of 1024 (whole numbers only)."""
     name = "integer"
-    SCALE = {"k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}
+    SCALE = {"k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "t": 10 ** 12,
+             "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
 
     def convert(self, value, param, ctx):
-        if isinstance(value, int):
+        if isinstance(value, int) and not isinstance(value, bool):
             return value
         text = str(value).strip()
-        scale = self.SCALE.get(text[-1:], 1)
-        number = text[:-1] if scale > 1 else text
+        suffix = text[-1:] if text[-1:] in self.SCALE else ""
+        number = text[:-1] if suffix else text
         try:
-            return int(float(number) * scale) if scale > 1 else int(number)
+            if not suffix:
+                return int(number)
+            if suffix.isupper():  # binary multiples of whole numbers, as vLLM
+                return int(number) * self.SCALE[suffix]
+            x = float(number) * self.SCALE[suffix]
+            if math.isfinite(x):
+                return int(x)
         except ValueError:
-            self.fail(f"{value!r} is not an integer (or one like 32k = 32000, 32K = 32768)",
-                      param, ctx)
+            pass
+        self.fail(f"{value!r} is not an integer (or one like 32k = 32000, 32K = 32768)",
+                  param, ctx)
+
+
+class _NotNaN(click.FloatRange):
+    """A FloatRange that also refuses nan (it passes every comparison)."""
+
+    def convert(self, value, param, ctx):
+        x = super().convert(value, param, ctx)
+        if math.isnan(x):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        return x
+
+
+_TEMPERATURE = _NotNaN(min=0)
 
 
 def _click_type(f: dataclasses.Field):
@@ -63,9 +85,11 @@ def engine_options(func):
         alias = f.metadata.get("alias")
         if alias:
             names.append(("-" if len(alias) == 1 else "--") + alias.replace("_", "-"))
+        if f.metadata.get("short"):  # vLLM's one-dash forms: -tp, -pp, -dp, -ep
+            names.append(f.metadata["short"])
         help_ = f.metadata.get("doc", "")
         if base is bool:
-            func = click.option(names[0] + "/--no-" + f.name.replace("_", "-"), f.name,
+            func = click.option(names[0] + "/--no-" + f.name.replace("_", "-"), *names[1:], f.name,
                                 default=None, help=f"{help_} [default: {f.default}]")(func)
         else:
             func = click.option(*names, f.name, type=ctype, default=None,
@@ -99,32 +123,131 @@ def build_config(kwargs: dict) -> EngineConfig:
 
 # vLLM's `--lora-modules a=P b=Q '{"name": ...}'` (several values after one flag): the values
 # that follow it, as long as they look like `name=path` or JSON, each get a flag of their own
-# (`bench serve --lora-modules a b`: adapter names, every value up to the next flag)
+# (`bench serve --lora-modules a b`: adapter names, every value up to the next flag); the same
+# for `--served-model-name a b org/c`, up to a path (the positional MODEL after the names: a
+# directory, or a value starting with / . ~)
 _LORA_MODULE = re.compile(r"[^-=/\s][^=\s]*=|\{")
 _LORA_NAME = re.compile(r"[^-]")
 
 
-def _spread_lora_modules(args: list[str]) -> list[str]:
-    out, taking = [], False
-    value = _LORA_NAME if args[:2] == ["bench", "serve"] else _LORA_MODULE
+class _ServedName:
+    @staticmethod
+    def match(a: str) -> bool:
+        return not a.startswith(("-", "/", ".", "~")) and not os.path.isdir(a)
+
+
+def _spread_values(args: list[str]) -> list[str]:
+    lora = _LORA_NAME if args[:2] == ["bench", "serve"] else _LORA_MODULE
+    values = {"--lora-modules": lora, "--served-model-name": _ServedName}
+    out, taking = [], None
     for prev, a in zip([None, *args], args):
-        if prev == "--lora-modules":  # the flag's own value
-            taking = True
-        elif taking and value.match(a):
-            out.append("--lora-modules")
+        if prev in values:  # the flag's own value
+            taking = prev
+        elif taking and values[taking].match(a):
+            out.append(taking)
         else:
-            taking = a.startswith("--lora-modules=")
+            taking = next((f for f in values if a.startswith(f + "=")), None)
         out.append(a)
     return out
+
+
+def _config_path(args: list[str]) -> str | None:
+    """The value of `--config FILE` / `--config=FILE` on the command line (the last one)."""
+    path = None
+    for prev, a in zip([None, *args], args):
+        if prev == "--config":
+            path = a
+        elif a.startswith("--config="):
+            path = a.split("=", 1)[1]
+    return path
+
+
+def read_config_file(path: str, command: click.Command) -> dict:
+    """vLLM's `--config config.yaml`: a YAML mapping of long flag names (`max-model-len: 4096`,
+    `max_model_len` too; `model:` is MODEL) → click's default map of the command, so a flag
+    given on the command line wins over the file, and the file over the defaults. Values are
+    checked by the flag's own type (errors name it); a key that is no flag of this command is
+    an error naming it. JSON-valued flags may be YAML mappings or lists."""
+    import yaml
+    flag = f"--config {path}"
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise click.UsageError(f"{flag}: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise click.UsageError(f"{flag} is not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise click.UsageError(f"{flag} must be a YAML mapping of flag names to values "
+                               f"(e.g. `max-model-len: 4096`), got {type(data).__name__}")
+    params = {p.name: p for p in command.params if p.name and p.name != "config"}
+    by_key = {}
+    for p in params.values():
+        names = [o for o in p.opts if o.startswith("--")] if isinstance(p, click.Option) else []
+        for n in [*names, *getattr(p, "secondary_opts", ()), p.name]:
+            by_key[n.lstrip("-").replace("_", "-")] = p
+    out = {}
+    for key, value in data.items():
+        p = by_key.get(str(key).lstrip("-").replace("_", "-"))
+        if p is None or p.name == "help":
+            raise click.UsageError(f"{flag}: {key!r} is not a flag of `{command.name}`"
+                                   + (" (a config file cannot name another one)"
+                                      if str(key).lstrip("-") == "config" else ""))
+        if value is None:
+            continue
+        if str(key).lstrip("-").startswith("no-") and isinstance(value, bool):
+            value = not value  # `no-enable-prefix-caching: true`
+        if p.multiple or p.nargs != 1:  # repeatable, or several values (`input-len: [128, 256]`)
+            if not isinstance(value, list):  # (`input-len: 128`: 128 128, as on the command line)
+                value = [value] * (p.nargs if p.name in getattr(command, "PAIRS", ()) else 1)
+            value = [_config_value(v) for v in value]
+        elif isinstance(value, bool) and not getattr(p, "is_bool_flag", False):
+            raise click.UsageError(f"{flag}: {key}: true/false is for on/off flags; "
+                                   f"--{p.name.replace('_', '-')} takes a value")
+        else:
+            value = _config_value(value)
+        out[p.name] = value
+    return out
+
+
+def _config_value(v):
+    if isinstance(v, (dict, list)):  # --speculative-config, --allowed-origins ...: JSON text
+        return json.dumps(v)
+    return v if isinstance(v, bool) else str(v)
+
+
+class _Command(click.Command):
+    """A subcommand that also reads its flags from `--config config.yaml` (as vLLM's)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.params.append(click.Option(
+            ["--config"], type=click.Path(dir_okay=False), expose_value=False,
+            help="read flags from a YAML file (vLLM's): long flag names as keys, e.g. "
+                 "`max-model-len: 4096`, `model: DIR`; flags given here win over it"))
+
+    def parse_args(self, ctx, args):
+        path = _config_path(args)
+        if path is not None:
+            ctx.default_map = {**(ctx.default_map or {}), **read_config_file(path, self)}
+        return super().parse_args(ctx, args)
+
+
+class _Bench(click.Group):
+    command_class = _Command
 
 
 class _Group(click.Group):
     """Startup errors of a single process (bad model path, context too long...) are reported
     like flag errors, without a traceback. Under mpirun the failure handlers take the job down
     with the rank's name instead."""
+    command_class = _Command
+    group_class = _Bench
 
     def parse_args(self, ctx, args):
-        return super().parse_args(ctx, _spread_lora_modules(list(args)))
+        return super().parse_args(ctx, _spread_values(list(args)))
 
     def invoke(self, ctx):
         from .preflight import LaunchError, report
@@ -192,11 +315,12 @@ def main():
 @click.option("--prompt", "prompts", multiple=True, required=True, help="prompt text (repeatable)")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=None,
               help="default: the generation config's max_new_tokens, else 64")
-@click.option("--temperature", type=click.FloatRange(min=0), default=None,
+@click.option("--temperature", type=_TEMPERATURE, default=None,
               help="default: the generation config's, else 0 (greedy)")
 @click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None,
               help="default: the generation config's, else 1")
-@click.option("--top-k", type=int, default=None, help="default: the generation config's, else 0 (off)")
+@click.option("--top-k", type=click.IntRange(min=-1), default=None,
+              help="default: the generation config's, else 0 (off; -1 too)")
 @click.option("--sampling-seed", type=int, default=None, help="per-request sampling seed")
 @click.option("--ignore-eos", is_flag=True)
 @click.option("--json", "as_json", is_flag=True, help="print token ids, text and finish reasons as JSON")
@@ -228,6 +352,23 @@ def generate(prompts, max_tokens, temperature, top_p, top_k, sampling_seed, igno
                                                m.override_generation_config),
                            **{k: v for k, v in given.items() if v is not None}},
                         seed=sampling_seed, ignore_eos=ignore_eos, structured_outputs=so)
+    # checked before the model loads, naming the flag (were errors after it, naming fields)
+    flags = {"top_k": "--top-k", "seed": "--sampling-seed", "max_tokens": "--max-tokens",
+             "temperature": "--temperature", "top_p": "--top-p"}
+    try:
+        sp.validate()
+    except ValueError as e:
+        field = getattr(e, "param", None) or str(e).split(" ", 1)[0]
+        source = (flags[field] if field in flags and (given.get(field) is not None or field == "seed")
+                  else "the generation config's sampling defaults (--generation-config)")
+        raise click.UsageError(f"{source}: {e}") from None
+    if so is not None:
+        from ..runtime.structured_output import parse_grammar
+        try:
+            parse_grammar(so)
+        except ValueError as e:
+            flag = "--regex" if regex is not None else "--json-schema"
+            raise click.UsageError(f"{flag}: {e}") from None
 
     loras = None
     if lora_names:
@@ -357,10 +498,11 @@ def _run_bench(module, cfg, args) -> None:
         raise click.ClickException(str(e)) from None
 
 
-class _LengthRanges(click.Command):
+class _LengthRanges(_Command):
     """--input-len / --output-len take LO HI, or one N for a fixed length (vLLM's form): a lone
     N becomes N N before click reads the two values."""
     FLAGS = ("--input-len", "--output-len")
+    PAIRS = ("input_len", "output_len")
 
     def parse_args(self, ctx, args):
         def is_int(a):
@@ -432,7 +574,7 @@ def bench_throughput(workload, num_prompts, input_len, output_len, structured_ou
 @click.option("--prompt-kind", type=click.Choice(["random", "repeat"]), default="random",
               show_default=True, help="repeat: each prompt tiles a random 16-token segment, a text "
               "the answer can copy from (n-gram speculative decoding)")
-@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
+@click.option("--temperature", type=_TEMPERATURE, default=0.0, show_default=True,
               help="sampling temperature of every request (0: greedy; rankserve backend only)")
 @_bench_outputs
 def bench_latency(batch_size, input_len, output_len, num_iters, num_iters_warmup, prompt_kind,
@@ -505,7 +647,7 @@ def bench_multiturn(num_conversations, prefix_len, turns, turn_len, output_len, 
 @click.option("--base-url", default=None, help="the server (rankserve or any OpenAI-compatible one) "
               "[default: http://HOST:PORT]")
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
 @click.option("--endpoint", default="/v1/completions", show_default=True,
               help="/v1/completions or /v1/chat/completions (chat: prompts sent as a user message)")
 @click.option("--model", default=None, help="the requests' model field [default: the server's first model]")
@@ -542,7 +684,7 @@ def bench_multiturn(num_conversations, prefix_len, turns, turn_len, output_len, 
 @click.option("--prefix-repetition-num-prefixes", type=click.IntRange(min=1), default=10, show_default=True)
 @click.option("--prefix-repetition-output-len", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--ignore-eos", is_flag=True, help="ask for exactly the output length (checked)")
-@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True)
+@click.option("--temperature", type=_TEMPERATURE, default=0.0, show_default=True)
 @click.option("--percentile-metrics", default="ttft,tpot,itl", show_default=True,
               help="comma-separated: ttft, tpot, itl, e2el")
 @click.option("--metric-percentiles", default="99", show_default=True, help="comma-separated, e.g. 50,90,99")
@@ -607,9 +749,12 @@ def _parse_size(text: str) -> int:
     t = text.strip().upper().removesuffix("B").removesuffix("I")
     num, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "")
     try:
-        return int(float(num) * units[unit])
-    except ValueError:
-        raise click.BadParameter(f"{text!r} is not a size like 4096, 64K, 16M or 1G") from None
+        n = int(float(num) * units[unit])
+    except (ValueError, OverflowError):
+        n = 0
+    if n < 1:
+        raise click.UsageError(f"--sizes: {text!r} is not a size like 4096, 64K, 16M or 1G")
+    return n
 
 
 @bench.command("comm")
@@ -647,6 +792,7 @@ def bench_comm(sizes, ops, iters, warmup, json_path, **kwargs):
                                    cfg.parallel.tensor_parallel_size, topk, hf.vocab_size)
     notice = None
     if sizes:
+        size_list = [_parse_size(x) for x in sizes.split(",")]  # checked before the rendezvous
         op_list = op_list or list(OPS)
     else:  # checked before the rendezvous: the same answer on every rank
         try:
@@ -661,7 +807,7 @@ def bench_comm(sizes, ops, iters, warmup, json_path, **kwargs):
         click.echo(f"bench comm: {notice}", err=True)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # what the model sends
     if sizes:
-        per_op = {op: [_parse_size(s) for s in sizes.split(",")] for op in op_list}
+        per_op = {op: size_list for op in op_list}
     else:
         per_op = {op: s for op, s in model_sizes(dtype.itemsize).items() if op in op_list}
     if sizes:  # the same sizes for every op: one table
@@ -685,12 +831,12 @@ def server_options(func):
     from ..runtime.serve.args import ServerArgs
     for f in reversed(dataclasses.fields(ServerArgs)):
         ctype, base = _click_type(f)
-        name = "--" + f.name.replace("_", "-")
+        names = ["--" + f.name.replace("_", "-"), *filter(None, [f.metadata.get("short")])]
         if base is bool:
-            func = click.option(name, f.name, is_flag=True, default=False,
+            func = click.option(*names, f.name, is_flag=True, default=False,
                                 help=f.metadata["doc"])(func)
         else:
-            func = click.option(name, f.name, type=ctype, default=f.default, show_default=True,
+            func = click.option(*names, f.name, type=ctype, default=f.default, show_default=True,
                                 help=f.metadata["doc"])(func)
     return func
 

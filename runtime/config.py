@@ -2,7 +2,8 @@
 
 The CLI flags are generated from these fields (`launch/cli.py`): field `max_num_seqs` becomes
 `--max-num-seqs`, the `doc` metadata becomes the help, `flag`/`alias` metadata override the name
-(vLLM's names where the meaning is the same). Validation errors name the flag.
+(vLLM's names where the meaning is the same), `short` adds vLLM's one-dash form (`-tp`).
+Validation errors name the flag.
 """
 from __future__ import annotations
 
@@ -53,17 +54,22 @@ def _check(cond: bool, name: str, rule: str, value) -> None:
         raise ConfigError(f"{_flag(name)} must be {rule}, got {value!r}")
 
 
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str = opt(DEFAULT_MODEL, "HF checkpoint directory (default: the embedded stories260K)",
                      positional=True)
     tokenizer: str | None = opt(None, "tokenizer directory (default: the model directory)")
-    dtype: str = opt("auto", "weight and activation dtype",
-                     choices=("auto", "float32", "bfloat16", "float16"))
+    dtype: str = opt("auto", "weight and activation dtype (half = float16, float = float32, "
+                     "as vLLM)", choices=("auto", "float32", "bfloat16", "float16", "half", "float"))
     max_model_len: int | None = opt(None, "context length (default: from the model config; "
                                     "32k = 32000, 32K = 32768, as vLLM)", tokens=True)
     seed: int = opt(0, "seed for dummy weights and unseeded sampling")
-    served_model_name: str | None = opt(None, "model name reported by the API")
+    served_model_name: tuple[str, ...] | None = opt(
+        None, "model name(s) of the API: requests may name any of them, responses report the "
+        "first (several after one flag, as vLLM, or repeated; default: MODEL)", multiple=True)
     quantization: str | None = opt(None, "weight quantization: read from the checkpoint's "
                                    "quantization_config; fp8 also quantizes a 16-bit checkpoint "
                                    "at load time", alias="q",
@@ -80,9 +86,26 @@ class ModelConfig:
     max_logprobs: int = opt(20, "most logprobs a request may ask (logprobs, top_logprobs, "
                             "prompt_logprobs; vLLM's flag); -1: the vocabulary size")
 
+    def __post_init__(self):  # vLLM's spellings: --dtype half / float, one served name as a str
+        object.__setattr__(self, "dtype", _DTYPE_ALIASES.get(self.dtype, self.dtype))
+        names = self.served_model_name
+        if isinstance(names, str):
+            names = (names,)
+        object.__setattr__(self, "served_model_name", tuple(names) if names else None)
+
+    @property
+    def served_names(self) -> list[str]:
+        """The names the API serves the model under (the first is the one it reports)."""
+        return list(self.served_model_name or (self.model,))
+
     def validate(self):
+        names = self.served_model_name or ()
+        if any(not isinstance(n, str) or not n.strip() for n in names) or len(set(names)) < len(names):
+            raise ConfigError(f"--served-model-name must be distinct non-empty names, got {list(names)!r}")
         _check(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "> 0",
                self.max_model_len)
+        _check(-2 ** 63 <= self.seed < 2 ** 64, "seed", "an integer in [-2**63, 2**64) (torch's "
+               "seed range)", self.seed)
         _check(self.max_logprobs >= -1, "max_logprobs", ">= 0 (or -1: the vocabulary size)",
                self.max_logprobs)
         if not os.path.isfile(os.path.join(self.model, "config.json")):
@@ -164,11 +187,12 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tensor_parallel_size: int = opt(1, "tensor-parallel ranks", alias="tp")
-    pipeline_parallel_size: int = opt(1, "pipeline stages", alias="pp")
+    tensor_parallel_size: int = opt(1, "tensor-parallel ranks", alias="tp", short="-tp")
+    pipeline_parallel_size: int = opt(1, "pipeline stages", alias="pp", short="-pp")
     data_parallel_size: int = opt(1, "engine replicas, each of TP × PP ranks, behind one API "
-                                  "(rankserve serve; the job has TP × PP × DP ranks)", alias="dp")
-    enable_expert_parallel: bool = opt(False, "shard MoE experts across the TP group (EP = TP)")
+                                  "(rankserve serve; the job has TP × PP × DP ranks)", alias="dp", short="-dp")
+    enable_expert_parallel: bool = opt(False, "shard MoE experts across the TP group (EP = TP)",
+                                       short="-ep")
 
     def validate(self):
         _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", ">= 1",
@@ -216,6 +240,8 @@ class CompilationConfig:
     def validate(self):
         _check(self.compilation_level in (-1, 0, 1, 2), "compilation_level", "one of -1, 0, 1, 2",
                self.compilation_level)
+        _check(self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs",
+               ">= 1", self.cuda_graph_max_bs)
 
     def level(self, device_type: str) -> int:
         if self.enforce_eager:
@@ -524,7 +550,7 @@ class EngineConfig:
         if self.lora.lora_modules:  # an adapter of the base model's name would shadow it
             from .lora import parse_lora_modules
             for name, _path, _base in parse_lora_modules(self.lora.lora_modules):
-                if name in (self.model.model, self.model.served_model_name):
+                if name in (self.model.model, *self.model.served_names):
                     raise ConfigError(f"--lora-modules: {name!r} is the base model's name")
         if self.offload.kv_offload_size > 0 and not self.cache.enable_prefix_caching:
             raise ConfigError("--kv-offload-size keeps evicted prefix-cache blocks in host memory: "

@@ -69,6 +69,17 @@ def generation_overrides(text: str | None) -> dict:
     if unknown:
         raise ValueError(f"--override-generation-config: {', '.join(map(repr, unknown))} not a sampling "
                          f"field; use {', '.join(GENERATION_DEFAULTS)} or max_new_tokens")
+    # values too: every request would otherwise fail with them (offline: a TypeError)
+    for k, v in data.items():
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                              or (k == "max_new_tokens" and not isinstance(v, int))):
+            raise ValueError(f"--override-generation-config: {k} must be a number, got {v!r}")
+    from .sampling_params import SamplingParams
+    try:
+        SamplingParams(**{("max_tokens" if k == "max_new_tokens" else k): v
+                          for k, v in data.items() if v is not None}).validate()
+    except ValueError as e:
+        raise ValueError(f"--override-generation-config: {e}") from None
     return data
 
 

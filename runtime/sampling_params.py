@@ -101,7 +101,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             raise ParamError(f"{name} must be {rule}, got {getattr(self, name)!r}", name)
         if self.n < 1:
             bad("n", ">= 1")
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # (NaN too)
             bad("temperature", ">= 0")
         if not 0 < self.top_p <= 1:
             bad("top_p", "in (0, 1]")
@@ -113,7 +113,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             bad("presence_penalty", "in [-2, 2]")
         if not -2 <= self.frequency_penalty <= 2:
             bad("frequency_penalty", "in [-2, 2]")
-        if self.repetition_penalty <= 0:
+        if not self.repetition_penalty > 0:
             bad("repetition_penalty", "> 0")
         for name in ("temperature", "repetition_penalty"):  # (inf: NaN logits, masks lost)
             if getattr(self, name) > FLOAT32_MAX:

@@ -98,6 +98,15 @@ class ServeBenchArgs:
         return "chat" in self.endpoint
 
     def validate(self) -> ServeBenchArgs:
+        from urllib.parse import urlsplit
+        try:  # (every request failed with aiohttp's InvalidUrlClientError)
+            url = urlsplit(self.base_url)
+            ok = url.scheme in ("http", "https") and url.hostname and (url.port or 1) > 0
+        except ValueError:  # a port out of range
+            ok = False
+        if not ok:
+            raise ValueError(f"--base-url must be http(s)://HOST[:PORT] (--host / --port: a port in "
+                             f"1..65535), got {self.base_url!r}")
         if not self.endpoint.startswith("/"):  # it is appended to --base-url as it is
             raise ValueError(f"--endpoint must be a path such as /v1/completions, got {self.endpoint!r}")
         if self.dataset_name not in DATASETS:

@@ -421,7 +421,8 @@ def model_info(ctx: ServeContext, model_id: str | None = None) -> dict:
     ModelInfo; 404 for other ids."""
     ctx.check_model(model_id)
     lora = ctx.lora_for(model_id)
-    name = lora.lora_name if lora is not None else ctx.model_name
+    base = model_id if model_id in ctx.model_names else ctx.model_name
+    name = lora.lora_name if lora is not None else base
     return {"type": "model", "id": name, "display_name": name, "created_at": UNKNOWN_RELEASE,
             "lifecycle": "active", "max_input_tokens": ctx.client.model_info.get("max_model_len")}
 

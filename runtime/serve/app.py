@@ -293,7 +293,7 @@ def build_app(ctx: ServeContext, metrics: Metrics, state: ServeState | None = No
     # the anthropic client (it sends `anthropic-version`) reads Anthropic's model objects
     @v1.get("/models")
     async def models(request: Request):
-        names = [None, *ctx.loras.adapters]
+        names = [*ctx.model_names, *ctx.loras.adapters]
         if "anthropic-version" in request.headers:
             return anthropic_api.model_list(ctx, names)
         return {"object": "list", "data": [openai_api.model_card(ctx, n) for n in names]}
@@ -392,13 +392,15 @@ def _model_files(model: str, source: str = "auto", override: str | None = None
 def public_url(host: str, port: int, tls: bool = False) -> str:
     if host in ("0.0.0.0", "::", ""):
         host = socket.gethostname()
+    if ":" in host:  # an IPv6 address: in brackets, or the URL does not parse
+        host = f"[{host}]"
     return f"{'https' if tls else 'http'}://{host}:{port}"
 
 
 def uvicorn_config(app: FastAPI, args: ServerArgs, **kw) -> uvicorn.Config:
     """The HTTP server of `args`: address, TLS, the path prefix behind a proxy."""
     kw = dict(dict(log_level=args.uvicorn_log_level, timeout_graceful_shutdown=FINAL_FLUSH_S,
-                   access_log=args.uvicorn_log_level in ("info", "debug")), **kw)
+                   access_log=args.uvicorn_log_level in ("info", "debug", "trace")), **kw)
     return uvicorn.Config(app, host=args.host, port=args.port, root_path=args.root_path or "",
                           ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, **kw)
 
@@ -469,7 +471,8 @@ async def serve(settings: dict) -> int:
     await client.start()
     model_type, defaults = _model_files(settings["model"], settings.get("generation_config", "auto"),
                                         settings.get("override_generation_config"))
-    ctx = ServeContext(args, settings["served_model_name"], settings["model"], tokenizer, client,
+    ctx = ServeContext(args, settings.get("served_model_names") or settings["served_model_name"],
+                       settings["model"], tokenizer, client,
                        model_type, defaults)
     lora = settings.get("lora") or {}
     if lora.get("enable"):

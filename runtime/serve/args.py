@@ -42,7 +42,7 @@ class ServerArgs:
                                            "ipc://PATH or tcp://HOST:PORT (default: a private "
                                            "ipc:// socket)")
     uvicorn_log_level: str = opt("warning", "uvicorn's log level",
-                                 choices=("critical", "error", "warning", "info", "debug"))
+                                 choices=("critical", "error", "warning", "info", "debug", "trace"))
     disable_log_stats: bool = opt(False, "no periodic engine stats line (throughput, requests, "
                                          "KV cache; every RANKSERVE_LOG_STATS_INTERVAL seconds "
                                          "with work)")
@@ -52,7 +52,7 @@ class ServerArgs:
     max_log_len: int | None = opt(None, "with --enable-log-requests: at most this many prompt "
                                         "characters (or token ids) a log line (default: all)")
     api_server_count: int = opt(1, "API server processes (vLLM's flag): rankserve runs one, "
-                                   "which streams W1's 256 requests at offline speed")
+                                   "which streams W1's 256 requests at offline speed", short="-asc")
     # as vLLM's: CORS for browsers, a path prefix behind a proxy, TLS
     allowed_origins: str = opt('["*"]', "CORS: origins allowed to call the API, a JSON list")
     allowed_methods: str = opt('["*"]', "CORS: HTTP methods allowed, a JSON list")
@@ -90,9 +90,38 @@ class ServerArgs:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
                 s.bind(addr)
         except OSError as e:
+            if isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL:
+                raise ValueError(f"--host {self.host} is not an address of this machine "
+                                 f"({e.strerror or e}); use one of its addresses or hostnames, "
+                                 "0.0.0.0 for all (:: for IPv6)") from None
             what = "in use" if e.errno == errno.EADDRINUSE else "not usable"
             raise ValueError(f"--port {self.port} on --host {self.host} is {what} ({e.strerror or e}); "
                              "pick another --port, or stop the process that holds it") from None
+        tcp = self._engine_tcp() if self.engine_address else None
+        if tcp is not None:  # the engine's socket, bound after the model loads: checked now too
+            host = "0.0.0.0" if tcp[0] in ("", "*") else tcp[0]
+            try:
+                family, kind, proto, _, addr = socket.getaddrinfo(host, tcp[1],
+                                                                  type=socket.SOCK_STREAM)[0]
+                with socket.socket(family, kind, proto) as s:
+                    s.bind(addr)
+            except OSError as e:
+                raise ValueError(f"--engine-address {self.engine_address} cannot be bound here "
+                                 f"({e.strerror or e})") from None
+
+    def _engine_tcp(self) -> tuple[str, int] | None:
+        """(host, port) of a tcp:// --engine-address (None for ipc://); ValueError naming the
+        flag when it is neither, or lacks a path / a port (zmq's own error came after the
+        model loaded, a traceback)."""
+        addr = self.engine_address
+        example = "ipc://PATH or tcp://HOST:PORT"
+        if addr.startswith("ipc://") and addr[len("ipc://"):]:
+            return None
+        if addr.startswith("tcp://"):
+            host, _, port = addr[len("tcp://"):].rpartition(":")
+            if port.isdigit() and 0 < int(port) < 65536:
+                return host.strip("[]"), int(port)
+        raise ValueError(f"--engine-address must be {example}, got {addr!r}")
 
     def validate(self) -> ServerArgs:
         if not 0 < self.port < 65536:
@@ -103,6 +132,8 @@ class ServerArgs:
             raise ValueError("--shutdown-timeout must be >= 0")
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        if self.api_key and self.api_key_file:  # (the file was ignored)
+            raise ValueError("--api-key and --api-key-file both give the key: give one")
         if self.enable_log_requests and self.disable_log_requests:
             raise ValueError("--enable-log-requests and --disable-log-requests contradict: give one")
         if self.max_log_len is not None and self.max_log_len < 0:
@@ -118,9 +149,8 @@ class ServerArgs:
         for flag, path in (("--ssl-keyfile", self.ssl_keyfile), ("--ssl-certfile", self.ssl_certfile)):
             if path and not os.path.isfile(path):
                 raise ValueError(f"{flag} {path}: no such file")
-        if self.engine_address and not self.engine_address.startswith(("ipc://", "tcp://")):
-            raise ValueError(f"--engine-address must start with ipc:// or tcp://, "
-                             f"got {self.engine_address!r}")
+        if self.engine_address:
+            self._engine_tcp()
         from ..parse import PARSERS
         from ..render import RENDERERS, load_chat_template
         if self.chat_template:

@@ -152,10 +152,12 @@ class ForcedToolParser:
 
 
 class ServeContext:
-    def __init__(self, args: ServerArgs, model_name: str, model_path: str, tokenizer,
+    def __init__(self, args: ServerArgs, model_name: str | list[str], model_path: str, tokenizer,
                  client: EngineClient, model_type: str | None = None,
                  generation_defaults: dict | None = None):
-        self.args, self.model_name, self.model_path = args, model_name, model_path
+        # --served-model-name a b: requests may name any; responses report the first (as vLLM)
+        self.model_names = [model_name] if isinstance(model_name, str) else list(model_name)
+        self.model_name, self.args, self.model_path = self.model_names[0], args, model_path
         self.tokenizer, self.client = tokenizer, client
         if client is not None and args.enable_log_requests:
             client.log_requests = -1 if args.max_log_len is None else args.max_log_len
@@ -220,7 +222,7 @@ class ServeContext:
 
     # ---- requests ---------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
-        if (name is not None and name not in (self.model_name, self.model_path)
+        if (name is not None and name not in (*self.model_names, self.model_path)
                 and self.loras.get(name) is None):
             raise APIError(f"The model `{name}` does not exist.", 404, "model", "model_not_found")
 

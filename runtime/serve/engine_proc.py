@@ -107,7 +107,8 @@ def start_api_process(cfg: EngineConfig, server_args: ServerArgs, connect_addres
     settings = {"server_args": server_args.to_dict(), "engine_address": connect_address,
                 "engine_addresses": [connect_address, *replicas],
                 "model": cfg.model.model, "tokenizer": cfg.model.tokenizer or cfg.model.model,
-                "served_model_name": cfg.model.served_model_name or cfg.model.model,
+                "served_model_name": cfg.model.served_names[0],
+                "served_model_names": cfg.model.served_names,
                 "generation_config": cfg.model.generation_config,
                 "trust_remote_code": cfg.model.trust_remote_code,
                 "override_generation_config": cfg.model.override_generation_config,
@@ -316,7 +317,7 @@ class EngineServer:
 
     def util_ready(self, url: str) -> bool:
         self.ready_url = url
-        print(f"rankserve: serving {self.cfg.model.served_model_name or self.cfg.model.model} "
+        print(f"rankserve: serving {', '.join(self.cfg.model.served_names)} "
               f"at {url}", flush=True)
         return True
 

@@ -586,7 +586,8 @@ def model_card(ctx: ServeContext, model_id: str | None = None) -> dict:
         return {"id": lora.lora_name, "object": "model", "created": now(), "owned_by": "rankserve",
                 "root": lora.lora_path, "parent": lora.base_model_name or ctx.model_name,
                 "max_model_len": ctx.client.model_info.get("max_model_len")}
-    return {"id": ctx.model_name, "object": "model", "created": now(), "owned_by": "rankserve",
+    name = model_id if model_id in ctx.model_names else ctx.model_name
+    return {"id": name, "object": "model", "created": now(), "owned_by": "rankserve",
             "root": ctx.model_path, "parent": None,
             "max_model_len": ctx.client.model_info.get("max_model_len")}
 
@@ -596,7 +597,7 @@ def load_lora_adapter(ctx: ServeContext, req, problem: str = "") -> str:
     """`problem`: the engine's objection to the adapter's tensors ("" if they fit the model)."""
     if not ctx.lora_enabled:
         raise APIError("LoRA is not enabled: start the server with --enable-lora", param="lora_name")
-    if req.lora_name in (ctx.model_name, ctx.model_path):
+    if req.lora_name in (*ctx.model_names, ctx.model_path):
         raise APIError(f"`{req.lora_name}` is the base model's name", param="lora_name")
     if problem:
         raise APIError(problem, param="lora_path")
