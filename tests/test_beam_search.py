@@ -41,7 +41,8 @@ def test_beam_search_matches_transformers(stories_llm, width, length_penalty):
     want = hf_beam_search(model, ids, width, 6, llm.eos_token_id, length_penalty)
     for got, (toks, cum) in zip(out[0].sequences, want):
         assert got.tokens == toks
-        assert got.cum_logprob == pytest.approx(cum, abs=1e-3)
+        # (CUDA runs the fp32 checkpoint in 16 bits by default: logprobs a few 1e-3 apart)
+        assert got.cum_logprob == pytest.approx(cum, abs=3e-2 if torch.cuda.is_available() else 1e-3)
         assert got.tokens[:len(ids)] == ids and len(got.logprobs) == len(toks) - len(ids)
         assert got.text == llm.get_tokenizer().decode(toks[len(ids):], skip_special_tokens=True)
         assert got.finish_reason in ("stop", "length")
