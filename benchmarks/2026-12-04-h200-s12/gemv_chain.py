@@ -140,7 +140,8 @@ class Variant:
                 cfg = gemv._config(N, on_gpu)
                 gemv._skinny_kernel[(1, triton.cdiv(N, cfg["BLOCK_N"]))](
                     x, None, None, w, None, y, None, N, K, 0.0, PROLOGUE=gemv.LINEAR,
-                    HAS_BIAS=False, RSTD_BLOCK=cfg["BLOCK_K"], PRELOAD=False, **cfg, **pdl.launch(x))
+                    HAS_BIAS=False, RSTD_BLOCK=cfg["BLOCK_K"], PRELOAD=False, SWIGLU=False, **cfg,
+                    **pdl.launch(x))
             finally:
                 pdl.ENABLED = False
             return
