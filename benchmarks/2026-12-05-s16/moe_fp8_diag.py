@@ -33,44 +33,6 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def split_errors(args, kw) -> tuple[float, float]:
-    """(the kernel's gate-up activation against fp32 math on the same quantized x, the kernel's
-    output against fp32 math on the kernel's own activation): both small with a large total
-    means the total is the reference's requantization of a slightly different activation (an
-    fp8 step is 6-12 %), not a kernel fault."""
-    from rankserve.kernels.quant import _quant_act_ref, dequant_fp8_weight
-    seen = []
-    real = moe.quant_fp8_triton
-
-    def spy(t, g):
-        seen.append(t.clone())
-        return real(t, g)
-    moe.quant_fp8_triton = spy
-    try:
-        out = moe.fused_moe_triton(*args, **kw)
-    finally:
-        moe.quant_fp8_triton = real
-    x, w13, w2, tw, ids = args
-    bs = kw["block_size"]
-    act_k = seen[1].float()  # [pairs, I]: pair p = token p // K, slot p % K
-    xf = _quant_act_ref(x, bs)
-    qact = _quant_act_ref(seen[1], bs)
-    ref_act = torch.zeros_like(act_k)
-    out2 = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    flat = ids.reshape(-1)
-    inter = w2.shape[2]
-    for e in torch.unique(flat).tolist():
-        if e < 0:
-            continue
-        p = (flat == e).nonzero(as_tuple=True)[0]
-        h = xf[p // ids.shape[1]] @ dequant_fp8_weight(w13[e], kw["w13_scale"][e], bs).T
-        ref_act[p] = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
-        y = qact[p] @ dequant_fp8_weight(w2[e], kw["w2_scale"][e], bs).T
-        out2.index_add_(0, p // ids.shape[1], y * tw.reshape(-1)[p, None].float())
-    live = (flat >= 0)
-    return rel(act_k[live], ref_act[live]), rel(out, out2)
-
-
 def main() -> None:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     print(f"{'T':>5} {'scales':>9} {'config':>22} {'rel err':>8} {'err / row-in-tile (max 4 worst)':>40}")
@@ -80,7 +42,7 @@ def main() -> None:
                                           device=dev, seed=T)
             ref = moe.fused_moe_ref(*args, **kw)
             base = moe._moe_config
-            a_err, d_err = split_errors(args, kw)
+            a_err, d_err = tq.moe_fp8_stage_errors(args, kw)  # (the GPU test's check)
             print(f"{T:>5} {'block' if bs else 'channel':>9} {'(table config)':>22} gate-up act "
                   f"{a_err:.4f}, output on its own act {d_err:.4f}", flush=True)
             for cfg in CONFIGS:
